@@ -1,0 +1,160 @@
+#include "common/inputs.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+#include "common/random.h"
+
+namespace attnbench {
+
+namespace {
+
+// Stream ids: one per (tensor role, batch, head) so every head is independent.
+enum Role : uint64_t { kQ = 1, kK, kV, kLatent, kCenters, kAssign, kBasis, kNoiseQ, kNoiseK };
+uint64_t stream_id(Role r, int64_t b, int64_t h) {
+  return (uint64_t(r) << 48) ^ (uint64_t(b) << 24) ^ uint64_t(h);
+}
+
+void fill_gaussian(const Problem& p, Role role, TensorView t) {
+  const int64_t len = t.shape.len, d = t.shape.dim;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < t.shape.batch; ++b)
+    for (int64_t h = 0; h < t.shape.heads; ++h) {
+      RandomStream rs(p.seed, stream_id(role, b, h));
+      float* x = t.head(b, h);
+      for (int64_t i = 0; i < len * d; ++i) x[i] = float(rs.normal(uint64_t(i)));
+    }
+}
+
+// local: a shared latent AR(1) sequence z_t = rho z_{t-1} + sqrt(1 - rho^2) e_t with
+// correlation length 16 positions; q and k are the latent plus a little noise, so q_i . k_j is
+// large when i and j are close. Queries take the last n latent positions and keys the last m,
+// matching the bottom-right alignment of the causal mask.
+void fill_local(const Problem& p, Inputs& in) {
+  const int64_t n = p.n, m = p.keys(), d = p.dim, len = std::max(n, m);
+  const double rho = std::exp(-1.0 / 16.0), innov = std::sqrt(1 - rho * rho), noise = 0.3;
+  const double norm = 1.0 / std::sqrt(1 + noise * noise);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      RandomStream lat(p.seed, stream_id(kLatent, b, h)), nq(p.seed, stream_id(kNoiseQ, b, h)),
+          nk(p.seed, stream_id(kNoiseK, b, h));
+      std::vector<double> z(size_t(len * d));
+      for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
+      for (int64_t t = 1; t < len; ++t)
+        for (int64_t c = 0; c < d; ++c)
+          z[size_t(t * d + c)] =
+              rho * z[size_t((t - 1) * d + c)] + innov * lat.normal(uint64_t(t * d + c));
+      float* q = in.q.view().head(b, h);
+      float* k = in.k.view().head(b, h);
+      for (int64_t i = 0; i < n * d; ++i)
+        q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
+      for (int64_t i = 0; i < m * d; ++i)
+        k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
+    }
+}
+
+// clustered: 8 cluster centres per head shared by q and k; each token is its centre plus
+// noise of standard deviation 0.5, scaled to unit variance per entry.
+void fill_clustered(const Problem& p, Inputs& in) {
+  const int64_t d = p.dim, clusters = 8;
+  const double sigma = 0.5, norm = 1.0 / std::sqrt(1 + sigma * sigma);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      RandomStream cs(p.seed, stream_id(kCenters, b, h)), as(p.seed, stream_id(kAssign, b, h));
+      std::vector<double> centres(size_t(clusters * d));
+      for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
+      auto fill = [&](float* x, int64_t len, Role noise_role, uint64_t offset) {
+        RandomStream ns(p.seed, stream_id(noise_role, b, h));
+        for (int64_t t = 0; t < len; ++t) {
+          int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
+          for (int64_t j = 0; j < d; ++j)
+            x[t * d + j] = float(norm * (centres[size_t(c * d + j)] +
+                                         sigma * ns.normal(uint64_t(t * d + j))));
+        }
+      };
+      fill(in.q.view().head(b, h), p.n, kNoiseQ, 0);
+      fill(in.k.view().head(b, h), p.keys(), kNoiseK, uint64_t(1) << 40);
+    }
+}
+
+// lowrank: q and k lie in a shared random subspace of rank r = min(d, 8): x = z U with
+// z ~ N(0, I_r) and U entries N(0, 1/r), so every entry has unit variance.
+void fill_lowrank(const Problem& p, Inputs& in) {
+  const int64_t d = p.dim, r = std::min<int64_t>(d, 8);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      RandomStream us(p.seed, stream_id(kBasis, b, h));
+      std::vector<double> u(size_t(r * d));
+      for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
+      auto fill = [&](float* x, int64_t len, Role role) {
+        RandomStream zs(p.seed, stream_id(role, b, h));
+        std::vector<double> z(static_cast<size_t>(r));
+        for (int64_t t = 0; t < len; ++t) {
+          for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
+          for (int64_t j = 0; j < d; ++j) {
+            double s = 0;
+            for (int64_t a = 0; a < r; ++a) s += z[size_t(a)] * u[size_t(a * d + j)];
+            x[t * d + j] = float(s);
+          }
+        }
+      };
+      fill(in.q.view().head(b, h), p.n, kQ);
+      fill(in.k.view().head(b, h), p.keys(), kK);
+    }
+}
+
+}  // namespace
+
+const std::vector<std::string>& input_distributions() {
+  static const std::vector<std::string> names = {"gaussian", "local", "clustered", "lowrank"};
+  return names;
+}
+
+std::string describe_distribution(const std::string& name) {
+  if (name == "gaussian")
+    return "iid N(0,1) entries: logits are near-uniform noise, the easiest case for low-rank "
+           "and kernel methods";
+  if (name == "local")
+    return "q and k follow a shared smooth AR(1) sequence (correlation length 16): attention "
+           "concentrates near the diagonal, as in language and audio";
+  if (name == "clustered")
+    return "tokens drawn from 8 Gaussian clusters shared by q and k: attention is block "
+           "structured by cluster, as with repeated entities or image regions";
+  if (name == "lowrank")
+    return "q and k in a shared rank-8 subspace: the score matrix has rank <= 8";
+  return "";
+}
+
+Inputs generate_inputs(const Problem& p) {
+  const auto& names = input_distributions();
+  if (std::find(names.begin(), names.end(), p.input) == names.end())
+    throw UsageError(fmt::format("unknown input distribution '{}'; accepted: {}", p.input,
+                                 fmt::join(names, ", ")));
+  Inputs in{Tensor(p.q_shape()), Tensor(p.kv_shape()), Tensor(p.kv_shape())};
+  if (p.input == "gaussian") {
+    fill_gaussian(p, kQ, in.q.view());
+    fill_gaussian(p, kK, in.k.view());
+  } else if (p.input == "local") {
+    fill_local(p, in);
+  } else if (p.input == "clustered") {
+    fill_clustered(p, in);
+  } else {
+    fill_lowrank(p, in);
+  }
+  fill_gaussian(p, kV, in.v.view());
+  if (p.scale != 1.0) {
+    float* q = in.q.data();
+    const float s = float(p.scale);
+    for (int64_t i = 0; i < in.q.numel(); ++i) q[i] *= s;
+  }
+  return in;
+}
+
+}  // namespace attnbench

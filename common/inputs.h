@@ -1,0 +1,26 @@
+// Seeded input generators for q, k, v.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/problem.h"
+#include "common/tensor.h"
+
+namespace attnbench {
+
+/// q [B, H, n, d], k and v [B, H, m, d].
+struct Inputs {
+  Tensor q, k, v;
+};
+
+/// Names of the generated distributions: gaussian, local, clustered, lowrank.
+const std::vector<std::string>& input_distributions();
+/// One line describing a distribution.
+std::string describe_distribution(const std::string& name);
+
+/// Generates inputs for p.input with p.seed; q is multiplied by p.scale. The result depends
+/// only on the problem, not on the thread count. Throws UsageError for an unknown name.
+Inputs generate_inputs(const Problem& p);
+
+}  // namespace attnbench

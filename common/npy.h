@@ -1,0 +1,44 @@
+// NumPy .npy and .npz files, so inputs can come from (and outputs go to) Python.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/inputs.h"
+#include "common/problem.h"
+
+namespace attnbench {
+
+/// One array as stored in a .npy file (C order only).
+struct NpyArray {
+  std::string dtype;  ///< NumPy descr, e.g. "<f4", "|u1"
+  std::vector<int64_t> shape;
+  std::vector<char> data;  ///< raw little-endian bytes, C order
+
+  int64_t numel() const;
+};
+
+/// Parses the bytes of a .npy file. `what` names the source in error messages.
+NpyArray parse_npy(const std::string& bytes, const std::string& what);
+/// Serialises an array to .npy (format 1.0).
+std::string encode_npy(const NpyArray& a);
+
+void write_npy(const std::string& path, const NpyArray& a);
+NpyArray read_npy(const std::string& path);
+/// Reads every array of an .npz archive (stored or deflated, as np.savez and
+/// np.savez_compressed write them). Keys drop the ".npy" suffix.
+std::map<std::string, NpyArray> read_npz(const std::string& path);
+/// Writes an .npz archive (stored, like np.savez).
+void write_npz(const std::string& path, const std::map<std::string, NpyArray>& arrays);
+
+/// Makes a float32 array from a tensor.
+NpyArray to_npy(const Tensor& t);
+
+/// Loads q, k, v from an .npz file: float32 arrays of shape [B, H, len, d], q with n rows and
+/// k, v with m rows, all finite. Fills batch, heads, n, m, dim of *p and sets p->input to
+/// "file". Throws InputError naming what is wrong.
+Inputs load_inputs_npz(const std::string& path, Problem* p);
+
+}  // namespace attnbench

@@ -1,0 +1,59 @@
+#include "common/reference.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace attnbench {
+
+std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
+                                            ConstTensorView k, int64_t b, int64_t h, int64_t i) {
+  const int64_t d = p.dim, visible = p.visible(i);
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> prob(size_t(p.keys()), 0.0);
+  if (visible == 0) return prob;
+  const float* qi = q.row(b, h, i);
+  // pass 1: scaled logits and their max
+  double mx = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* kj = k.row(b, h, j);
+    double s = 0;
+    for (int64_t c = 0; c < d; ++c) s += double(qi[c]) * double(kj[c]);
+    prob[size_t(j)] = s * scale;
+    mx = std::max(mx, prob[size_t(j)]);
+  }
+  // pass 2: exponentials and their sum
+  double sum = 0;
+  for (int64_t j = 0; j < visible; ++j) sum += (prob[size_t(j)] = std::exp(prob[size_t(j)] - mx));
+  // pass 3: normalise
+  for (int64_t j = 0; j < visible; ++j) prob[size_t(j)] /= sum;
+  return prob;
+}
+
+void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out) {
+  const int64_t d = p.dim;
+#pragma omp parallel for schedule(dynamic, 4)
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int64_t i = rows[r];
+    std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
+    double* o = out + int64_t(r) * d;
+    std::fill(o, o + d, 0.0);
+    for (int64_t j = 0; j < p.visible(i); ++j) {
+      const float* vj = v.row(b, h, j);
+      for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
+    }
+  }
+}
+
+std::vector<double> reference_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                        ConstTensorView v) {
+  std::vector<double> out(size_t(p.q_shape().numel()));
+  std::vector<int64_t> rows(size_t(p.n));
+  for (int64_t i = 0; i < p.n; ++i) rows[size_t(i)] = i;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      reference_rows(p, q, k, v, b, h, rows, out.data() + (b * p.heads + h) * p.n * p.dim);
+  return out;
+}
+
+}  // namespace attnbench

@@ -1,0 +1,243 @@
+#include "common/registry.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <set>
+
+#include "common/error.h"
+
+namespace attnbench {
+
+const char* to_string(ParamType t) {
+  switch (t) {
+    case ParamType::Int: return "int";
+    case ParamType::Float: return "float";
+    case ParamType::Bool: return "bool";
+    case ParamType::Choice: return "choice";
+  }
+  return "?";
+}
+
+ParamSpec ParamSpec::Int(std::string name, int64_t def, int64_t lo, int64_t hi, std::string help) {
+  return {std::move(name), ParamType::Int, std::to_string(def), double(lo), double(hi), {},
+          std::move(help)};
+}
+ParamSpec ParamSpec::Float(std::string name, double def, double lo, double hi, std::string help) {
+  return {std::move(name), ParamType::Float, fmt::format("{}", def), lo, hi, {}, std::move(help)};
+}
+ParamSpec ParamSpec::Bool(std::string name, bool def, std::string help) {
+  return {std::move(name), ParamType::Bool, def ? "true" : "false", 0, 1, {}, std::move(help)};
+}
+ParamSpec ParamSpec::Choice(std::string name, std::string def, std::vector<std::string> choices,
+                            std::string help) {
+  return {std::move(name), ParamType::Choice, std::move(def), 0, 0, std::move(choices),
+          std::move(help)};
+}
+
+std::string ParamSpec::accepted() const {
+  switch (type) {
+    case ParamType::Int: return fmt::format("an integer in [{}, {}]", int64_t(min), int64_t(max));
+    case ParamType::Float: return fmt::format("a number in [{}, {}]", min, max);
+    case ParamType::Bool: return "true|false (also 1|0, on|off)";
+    case ParamType::Choice: return fmt::format("one of {}", fmt::join(choices, "|"));
+  }
+  return "";
+}
+
+namespace {
+
+// Parses and range-checks one value; returns its canonical text.
+std::string canonical_value(const std::string& variant, const ParamSpec& ps,
+                            const std::string& text) {
+  auto bad = [&](const char* why) {
+    return SpecError(fmt::format("{}: parameter '{}' = '{}' {}; accepted: {}", variant, ps.name,
+                                 text, why, ps.accepted()));
+  };
+  switch (ps.type) {
+    case ParamType::Int: {
+      int64_t v = 0;
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec != std::errc() || end != text.data() + text.size() || text.empty())
+        throw bad("is not an integer");
+      if (double(v) < ps.min || double(v) > ps.max) throw bad("is out of range");
+      return std::to_string(v);
+    }
+    case ParamType::Float: {
+      double v = 0;
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec != std::errc() || end != text.data() + text.size() || text.empty() ||
+          !std::isfinite(v))
+        throw bad("is not a finite number");
+      if (v < ps.min || v > ps.max) throw bad("is out of range");
+      return fmt::format("{}", v);
+    }
+    case ParamType::Bool: {
+      if (text == "true" || text == "1" || text == "on" || text == "yes") return "true";
+      if (text == "false" || text == "0" || text == "off" || text == "no") return "false";
+      throw bad("is not a boolean");
+    }
+    case ParamType::Choice: {
+      if (std::find(ps.choices.begin(), ps.choices.end(), text) == ps.choices.end())
+        throw bad("is not an allowed choice");
+      return text;
+    }
+  }
+  return text;
+}
+
+}  // namespace
+
+const std::string& ParamValues::text(const std::string& name) const {
+  auto it = values.find(name);
+  if (it == values.end()) throw SpecError(fmt::format("no parameter named '{}'", name));
+  return it->second;
+}
+int64_t ParamValues::get_int(const std::string& name) const { return std::stoll(text(name)); }
+double ParamValues::get_float(const std::string& name) const { return std::stod(text(name)); }
+bool ParamValues::get_bool(const std::string& name) const { return text(name) == "true"; }
+const std::string& ParamValues::get_choice(const std::string& name) const { return text(name); }
+
+std::string Variant::spec() const {
+  std::string s = info_->name;
+  char sep = ':';
+  for (const auto& ps : info_->params) {
+    s += fmt::format("{}{}={}", sep, ps.name, params_.text(ps.name));
+    sep = ',';
+  }
+  return s;
+}
+
+void Variant::check_supported(const Problem& p) const {
+  if (p.causal && !info_->caps.causal)
+    throw UnsupportedError(fmt::format("{} does not support causal masking", info_->name));
+  if (p.keys() != p.n && !info_->caps.cross)
+    throw UnsupportedError(
+        fmt::format("{} does not support m != n (got n = {}, m = {})", info_->name, p.n, p.keys()));
+}
+
+void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                  TensorView out) {
+  check_supported(p);
+  auto expect = [](const char* what, const Shape4& got, const Shape4& want) {
+    if (!(got == want))
+      throw InputError(fmt::format("{} has shape {}, expected {}", what, got.str(), want.str()));
+  };
+  expect("q", q.shape, p.q_shape());
+  expect("k", k.shape, p.kv_shape());
+  expect("v", v.shape, p.kv_shape());
+  expect("out", out.shape, p.q_shape());
+  forward(p, q, k, v, out);
+}
+
+Registry& Registry::instance() {
+  static Registry r;
+  return r;
+}
+
+bool Registry::add(VariantInfo info) {
+  if (info.name.empty() || info.name.find_first_of(":,= ") != std::string::npos)
+    throw SpecError(fmt::format("invalid variant name '{}'", info.name));
+  if (variants_.count(info.name))
+    throw SpecError(fmt::format("variant '{}' is already registered", info.name));
+  std::set<std::string> seen;
+  for (const auto& ps : info.params) {
+    if (!seen.insert(ps.name).second)
+      throw SpecError(fmt::format("variant '{}' declares parameter '{}' twice", info.name, ps.name));
+    auto [it, inserted] = param_types_.emplace(ps.name, ps.type);
+    if (!inserted && it->second != ps.type)
+      throw SpecError(fmt::format(
+          "variant '{}' declares parameter '{}' as {}, but it is {} in another variant; a "
+          "parameter name has one type across all variants",
+          info.name, ps.name, to_string(ps.type), to_string(it->second)));
+    canonical_value(info.name, ps, ps.default_value);  // the default must itself be valid
+  }
+  auto name = info.name;
+  variants_.emplace(name, std::make_unique<VariantInfo>(std::move(info)));
+  return true;
+}
+
+const VariantInfo* Registry::find(std::string_view name) const {
+  auto it = variants_.find(name);
+  return it == variants_.end() ? nullptr : it->second.get();
+}
+
+std::vector<const VariantInfo*> Registry::all() const {
+  std::vector<const VariantInfo*> out;
+  for (const auto& [name, info] : variants_) out.push_back(info.get());
+  return out;
+}
+
+std::string Registry::names() const {
+  std::vector<std::string> n;
+  for (const auto& [name, info] : variants_) n.push_back(name);
+  return fmt::format("{}", fmt::join(n, ", "));
+}
+
+std::pair<std::string, std::vector<std::pair<std::string, std::string>>> parse_spec(
+    std::string_view spec) {
+  auto malformed = [&](const std::string& why) {
+    return SpecError(fmt::format("malformed variant spec '{}': {}; expected name or "
+                                 "name:key=value,key=value",
+                                 spec, why));
+  };
+  auto colon = spec.find(':');
+  std::string name(spec.substr(0, colon));
+  if (name.empty()) throw malformed("the variant name is empty");
+  if (name.find_first_of(",= ") != std::string::npos)
+    throw malformed(fmt::format("'{}' is not a variant name", name));
+  std::vector<std::pair<std::string, std::string>> kv;
+  if (colon == std::string_view::npos) return {name, kv};
+  std::string_view rest = spec.substr(colon + 1);
+  if (rest.empty()) throw malformed("nothing after ':'");
+  std::set<std::string> seen;
+  while (true) {
+    auto comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    auto eq = item.find('=');
+    if (eq == std::string_view::npos)
+      throw malformed(fmt::format("'{}' has no '='", item));
+    std::string key(item.substr(0, eq)), value(item.substr(eq + 1));
+    if (key.empty()) throw malformed(fmt::format("'{}' has an empty key", item));
+    if (value.empty()) throw malformed(fmt::format("'{}' has an empty value", item));
+    if (!seen.insert(key).second) throw malformed(fmt::format("'{}' is given twice", key));
+    kv.emplace_back(std::move(key), std::move(value));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+  }
+  return {name, kv};
+}
+
+std::unique_ptr<Variant> Registry::make(std::string_view spec) const {
+  auto [name, kv] = parse_spec(spec);
+  const VariantInfo* info = find(name);
+  if (!info)
+    throw SpecError(fmt::format("unknown variant '{}'; registered variants: {}", name, names()));
+  ParamValues values;
+  for (const auto& ps : info->params) values.values[ps.name] = canonical_value(name, ps, ps.default_value);
+  for (const auto& [key, value] : kv) {
+    auto it = std::find_if(info->params.begin(), info->params.end(),
+                           [&](const ParamSpec& ps) { return ps.name == key; });
+    if (it == info->params.end()) {
+      std::vector<std::string> valid;
+      for (const auto& ps : info->params) valid.push_back(ps.name);
+      throw SpecError(fmt::format("variant '{}' has no parameter '{}'; its parameters: {}", name,
+                                  key, valid.empty() ? std::string("(none)")
+                                                     : fmt::format("{}", fmt::join(valid, ", "))));
+    }
+    values.values[key] = canonical_value(name, *it, value);
+  }
+  auto variant = info->make(values);
+  variant->info_ = info;
+  variant->params_ = std::move(values);
+  return variant;
+}
+
+std::unique_ptr<Variant> make_variant(std::string_view spec) {
+  return Registry::instance().make(spec);
+}
+
+}  // namespace attnbench

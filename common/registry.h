@@ -1,0 +1,141 @@
+// The variant interface and the registry that builds variants from spec strings.
+//
+// A variant file in variants/ describes itself with a VariantInfo (name, typed parameters,
+// capabilities, a factory) and registers it at static-initialisation time:
+//
+//   ATTNBENCH_REGISTER_VARIANT(flash, VariantInfo{...});
+//
+// A spec string "name:key=value,key=value" names a variant and overrides parameters.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/problem.h"
+#include "common/tensor.h"
+
+namespace attnbench {
+
+enum class ParamType { Int, Float, Bool, Choice };
+const char* to_string(ParamType t);
+
+/// One typed variant parameter. A name means the same thing, with the same type, in every
+/// variant that declares it (the registry rejects a clash).
+struct ParamSpec {
+  std::string name;
+  ParamType type = ParamType::Int;
+  std::string default_value;
+  double min = 0, max = 0;           ///< inclusive range for Int and Float
+  std::vector<std::string> choices;  ///< allowed values for Choice
+  std::string help;
+
+  static ParamSpec Int(std::string name, int64_t def, int64_t lo, int64_t hi, std::string help);
+  static ParamSpec Float(std::string name, double def, double lo, double hi, std::string help);
+  static ParamSpec Bool(std::string name, bool def, std::string help);
+  static ParamSpec Choice(std::string name, std::string def, std::vector<std::string> choices,
+                          std::string help);
+  /// "int in [1, 4096]", "one of strided|fixed", ...
+  std::string accepted() const;
+};
+
+/// Validated parameter values of one variant instance, in canonical text form.
+class ParamValues {
+ public:
+  int64_t get_int(const std::string& name) const;
+  double get_float(const std::string& name) const;
+  bool get_bool(const std::string& name) const;
+  const std::string& get_choice(const std::string& name) const;
+  /// Canonical text of a value; throws if the parameter does not exist.
+  const std::string& text(const std::string& name) const;
+
+  std::map<std::string, std::string> values;
+};
+
+/// What a variant can do beyond non-causal self-attention.
+struct Capabilities {
+  bool causal = false;  ///< supports the bottom-right aligned causal mask
+  bool cross = false;   ///< supports m != n
+};
+
+class Variant;
+
+/// Everything the registry knows about a variant.
+struct VariantInfo {
+  std::string name;
+  std::string summary;  ///< one line: what it computes
+  std::string complexity;  ///< e.g. "O(n m d) time, O(n m) memory"
+  std::vector<ParamSpec> params;
+  Capabilities caps;
+  std::function<std::unique_ptr<Variant>(const ParamValues&)> make;
+};
+
+/// An attention variant: computes out = attention(q, k, v) for one problem.
+/// The harness owns timing, memory and error; a variant only computes.
+class Variant {
+ public:
+  virtual ~Variant() = default;
+
+  /// q: [B, H, n, d], k, v: [B, H, m, d], out: [B, H, n, d]. Shapes are already checked
+  /// against the problem, and the problem against the capabilities.
+  virtual void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                       TensorView out) = 0;
+  /// Floating-point operations of one forward pass (multiply-add = 2).
+  virtual double flops(const Problem& p) const = 0;
+  /// Working bytes allocated by one forward pass beyond inputs and output.
+  virtual double memory_estimate(const Problem& p) const = 0;
+
+  const VariantInfo& info() const { return *info_; }
+  const ParamValues& params() const { return params_; }
+  /// Canonical spec: name, then every parameter in declared order ("flash:block_q=64,...").
+  std::string spec() const;
+
+  /// Throws UnsupportedError if this variant cannot run the problem.
+  void check_supported(const Problem& p) const;
+  /// Checks shapes and support, then calls forward().
+  void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+           TensorView out);
+
+ private:
+  friend class Registry;
+  const VariantInfo* info_ = nullptr;
+  ParamValues params_;
+};
+
+/// Registry of all variants linked into the process.
+class Registry {
+ public:
+  static Registry& instance();
+  /// Adds a variant; throws on a duplicate name or a parameter type clash.
+  bool add(VariantInfo info);
+  const VariantInfo* find(std::string_view name) const;
+  /// All variants, sorted by name.
+  std::vector<const VariantInfo*> all() const;
+  /// Builds a variant from "name:key=value,...". Throws SpecError listing what is valid.
+  std::unique_ptr<Variant> make(std::string_view spec) const;
+  /// Names of all registered variants joined by ", ".
+  std::string names() const;
+
+ private:
+  std::map<std::string, std::unique_ptr<VariantInfo>, std::less<>> variants_;
+  std::map<std::string, ParamType> param_types_;
+};
+
+/// Splits "name:key=value,key=value" into the name and its key/value pairs (in order).
+/// Throws SpecError on malformed text (empty name or key, missing '=', repeated key).
+std::pair<std::string, std::vector<std::pair<std::string, std::string>>> parse_spec(
+    std::string_view spec);
+
+/// Shorthand for Registry::instance().make(spec).
+std::unique_ptr<Variant> make_variant(std::string_view spec);
+
+}  // namespace attnbench
+
+/// Registers a variant from its own translation unit. `ident` is any unique identifier.
+#define ATTNBENCH_REGISTER_VARIANT(ident, ...)                                        \
+  [[maybe_unused]] static const bool attnbench_registered_##ident =                   \
+      ::attnbench::Registry::instance().add(__VA_ARGS__)

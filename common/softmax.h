@@ -1,0 +1,52 @@
+// Softmax helpers shared by the kernels: a vectorisable exp and row softmax.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace attnbench {
+
+/// exp(x) to about 2 ulp for x in [-87.3, 88.7]; exactly 0 below that (so exp(-inf) = 0)
+/// and +inf above. Written with plain arithmetic so GCC vectorises loops that call it.
+inline float fast_exp(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float xc = x < -87.33f ? -87.33f : (x > 88.7f ? 88.7f : x);
+  float t = xc * kLog2e + kRound;
+  float n = t - kRound;
+  float r = xc - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  // exp(r) on [-ln2/2, ln2/2] by a degree-6 polynomial (Taylor-like, Horner form).
+  float p = 1.3888889e-3f;
+  p = p * r + 8.3333338e-3f;
+  p = p * r + 4.1666668e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kRound) + 127) << 23;
+  float y = p * std::bit_cast<float>(bits);
+  y = x < -87.33f ? 0.0f : y;
+  return x > 88.7f ? INFINITY : y;
+}
+
+/// In-place softmax of x[0, len) scaled by `scale`: x <- exp(scale x - max) / sum.
+/// An empty row is left alone. Returns the sum of exponentials (0 for an empty row).
+inline float softmax_row(float* x, int64_t len, float scale) {
+  if (len <= 0) return 0.0f;
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) mx = std::fmax(mx, x[j]);
+  const float shift = mx * scale;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    x[j] = fast_exp(x[j] * scale - shift);
+    sum += x[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < len; ++j) x[j] *= inv;
+  return sum;
+}
+
+}  // namespace attnbench

@@ -1,0 +1,78 @@
+// Tensor views and owning tensors for attention inputs and outputs.
+//
+// Axis order everywhere in attnbench: [B, H, len, d] = (batch, head, position, feature),
+// row-major, so one head of one batch item is a contiguous len x d matrix with the feature
+// axis fastest.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace attnbench {
+
+/// Shape of a [B, H, len, d] tensor.
+struct Shape4 {
+  int64_t batch = 0, heads = 0, len = 0, dim = 0;
+
+  int64_t numel() const { return batch * heads * len * dim; }
+  bool operator==(const Shape4&) const = default;
+  std::string str() const;  ///< "[B, H, len, d]"
+};
+
+/// Non-owning view of a [B, H, len, d] float tensor with strides (in elements).
+/// The feature axis must be contiguous; the other strides may be anything.
+template <class T>
+struct View4 {
+  T* data = nullptr;
+  Shape4 shape;
+  int64_t stride_b = 0, stride_h = 0, stride_row = 0;
+
+  View4() = default;
+  View4(T* p, Shape4 s)
+      : data(p),
+        shape(s),
+        stride_b(s.heads * s.len * s.dim),
+        stride_h(s.len * s.dim),
+        stride_row(s.dim) {}
+  /// A view of mutable data converts to a view of const data.
+  template <class U>
+  View4(const View4<U>& o)  // NOLINT(google-explicit-constructor)
+      : data(o.data),
+        shape(o.shape),
+        stride_b(o.stride_b),
+        stride_h(o.stride_h),
+        stride_row(o.stride_row) {}
+
+  /// First element of the len x d matrix of (b, h).
+  T* head(int64_t b, int64_t h) const { return data + b * stride_b + h * stride_h; }
+  /// Row i of head (b, h).
+  T* row(int64_t b, int64_t h, int64_t i) const { return head(b, h) + i * stride_row; }
+};
+
+using TensorView = View4<float>;
+using ConstTensorView = View4<const float>;
+
+/// Owning [B, H, len, d] float tensor, 64-byte aligned, zero-initialised.
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(Shape4 s);
+
+  const Shape4& shape() const { return shape_; }
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  int64_t numel() const { return shape_.numel(); }
+  TensorView view() { return {data(), shape_}; }
+  ConstTensorView view() const { return {data(), shape_}; }
+
+ private:
+  struct Free {
+    void operator()(float* p) const;
+  };
+  Shape4 shape_;
+  std::unique_ptr<float[], Free> data_;
+};
+
+}  // namespace attnbench

@@ -1,0 +1,427 @@
+#include "harness/cli.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "build_info.h"
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/npy.h"
+#include "common/registry.h"
+#include "harness/machine.h"
+#include "harness/results.h"
+#include "harness/runner.h"
+
+namespace attnbench {
+
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what) {
+  auto bad = [&](const std::string& why) {
+    return UsageError(fmt::format("{}: '{}' {}; accepted: a comma-separated list of positive "
+                                  "integers and ranges A..B (powers of two from A up to B), e.g. "
+                                  "256,512 or 256..16384",
+                                  what, text, why));
+  };
+  auto number = [&](const std::string& s) -> int64_t {
+    if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
+      throw bad(fmt::format("has '{}', which is not a positive integer", s));
+    int64_t v = 0;
+    try {
+      v = std::stoll(s);
+    } catch (const std::exception&) {
+      throw bad(fmt::format("has '{}', which is too large", s));
+    }
+    if (v <= 0) throw bad("has a value that is not positive");
+    return v;
+  };
+  std::vector<int64_t> out;
+  size_t start = 0;
+  if (text.empty()) throw bad("is empty");
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    auto dots = item.find("..");
+    if (dots == std::string::npos) {
+      out.push_back(number(item));
+    } else {
+      int64_t lo = number(item.substr(0, dots)), hi = number(item.substr(dots + 2));
+      if (hi < lo) throw bad(fmt::format("has the empty range {}", item));
+      for (int64_t v = lo; v <= hi; v *= 2) out.push_back(v);
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+namespace {
+
+std::string utc_now() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string run_command(const std::string& cmd) {
+  std::string out;
+  if (FILE* f = popen(cmd.c_str(), "r")) {
+    char buf[256];
+    while (fgets(buf, sizeof buf, f)) out += buf;
+    pclose(f);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+std::string git_commit() {
+  std::string c = run_command(fmt::format("git -C '{}' rev-parse HEAD 2>/dev/null", ATTNBENCH_SOURCE_DIR));
+  if (c.empty()) return ATTNBENCH_GIT_COMMIT;
+  if (!run_command(fmt::format("git -C '{}' status --porcelain --untracked-files=no 2>/dev/null",
+                               ATTNBENCH_SOURCE_DIR))
+           .empty())
+    c += "-dirty";
+  return c;
+}
+
+std::string shell_quote(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                        "0123456789-_./:=,+@") == std::string::npos)
+    return s;
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::string command_line(int argc, char** argv) {
+  std::string s;
+  for (int i = 0; i < argc; ++i) s += (i ? " " : "") + shell_quote(argv[i]);
+  return s;
+}
+
+std::string human_bytes(double b) {
+  if (!std::isfinite(b)) return "n/a";
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  return fmt::format("{:.1f} {}", b, units[u]);
+}
+
+std::string human_seconds(double s) {
+  if (!std::isfinite(s)) return "?";
+  int64_t t = int64_t(std::llround(s));
+  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
+                   : fmt::format("{:02}:{:02}", t / 60, t % 60);
+}
+
+// ----- list -----
+
+nlohmann::ordered_json variants_json() {
+  nlohmann::ordered_json all = nlohmann::ordered_json::array();
+  for (const VariantInfo* v : Registry::instance().all()) {
+    nlohmann::ordered_json params = nlohmann::ordered_json::array();
+    for (const auto& p : v->params) {
+      nlohmann::ordered_json j = {{"name", p.name}, {"type", to_string(p.type)},
+                                  {"default", p.default_value}};
+      if (p.type == ParamType::Int || p.type == ParamType::Float) j["range"] = {p.min, p.max};
+      if (p.type == ParamType::Choice) j["choices"] = p.choices;
+      j["help"] = p.help;
+      params.push_back(j);
+    }
+    all.push_back({{"name", v->name},
+                   {"summary", v->summary},
+                   {"complexity", v->complexity},
+                   {"causal", v->caps.causal},
+                   {"cross", v->caps.cross},
+                   {"params", params}});
+  }
+  return all;
+}
+
+void print_list() {
+  fmt::print("{:<12} {:<7} {:<6} {}\n", "variant", "causal", "m!=n", "summary / parameters");
+  for (const VariantInfo* v : Registry::instance().all()) {
+    fmt::print("{:<12} {:<7} {:<6} {}\n", v->name, v->caps.causal ? "yes" : "no",
+               v->caps.cross ? "yes" : "no", v->summary);
+    fmt::print("{:<27} {}\n", "", v->complexity);
+    for (const auto& p : v->params)
+      fmt::print("{:<27} {}={} ({}; {}): {}\n", "", p.name, p.default_value, to_string(p.type),
+                 p.accepted(), p.help);
+  }
+}
+
+// ----- shared problem options -----
+
+struct ProblemOptions {
+  int64_t batch = 1, heads = 8, seq = 1024, seq_k = 0, dim = 64;
+  bool causal = false;
+  std::string input = "gaussian";
+  double scale = 1.0;
+  uint64_t seed = 0;
+  int threads = 0, reps = 3;
+  double min_time = 0.1;
+};
+
+void add_timing_options(CLI::App* app, ProblemOptions& o) {
+  app->add_option("--seed", o.seed, "seed of every random choice")->capture_default_str();
+  app->add_option("--threads", o.threads, "threads (0 = every core)")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--reps", o.reps, "Google Benchmark repetitions")->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app->add_option("--min-time", o.min_time, "minimum seconds per repetition")
+      ->capture_default_str()->check(CLI::Range(0.0, 3600.0));
+}
+
+nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int threads) {
+  return {{"date", utc_now()},
+          {"attnbench_version", ATTNBENCH_VERSION},
+          {"git_commit", git_commit()},
+          {"compiler", ATTNBENCH_COMPILER},
+          {"cxx_flags", ATTNBENCH_CXX_FLAGS},
+          {"build_type", ATTNBENCH_BUILD_TYPE},
+          {"cpu_model", mf.cpu_model},
+          {"threads", threads},
+          {"machine", to_json(mf)},
+          {"command_line", command_line(argc, argv)},
+          {"exact_pairs_limit", kExactPairsLimit}};
+}
+
+void print_row(const Row& r) {
+  fmt::print("variant      {}\n", r.spec);
+  fmt::print("problem      {}\n", r.problem.str());
+  fmt::print("status       {}{}\n", r.status, r.message.empty() ? "" : ": " + r.message);
+  if (r.status != "ok") return;
+  fmt::print("time         {:.4f} ms median, {:.4f} ms min, {:.4f} ms max over {} reps of {} "
+             "iterations\n",
+             r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
+  fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's GEMM rate)\n", r.gflops,
+             r.gemm_fraction * 100);
+  fmt::print("memory       {} peak beyond inputs and output (estimate {})\n",
+             human_bytes(r.peak_bytes), human_bytes(r.estimated_bytes));
+  fmt::print("error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
+             "rows)\n",
+             r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used,
+             r.error.rows_total);
+}
+
+}  // namespace
+
+int cli_main(int argc, char** argv) {
+  CLI::App app{"attnbench: speed, memory and error of attention variants against exact softmax "
+               "attention"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "help for every command");
+
+  // list
+  auto* list = app.add_subcommand("list", "variants with their parameters and capabilities");
+  bool list_json = false;
+  list->add_flag("--json", list_json, "print JSON");
+
+  // run
+  ProblemOptions ro;
+  std::string run_spec, inputs_path, output_path;
+  bool run_json = false;
+  auto* run = app.add_subcommand("run", "one variant on one problem");
+  run->add_option("--variant", run_spec, "variant spec, name:key=value,...")->required();
+  run->add_option("--batch", ro.batch, "batch size B")->capture_default_str()->check(CLI::PositiveNumber);
+  run->add_option("--heads", ro.heads, "heads H")->capture_default_str()->check(CLI::PositiveNumber);
+  run->add_option("--seq", ro.seq, "query length n")->capture_default_str()->check(CLI::PositiveNumber);
+  run->add_option("--seq-k", ro.seq_k, "key length m (default: n)")->check(CLI::PositiveNumber);
+  run->add_option("--dim", ro.dim, "head dimension d")->capture_default_str()->check(CLI::PositiveNumber);
+  run->add_flag("--causal", ro.causal, "bottom-right aligned causal mask");
+  auto* input_opt = run->add_option("--input", ro.input, "input distribution")
+                        ->capture_default_str()
+                        ->check(CLI::IsMember(input_distributions()));
+  auto* scale_opt = run->add_option("--scale", ro.scale, "multiply q (and so the logits) by this")
+                        ->capture_default_str()
+                        ->check(CLI::PositiveNumber);
+  add_timing_options(run, ro);
+  run->add_option("--inputs", inputs_path, ".npz with float32 q, k, v of shape [B, H, len, d]")
+      ->check(CLI::ExistingFile)
+      ->excludes(input_opt)
+      ->excludes(scale_opt);
+  run->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+  run->add_flag("--json", run_json, "print the result row as JSON");
+
+  // sweep
+  ProblemOptions so;
+  std::vector<std::string> sweep_specs;
+  std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
+              causal_mode = "off", input_list = "gaussian", out_dir;
+  bool resume = false;
+  auto* sweep = app.add_subcommand("sweep", "the cross product of variants and problems");
+  sweep->add_option("--variant", sweep_specs, "variant spec (repeatable; default: every variant)");
+  sweep->add_option("--seq", seq_list, "query lengths n")->capture_default_str();
+  sweep->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
+  sweep->add_option("--heads", heads_list, "head counts")->capture_default_str();
+  sweep->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+  sweep->add_option("--causal", causal_mode, "causal mask: off, on or both")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"off", "on", "both"}));
+  sweep->add_option("--input", input_list, "input distributions, comma-separated")
+      ->capture_default_str();
+  add_timing_options(sweep, so);
+  sweep->add_option("--out", out_dir, "results directory")->required();
+  sweep->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
+
+  // machine
+  auto* machine = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
+  int machine_threads = 0;
+  bool machine_json = false;
+  machine->add_option("--threads", machine_threads, "threads (0 = every core)")
+      ->check(CLI::NonNegativeNumber);
+  machine->add_flag("--json", machine_json, "print JSON");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  try {
+    if (*list) {
+      if (list_json) fmt::print("{}\n", variants_json().dump(2));
+      else print_list();
+      return 0;
+    }
+    if (*machine) {
+      int threads = apply_threads(machine_threads);
+      MachineFigures mf = measure_machine(threads);
+      if (machine_json) {
+        fmt::print("{}\n", to_json(mf).dump(2));
+      } else {
+        fmt::print("cpu        {}\nthreads    {}\n", mf.cpu_model, mf.threads);
+        fmt::print("GEMM       {:.1f} GFLOP/s best (OpenBLAS {:.1f}, Eigen {:.1f}; square n = {})\n",
+                   mf.gemm_gflops, mf.blas_gflops, mf.eigen_gflops, mf.gemm_size);
+        fmt::print("bandwidth  {:.1f} GB/s (triad)\n", mf.bandwidth_gbs);
+      }
+      return 0;
+    }
+    if (*run) {
+      auto variant = make_variant(run_spec);
+      Problem p;
+      p.batch = ro.batch, p.heads = ro.heads, p.n = ro.seq, p.m = ro.seq_k, p.dim = ro.dim;
+      p.causal = ro.causal, p.input = ro.input, p.scale = ro.scale, p.seed = ro.seed;
+      std::optional<Inputs> given;
+      if (!inputs_path.empty()) given = load_inputs_npz(inputs_path, &p);
+      p.threads = apply_threads(ro.threads);
+      p.validate();
+      MachineFigures mf = measure_machine(p.threads, /*quick=*/true);
+      RunOptions opt{.reps = ro.reps, .min_time = ro.min_time};
+      Tensor out;
+      Row row = run_one(*variant, p, given ? &*given : nullptr, mf, opt, &out);
+      if (run_json) fmt::print("{}\n", to_json(row).dump(2));
+      else print_row(row);
+      if (row.status != "ok") {
+        fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
+        return 1;
+      }
+      if (!output_path.empty()) write_npy(output_path, to_npy(out));
+      return 0;
+    }
+    if (*sweep) {
+      // Build every variant first so a bad spec fails before any work.
+      std::vector<std::unique_ptr<Variant>> variants;
+      if (sweep_specs.empty())
+        for (const VariantInfo* v : Registry::instance().all()) variants.push_back(make_variant(v->name));
+      for (const auto& s : sweep_specs) variants.push_back(make_variant(s));
+      auto seqs = parse_int_list(seq_list, "--seq"), batches = parse_int_list(batch_list, "--batch"),
+           heads = parse_int_list(heads_list, "--heads"), dims = parse_int_list(dim_list, "--dim");
+      std::vector<std::string> inputs;
+      for (auto& s : split_csv_line(input_list)) {
+        const auto& names = input_distributions();
+        if (std::find(names.begin(), names.end(), s) == names.end())
+          throw UsageError(fmt::format("--input: unknown distribution '{}'; accepted: {}", s,
+                                       fmt::join(names, ", ")));
+        inputs.push_back(s);
+      }
+      std::vector<bool> causals = causal_mode == "off" ? std::vector<bool>{false}
+                                  : causal_mode == "on" ? std::vector<bool>{true}
+                                                        : std::vector<bool>{false, true};
+      const int threads = apply_threads(so.threads);
+      struct Config { Variant* v; Problem p; };
+      std::vector<Config> configs;
+      for (auto& in : inputs)
+        for (bool c : causals)
+          for (auto d : dims)
+            for (auto h : heads)
+              for (auto b : batches)
+                for (auto n : seqs)
+                  for (auto& v : variants) {
+                    Problem p;
+                    p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.input = in;
+                    p.seed = so.seed, p.threads = threads;
+                    p.validate();
+                    configs.push_back({v.get(), p});
+                  }
+      ResultsDir results(out_dir, resume);
+      fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
+      MachineFigures mf = measure_machine(threads);
+      fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
+                 mf.bandwidth_gbs);
+      auto meta = meta_json(argc, argv, mf, threads);
+      meta["rows_planned"] = configs.size();
+      meta["rows_kept_from_earlier_runs"] = results.rows_kept();
+      results.write_meta(meta);
+
+      RunOptions opt{.reps = so.reps, .min_time = so.min_time};
+      double total_work = 0, done_work = 0;
+      auto work = [](const Config& c) { return c.v->flops(c.p) + 1e8; };
+      for (auto& c : configs) total_work += work(c);
+      auto t0 = std::chrono::steady_clock::now();
+      std::map<std::string, int> counts;
+      size_t index = 0;
+      for (auto& c : configs) {
+        ++index;
+        Row probe;
+        probe.spec = c.v->spec();
+        probe.problem = c.p;
+        if (resume && results.done(probe)) {
+          total_work -= work(c);
+          ++counts["kept"];
+          continue;
+        }
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
+        fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, configs.size(),
+                   probe.spec, c.p.str(), human_seconds(elapsed), human_seconds(eta));
+        nlohmann::json bench;
+        Row row = run_one(*c.v, c.p, nullptr, mf, opt, nullptr, &bench);
+        results.append(row, bench);
+        ++counts[row.status];
+        if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
+        done_work += work(c);
+      }
+      std::string summary;
+      for (auto& [k, v] : counts) summary += fmt::format("{}{} {}", summary.empty() ? "" : ", ", v, k);
+      fmt::print(stderr, "attnbench: {} rows in {}/results.csv ({})\n", configs.size(), out_dir,
+                 summary);
+      return 0;
+    }
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "attnbench: error: {}\n", e.what());
+    return 2;
+  } catch (const SpecError& e) {
+    fmt::print(stderr, "attnbench: error: {}\n", e.what());
+    return 2;
+  } catch (const InputError& e) {
+    fmt::print(stderr, "attnbench: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "attnbench: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace attnbench

@@ -1,0 +1,3 @@
+#include "harness/cli.h"
+
+int main(int argc, char** argv) { return attnbench::cli_main(argc, argv); }

@@ -1,0 +1,32 @@
+// Error of a variant's output against exact softmax attention on the same inputs.
+#pragma once
+
+#include <cstdint>
+
+#include "common/problem.h"
+#include "common/tensor.h"
+
+namespace attnbench {
+
+/// Up to this many (query, key) pairs in the problem (B H n m), the reference is computed for
+/// every row; above it, for a seeded sample of about kExactPairsLimit / m query rows.
+inline constexpr double kExactPairsLimit = double(1 << 26);
+
+struct ErrorStats {
+  double rel_fro = 0;    ///< ||O - O*||_F / ||O*||_F over the rows used
+  double max_abs = 0;    ///< max |O - O*|
+  double mean_cos = 0;   ///< mean over rows of cos(O_i, O*_i); two zero rows count as 1
+  int64_t rows_used = 0;   ///< query rows compared
+  int64_t rows_total = 0;  ///< B H n
+};
+
+/// Compares `out` with the double-precision reference. Rows are sampled with p.seed when the
+/// problem exceeds `exact_limit` pairs.
+ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
+                         ConstTensorView v, ConstTensorView out,
+                         double exact_limit = kExactPairsLimit);
+
+/// Bytes the error measurement will allocate.
+double error_memory_estimate(const Problem& p, double exact_limit = kExactPairsLimit);
+
+}  // namespace attnbench

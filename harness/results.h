@@ -1,0 +1,47 @@
+// Result files of a sweep: results.csv (tidy, one row per variant x problem, appended and
+// flushed as each row finishes), benchmark.json (Google Benchmark's JSON, all runs) and
+// meta.json (how and where the run was made).
+#pragma once
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "harness/runner.h"
+
+namespace attnbench {
+
+/// The results.csv columns, in order.
+const std::vector<std::string>& csv_columns();
+/// One CSV line (no newline) for a row, fields quoted where needed.
+std::string csv_line(const Row& row);
+/// Splits one CSV line into fields (RFC 4180 quoting).
+std::vector<std::string> split_csv_line(const std::string& line);
+/// Key identifying a row's configuration: spec and every problem field.
+std::string row_key(const Row& row);
+
+class ResultsDir {
+ public:
+  /// Opens DIR (creating it). With resume, rows already in DIR/results.csv are kept and
+  /// reported by done(); without it, existing result files are replaced.
+  ResultsDir(const std::string& dir, bool resume);
+
+  bool done(const Row& row) const { return done_.count(row_key(row)) > 0; }
+  size_t rows_kept() const { return done_.size(); }
+  /// Appends a row to results.csv (flushed at once) and its runs to benchmark.json.
+  void append(const Row& row, const nlohmann::json& bench);
+  void write_meta(const nlohmann::json& meta) const;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  void write_benchmark_json() const;
+
+  std::string dir_;
+  std::ofstream csv_;
+  std::set<std::string> done_;
+  nlohmann::json bench_;  // {"context": ..., "benchmarks": [...]}
+};
+
+}  // namespace attnbench

@@ -1,0 +1,218 @@
+#include "harness/runner.h"
+
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "common/error.h"
+#include "harness/memory.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace attnbench {
+
+namespace {
+
+// Forwards everything to a JSONReporter writing into a string, and keeps the per-repetition
+// runs for the row's statistics.
+class CaptureReporter : public benchmark::BenchmarkReporter {
+ public:
+  CaptureReporter() {
+    json_.SetOutputStream(&json_text_);
+    json_.SetErrorStream(&json_text_);
+  }
+  bool ReportContext(const Context& c) override { return json_.ReportContext(c); }
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const auto& r : runs) {
+      if (r.error_occurred) error_ = r.error_message;
+      if (r.run_type != Run::RT_Iteration || r.error_occurred) continue;
+      times_.push_back(r.real_accumulated_time / double(r.iterations));
+      iterations_ = r.iterations;
+      if (r.memory_result) peak_ = double(r.memory_result->max_bytes_used);
+    }
+    json_.ReportRuns(runs);
+  }
+  void Finalize() override { json_.Finalize(); }
+
+  std::vector<double> times_;
+  int64_t iterations_ = 0;
+  double peak_ = NAN;
+  std::string error_;
+  std::ostringstream json_text_;
+
+ private:
+  benchmark::JSONReporter json_;
+};
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+// Index of the first non-finite value, or -1.
+int64_t first_non_finite(const Tensor& t) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    if (!std::isfinite(t.data()[i])) return i;
+  return -1;
+}
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / double(1 << 30)); }
+
+}  // namespace
+
+int apply_threads(int threads) {
+  if (threads <= 0) threads = omp_get_num_procs();
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+  return threads;
+}
+
+double available_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024.0;
+  return 8.0 * double(1ULL << 30);
+}
+
+Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
+            const RunOptions& opt, Tensor* output, nlohmann::json* bench_json) {
+  Row row;
+  row.spec = variant.spec();
+  row.variant = variant.info().name;
+  row.problem = p;
+  row.flops = variant.flops(p);
+  row.estimated_bytes = variant.memory_estimate(p);
+  try {
+    variant.check_supported(p);
+  } catch (const UnsupportedError& e) {
+    row.status = "unsupported";
+    row.message = e.what();
+    return row;
+  }
+  // Refuse what cannot fit rather than meet the OOM killer.
+  const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4;
+  const double need = row.estimated_bytes + (given ? 0 : io_bytes) +
+                      error_memory_estimate(p, opt.exact_limit);
+  const double limit = opt.memory_limit > 0 ? opt.memory_limit : 0.8 * available_memory();
+  if (need > limit) {
+    row.status = "skipped";
+    row.message = fmt::format("needs about {} (inputs, output and the variant's estimate of {}), "
+                              "more than the {} allowed",
+                              gib(need), gib(row.estimated_bytes), gib(limit));
+    return row;
+  }
+  try {
+    Inputs generated;
+    if (!given) generated = generate_inputs(p);
+    const Inputs& in = given ? *given : generated;
+    Tensor out(p.q_shape());
+    // Checked pass: its output is what the error is measured on.
+    variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    if (int64_t bad = first_non_finite(out); bad >= 0) {
+      row.status = "error";
+      row.message = fmt::format("output holds a non-finite value ({}) at flat index {}",
+                                out.data()[bad], bad);
+      return row;
+    }
+    row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit);
+
+    // Timed passes and peak memory, by Google Benchmark.
+    static PeakMemoryManager memory_manager;
+    benchmark::RegisterMemoryManager(&memory_manager);
+    const std::string name = fmt::format("{}/{}", row.spec, p.str());
+    auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
+      for (auto _ : st) {
+        variant.forward(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+        benchmark::ClobberMemory();
+      }
+      st.counters["FLOPS"] = benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
+    });
+    bm->Repetitions(std::max(1, opt.reps))
+        ->MinTime(opt.min_time)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Threads(1);
+    CaptureReporter rep;
+    benchmark::RunSpecifiedBenchmarks(&rep);
+    benchmark::ClearRegisteredBenchmarks();
+    benchmark::RegisterMemoryManager(nullptr);
+    if (!rep.error_.empty() || rep.times_.empty()) {
+      row.status = "error";
+      row.message = rep.error_.empty() ? "benchmark produced no runs" : rep.error_;
+      return row;
+    }
+    if (bench_json) *bench_json = nlohmann::json::parse(rep.json_text_.str());
+    auto& t = rep.times_;
+    row.reps = int(t.size());
+    row.iterations = rep.iterations_;
+    row.time_median = median(t);
+    row.time_min = *std::min_element(t.begin(), t.end());
+    row.time_max = *std::max_element(t.begin(), t.end());
+    double mean = 0, var = 0;
+    for (double x : t) mean += x / double(t.size());
+    for (double x : t) var += (x - mean) * (x - mean);
+    row.time_stddev = t.size() > 1 ? std::sqrt(var / double(t.size() - 1)) : 0.0;
+    row.gflops = row.flops / row.time_median / 1e9;
+    row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
+    row.peak_bytes = rep.peak_;
+    if (output) *output = std::move(out);
+  } catch (const UnsupportedError& e) {
+    row.status = "unsupported";
+    row.message = e.what();
+  } catch (const std::bad_alloc&) {
+    row.status = "error";
+    row.message = "out of memory";
+  } catch (const std::exception& e) {
+    row.status = "error";
+    row.message = e.what();
+  }
+  return row;
+}
+
+nlohmann::ordered_json to_json(const Row& r) {
+  using J = nlohmann::ordered_json;
+  auto num = [](double x) -> J { return std::isfinite(x) ? J(x) : J(); };
+  const Problem& p = r.problem;
+  return J{{"spec", r.spec},
+          {"variant", r.variant},
+          {"batch", p.batch},
+          {"heads", p.heads},
+          {"n", p.n},
+          {"m", p.keys()},
+          {"dim", p.dim},
+          {"causal", p.causal},
+          {"input", p.input},
+          {"scale", p.scale},
+          {"seed", p.seed},
+          {"threads", p.threads},
+          {"status", r.status},
+          {"message", r.message},
+          {"time_median_s", num(r.time_median)},
+          {"time_min_s", num(r.time_min)},
+          {"time_max_s", num(r.time_max)},
+          {"time_stddev_s", num(r.time_stddev)},
+          {"reps", r.reps},
+          {"iterations", r.iterations},
+          {"flops", num(r.flops)},
+          {"gflops", num(r.gflops)},
+          {"gemm_fraction", num(r.gemm_fraction)},
+          {"peak_bytes", num(r.peak_bytes)},
+          {"estimated_bytes", num(r.estimated_bytes)},
+          {"rel_fro_error", num(r.error.rel_fro)},
+          {"max_abs_error", num(r.error.max_abs)},
+          {"mean_cosine", num(r.error.mean_cos)},
+          {"error_rows", r.error.rows_used},
+          {"error_rows_total", r.error.rows_total}};
+}
+
+}  // namespace attnbench

@@ -1,0 +1,54 @@
+// Runs one variant on one problem: support check, memory guard, error against the reference,
+// and timing and peak memory through Google Benchmark.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "common/inputs.h"
+#include "common/problem.h"
+#include "common/registry.h"
+#include "harness/machine.h"
+#include "harness/metrics.h"
+
+namespace attnbench {
+
+struct RunOptions {
+  int reps = 3;             ///< Google Benchmark repetitions
+  double min_time = 0.1;    ///< seconds per repetition (Google Benchmark's MinTime)
+  double exact_limit = kExactPairsLimit;
+  double memory_limit = 0;  ///< bytes a configuration may use; 0 = 80% of MemAvailable
+};
+
+/// One result row: a variant on a problem.
+struct Row {
+  std::string spec, variant;
+  Problem problem;
+  std::string status = "ok";  ///< ok | skipped | unsupported | error
+  std::string message;
+  double time_median = NAN, time_min = NAN, time_max = NAN, time_stddev = NAN;  ///< seconds
+  int reps = 0;
+  int64_t iterations = 0;
+  double flops = NAN, gflops = NAN, gemm_fraction = NAN;
+  double peak_bytes = NAN, estimated_bytes = NAN;
+  ErrorStats error{NAN, NAN, NAN, 0, 0};
+};
+
+/// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS.
+int apply_threads(int threads);
+
+/// Bytes of memory the system can give (MemAvailable).
+double available_memory();
+
+/// Runs `variant` on `p`. Inputs come from `given` if set, else from the problem's generator.
+/// The output of the checked forward pass is moved into *output if requested. The Google
+/// Benchmark JSON of the runs is stored in *bench_json when given. Never throws for a
+/// variant's failure: the row's status says what happened.
+Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
+            const RunOptions& opt, Tensor* output = nullptr, nlohmann::json* bench_json = nullptr);
+
+/// The row as a JSON object (same fields as the CSV).
+nlohmann::ordered_json to_json(const Row& r);
+
+}  // namespace attnbench
