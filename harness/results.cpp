@@ -44,7 +44,8 @@ std::string join_key(const std::vector<std::string>& fields) {
 const std::vector<std::string>& csv_columns() {
   static const std::vector<std::string> cols = [] {
     std::vector<std::string> c;
-    for (const auto& [key, value] : to_json(Row{}).items()) c.push_back(key);
+    const auto row = to_json(Row{});
+    for (const auto& [key, value] : row.items()) c.push_back(key);
     return c;
   }();
   return cols;
@@ -53,7 +54,8 @@ const std::vector<std::string>& csv_columns() {
 std::string csv_line(const Row& row) {
   std::string line;
   bool first = true;
-  for (const auto& [key, value] : to_json(row).items()) {
+  const auto fields = to_json(row);
+  for (const auto& [key, value] : fields.items()) {
     if (!first) line += ',';
     first = false;
     line += quote(field_text(value));

@@ -6,7 +6,7 @@ packages=(
   cmake g++ make pkg-config git
   libeigen3-dev libopenblas-openmp-dev libbenchmark-dev libfmt-dev nlohmann-json3-dev
   libcli11-dev libgtest-dev libzip-dev
-  python3 python3-matplotlib python3-pandas
+  libbenchmark-tools python3 python3-scipy python3-matplotlib python3-pandas
 )
 
 missing=()
