@@ -143,18 +143,20 @@ bool Registry::add(VariantInfo info) {
     throw SpecError(fmt::format("invalid variant name '{}'", info.name));
   if (variants_.count(info.name))
     throw SpecError(fmt::format("variant '{}' is already registered", info.name));
+  // Check everything first, so a rejected variant leaves no trace in the registry.
   std::set<std::string> seen;
   for (const auto& ps : info.params) {
     if (!seen.insert(ps.name).second)
       throw SpecError(fmt::format("variant '{}' declares parameter '{}' twice", info.name, ps.name));
-    auto [it, inserted] = param_types_.emplace(ps.name, ps.type);
-    if (!inserted && it->second != ps.type)
+    auto it = param_types_.find(ps.name);
+    if (it != param_types_.end() && it->second != ps.type)
       throw SpecError(fmt::format(
           "variant '{}' declares parameter '{}' as {}, but it is {} in another variant; a "
           "parameter name has one type across all variants",
           info.name, ps.name, to_string(ps.type), to_string(it->second)));
     canonical_value(info.name, ps, ps.default_value);  // the default must itself be valid
   }
+  for (const auto& ps : info.params) param_types_.emplace(ps.name, ps.type);
   auto name = info.name;
   variants_.emplace(name, std::make_unique<VariantInfo>(std::move(info)));
   return true;

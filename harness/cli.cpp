@@ -55,7 +55,10 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
     } else {
       int64_t lo = number(item.substr(0, dots)), hi = number(item.substr(dots + 2));
       if (hi < lo) throw bad(fmt::format("has the empty range {}", item));
-      for (int64_t v = lo; v <= hi; v *= 2) out.push_back(v);
+      for (int64_t v = lo;; v *= 2) {
+        out.push_back(v);
+        if (v > hi / 2) break;  // the next power would pass hi (or overflow)
+      }
     }
     if (comma == std::string::npos) break;
     start = comma + 1;

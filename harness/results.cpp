@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <iterator>
 
 #include "common/error.h"
 
@@ -97,6 +98,19 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
   const fs::path csv_path = fs::path(dir) / "results.csv", json_path = fs::path(dir) / "benchmark.json";
   bool have_header = false;
   if (resume && fs::exists(csv_path)) {
+    // A line without its newline was torn by an interrupted write: drop it so the next row
+    // starts on a line of its own (that configuration simply runs again).
+    std::string text;
+    {
+      std::ifstream in(csv_path, std::ios::binary);
+      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    if (!text.empty() && text.back() != '\n') {
+      const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+      fs::resize_file(csv_path, keep);
+    }
+  }
+  if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
     std::ifstream in(csv_path);
     std::string line;
     std::getline(in, line);
@@ -131,6 +145,7 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     csv_ << header << '\n' << std::flush;
   }
   if (!bench_.is_object()) bench_ = {{"context", nullptr}, {"benchmarks", nlohmann::json::array()}};
+  write_benchmark_json();  // without --resume, this replaces an earlier run's file at once
 }
 
 void ResultsDir::append(const Row& row, const nlohmann::json& bench) {

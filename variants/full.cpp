@@ -10,7 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "common/registry.h"
 #include "common/softmax.h"
@@ -25,7 +25,8 @@ class Full final : public Variant {
     const int64_t n = p.n, m = p.keys(), d = p.dim, heads = p.batch * p.heads;
     const float scale = p.softmax_scale();
     // scores is [B, H, n, m], like the tensor q @ k.transpose(-2, -1) in PyTorch.
-    std::vector<float> scores(size_t(heads * n * m));
+    // Left uninitialised (as torch.empty would be): every element is written by pass 1.
+    std::unique_ptr<float[]> scores(new float[size_t(heads * n * m)]);
     // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
     const bool per_head = heads >= omp_get_max_threads();
 
@@ -35,12 +36,12 @@ class Full final : public Variant {
       const int64_t b = bh / p.heads, h = bh % p.heads;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(m), int(d), 1.0f,
                   q.head(b, h), int(q.stride_row), k.head(b, h), int(k.stride_row), 0.0f,
-                  scores.data() + bh * n * m, int(m));
+                  scores.get() + bh * n * m, int(m));
     }
     // pass 2: causal mask and row softmax in place; hidden keys get probability 0
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < heads * n; ++r) {
-      float* row = scores.data() + r * m;
+      float* row = scores.get() + r * m;
       const int64_t visible = p.visible(r % n);
       softmax_row(row, visible, scale);
       std::fill(row + visible, row + m, 0.0f);
@@ -50,7 +51,7 @@ class Full final : public Variant {
     for (int64_t bh = 0; bh < heads; ++bh) {
       const int64_t b = bh / p.heads, h = bh % p.heads;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(d), int(m), 1.0f,
-                  scores.data() + bh * n * m, int(m), v.head(b, h), int(v.stride_row), 0.0f,
+                  scores.get() + bh * n * m, int(m), v.head(b, h), int(v.stride_row), 0.0f,
                   out.head(b, h), int(out.stride_row));
     }
   }

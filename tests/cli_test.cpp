@@ -1,0 +1,430 @@
+// End-to-end tests through the real attnbench binary (ATTNBENCH_BIN): exit codes, messages,
+// JSON and the result files of a sweep. Every run is tiny; `sweep` measures the machine
+// first (several seconds), so there are only three sweeps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/inputs.h"
+#include "common/npy.h"
+#include "common/reference.h"
+#include "harness/results.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+namespace fs = std::filesystem;
+using test::CliResult;
+using test::run_cli;
+using test::TempDir;
+
+std::string q(const std::string& s) { return "'" + s + "'"; }
+
+nlohmann::json parse_json(const std::string& text) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not valid JSON (" << e.what() << "):\n" << text;
+    return nlohmann::json();
+  }
+}
+
+// A results.csv: its header and its rows as column -> value maps.
+struct Csv {
+  std::vector<std::string> header;
+  std::vector<std::map<std::string, std::string>> rows;
+  std::vector<std::string> lines;  // data lines as written
+};
+
+Csv read_csv(const std::string& path) {
+  Csv csv;
+  auto lines = test::read_lines(path);
+  if (lines.empty()) {
+    ADD_FAILURE() << path << " is empty";
+    return csv;
+  }
+  csv.header = split_csv_line(lines[0]);
+  for (size_t i = 1; i < lines.size(); ++i) {
+    if (lines[i].empty()) continue;
+    auto f = split_csv_line(lines[i]);
+    EXPECT_EQ(f.size(), csv.header.size()) << "line " << i << ": " << lines[i];
+    std::map<std::string, std::string> row;
+    for (size_t c = 0; c < std::min(f.size(), csv.header.size()); ++c) row[csv.header[c]] = f[c];
+    csv.rows.push_back(row);
+    csv.lines.push_back(lines[i]);
+  }
+  return csv;
+}
+
+// The configuration key of a row (what --resume matches on).
+std::string key_of(const std::map<std::string, std::string>& row) {
+  std::string k;
+  for (const char* c : {"spec", "batch", "heads", "n", "m", "dim", "causal", "input", "scale",
+                        "seed", "threads"})
+    k += row.at(c) + "|";
+  return k;
+}
+
+void expect_usage_error(const CliResult& r, const std::string& args) {
+  EXPECT_EQ(r.code, 2) << "attnbench " << args << "\nstdout: " << r.out << "\nstderr: " << r.err;
+  EXPECT_FALSE(r.err.empty()) << "attnbench " << args << ": no message on stderr";
+}
+
+// ----- list -----
+
+TEST(Cli, List) {
+  TempDir dir;
+  CliResult r = run_cli("list", dir);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "full");
+  EXPECT_CONTAINS(r.out, "flash");
+  EXPECT_CONTAINS(r.out, "block_q");
+}
+
+TEST(Cli, ListJson) {
+  TempDir dir;
+  CliResult r = run_cli("list --json", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = parse_json(r.out);
+  ASSERT_TRUE(j.is_array());
+  std::map<std::string, nlohmann::json> by_name;
+  for (const auto& v : j) by_name[v.at("name").get<std::string>()] = v;
+  ASSERT_TRUE(by_name.count("full"));
+  ASSERT_TRUE(by_name.count("flash"));
+  const auto& flash = by_name["flash"];
+  EXPECT_EQ(flash.at("causal"), true);
+  EXPECT_EQ(flash.at("cross"), true);
+  ASSERT_EQ(flash.at("params").size(), 2u);
+  EXPECT_EQ(flash["params"][0].at("name"), "block_q");
+  EXPECT_EQ(flash["params"][0].at("type"), "int");
+  EXPECT_EQ(flash["params"][0].at("default"), "64");
+  EXPECT_EQ(flash["params"][0].at("range"), nlohmann::json::array({1, 4096}));
+  EXPECT_EQ(flash["params"][1].at("name"), "block_k");
+  EXPECT_TRUE(by_name["full"].at("params").empty());
+}
+
+// ----- run -----
+
+TEST(Cli, RunJson) {
+  TempDir dir;
+  const std::string args = "run --variant flash --seq 64 --heads 2 --dim 16 --reps 1 --min-time 0.01 --json";
+  CliResult r = run_cli(args, dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = parse_json(r.out);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j.at("status"), "ok");
+  EXPECT_EQ(j.at("spec"), "flash:block_q=64,block_k=256");
+  EXPECT_EQ(j.at("n"), 64);
+  EXPECT_EQ(j.at("m"), 64);
+  EXPECT_EQ(j.at("heads"), 2);
+  EXPECT_EQ(j.at("dim"), 16);
+  EXPECT_EQ(j.at("input"), "gaussian");
+  ASSERT_TRUE(j.at("rel_fro_error").is_number());
+  EXPECT_LT(j["rel_fro_error"].get<double>(), 1e-5);
+  EXPECT_EQ(j.at("error_rows"), 128);
+  EXPECT_GT(j.at("time_median_s").get<double>(), 0);
+  EXPECT_EQ(j.at("reps"), 1);
+  // every CSV column is a JSON field, in the same order
+  std::vector<std::string> keys;
+  for (auto it = j.begin(); it != j.end(); ++it) keys.push_back(it.key());
+  std::vector<std::string> cols = csv_columns();
+  std::sort(keys.begin(), keys.end());
+  std::sort(cols.begin(), cols.end());
+  EXPECT_EQ(keys, cols);
+}
+
+TEST(Cli, RunWritesTheOutput) {
+  TempDir dir;
+  const std::string out = dir.file("out.npy");
+  CliResult r = run_cli("run --variant full --seq 64 --heads 2 --dim 16 --causal --reps 1 "
+                        "--min-time 0.01 --output " + q(out), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  NpyArray a = read_npy(out);
+  EXPECT_EQ(a.dtype, "<f4");
+  ASSERT_EQ(a.shape, (std::vector<int64_t>{1, 2, 64, 16}));
+  // it is the attention of the problem's own inputs (seed 0, gaussian)
+  Problem p;
+  p.batch = 1, p.heads = 2, p.n = 64, p.dim = 16, p.causal = true, p.seed = 0;
+  Inputs in = generate_inputs(p);
+  auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  ASSERT_EQ(a.data.size(), ref.size() * sizeof(float));
+  EXPECT_LT(test::rel_fro_error(reinterpret_cast<const float*>(a.data.data()), ref), 1e-5);
+}
+
+TEST(Cli, RunFromAnInputsFile) {
+  TempDir dir;
+  Problem p;
+  p.batch = 1, p.heads = 2, p.n = 32, p.m = 48, p.dim = 16, p.seed = 99, p.input = "clustered";
+  Inputs in = generate_inputs(p);
+  const std::string path = dir.file("in.npz"), out = dir.file("out.npy");
+  write_npz(path, {{"q", to_npy(in.q)}, {"k", to_npy(in.k)}, {"v", to_npy(in.v)}});
+  CliResult r = run_cli("run --variant flash:block_q=5,block_k=7 --inputs " + q(path) +
+                            " --causal --reps 1 --min-time 0.01 --json --output " + q(out),
+                        dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = parse_json(r.out);
+  EXPECT_EQ(j.at("status"), "ok");
+  EXPECT_EQ(j.at("input"), "file");
+  EXPECT_EQ(j.at("n"), 32);
+  EXPECT_EQ(j.at("m"), 48);
+  EXPECT_EQ(j.at("heads"), 2);
+  EXPECT_EQ(j.at("dim"), 16);
+  EXPECT_EQ(j.at("causal"), true);
+  EXPECT_LT(j.at("rel_fro_error").get<double>(), 1e-5);
+  p.causal = true;
+  NpyArray a = read_npy(out);
+  ASSERT_EQ(a.shape, (std::vector<int64_t>{1, 2, 32, 16}));
+  auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  EXPECT_LT(test::rel_fro_error(reinterpret_cast<const float*>(a.data.data()), ref), 1e-5);
+}
+
+// ----- bad command lines -----
+
+TEST(Cli, BadArgumentsExitWithUsageErrors) {
+  TempDir dir;
+  // input files with a NaN, with float64 q
+  Problem p;
+  p.batch = 1, p.heads = 1, p.n = 8, p.dim = 4;
+  Inputs in = generate_inputs(p);
+  NpyArray qa = to_npy(in.q), ka = to_npy(in.k), va = to_npy(in.v);
+  NpyArray nan_q = qa;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(nan_q.data.data() + 4 * 5, &nan, 4);
+  write_npz(dir.file("nan.npz"), {{"q", nan_q}, {"k", ka}, {"v", va}});
+  NpyArray f8{"<f8", qa.shape, std::vector<char>(qa.data.size() * 2, 0)};
+  write_npz(dir.file("f8.npz"), {{"q", f8}, {"k", ka}, {"v", va}});
+  write_npz(dir.file("good.npz"), {{"q", qa}, {"k", ka}, {"v", va}});
+  const std::string sweep_out = dir.file("sweep_out");
+
+  const std::string run = "run --reps 1 --min-time 0.01 ";
+  struct Case {
+    std::string args, wanted;  // wanted: a piece of the stderr message
+  };
+  const std::vector<Case> cases = {
+      {run + "--variant nosuch", "flash"},
+      {run + "--variant nosuch", "nosuch"},
+      {run + "--variant flash:block_q", "malformed"},
+      {run + "--variant flash:block_q=0", "[1, 4096]"},
+      {run + "--variant flash:bogus=1", "block_k"},
+      // CLI11 only says "A subcommand is required" here; it does not name the bad word
+      {"bogus", "subcommand"},
+      {"", "subcommand"},
+      {run, "--variant"},
+      {run + "--variant flash --seq 0", "--seq"},
+      {run + "--variant flash --seq abc", "abc"},
+      {run + "--variant flash --seq -5", "--seq"},
+      {run + "--variant flash --dim 0", "--dim"},
+      {run + "--variant flash --causal on", "on"},
+      {run + "--variant flash --causal=bogus", "bogus"},
+      {run + "--variant flash --input bogus", "bogus"},
+      {run + "--variant flash --reps 0", "--reps"},
+      {run + "--variant flash --scale 0", "--scale"},
+      {run + "--variant flash --inputs " + q(dir.file("missing.npz")), "missing.npz"},
+      {run + "--variant flash --inputs " + q(dir.file("nan.npz")), "non-finite"},
+      {run + "--variant flash --inputs " + q(dir.file("f8.npz")), "float32"},
+      {run + "--variant flash --inputs " + q(dir.file("good.npz")) + " --input local", "--input"},
+      {"sweep --variant flash --seq 10..5 --out " + q(sweep_out), "10..5"},
+      {"sweep --variant flash --seq 32,abc --out " + q(sweep_out), "abc"},
+      {"sweep --variant flash --dim 0 --out " + q(sweep_out), "--dim"},
+      {"sweep --variant flash --causal maybe --out " + q(sweep_out), "maybe"},
+      {"sweep --variant flash --input gaussian,bogus --out " + q(sweep_out), "bogus"},
+      {"sweep --variant nosuch --out " + q(sweep_out), "nosuch"},
+      {"sweep --variant flash --seq 32", "--out"},
+  };
+  for (const auto& c : cases) {
+    CliResult r = run_cli(c.args, dir);
+    expect_usage_error(r, c.args);
+    EXPECT_CONTAINS(r.err, c.wanted) << "attnbench " << c.args;
+  }
+  // a sweep that fails on its arguments leaves no results behind
+  EXPECT_FALSE(fs::exists(fs::path(sweep_out) / "results.csv"));
+}
+
+// ----- result files, in process -----
+
+Row sample_row(int64_t n, const std::string& status = "ok") {
+  Row r;
+  r.spec = "flash:block_q=64,block_k=256";
+  r.variant = "flash";
+  r.problem.batch = 1, r.problem.heads = 2, r.problem.n = n, r.problem.dim = 16;
+  r.problem.threads = 2;
+  r.status = status;
+  r.time_median = r.time_min = r.time_max = 1e-3;
+  r.message = status == "ok" ? "" : "needs \"about\" 1 GiB, more than allowed";
+  return r;
+}
+
+TEST(Results, CsvLineRoundTripsThroughSplit) {
+  Row r = sample_row(64, "skipped");
+  auto fields = split_csv_line(csv_line(r));
+  ASSERT_EQ(fields.size(), csv_columns().size());
+  std::map<std::string, std::string> row;
+  for (size_t i = 0; i < fields.size(); ++i) row[csv_columns()[i]] = fields[i];
+  EXPECT_EQ(row["spec"], r.spec);  // has commas: quoted in the file
+  EXPECT_EQ(row["message"], r.message);  // has quotes and a comma
+  EXPECT_EQ(row["n"], "64");
+  EXPECT_EQ(row["m"], "64");
+  EXPECT_EQ(row["causal"], "0");
+  EXPECT_EQ(row["status"], "skipped");
+  EXPECT_EQ(row["gflops"], "");  // NaN is an empty field
+  EXPECT_EQ(split_csv_line("a,\"b,c\",\"d\"\"e\","), (std::vector<std::string>{"a", "b,c", "d\"e", ""}));
+  EXPECT_NE(row_key(sample_row(64)), row_key(sample_row(128)));
+  EXPECT_EQ(row_key(sample_row(64)), row_key(sample_row(64, "error")));
+}
+
+// With resume, a torn last line (no trailing newline, from an interrupted write) is dropped,
+// so the next row starts on a line of its own and is not lost.
+TEST(Results, ResumeAfterATornLastLine) {
+  // An interrupted sweep can leave a partial last line without its newline. Resuming keeps
+  // the complete rows, and the rows it appends must still be whole lines of their own.
+  TempDir dir;
+  const std::string out = dir.file("r");
+  {
+    ResultsDir rd(out, false);
+    rd.append(sample_row(32), nlohmann::json());
+  }
+  {
+    std::ofstream f(out + "/results.csv", std::ios::app);
+    f << csv_line(sample_row(64)).substr(0, 25);  // torn: no newline
+  }
+  {
+    ResultsDir rd(out, true);
+    EXPECT_EQ(rd.rows_kept(), 1u);
+    EXPECT_TRUE(rd.done(sample_row(32)));
+    EXPECT_FALSE(rd.done(sample_row(64)));
+    rd.append(sample_row(128), nlohmann::json());
+  }
+  auto lines = test::read_lines(out + "/results.csv");
+  EXPECT_TRUE(std::find(lines.begin(), lines.end(), csv_line(sample_row(128))) != lines.end())
+      << "the appended row is not a line of its own:\n" << test::read_text(out + "/results.csv");
+  ResultsDir again(out, true);
+  EXPECT_TRUE(again.done(sample_row(128)));
+}
+
+// Without resume, both results.csv and benchmark.json are replaced at once, even when no new
+// row brings benchmark runs.
+TEST(Results, WithoutResumeOldFilesAreReplaced) {
+  // "without [resume], existing result files are replaced": a new sweep into an old
+  // directory must not leave the old sweep's benchmark.json behind, even if none of its own
+  // rows produced benchmark runs (all skipped, say).
+  TempDir dir;
+  const std::string out = dir.file("r");
+  {
+    ResultsDir rd(out, false);
+    nlohmann::json bench = {{"context", {{"host_name", "old"}}},
+                            {"benchmarks", {{{"name", "old_run"}}}}};
+    rd.append(sample_row(32), bench);
+  }
+  ASSERT_NE(test::read_text(out + "/benchmark.json").find("old_run"), std::string::npos);
+  {
+    ResultsDir rd(out, false);
+    rd.append(sample_row(64, "skipped"), nlohmann::json());
+  }
+  Csv csv = read_csv(out + "/results.csv");
+  ASSERT_EQ(csv.rows.size(), 1u);
+  EXPECT_EQ(csv.rows[0].at("n"), "64");
+  EXPECT_FALSE(test::read_text(out + "/benchmark.json").find("old_run") != std::string::npos)
+      << "benchmark.json still holds the previous sweep's runs";
+}
+
+// ----- sweep -----
+
+TEST(Cli, SweepThenResume) {
+  TempDir dir;
+  const std::string out = dir.file("results");
+  const std::string base = "sweep --variant full --variant flash --heads 2 --dim 16 --causal both "
+                           "--reps 1 --min-time 0.01 --out " + q(out);
+  CliResult r = run_cli(base + " --seq 32,64", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+
+  Csv csv = read_csv(out + "/results.csv");
+  EXPECT_EQ(csv.header, csv_columns());
+  ASSERT_EQ(csv.rows.size(), 8u);  // 2 variants x 2 lengths x 2 masks
+  std::set<std::string> keys;
+  std::map<std::string, int> per_variant, per_n, per_causal;
+  for (const auto& row : csv.rows) {
+    EXPECT_EQ(row.at("status"), "ok") << row.at("message");
+    EXPECT_TRUE(keys.insert(key_of(row)).second) << "duplicate row " << key_of(row);
+    ++per_variant[row.at("variant")], ++per_n[row.at("n")], ++per_causal[row.at("causal")];
+    EXPECT_EQ(row.at("heads"), "2");
+    EXPECT_EQ(row.at("dim"), "16");
+    EXPECT_EQ(row.at("m"), row.at("n"));
+    EXPECT_LT(std::stod(row.at("rel_fro_error")), 1e-5);
+    EXPECT_GT(std::stod(row.at("time_median_s")), 0);
+    EXPECT_GT(std::stod(row.at("gflops")), 0);
+  }
+  EXPECT_EQ(per_variant, (std::map<std::string, int>{{"flash", 4}, {"full", 4}}));
+  EXPECT_EQ(per_n, (std::map<std::string, int>{{"32", 4}, {"64", 4}}));
+  EXPECT_EQ(per_causal, (std::map<std::string, int>{{"0", 4}, {"1", 4}}));
+
+  nlohmann::json bench = parse_json(test::read_text(out + "/benchmark.json"));
+  ASSERT_TRUE(bench.is_object());
+  ASSERT_TRUE(bench.contains("context"));
+  EXPECT_TRUE(bench["context"].is_object());
+  ASSERT_TRUE(bench.contains("benchmarks"));
+  ASSERT_TRUE(bench["benchmarks"].is_array());
+  EXPECT_EQ(bench["benchmarks"].size(), 8u);  // one run per row with --reps 1
+
+  nlohmann::json meta = parse_json(test::read_text(out + "/meta.json"));
+  ASSERT_TRUE(meta.is_object());
+  ASSERT_TRUE(meta.contains("git_commit"));
+  EXPECT_FALSE(meta["git_commit"].get<std::string>().empty());
+  ASSERT_TRUE(meta.contains("machine"));
+  EXPECT_GT(meta["machine"].at("gemm_gflops").get<double>(), 0);
+  ASSERT_TRUE(meta.contains("command_line"));
+  EXPECT_CONTAINS(meta["command_line"].get<std::string>(), "sweep");
+  EXPECT_CONTAINS(meta["command_line"].get<std::string>(), "--seq 32,64");
+
+  // --resume with one more length: only the 4 new configurations run
+  r = run_cli(base + " --seq 32,64,128 --resume", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "8 kept");
+  Csv csv2 = read_csv(out + "/results.csv");
+  EXPECT_EQ(csv2.header, csv_columns());
+  ASSERT_EQ(csv2.rows.size(), 12u);
+  // the old rows are untouched, the new ones are appended
+  for (size_t i = 0; i < csv.lines.size(); ++i) EXPECT_EQ(csv2.lines[i], csv.lines[i]);
+  std::set<std::string> keys2;
+  for (const auto& row : csv2.rows) {
+    EXPECT_EQ(row.at("status"), "ok") << row.at("message");
+    EXPECT_TRUE(keys2.insert(key_of(row)).second) << "duplicate row " << key_of(row);
+  }
+  for (size_t i = 8; i < 12; ++i) EXPECT_EQ(csv2.rows[i].at("n"), "128");
+  bench = parse_json(test::read_text(out + "/benchmark.json"));
+  EXPECT_EQ(bench.at("benchmarks").size(), 12u);
+  meta = parse_json(test::read_text(out + "/meta.json"));
+  EXPECT_EQ(meta.at("rows_planned"), 12);
+  EXPECT_EQ(meta.at("rows_kept_from_earlier_runs"), 8);
+}
+
+TEST(Cli, SweepSkipsWhatCannotFit) {
+  TempDir dir;
+  const std::string out = dir.file("big");
+  // full materialises B H n m floats: 64 * 2^40 * 4 bytes here
+  CliResult r = run_cli("sweep --variant full --seq 1048576 --heads 64 --reps 1 --out " + q(out), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  Csv csv = read_csv(out + "/results.csv");
+  EXPECT_EQ(csv.header, csv_columns());
+  ASSERT_EQ(csv.rows.size(), 1u);
+  EXPECT_EQ(csv.rows[0].at("status"), "skipped");
+  EXPECT_FALSE(csv.rows[0].at("message").empty());
+  EXPECT_CONTAINS(csv.rows[0].at("message"), "GiB");
+  EXPECT_EQ(csv.rows[0].at("n"), "1048576");
+  EXPECT_EQ(csv.rows[0].at("time_median_s"), "");  // nothing was timed
+  EXPECT_EQ(std::stod(csv.rows[0].at("estimated_bytes")), 64.0 * 1048576.0 * 1048576.0 * 4);
+  EXPECT_CONTAINS(r.err, "skipped");
+}
+
+}  // namespace
+}  // namespace attnbench

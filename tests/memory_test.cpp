@@ -1,0 +1,248 @@
+// The allocation hook (harness/memory_hook.cpp, linked into this executable through
+// attnbench_objects) and the memory figures built on it.
+#include <gtest/gtest.h>
+#include <malloc.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/inputs.h"
+#include "common/registry.h"
+#include "harness/memory.h"
+
+namespace attnbench {
+namespace {
+
+constexpr int64_t kSize = 8 << 20;    // 8 MiB
+constexpr int64_t kSlack = 64 << 10;  // allocator overhead allowed on top of the request
+constexpr int64_t kNoise = 4 << 10;   // drift allowed between two readings with nothing live
+
+// Makes the compiler believe the block is used, so neither the allocation nor the writes
+// are optimised away.
+volatile char g_sink;
+void touch(void* p, int64_t bytes) {
+  std::memset(p, 0x5a, size_t(bytes));
+  benchmark::DoNotOptimize(p);
+  g_sink = static_cast<volatile char*>(p)[bytes - 1];
+}
+
+struct Figures {
+  int64_t base = 0, during = 0, peak = 0, after = 0, allocs = 0;
+};
+
+// base: current bytes before; during: with the block live; peak: since the reset; after: once
+// the block is released. Readings are taken first and checked afterwards, so gtest's own
+// allocations cannot disturb them.
+Figures measure(const std::function<void*()>& alloc, const std::function<void(void*)>& release,
+                int64_t touch_bytes = kSize) {
+  Figures f;
+  const int64_t allocs0 = heap_allocations();
+  f.base = heap_reset_peak();
+  void* p = alloc();
+  if (!p) return f;
+  touch(p, touch_bytes);
+  f.during = heap_current_bytes();
+  f.peak = heap_peak_bytes();
+  f.allocs = heap_allocations() - allocs0;
+  release(p);
+  f.after = heap_current_bytes();
+  return f;
+}
+
+void expect_counted(const Figures& f, int64_t size = kSize) {
+  EXPECT_GE(f.peak - f.base, size);
+  EXPECT_LT(f.peak - f.base, size + kSlack);
+  EXPECT_GE(f.during - f.base, size);
+  EXPECT_LT(f.during - f.base, size + kSlack);
+  EXPECT_GE(f.allocs, 1);
+  EXPECT_NEAR(double(f.after), double(f.base), double(kNoise));
+}
+
+TEST(HeapHook, NewArray) {
+  expect_counted(measure([] { return static_cast<void*>(new char[kSize]); },
+                         [](void* p) { delete[] static_cast<char*>(p); }));
+}
+
+TEST(HeapHook, Malloc) {
+  expect_counted(measure([] { return std::malloc(kSize); }, [](void* p) { std::free(p); }));
+}
+
+TEST(HeapHook, Calloc) {
+  expect_counted(measure([] { return std::calloc(kSize / 16, 16); }, [](void* p) { std::free(p); }));
+}
+
+TEST(HeapHook, PosixMemalign) {
+  expect_counted(measure(
+      [] {
+        void* p = nullptr;
+        return posix_memalign(&p, 64, kSize) == 0 ? p : nullptr;
+      },
+      [](void* p) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+        std::free(p);
+      }));
+  void* p = nullptr;
+  EXPECT_EQ(posix_memalign(&p, 3, 64), EINVAL);  // not a power of two
+}
+
+TEST(HeapHook, AlignedAllocAndMemalign) {
+  expect_counted(measure([] { return std::aligned_alloc(4096, kSize); },
+                         [](void* p) {
+                           EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 4096, 0u);
+                           std::free(p);
+                         }));
+  expect_counted(measure([] { return memalign(256, kSize); }, [](void* p) { std::free(p); }));
+}
+
+TEST(HeapHook, ReallocGrowthShrinkAndFree) {
+  // grow 1 MiB -> 8 MiB: what is counted is the 8 MiB block, not both
+  expect_counted(measure(
+      [] {
+        void* p = std::malloc(1 << 20);
+        touch(p, 1 << 20);
+        return std::realloc(p, kSize);
+      },
+      [](void* p) { std::free(p); }));
+  // realloc(nullptr, n) is malloc(n)
+  expect_counted(measure([] { return std::realloc(nullptr, kSize); }, [](void* p) { std::free(p); }));
+  // shrink 8 MiB -> 1 MiB: the count follows the block down
+  Figures f = measure(
+      [] {
+        void* p = std::malloc(kSize);
+        touch(p, kSize);
+        return std::realloc(p, 1 << 20);
+      },
+      [](void* p) { std::free(p); }, 1 << 20);
+  EXPECT_GE(f.peak - f.base, kSize);
+  EXPECT_GE(f.during - f.base, 1 << 20);
+  EXPECT_LT(f.during - f.base, (1 << 20) + kSlack);
+  EXPECT_NEAR(double(f.after), double(f.base), double(kNoise));
+  // realloc(p, 0) frees p (glibc)
+  volatile size_t zero = 0;
+  const int64_t base = heap_current_bytes();
+  void* p = std::malloc(kSize);
+  benchmark::DoNotOptimize(p);
+  const int64_t during = heap_current_bytes();
+  void* q = std::realloc(p, zero);
+  const int64_t after = heap_current_bytes();
+  std::free(q);
+  const int64_t freed = heap_current_bytes();
+  EXPECT_GE(during - base, kSize);
+  EXPECT_LT(after - base, kNoise);
+  EXPECT_NEAR(double(freed), double(base), double(kNoise));
+}
+
+TEST(HeapHook, OtherThreadsAreCounted) {
+  const int64_t base = heap_reset_peak();
+  std::thread t([] {
+    void* p = std::malloc(kSize);
+    touch(p, kSize);
+    std::free(p);
+  });
+  t.join();
+  const int64_t peak = heap_peak_bytes();
+  EXPECT_GE(peak - base, kSize);
+  EXPECT_LT(peak - base, kSize + kSlack);
+}
+
+TEST(HeapHook, ResetPeakReturnsCurrent) {
+  void* p = std::malloc(kSize);
+  touch(p, kSize);
+  std::free(p);
+  // the peak now includes the freed block; a reset brings it back to the current level
+  EXPECT_GE(heap_peak_bytes(), heap_current_bytes());
+  const int64_t cur = heap_reset_peak();
+  EXPECT_EQ(heap_peak_bytes(), cur);
+  EXPECT_NEAR(double(cur), double(heap_current_bytes()), double(kNoise));
+}
+
+// Captures the memory figures Google Benchmark reports for each run.
+class MemoryReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const auto& r : runs) {
+      if (r.error_occurred) error = r.error_message;
+      if (!r.memory_result) continue;
+      ++reports;
+      max_bytes = r.memory_result->max_bytes_used;
+      allocs = r.memory_result->num_allocs;
+    }
+  }
+  int reports = 0;
+  int64_t max_bytes = -1, allocs = -1;
+  std::string error;
+};
+
+// PeakMemoryManager as the harness uses it: registered with Google Benchmark, which calls
+// Start() and Stop() around its memory-measuring iterations. (Its Result type cannot be built
+// here: the Debian libbenchmark does not export MemoryManager::TombstoneValue, which the
+// inline constructor needs.)
+TEST(PeakMemoryManager, ReportsPeakAboveStart) {
+  // a block live before Start() is not part of the figure
+  void* before = std::malloc(2 * kSize);
+  touch(before, 2 * kSize);
+  static PeakMemoryManager mm;
+  benchmark::RegisterMemoryManager(&mm);
+  benchmark::RegisterBenchmark("alloc_8MiB", [](benchmark::State& st) {
+    for (auto _ : st) {
+      void* p = std::malloc(kSize);
+      touch(p, kSize);
+      std::free(p);
+    }
+  })->Iterations(3);
+  MemoryReporter rep;
+  benchmark::RunSpecifiedBenchmarks(&rep);
+  benchmark::ClearRegisteredBenchmarks();
+  benchmark::RegisterMemoryManager(nullptr);
+  std::free(before);
+  EXPECT_EQ(rep.error, "");
+  ASSERT_EQ(rep.reports, 1);
+  EXPECT_GE(rep.max_bytes, kSize);
+  EXPECT_LT(rep.max_bytes, kSize + kSlack);
+  EXPECT_GE(rep.allocs, 1);
+}
+
+// Peak heap bytes of one forward pass beyond inputs and output (after a warm-up pass, so the
+// OpenMP team already exists).
+double measured_peak(Variant& v, const Problem& p) {
+  Inputs in = generate_inputs(p);
+  Tensor out(p.q_shape());
+  v.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  const int64_t base = heap_reset_peak();
+  v.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  return double(heap_peak_bytes() - base);
+}
+
+Problem big_problem() {
+  Problem p;
+  p.batch = 1, p.heads = 4, p.n = 2048, p.dim = 64, p.seed = 3;
+  return p;
+}
+
+TEST(MemoryEstimate, FlashWithinTwiceOfMeasured) {
+  auto v = make_variant("flash");
+  const Problem p = big_problem();
+  const double est = v->memory_estimate(p), got = measured_peak(*v, p);
+  EXPECT_GT(got, 0);
+  EXPECT_LE(got, 2 * est) << "estimate " << est << ", measured " << got;
+  EXPECT_GE(got, est / 2) << "estimate " << est << ", measured " << got;
+}
+
+TEST(MemoryEstimate, FullHoldsTheScoreMatrix) {
+  auto v = make_variant("full");
+  const Problem p = big_problem();
+  const double scores = double(p.batch * p.heads * p.n * p.keys()) * 4;
+  const double est = v->memory_estimate(p), got = measured_peak(*v, p);
+  EXPECT_GE(got, scores);
+  EXPECT_GE(est, scores);
+  EXPECT_LE(got, 2 * est) << "estimate " << est << ", measured " << got;
+}
+
+}  // namespace
+}  // namespace attnbench

@@ -1,0 +1,129 @@
+// Helpers shared by the attnbench tests: temporary directories, file I/O, running the CLI and
+// comparing outputs with the exact reference.
+#pragma once
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/tensor.h"
+
+namespace attnbench::test {
+
+/// A fresh directory under the system temp directory, removed (with its contents) on
+/// destruction.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    std::random_device rd;
+    const auto base = std::filesystem::temp_directory_path();
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      auto p = base / ("attnbench_test_" + std::to_string(::getpid()) + "_" +
+                       std::to_string(counter++) + "_" + std::to_string(rd()));
+      if (std::filesystem::create_directory(p)) {
+        path_ = p;
+        return;
+      }
+    }
+    throw std::runtime_error("cannot create a temporary directory");
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  /// Path of a file inside the directory.
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(text.data(), std::streamsize(text.size()));
+}
+
+inline std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(f, line);) lines.push_back(line);
+  return lines;
+}
+
+/// ||out - ref||_F / ||ref||_F (the plain norm of the difference if ref is all zeros).
+inline double rel_fro_error(const float* out, const std::vector<double>& ref) {
+  double diff2 = 0, ref2 = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double(out[i]) - ref[i];
+    diff2 += d * d;
+    ref2 += ref[i] * ref[i];
+  }
+  if (std::isnan(diff2)) return NAN;
+  return ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+}
+
+/// Result of one run of the attnbench binary.
+struct CliResult {
+  int code = -1;  ///< exit status, or -1 if it did not exit normally
+  std::string out, err;
+};
+
+/// Runs ATTNBENCH_BIN with `args` (already shell-quoted), capturing stdout and stderr in files
+/// of `dir`.
+inline CliResult run_cli(const std::string& args, const TempDir& dir) {
+  static std::atomic<int> counter{0};
+  const int id = counter++;
+  const std::string out = dir.file("cli_" + std::to_string(id) + ".out"),
+                    err = dir.file("cli_" + std::to_string(id) + ".err");
+  const std::string cmd =
+      std::string("'") + ATTNBENCH_BIN + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int status = std::system(cmd.c_str());
+  CliResult r;
+  r.code = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out);
+  r.err = read_text(err);
+  return r;
+}
+
+}  // namespace attnbench::test
+
+namespace attnbench::test {
+
+/// Predicate-formatter for EXPECT_CONTAINS: passes if `needle` occurs in `haystack`.
+inline testing::AssertionResult contains_format(const char* hay_expr, const char* needle_expr,
+                                                const std::string& haystack,
+                                                const std::string& needle) {
+  if (haystack.find(needle) != std::string::npos) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << hay_expr << " does not contain " << needle_expr
+                                     << "\n  text:   " << haystack << "\n  wanted: " << needle;
+}
+
+}  // namespace attnbench::test
+
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_PRED_FORMAT2(::attnbench::test::contains_format, haystack, needle)

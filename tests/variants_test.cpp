@@ -1,0 +1,410 @@
+// Every registered variant against the exact double-precision reference, on ragged shapes,
+// causal and not, self- and cross-attention; plus the input generators.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/reference.h"
+#include "common/registry.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+using test::rel_fro_error;
+
+// Largest relative Frobenius error accepted for a variant's output against the reference.
+// The default 1e-5 is for exact variants (full and flash compute softmax attention exactly, up
+// to float32 rounding; they land near 1e-7). An approximate variant (low-rank, sparse, kernel,
+// ...) must add its own entry here, with a comment saying why that error is expected.
+double tolerance(const std::string& variant) {
+  static const std::map<std::string, double> table = {
+      {"full", 1e-5},
+      {"flash", 1e-5},
+  };
+  auto it = table.find(variant);
+  return it == table.end() ? 1e-5 : it->second;
+}
+
+// The same with q scaled by 1e3 (logits in the thousands). Float32 logits then carry an
+// absolute error proportional to their size: a float32 GEMM accumulating 64 products of size
+// ~1e3 is off by ~1e-4 in the logit, which moves the weights of near-tied keys by as much.
+// Measured at n = m = 1000, d = 64, seed 7: correctly rounded float32 logits (everything else
+// in double) give 2.4e-6, full and flash 1.2e-5 (full 2.4e-5 at n = m = 113), so 1e-5 is out of
+// reach of any float32 GEMM; 1e-4 still catches every real failure (an exp overflow or a
+// missing max subtraction gives inf/NaN, a wrong mask or normalisation an O(1) error).
+double large_logit_tolerance(const std::string& variant) { return std::max(1e-4, tolerance(variant)); }
+
+bool supports(const VariantInfo& info, const Problem& p) {
+  return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross);
+}
+
+Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
+                     uint64_t seed = 1) {
+  Problem p;
+  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
+  return p;
+}
+
+// Runs `spec` on p with generated inputs; returns the output.
+Tensor run_variant(Variant& v, const Problem& p, const Inputs& in) {
+  Tensor out(p.q_shape());
+  v.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  return out;
+}
+
+bool all_finite(const Tensor& t) {
+  return std::all_of(t.data(), t.data() + t.numel(), [](float x) { return std::isfinite(x); });
+}
+
+// Variant names known when the tests are enumerated (registrations are static, so this is
+// every variant linked in).
+std::vector<std::string> variant_names() {
+  std::vector<std::string> names;
+  for (const VariantInfo* v : Registry::instance().all()) names.push_back(v->name);
+  return names;
+}
+
+std::string test_name(const testing::TestParamInfo<std::string>& info) {
+  std::string s = info.param;
+  for (char& c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return s;
+}
+
+class VariantTest : public testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    info_ = Registry::instance().find(GetParam());
+    ASSERT_NE(info_, nullptr);
+    variant_ = make_variant(GetParam());
+    tol_ = tolerance(GetParam());
+  }
+
+  // Checks the variant on p (or that it refuses p, if its capabilities say so).
+  void check(const Problem& p) { check(p, tol_); }
+  void check(const Problem& p, double tol) {
+    SCOPED_TRACE(p.str());
+    Inputs in = generate_inputs(p);
+    Tensor out(p.q_shape());
+    if (!supports(*info_, p)) {
+      EXPECT_THROW(variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()),
+                   UnsupportedError);
+      return;
+    }
+    variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    ASSERT_TRUE(all_finite(out));
+    const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+    EXPECT_LE(rel_fro_error(out.data(), ref), tol);
+  }
+
+  const VariantInfo* info_ = nullptr;
+  std::unique_ptr<Variant> variant_;
+  double tol_ = 1e-5;
+};
+
+TEST_P(VariantTest, MatchesReferenceOnRaggedShapes) {
+  const int64_t lens[] = {1, 7, 113, 1000}, dims[] = {1, 17, 64};
+  for (int64_t n : lens)
+    for (int64_t m : lens)
+      for (int64_t d : dims)
+        for (bool causal : {false, true}) {
+          // B = H = 2 where it is cheap, one head when the score matrix is large.
+          const int64_t bh = n * m >= 100000 ? 1 : 2;
+          // m = 0 means m = n; pass it explicitly anyway, both spellings must work
+          check(make_problem(bh, bh, n, m == n && d == 17 ? 0 : m, d, causal));
+        }
+}
+
+TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {
+  // causal with n > m: bottom-right alignment leaves rows i < n - m with no key at all
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 7}, {1000, 1}, {8, 7}}) {
+    Problem p = make_problem(2, 2, n, m, 17, true);
+    SCOPED_TRACE(p.str());
+    Inputs in = generate_inputs(p);
+    Tensor out(p.q_shape());
+    if (!supports(*info_, p)) {
+      EXPECT_THROW(variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()),
+                   UnsupportedError);
+      continue;
+    }
+    // a garbage output buffer: the variant must write every element, zeros included
+    std::fill(out.data(), out.data() + out.numel(), NAN);
+    variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    const TensorView o = out.view();
+    int64_t bad_empty = 0, bad_visible = 0;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h)
+        for (int64_t i = 0; i < p.n; ++i) {
+          ASSERT_EQ(p.visible(i) == 0, i < n - m);
+          for (int64_t c = 0; c < p.dim; ++c) {
+            const float x = o.row(b, h, i)[c];
+            if (i < n - m && !(x == 0.0f)) ++bad_empty;  // NaN counts as bad
+            if (i >= n - m && !std::isfinite(x)) ++bad_visible;
+          }
+        }
+    EXPECT_EQ(bad_empty, 0) << "elements of key-less rows that are not exactly 0";
+    EXPECT_EQ(bad_visible, 0) << "non-finite elements in rows with visible keys";
+    const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+    EXPECT_LE(rel_fro_error(out.data(), ref), tol_);
+  }
+}
+
+TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {
+  // q scaled by 1e3: logits in the thousands, softmax nearly one-hot. Any exp without the
+  // max subtracted overflows to inf/NaN here.
+  for (auto [n, m, d, causal] : {std::tuple<int64_t, int64_t, int64_t, bool>{113, 113, 64, false},
+                                 {113, 113, 17, true},
+                                 {7, 113, 64, true},
+                                 {113, 7, 64, true},
+                                 {1000, 1000, 64, false}}) {
+    Problem p = make_problem(1, 2, n, m, d, causal, 7);
+    p.scale = 1000;
+    check(p, large_logit_tolerance(GetParam()));
+  }
+}
+
+TEST_P(VariantTest, SameInputsGiveBitIdenticalOutput) {
+  for (bool causal : {false, true}) {
+    Problem p = make_problem(2, 3, 300, 257, 64, causal, 42);
+    if (!supports(*info_, p)) continue;  // refusal is checked in the shape test
+    Inputs in = generate_inputs(p);
+    Tensor a = run_variant(*variant_, p, in);
+    Tensor b = run_variant(*variant_, p, in);
+    // and again from freshly generated inputs with the same seed, by a new instance
+    Inputs in2 = generate_inputs(p);
+    auto v2 = make_variant(GetParam());
+    Tensor c = run_variant(*v2, p, in2);
+    const size_t bytes = size_t(a.numel()) * sizeof(float);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), bytes), 0) << "causal=" << causal;
+    EXPECT_EQ(std::memcmp(a.data(), c.data(), bytes), 0) << "causal=" << causal;
+  }
+}
+
+TEST_P(VariantTest, EveryInputDistribution) {
+  for (const auto& dist : input_distributions())
+    for (bool causal : {false, true}) {
+      Problem p = make_problem(2, 2, 64, 96, 32, causal, 3);
+      p.input = dist;
+      check(p);
+    }
+}
+
+TEST_P(VariantTest, StridedViews) {
+  // The interface allows any strides but the feature axis: embed q, k, v and out in padded
+  // buffers (rows of d + 5, heads with 3 extra rows, batch items with an extra head's worth).
+  Problem p = make_problem(2, 3, 45, 70, 24, true, 11);
+  if (!info_->caps.causal) p.causal = false;
+  if (!info_->caps.cross) p.m = 0;
+  Inputs in = generate_inputs(p);
+  auto padded = [&](const Tensor& t, std::vector<float>& buf, float fill) {
+    const Shape4 s = t.shape();
+    View4<float> v;
+    v.shape = s;
+    v.stride_row = s.dim + 5;
+    v.stride_h = (s.len + 3) * v.stride_row;
+    v.stride_b = (s.heads + 1) * v.stride_h;
+    buf.assign(size_t(s.batch * v.stride_b), fill);
+    v.data = buf.data();
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t h = 0; h < s.heads; ++h)
+        for (int64_t i = 0; i < s.len; ++i)
+          std::memcpy(v.row(b, h, i), t.view().row(b, h, i), size_t(s.dim) * sizeof(float));
+    return v;
+  };
+  std::vector<float> qb, kb, vb, ob;
+  // NaN padding in the inputs: reading any of it poisons the output
+  TensorView q = padded(in.q, qb, NAN), k = padded(in.k, kb, NAN), v = padded(in.v, vb, NAN);
+  Tensor zero(p.q_shape());
+  TensorView o = padded(zero, ob, 12345.0f);
+  variant_->run(p, q, k, v, o);
+  const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  std::vector<float> dense(ref.size());
+  int64_t pad_changed = 0;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < p.n; ++i) {
+        std::memcpy(dense.data() + ((b * p.heads + h) * p.n + i) * p.dim, o.row(b, h, i),
+                    size_t(p.dim) * sizeof(float));
+        for (int64_t c = p.dim; c < o.stride_row; ++c) pad_changed += o.row(b, h, i)[c] != 12345.0f;
+      }
+  EXPECT_LE(rel_fro_error(dense.data(), ref), tol_);
+  EXPECT_EQ(pad_changed, 0) << "the variant wrote into the padding between output rows";
+}
+
+TEST_P(VariantTest, FlopsAndMemoryEstimatesArePositive) {
+  Problem p = make_problem(1, 2, 128, 0, 64, false);
+  EXPECT_GT(variant_->flops(p), 0);
+  EXPECT_GE(variant_->memory_estimate(p), 0);
+  EXPECT_EQ(variant_->spec().rfind(GetParam(), 0), 0u) << variant_->spec();
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, VariantTest, testing::ValuesIn(variant_names()), test_name);
+
+// ----- flash with other tile sizes -----
+
+TEST(Flash, NonDefaultBlocksAreStillExact) {
+  for (const char* spec : {"flash:block_q=7,block_k=13", "flash:block_q=1,block_k=1",
+                           "flash:block_q=4096,block_k=65536", "flash:block_q=13,block_k=7"}) {
+    auto v = make_variant(spec);
+    for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {113, 7}, {7, 113}, {1, 1000}, {100, 100}})
+      for (bool causal : {false, true}) {
+        Problem p = make_problem(2, 2, n, m, 17, causal, 5);
+        SCOPED_TRACE(std::string(spec) + " " + p.str());
+        Inputs in = generate_inputs(p);
+        Tensor out = run_variant(*v, p, in);
+        ASSERT_TRUE(all_finite(out));
+        EXPECT_LE(rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
+                                                                in.v.view())),
+                  1e-5);
+      }
+  }
+}
+
+TEST(Variant, RunRejectsWrongShapes) {
+  auto v = make_variant("flash");
+  Problem p = make_problem(1, 2, 16, 24, 8, false);
+  Inputs in = generate_inputs(p);
+  Tensor out(p.q_shape()), bad_out(Shape4{1, 2, 24, 8});
+  EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), bad_out.view()), InputError);
+  EXPECT_THROW(v->run(p, in.k.view(), in.k.view(), in.v.view(), out.view()), InputError);
+  EXPECT_THROW(v->run(p, in.q.view(), in.q.view(), in.v.view(), out.view()), InputError);
+  EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.q.view(), out.view()), InputError);
+  EXPECT_NO_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()));
+}
+
+// ----- inputs -----
+
+bool same_tensor(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), size_t(a.numel()) * sizeof(float)) == 0;
+}
+
+TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
+  for (const auto& dist : input_distributions()) {
+    SCOPED_TRACE(dist);
+    Problem p = make_problem(2, 2, 50, 70, 16, false, 123);
+    p.input = dist;
+    Inputs a = generate_inputs(p), b = generate_inputs(p);
+    EXPECT_TRUE(same_tensor(a.q, b.q));
+    EXPECT_TRUE(same_tensor(a.k, b.k));
+    EXPECT_TRUE(same_tensor(a.v, b.v));
+    p.seed = 124;
+    Inputs c = generate_inputs(p);
+    EXPECT_FALSE(same_tensor(a.q, c.q));
+    EXPECT_FALSE(same_tensor(a.k, c.k));
+    EXPECT_FALSE(same_tensor(a.v, c.v));
+    // heads and batch items are independent streams, not copies of each other
+    const size_t head = size_t(50 * 16);
+    EXPECT_NE(std::memcmp(a.q.data(), a.q.data() + head, head * sizeof(float)), 0);
+    EXPECT_NE(std::memcmp(a.q.data(), a.q.data() + 2 * head, head * sizeof(float)), 0);
+  }
+}
+
+TEST(Inputs, ThreadCountDoesNotChangeInputs) {
+  Problem p = make_problem(2, 3, 40, 40, 8, false, 9);
+  p.threads = 1;
+  Inputs a = generate_inputs(p);
+  p.threads = 2;
+  Inputs b = generate_inputs(p);
+  EXPECT_TRUE(same_tensor(a.q, b.q));
+  EXPECT_TRUE(same_tensor(a.v, b.v));
+}
+
+TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
+  ASSERT_FALSE(input_distributions().empty());
+  for (const auto& dist : input_distributions()) {
+    for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{100, 100, 64}, {1, 7, 1}, {33, 5, 17}}) {
+      Problem p = make_problem(2, 2, n, m, d, false, 77);
+      p.input = dist;
+      SCOPED_TRACE(p.str());
+      Inputs in = generate_inputs(p);
+      EXPECT_EQ(in.q.shape(), p.q_shape());
+      EXPECT_EQ(in.k.shape(), p.kv_shape());
+      EXPECT_EQ(in.v.shape(), p.kv_shape());
+      for (const Tensor* t : {&in.q, &in.k, &in.v}) {
+        EXPECT_TRUE(all_finite(*t));
+        double sum = 0, sum2 = 0;
+        for (int64_t i = 0; i < t->numel(); ++i) sum += t->data()[i], sum2 += double(t->data()[i]) * t->data()[i];
+        const double var = sum2 / double(t->numel()) - std::pow(sum / double(t->numel()), 2);
+        EXPECT_GT(var, 0) << "all entries equal";
+      }
+    }
+    EXPECT_FALSE(describe_distribution(dist).empty()) << dist;
+  }
+}
+
+TEST(Inputs, ScaleMultipliesQOnly) {
+  Problem p = make_problem(1, 2, 20, 30, 8, false, 4);
+  Inputs a = generate_inputs(p);
+  p.scale = 1000;
+  Inputs b = generate_inputs(p);
+  for (int64_t i = 0; i < a.q.numel(); ++i) ASSERT_EQ(b.q.data()[i], a.q.data()[i] * 1000.0f);
+  EXPECT_TRUE(same_tensor(a.k, b.k));
+  EXPECT_TRUE(same_tensor(a.v, b.v));
+}
+
+TEST(Inputs, UnknownDistributionIsAUsageError) {
+  Problem p = make_problem(1, 1, 4, 4, 4, false);
+  p.input = "bogus";
+  EXPECT_THROW(generate_inputs(p), UsageError);
+}
+
+// ----- the reference itself, on cases small enough to check by hand -----
+
+TEST(Reference, OneKeyGivesItsValue) {
+  Problem p = make_problem(1, 1, 3, 1, 2, false);
+  Tensor q(p.q_shape()), k(p.kv_shape()), v(p.kv_shape());
+  for (int i = 0; i < 6; ++i) q.data()[i] = float(i - 3);
+  k.data()[0] = 0.5f, k.data()[1] = -2;
+  v.data()[0] = 3, v.data()[1] = -4;
+  auto out = reference_attention(p, q.view(), k.view(), v.view());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(out[size_t(2 * i)], 3.0);
+    EXPECT_EQ(out[size_t(2 * i + 1)], -4.0);
+  }
+}
+
+TEST(Reference, TwoKeysByHand) {
+  // d = 1: logits q k / sqrt(1); p = softmax([0, log 3]) = [1/4, 3/4]
+  Problem p = make_problem(1, 1, 1, 2, 1, false);
+  Tensor q(p.q_shape()), k(p.kv_shape()), v(p.kv_shape());
+  q.data()[0] = 1;
+  k.data()[0] = 0, k.data()[1] = float(std::log(3.0));
+  v.data()[0] = 8, v.data()[1] = 4;
+  auto out = reference_attention(p, q.view(), k.view(), v.view());
+  EXPECT_NEAR(out[0], 8 * 0.25 + 4 * 0.75, 1e-6);
+  // causal, n = m = 2: row 0 sees only key 0
+  Problem c = make_problem(1, 1, 2, 2, 1, true);
+  Tensor q2(c.q_shape());
+  q2.data()[0] = 1, q2.data()[1] = 1;
+  auto out2 = reference_attention(c, q2.view(), k.view(), v.view());
+  EXPECT_EQ(out2[0], 8.0);
+  EXPECT_NEAR(out2[1], 8 * 0.25 + 4 * 0.75, 1e-6);
+}
+
+TEST(Problem, VisibleIsBottomRightAligned) {
+  Problem p = make_problem(1, 1, 3, 5, 4, true);
+  EXPECT_EQ(p.visible(0), 3);
+  EXPECT_EQ(p.visible(2), 5);
+  Problem q = make_problem(1, 1, 5, 3, 4, true);
+  EXPECT_EQ(q.visible(0), 0);
+  EXPECT_EQ(q.visible(1), 0);
+  EXPECT_EQ(q.visible(2), 1);
+  EXPECT_EQ(q.visible(4), 3);
+  EXPECT_EQ(q.visible_pairs(), 6.0);
+  Problem r = make_problem(1, 1, 5, 3, 4, false);
+  EXPECT_EQ(r.visible(0), 3);
+  EXPECT_EQ(r.visible_pairs(), 15.0);
+}
+
+}  // namespace
+}  // namespace attnbench
