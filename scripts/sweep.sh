@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 out=${1:-results/default}
 shift || true
 bash scripts/build.sh
+# Without extra arguments: every variant, n = 256..8192, causal off and on.
+if [ $# -eq 0 ]; then set -- --seq 256..8192 --causal both; fi
 ./build/attnbench sweep --out "$out" "$@"
