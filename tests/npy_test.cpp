@@ -38,19 +38,9 @@ void expect_same(const NpyArray& a, const NpyArray& b) {
   EXPECT_EQ(a.data, b.data);  // bit-identical bytes
 }
 
-// Message of the InputError thrown by f, or "" (and a test failure) if none is thrown.
 template <class F>
 std::string input_error(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something else than InputError: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
+  return test::error_message<InputError>(std::forward<F>(f));
 }
 
 // A valid q, k, v set: q [B, H, n, d], k and v [B, H, m, d].

@@ -25,19 +25,9 @@
 namespace attnbench {
 namespace {
 
-// Message of the SpecError thrown by f, or "" (and a test failure) if none is thrown.
 template <class F>
 std::string spec_error(F&& f) {
-  try {
-    f();
-  } catch (const SpecError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw something else than SpecError: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
+  return test::error_message<SpecError>(std::forward<F>(f));
 }
 
 // A correct but slow variant for the registry tests: copies the reference.

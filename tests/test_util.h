@@ -23,6 +23,22 @@
 
 namespace attnbench::test {
 
+/// Message of the exception of type E thrown by f, or "" (and a test failure) if f throws
+/// nothing or something else.
+template <class E, class F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw something other than the expected error: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "did not throw";
+  return "";
+}
+
 /// A fresh directory under the system temp directory, removed (with its contents) on
 /// destruction.
 class TempDir {
