@@ -6,36 +6,61 @@
 namespace attnbench {
 
 std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
-                                            ConstTensorView k, int64_t b, int64_t h, int64_t i) {
+                                            ConstTensorView k, int64_t b, int64_t h, int64_t i,
+                                            const SparsePattern* pattern) {
   const int64_t d = p.dim, visible = p.visible(i);
   const double scale = 1.0 / std::sqrt(double(d));
   std::vector<double> prob(size_t(p.keys()), 0.0);
   if (visible == 0) return prob;
+  std::vector<uint8_t> allowed(size_t(p.keys()), 1);
+  if (pattern) pattern_row(p, *pattern, b, h, i, allowed.data());
   const float* qi = q.row(b, h, i);
   // pass 1: scaled logits and their max
   double mx = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
+    if (!allowed[size_t(j)]) continue;
     const float* kj = k.row(b, h, j);
     double s = 0;
     for (int64_t c = 0; c < d; ++c) s += double(qi[c]) * double(kj[c]);
     prob[size_t(j)] = s * scale;
     mx = std::max(mx, prob[size_t(j)]);
   }
+  if (mx == -INFINITY) return prob;  // the pattern leaves this row no key
   // pass 2: exponentials and their sum
   double sum = 0;
-  for (int64_t j = 0; j < visible; ++j) sum += (prob[size_t(j)] = std::exp(prob[size_t(j)] - mx));
+  for (int64_t j = 0; j < visible; ++j)
+    if (allowed[size_t(j)]) sum += (prob[size_t(j)] = std::exp(prob[size_t(j)] - mx));
   // pass 3: normalise
   for (int64_t j = 0; j < visible; ++j) prob[size_t(j)] /= sum;
   return prob;
 }
 
-void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out) {
-  const int64_t d = p.dim;
+std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                 const SparsePattern& pattern, int64_t b, int64_t h,
+                                 std::span<const int64_t> rows) {
+  std::vector<double> mass(rows.size());
 #pragma omp parallel for schedule(dynamic, 4)
   for (size_t r = 0; r < rows.size(); ++r) {
     const int64_t i = rows[r];
     std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
+    std::vector<uint8_t> allowed(size_t(p.keys()));
+    pattern_row(p, pattern, b, h, i, allowed.data());
+    double in = 0;
+    for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
+    // a row with no visible key has nothing to lose: its mass is 1
+    mass[r] = p.visible(i) == 0 ? 1.0 : in;
+  }
+  return mass;
+}
+
+void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
+                    const SparsePattern* pattern) {
+  const int64_t d = p.dim;
+#pragma omp parallel for schedule(dynamic, 4)
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const int64_t i = rows[r];
+    std::vector<double> prob = reference_probabilities(p, q, k, b, h, i, pattern);
     double* o = out + int64_t(r) * d;
     std::fill(o, o + d, 0.0);
     for (int64_t j = 0; j < p.visible(i); ++j) {
@@ -46,13 +71,14 @@ void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Cons
 }
 
 std::vector<double> reference_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                        ConstTensorView v) {
+                                        ConstTensorView v, const SparsePattern* pattern) {
   std::vector<double> out(size_t(p.q_shape().numel()));
   std::vector<int64_t> rows(size_t(p.n));
   for (int64_t i = 0; i < p.n; ++i) rows[size_t(i)] = i;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
-      reference_rows(p, q, k, v, b, h, rows, out.data() + (b * p.heads + h) * p.n * p.dim);
+      reference_rows(p, q, k, v, b, h, rows, out.data() + (b * p.heads + h) * p.n * p.dim,
+                     pattern);
   return out;
 }
 

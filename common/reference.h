@@ -6,23 +6,33 @@
 #include <span>
 #include <vector>
 
+#include "common/pattern.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
 namespace attnbench {
 
 /// Exact output rows of head (b, h) for the given query rows: out is rows.size() x d.
-/// A row with no visible key is all zeros. O(rows * m * d).
+/// A row with no visible key is all zeros. O(rows * m * d). With a pattern, the softmax runs
+/// over the keys the pattern allows only (the dense reference masked by the pattern).
 void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out);
+                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
+                    const SparsePattern* pattern = nullptr);
 
-/// Exact output [B, H, n, d] in double. O(B H n m d).
+/// Exact output [B, H, n, d] in double, optionally masked by a pattern. O(B H n m d).
 std::vector<double> reference_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                        ConstTensorView v);
+                                        ConstTensorView v, const SparsePattern* pattern = nullptr);
 
 /// Exact softmax probabilities of one query row over its visible keys (length m, zeros for
-/// hidden keys).
+/// hidden keys), optionally restricted to a pattern.
 std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
-                                            ConstTensorView k, int64_t b, int64_t h, int64_t i);
+                                            ConstTensorView k, int64_t b, int64_t h, int64_t i,
+                                            const SparsePattern* pattern = nullptr);
+
+/// Share of the exact (unmasked) softmax probability of each given row that falls inside the
+/// pattern: mass[r] = sum over keys j the pattern allows of softmax(q_i K^T)_j.
+std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                 const SparsePattern& pattern, int64_t b, int64_t h,
+                                 std::span<const int64_t> rows);
 
 }  // namespace attnbench

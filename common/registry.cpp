@@ -9,6 +9,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/pattern.h"
 
 namespace attnbench {
 
@@ -100,6 +101,11 @@ int64_t ParamValues::get_int(const std::string& name) const { return std::stoll(
 double ParamValues::get_float(const std::string& name) const { return std::stod(text(name)); }
 bool ParamValues::get_bool(const std::string& name) const { return text(name) == "true"; }
 const std::string& ParamValues::get_choice(const std::string& name) const { return text(name); }
+
+std::unique_ptr<SparsePattern> Variant::make_pattern(const Problem&, ConstTensorView,
+                                                     ConstTensorView) const {
+  return nullptr;
+}
 
 std::string Variant::spec() const {
   std::string s = info_->name;

@@ -63,6 +63,7 @@ struct Capabilities {
 };
 
 class Variant;
+class SparsePattern;
 
 /// Everything the registry knows about a variant.
 struct VariantInfo {
@@ -88,6 +89,11 @@ class Variant {
   virtual double flops(const Problem& p) const = 0;
   /// Working bytes allocated by one forward pass beyond inputs and output.
   virtual double memory_estimate(const Problem& p) const = 0;
+  /// For variants that compute exact softmax attention restricted to a pattern: the pattern
+  /// they use on this problem (q and k matter only to data-dependent patterns and may be
+  /// empty views for the others). nullptr for every other variant.
+  virtual std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
+                                                      ConstTensorView k) const;
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }

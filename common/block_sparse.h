@@ -1,0 +1,37 @@
+// The block-sparse engine: exact softmax attention restricted to a pattern.
+//
+// For each (batch, head, query block) it visits only the key blocks the pattern lists,
+// masks partial blocks element by element (and blocks crossing the causal diagonal), and
+// keeps an online softmax (running max and sum per row) over them:
+//
+//   out_i = sum_{j in P(i), j visible} softmax_j(q_i . k_j / sqrt(d)) v_j
+//
+// Time O(B H n (keys per row) d); memory O(threads block (block + d)) plus the pattern.
+#pragma once
+
+#include <memory>
+
+#include "common/pattern.h"
+#include "common/registry.h"
+
+namespace attnbench {
+
+/// out = attention of q over k, v restricted to `pat` and the causal mask. Rows that attend
+/// no key are 0. OpenMP over (batch, head, query block), dynamically scheduled.
+void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
+                            ConstTensorView v, TensorView out, const SparsePattern& pat);
+
+/// Bytes block_sparse_attention allocates beyond inputs, output and the pattern.
+double block_sparse_memory(const Problem& p, int64_t block);
+
+/// Base of the pattern variants: a subclass only describes its pattern (make_pattern);
+/// forward runs the engine, flops count the scores the engine computes (4 d per score).
+class PatternVariant : public Variant {
+ public:
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override;
+  double flops(const Problem& p) const override;
+  double memory_estimate(const Problem& p) const override;
+};
+
+}  // namespace attnbench

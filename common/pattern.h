@@ -1,0 +1,57 @@
+// Attention patterns: which keys each query attends to, described block by block so one
+// block-sparse engine (common/block_sparse.h) can run every pattern variant.
+//
+// A pattern is built for one problem (and, for data-dependent patterns, its q and k). It
+// covers every (batch, head): patterns may differ per head (BigBird's random blocks). The
+// causal mask is NOT part of a pattern: the engine, the masked reference and the exported
+// pattern all intersect the pattern with the problem's causal mask (key j visible to query i
+// iff j < p.visible(i)), so a pattern only states its own structure.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/problem.h"
+#include "common/tensor.h"
+
+namespace attnbench {
+
+/// One key block visited by a query block.
+struct KeyBlock {
+  int64_t index;  ///< key block number: keys [index * block, (index + 1) * block) clipped to m
+  bool partial;   ///< true if some (query, key) pair of the tile is outside the pattern
+};
+
+class SparsePattern {
+ public:
+  virtual ~SparsePattern() = default;
+
+  /// Block size: query block qb holds queries [qb * block, ...), key block kb keys
+  /// [kb * block, ...), both clipped to n and m.
+  virtual int64_t block() const = 0;
+  /// Key blocks query block qb of head (b, h) visits, in increasing order, without
+  /// duplicates. A block marked full must have every pair in the pattern; a block with no
+  /// pair in the pattern must not be listed.
+  virtual void key_blocks(int64_t b, int64_t h, int64_t qb, std::vector<KeyBlock>& out) const = 0;
+  /// mask[r * cols + c] = 1 if query i0 + r attends key j0 + c in head (b, h), else 0.
+  /// Called for partial blocks only (and by the generic helpers below).
+  virtual void block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                          int64_t cols, uint8_t* mask) const = 0;
+  /// Heap bytes the pattern object holds (block tables and the like).
+  virtual double bytes() const { return 0; }
+};
+
+/// Row i of head (b, h) of the pattern intersected with the causal mask: row[j] = 1 if
+/// query i attends key j (length m).
+void pattern_row(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h, int64_t i,
+                 uint8_t* row);
+
+/// Number of (query, key) pairs attended in head (b, h), causal mask included.
+double pattern_pairs(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h);
+
+/// Number of scores the block-sparse engine computes in head (b, h): every listed block in
+/// full, minus key blocks wholly hidden by the causal mask.
+double pattern_scores(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h);
+
+}  // namespace attnbench
