@@ -19,6 +19,7 @@ const char* to_string(ParamType t) {
     case ParamType::Float: return "float";
     case ParamType::Bool: return "bool";
     case ParamType::Choice: return "choice";
+    case ParamType::IntList: return "int list";
   }
   return "?";
 }
@@ -39,12 +40,21 @@ ParamSpec ParamSpec::Choice(std::string name, std::string def, std::vector<std::
           std::move(help)};
 }
 
+ParamSpec ParamSpec::IntList(std::string name, std::string def, int64_t lo, int64_t hi,
+                             std::string help) {
+  return {std::move(name), ParamType::IntList, std::move(def), double(lo), double(hi), {},
+          std::move(help)};
+}
+
 std::string ParamSpec::accepted() const {
   switch (type) {
     case ParamType::Int: return fmt::format("an integer in [{}, {}]", int64_t(min), int64_t(max));
     case ParamType::Float: return fmt::format("a number in [{}, {}]", min, max);
     case ParamType::Bool: return "true|false (also 1|0, on|off)";
     case ParamType::Choice: return fmt::format("one of {}", fmt::join(choices, "|"));
+    case ParamType::IntList:
+      return fmt::format("integers in [{}, {}] joined by '+' (e.g. 0+64+512), or none",
+                         int64_t(min), int64_t(max));
   }
   return "";
 }
@@ -86,6 +96,26 @@ std::string canonical_value(const std::string& variant, const ParamSpec& ps,
         throw bad("is not an allowed choice");
       return text;
     }
+    case ParamType::IntList: {
+      if (text == "none") return text;
+      std::vector<int64_t> items;
+      size_t start = 0;
+      while (true) {
+        const size_t plus = text.find('+', start);
+        const std::string item = text.substr(start, plus == std::string::npos ? plus : plus - start);
+        int64_t v = 0;
+        auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+        if (ec != std::errc() || end != item.data() + item.size() || item.empty())
+          throw bad("is not a list of integers");
+        if (double(v) < ps.min || double(v) > ps.max) throw bad("has a value out of range");
+        items.push_back(v);
+        if (plus == std::string::npos) break;
+        start = plus + 1;
+      }
+      std::sort(items.begin(), items.end());
+      items.erase(std::unique(items.begin(), items.end()), items.end());
+      return fmt::format("{}", fmt::join(items, "+"));
+    }
   }
   return text;
 }
@@ -101,6 +131,19 @@ int64_t ParamValues::get_int(const std::string& name) const { return std::stoll(
 double ParamValues::get_float(const std::string& name) const { return std::stod(text(name)); }
 bool ParamValues::get_bool(const std::string& name) const { return text(name) == "true"; }
 const std::string& ParamValues::get_choice(const std::string& name) const { return text(name); }
+std::vector<int64_t> ParamValues::get_int_list(const std::string& name) const {
+  std::vector<int64_t> out;
+  const std::string& t = text(name);
+  if (t == "none") return out;
+  size_t start = 0;
+  while (true) {
+    const size_t plus = t.find('+', start);
+    out.push_back(std::stoll(t.substr(start, plus == std::string::npos ? plus : plus - start)));
+    if (plus == std::string::npos) break;
+    start = plus + 1;
+  }
+  return out;
+}
 
 std::unique_ptr<SparsePattern> Variant::make_pattern(const Problem&, ConstTensorView,
                                                      ConstTensorView) const {

@@ -21,7 +21,7 @@
 
 namespace attnbench {
 
-enum class ParamType { Int, Float, Bool, Choice };
+enum class ParamType { Int, Float, Bool, Choice, IntList };
 const char* to_string(ParamType t);
 
 /// One typed variant parameter. A name means the same thing, with the same type, in every
@@ -39,6 +39,10 @@ struct ParamSpec {
   static ParamSpec Bool(std::string name, bool def, std::string help);
   static ParamSpec Choice(std::string name, std::string def, std::vector<std::string> choices,
                           std::string help);
+  /// A list of integers in [lo, hi] written with '+' between them ("0+64+4095"); "none" is
+  /// the empty list.
+  static ParamSpec IntList(std::string name, std::string def, int64_t lo, int64_t hi,
+                           std::string help);
   /// "int in [1, 4096]", "one of strided|fixed", ...
   std::string accepted() const;
 };
@@ -50,6 +54,7 @@ class ParamValues {
   double get_float(const std::string& name) const;
   bool get_bool(const std::string& name) const;
   const std::string& get_choice(const std::string& name) const;
+  std::vector<int64_t> get_int_list(const std::string& name) const;
   /// Canonical text of a value; throws if the parameter does not exist.
   const std::string& text(const std::string& name) const;
 

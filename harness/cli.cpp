@@ -135,7 +135,8 @@ nlohmann::ordered_json variants_json() {
     for (const auto& p : v->params) {
       nlohmann::ordered_json j = {{"name", p.name}, {"type", to_string(p.type)},
                                   {"default", p.default_value}};
-      if (p.type == ParamType::Int || p.type == ParamType::Float) j["range"] = {p.min, p.max};
+      if (p.type == ParamType::Int || p.type == ParamType::Float || p.type == ParamType::IntList)
+        j["range"] = {p.min, p.max};
       if (p.type == ParamType::Choice) j["choices"] = p.choices;
       j["help"] = p.help;
       params.push_back(j);
