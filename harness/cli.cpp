@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/npy.h"
+#include "common/pattern.h"
 #include "common/registry.h"
 #include "harness/machine.h"
 #include "harness/results.h"
@@ -277,6 +278,26 @@ int cli_main(int argc, char** argv) {
   sweep->add_option("--out", out_dir, "results directory")->required();
   sweep->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
 
+  // pattern
+  ProblemOptions po;
+  std::string pattern_spec, pattern_inputs, pattern_output;
+  int64_t pattern_head = 0;
+  auto* pattern = app.add_subcommand("pattern", "export a variant's attention pattern for one head");
+  pattern->add_option("--variant", pattern_spec, "variant spec, name:key=value,...")->required();
+  pattern->add_option("--seq", po.seq, "query length n")->capture_default_str()->check(CLI::PositiveNumber);
+  pattern->add_option("--seq-k", po.seq_k, "key length m (default: n)")->check(CLI::PositiveNumber);
+  pattern->add_option("--dim", po.dim, "head dimension d (for data-dependent patterns)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  pattern->add_flag("--causal", po.causal, "bottom-right aligned causal mask");
+  pattern->add_option("--head", pattern_head, "head index")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  pattern->add_option("--seed", po.seed, "seed of every random choice")->capture_default_str();
+  auto* pinput_opt = pattern->add_option("--input", po.input, "input distribution (data-dependent patterns)")
+      ->capture_default_str()->check(CLI::IsMember(input_distributions()));
+  pattern->add_option("--inputs", pattern_inputs, ".npz with float32 q, k, v of shape [B, H, len, d]")
+      ->check(CLI::ExistingFile)->excludes(pinput_opt);
+  pattern->add_option("--output", pattern_output, "uint8 [n, m] .npy, 1 = attended")->required();
+
   // machine
   auto* machine = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
   int machine_threads = 0;
@@ -308,6 +329,55 @@ int cli_main(int argc, char** argv) {
                    mf.gemm_gflops, mf.blas_gflops, mf.eigen_gflops, mf.gemm_size);
         fmt::print("bandwidth  {:.1f} GB/s (triad)\n", mf.bandwidth_gbs);
       }
+      return 0;
+    }
+    if (*pattern) {
+      auto variant = make_variant(pattern_spec);
+      Problem p;
+      p.batch = 1, p.heads = pattern_head + 1, p.n = po.seq, p.m = po.seq_k, p.dim = po.dim;
+      p.causal = po.causal, p.input = po.input, p.seed = po.seed;
+      std::optional<Inputs> given;
+      if (!pattern_inputs.empty()) {
+        given = load_inputs_npz(pattern_inputs, &p);
+        if (pattern_head >= p.heads)
+          throw UsageError(fmt::format("--head {} is out of range: {} has {} heads", pattern_head,
+                                       pattern_inputs, p.heads));
+      }
+      p.threads = apply_threads(0);
+      p.validate();
+      variant->check_supported(p);
+      const double bytes = double(p.n) * double(p.keys());
+      if (bytes > 0.5 * available_memory())
+        throw UsageError(fmt::format("a dense {} x {} pattern needs {:.1f} GiB, more than half the "
+                                     "available memory; use a smaller --seq",
+                                     p.n, p.keys(), bytes / double(1 << 30)));
+      if (!given) given = generate_inputs(p);
+      auto pat = variant->make_pattern(p, given->q.view(), given->k.view());
+      if (!pat) {
+        std::vector<std::string> with;
+        for (const VariantInfo* v : Registry::instance().all()) {
+          auto probe = make_variant(v->name);
+          try {
+            if (probe->make_pattern(p, given->q.view(), given->k.view())) with.push_back(v->name);
+          } catch (const std::exception&) {
+          }
+        }
+        throw UsageError(fmt::format("variant '{}' has no attention pattern (it does not restrict "
+                                     "exact softmax attention to a set of keys); variants with one: {}",
+                                     variant->info().name,
+                                     with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
+      }
+      NpyArray a{"|u1", {p.n, p.keys()}, {}};
+      a.data.resize(size_t(bytes));
+      for (int64_t i = 0; i < p.n; ++i)
+        pattern_row(p, *pat, 0, pattern_head, i,
+                    reinterpret_cast<uint8_t*>(a.data.data()) + i * p.keys());
+      write_npy(pattern_output, a);
+      double attended = 0;
+      for (char c : a.data) attended += c;
+      fmt::print(stderr, "attnbench: {} pattern of head {}: {} x {}, {:.0f} pairs attended ({:.2f}%)\n",
+                 variant->spec(), pattern_head, p.n, p.keys(), attended,
+                 100.0 * attended / std::max(1.0, bytes));
       return 0;
     }
     if (*run) {
@@ -421,6 +491,9 @@ int cli_main(int argc, char** argv) {
   } catch (const InputError& e) {
     fmt::print(stderr, "attnbench: error: {}\n", e.what());
     return 2;
+  } catch (const UnsupportedError& e) {
+    fmt::print(stderr, "attnbench: unsupported: {}\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "attnbench: error: {}\n", e.what());
     return 1;

@@ -47,12 +47,13 @@ double error_memory_estimate(const Problem& p, double exact_limit) {
 }
 
 ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
-                         ConstTensorView v, ConstTensorView out, double exact_limit) {
+                         ConstTensorView v, ConstTensorView out, double exact_limit,
+                         const SparsePattern* pattern) {
   const int64_t d = p.dim;
   auto rows = pick_rows(p, exact_limit);
   ErrorStats e;
   e.rows_total = p.batch * p.heads * p.n;
-  double diff2 = 0, ref2 = 0, cos_sum = 0;
+  double diff2 = 0, ref2 = 0, cos_sum = 0, mass_sum = 0, mass_min = INFINITY;
   std::vector<double> ref;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
@@ -77,7 +78,16 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
         else if (nn > 0 && nr > 0) cos_sum += dot / std::sqrt(nn * nr);
       }
       e.rows_used += int64_t(r.size());
+      if (pattern)
+        for (double x : pattern_mass(p, q, k, *pattern, b, h, r)) {
+          mass_sum += x;
+          mass_min = std::min(mass_min, x);
+        }
     }
+  if (pattern && e.rows_used) {
+    e.mass_mean = mass_sum / double(e.rows_used);
+    e.mass_min = mass_min;
+  }
   e.rel_fro = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
   e.mean_cos = e.rows_used ? cos_sum / double(e.rows_used) : 0;
   return e;

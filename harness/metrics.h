@@ -1,8 +1,10 @@
 // Error of a variant's output against exact softmax attention on the same inputs.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
+#include "common/pattern.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
@@ -18,13 +20,18 @@ struct ErrorStats {
   double mean_cos = 0;   ///< mean over rows of cos(O_i, O*_i); two zero rows count as 1
   int64_t rows_used = 0;   ///< query rows compared
   int64_t rows_total = 0;  ///< B H n
+  /// For pattern variants: share of each row's exact softmax probability inside the pattern
+  /// (mean and minimum over the rows used); NaN for other variants.
+  double mass_mean = NAN, mass_min = NAN;
 };
 
 /// Compares `out` with the double-precision reference. Rows are sampled with p.seed when the
 /// problem exceeds `exact_limit` pairs.
+/// With a pattern, the mass it keeps is measured on the same rows.
 ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
                          ConstTensorView v, ConstTensorView out,
-                         double exact_limit = kExactPairsLimit);
+                         double exact_limit = kExactPairsLimit,
+                         const SparsePattern* pattern = nullptr);
 
 /// Bytes the error measurement will allocate.
 double error_memory_estimate(const Problem& p, double exact_limit = kExactPairsLimit);

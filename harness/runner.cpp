@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/pattern.h"
 #include "harness/memory.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -124,7 +125,10 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
                                 out.data()[bad], bad);
       return row;
     }
-    row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit);
+    auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
+    row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit,
+                              pattern.get());
+    pattern.reset();
 
     // Timed passes and peak memory, by Google Benchmark.
     static PeakMemoryManager memory_manager;
@@ -212,7 +216,9 @@ nlohmann::ordered_json to_json(const Row& r) {
           {"max_abs_error", num(r.error.max_abs)},
           {"mean_cosine", num(r.error.mean_cos)},
           {"error_rows", r.error.rows_used},
-          {"error_rows_total", r.error.rows_total}};
+          {"error_rows_total", r.error.rows_total},
+          {"mass_mean", num(r.error.mass_mean)},
+          {"mass_min", num(r.error.mass_min)}};
 }
 
 }  // namespace attnbench

@@ -32,7 +32,7 @@ struct Row {
   int64_t iterations = 0;
   double flops = NAN, gflops = NAN, gemm_fraction = NAN;
   double peak_bytes = NAN, estimated_bytes = NAN;
-  ErrorStats error{NAN, NAN, NAN, 0, 0};
+  ErrorStats error{NAN, NAN, NAN, 0, 0, NAN, NAN};
 };
 
 /// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS.
