@@ -65,6 +65,10 @@ class ParamValues {
 struct Capabilities {
   bool causal = false;  ///< supports the bottom-right aligned causal mask
   bool cross = false;   ///< supports m != n
+  /// The output is exact softmax attention (restricted to the variant's pattern, if it has
+  /// one), so the tests hold it to the reference at float rounding. Approximations say false
+  /// and are checked against the explicit formula of their own kernel instead.
+  bool exact = true;
 };
 
 class Variant;

@@ -147,20 +147,25 @@ nlohmann::ordered_json variants_json() {
                    {"complexity", v->complexity},
                    {"causal", v->caps.causal},
                    {"cross", v->caps.cross},
+                   {"exact", v->caps.exact},
                    {"params", params}});
   }
   return all;
 }
 
 void print_list() {
-  fmt::print("{:<12} {:<7} {:<6} {}\n", "variant", "causal", "m!=n", "summary / parameters");
+  size_t w = 7;
+  for (const VariantInfo* v : Registry::instance().all()) w = std::max(w, v->name.size());
+  const size_t indent = w + 1 + 7 + 1 + 6 + 1 + 6;
+  fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", "variant", w, "causal", "m!=n", "exact",
+             "summary / parameters");
   for (const VariantInfo* v : Registry::instance().all()) {
-    fmt::print("{:<12} {:<7} {:<6} {}\n", v->name, v->caps.causal ? "yes" : "no",
-               v->caps.cross ? "yes" : "no", v->summary);
-    fmt::print("{:<27} {}\n", "", v->complexity);
+    fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", v->name, w, v->caps.causal ? "yes" : "no",
+               v->caps.cross ? "yes" : "no", v->caps.exact ? "yes" : "no", v->summary);
+    fmt::print("{:<{}} {}\n", "", indent, v->complexity);
     for (const auto& p : v->params)
-      fmt::print("{:<27} {}={} ({}; {}): {}\n", "", p.name, p.default_value, to_string(p.type),
-                 p.accepted(), p.help);
+      fmt::print("{:<{}} {}={} ({}; {}): {}\n", "", indent, p.name, p.default_value,
+                 to_string(p.type), p.accepted(), p.help);
   }
 }
 

@@ -39,6 +39,8 @@ inline void on_free(void* p) {
 
 using namespace attnbench::hook;
 
+// AddressSanitizer brings its own malloc; under it the hook steps aside (and counts nothing).
+#ifndef __SANITIZE_ADDRESS__
 extern "C" {
 
 void* malloc(size_t size) {
@@ -96,3 +98,4 @@ void* pvalloc(size_t size) {
 }
 
 }  // extern "C"
+#endif  // __SANITIZE_ADDRESS__

@@ -102,7 +102,17 @@ class VariantTest : public testing::TestWithParam<std::string> {
     }
     variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
     ASSERT_TRUE(all_finite(out));
-    EXPECT_LE(rel_fro_error(out.data(), reference(p, in)), tol);
+    expect_close_to_reference(out.data(), p, in, tol);
+  }
+
+  // Exact variants must match the reference. Approximations are held to the explicit formula
+  // of their own kernel in their own test files, and here to being finite, deterministic,
+  // zero on key-less rows and independent of strides.
+  void expect_close_to_reference(const float* out, const Problem& p, const Inputs& in,
+                                 double tol) const {
+    if (info_->caps.exact) {
+      EXPECT_LE(rel_fro_error(out, reference(p, in)), tol);
+    }
   }
 
   // The exact result the variant must give: softmax attention, restricted to the variant's
@@ -159,8 +169,7 @@ TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {
         }
     EXPECT_EQ(bad_empty, 0) << "elements of key-less rows that are not exactly 0";
     EXPECT_EQ(bad_visible, 0) << "non-finite elements in rows with visible keys";
-    const auto ref = reference(p, in);
-    EXPECT_LE(rel_fro_error(out.data(), ref), tol_);
+    expect_close_to_reference(out.data(), p, in, tol_);
   }
 }
 
@@ -232,7 +241,15 @@ TEST_P(VariantTest, StridedViews) {
   Tensor zero(p.q_shape());
   TensorView o = padded(zero, ob, 12345.0f);
   variant_->run(p, q, k, v, o);
-  const auto ref = reference(p, in);
+  // What the strided run must reproduce: the reference, or for an approximation its own
+  // output on contiguous tensors.
+  std::vector<double> ref;
+  if (info_->caps.exact) {
+    ref = reference(p, in);
+  } else {
+    Tensor contiguous = run_variant(*variant_, p, in);
+    ref.assign(contiguous.data(), contiguous.data() + contiguous.numel());
+  }
   std::vector<float> dense(ref.size());
   int64_t pad_changed = 0;
   for (int64_t b = 0; b < p.batch; ++b)

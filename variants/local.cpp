@@ -1,0 +1,87 @@
+// local: sliding-window ("truncated") attention. Query i attends the keys within `window`
+// positions on EACH side of its aligned position a(i) = i + (m - n) (bottom-right aligned,
+// like the causal mask, so m != n works):
+//
+//   P(i) = { j : |a(i) - j| <= window },   out_i = sum_{j in P(i)} softmax_j(q_i . k_j / sqrt(d)) v_j
+//
+// `window` counts ONE side (Longformer's attention_window counts both: its 512 is window=256
+// here). Causal masking is applied by the engine, leaving a(i) - window <= j <= a(i).
+// Time O(B H n (2 window + 1) d) (plus up to one block of padding on each side of the band);
+// memory O(threads block (block + d)), the pattern itself holds nothing.
+// Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer" (2020), sliding
+// window; also Child et al. 2019 and Parmar et al. 2018 (local attention).
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+
+#include "common/block_sparse.h"
+
+namespace attnbench {
+namespace {
+
+class LocalPattern final : public SparsePattern {
+ public:
+  LocalPattern(int64_t n, int64_t m, int64_t window, int64_t block)
+      : n_(n), m_(m), off_(m - n), w_(window), bs_(block) {}
+
+  int64_t block() const override { return bs_; }
+
+  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
+    out.clear();
+    const int64_t i0 = qb * bs_, i1 = std::min(n_, i0 + bs_);
+    if (i0 < 0 || i0 >= i1) return;
+    // aligned positions of the block's first and last query
+    const int64_t a0 = i0 + off_, a1 = i1 - 1 + off_;
+    // the band of the block: keys [a0 - w, a1 + w], clipped to the keys that exist
+    const int64_t lo = std::max<int64_t>(0, a0 - w_), hi = std::min(m_ - 1, a1 + w_);
+    if (lo > hi) return;
+    for (int64_t kb = lo / bs_; kb <= hi / bs_; ++kb) {
+      const int64_t j0 = kb * bs_, j1 = std::min(m_, j0 + bs_) - 1;
+      // max |a - j| over the tile is attained at a corner
+      const bool full = std::max(a1 - j0, j1 - a0) <= w_;
+      out.push_back({kb, !full});
+    }
+  }
+
+  void block_mask(int64_t, int64_t, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                  uint8_t* mask) const override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t a = i0 + r + off_;
+      for (int64_t c = 0; c < cols; ++c) mask[r * cols + c] = std::llabs(a - (j0 + c)) <= w_;
+    }
+  }
+
+ private:
+  int64_t n_, m_, off_, w_, bs_;
+};
+
+class Local final : public PatternVariant {
+ public:
+  Local(int64_t window, int64_t block) : window_(window), block_(block) {}
+
+  std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView,
+                                              ConstTensorView) const override {
+    return std::make_unique<LocalPattern>(p.n, p.keys(), window_, block_);
+  }
+
+ private:
+  int64_t window_, block_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    local,
+    VariantInfo{
+        .name = "local",
+        .summary = "sliding window: query i sees keys with |a(i) - j| <= window (one side)",
+        .complexity = "time O(n (2 window + 1) d), memory O(threads block (block + d))",
+        .params = {ParamSpec::Int("window", 256, 0, int64_t(1) << 30,
+                                  "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
+                   ParamSpec::Int("block", 64, 1, 4096,
+                                  "layout block size of the block-sparse engine (query and key tile)")},
+        .caps = {.causal = true, .cross = true},
+        .make = [](const ParamValues& v) {
+          return std::make_unique<Local>(v.get_int("window"), v.get_int("block"));
+        }});
+
+}  // namespace
+}  // namespace attnbench

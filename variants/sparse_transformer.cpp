@@ -1,0 +1,186 @@
+// sparse_transformer: the factorised patterns of the Sparse Transformer, with block length
+// l = `stride` and c = `summary`, on the aligned position a(i) = i + (m - n) (bottom-right
+// aligned, like the causal mask). The paper splits each pattern over two heads (or
+// interleaves them); here BOTH HEADS ARE COMBINED INTO ONE PATTERN, their union, so every
+// head attends
+//
+//   strided: P(i) = { j : |a(i) - j| < l }  U  { j : (a(i) - j) mod l == 0 }
+//   fixed:   P(i) = { j : floor(j / l) == floor(a(i) / l) }  U  { j : j mod l >= l - c }
+//
+// (mathematical floor and mod, so queries with a(i) < 0 when n > m see only the summary
+// columns). Causal masking is applied by the engine: the local part becomes (a(i) - l, a(i)]
+// and the stride part the earlier multiples, as in the paper; without it both sides count.
+// Keys per row: about 2 l + m / l (strided), l + c m / l (fixed). The engine scores whole
+// tiles, so the work is O(n m d), as for full attention, when l < 2 block (strided: every
+// tile holds a multiple of l) or when l <= block and c > 0 (fixed: every tile holds a
+// summary column); otherwise about O(n (l + m block / l) d) strided and
+// O(n (l + m (c + block) / l) d) fixed.
+// Memory O(threads block (block + d)); the pattern holds nothing.
+// Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
+// Transformers" (2019); defaults l = 128, c = 32 as in OpenAI's blocksparse code.
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "common/block_sparse.h"
+
+namespace attnbench {
+namespace {
+
+// Floor division and mathematical mod for b > 0.
+int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+int64_t pmod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return r < 0 ? r + b : r;
+}
+
+class SparseTransformerPattern final : public SparsePattern {
+ public:
+  SparseTransformerPattern(int64_t n, int64_t m, bool fixed, int64_t l, int64_t c, int64_t block)
+      : n_(n), m_(m), off_(m - n), fixed_(fixed), l_(l), c_(std::min(c, l)), bs_(block) {}
+
+  int64_t block() const override { return bs_; }
+
+  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
+    out.clear();
+    const int64_t i0 = qb * bs_, i1 = std::min(n_, i0 + bs_);
+    if (i0 < 0 || i0 >= i1) return;
+    const int64_t a0 = i0 + off_, a1 = i1 - 1 + off_;
+    // Key ranges are added in increasing order of their first key; a block already listed
+    // is not listed again. Nothing is allocated: the engine calls this in its inner loop.
+    auto add_range = [&](int64_t lo, int64_t hi) {
+      lo = std::max<int64_t>(lo, 0), hi = std::min(hi, m_ - 1);
+      if (lo > hi) return;
+      int64_t kb = lo / bs_;
+      if (!out.empty()) kb = std::max(kb, out.back().index + 1);
+      for (; kb <= hi / bs_; ++kb) {
+        const int64_t j0 = kb * bs_, j1 = std::min(m_, j0 + bs_) - 1;
+        out.push_back({kb, !full(a0, a1, j0, j1)});
+      }
+    };
+    if (!fixed_) {
+      // strided: the band [a0 - l + 1, a1 + l - 1] and the stride ranges [a0 - t l, a1 - t l]
+      const int64_t band_lo = a0 - l_ + 1, band_hi = a1 + l_ - 1;
+      if (a1 - a0 + 1 >= l_) {
+        add_range(0, m_ - 1);  // every residue: the stride part alone covers every key
+        return;
+      }
+      bool band = false;
+      for (int64_t t = floor_div(a1, l_), tlo = ceil_div(a0 - (m_ - 1), l_); t >= tlo; --t) {
+        if (!band && a0 - t * l_ >= band_lo) add_range(band_lo, band_hi), band = true;
+        add_range(a0 - t * l_, a1 - t * l_);
+      }
+      if (!band) add_range(band_lo, band_hi);
+      return;
+    }
+    // fixed: the rows' own l-blocks, and every key block holding a summary column (found by
+    // jumping from one listed block to the first summary column past it: O(listed blocks))
+    const int64_t own_lo = floor_div(a0, l_) * l_, own_hi = (floor_div(a1, l_) + 1) * l_ - 1;
+    bool own = false;
+    for (int64_t cur = 0; c_ > 0;) {
+      const int64_t r = cur % l_;
+      const int64_t j = r >= l_ - c_ ? cur : cur - r + (l_ - c_);
+      if (j >= m_) break;
+      if (!own && own_lo <= j) {
+        add_range(own_lo, own_hi), own = true;
+        if (!out.empty() && (out.back().index + 1) * bs_ > j) {  // j's block is listed now
+          cur = (out.back().index + 1) * bs_;
+          continue;
+        }
+      }
+      add_range(j, j);
+      cur = (j / bs_ + 1) * bs_;
+    }
+    if (!own) add_range(own_lo, own_hi);
+  }
+
+  void block_mask(int64_t, int64_t, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                  uint8_t* mask) const override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t a = i0 + r + off_, ab = floor_div(a, l_);
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t j = j0 + c, x = a - j;
+        mask[r * cols + c] = fixed_ ? (j / l_ == ab || j % l_ >= l_ - c_)
+                                    : (std::llabs(x) < l_ || pmod(x, l_) == 0);
+      }
+    }
+  }
+
+ private:
+  // True if some key of [lo, hi] is not a summary column (j mod l < l - c).
+  bool has_plain_column(int64_t lo, int64_t hi) const {
+    if (lo > hi) return false;
+    if (c_ >= l_) return false;
+    if (hi - lo + 1 > c_) return true;  // summary columns come in runs of c
+    if (lo % l_ < l_ - c_) return true;
+    return hi > lo - lo % l_ + l_ - 1;  // the run of lo ends with its l-block
+  }
+
+  // True if some difference of [lo, hi] is outside the local band and not a multiple of l.
+  bool has_bad_difference(int64_t lo, int64_t hi) const {
+    auto non_multiple = [&](int64_t u, int64_t v) {
+      return u <= v && l_ > 1 && (v > u || pmod(u, l_) != 0);
+    };
+    return non_multiple(std::max(lo, l_), hi) || non_multiple(lo, std::min(hi, -l_));
+  }
+
+  // Every pair of rows [a0, a1] x keys [j0, j1] in the pattern?
+  bool full(int64_t a0, int64_t a1, int64_t j0, int64_t j1) const {
+    if (!fixed_) return !has_bad_difference(a0 - j1, a1 - j0);
+    if (!has_plain_column(j0, j1)) return true;
+    // plain columns need every row in their l-block: the rows must share one l-block U
+    // and every plain column of the tile must lie in it
+    const int64_t u = floor_div(a0, l_);
+    if (floor_div(a1, l_) != u) return false;
+    return !has_plain_column(j0, std::min(j1, u * l_ - 1)) &&
+           !has_plain_column(std::max(j0, (u + 1) * l_), j1);
+  }
+
+  int64_t n_, m_, off_;
+  bool fixed_;
+  int64_t l_, c_, bs_;
+};
+
+class SparseTransformer final : public PatternVariant {
+ public:
+  SparseTransformer(bool fixed, int64_t l, int64_t c, int64_t block)
+      : fixed_(fixed), l_(l), c_(c), block_(block) {}
+
+  std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView,
+                                              ConstTensorView) const override {
+    return std::make_unique<SparseTransformerPattern>(p.n, p.keys(), fixed_, l_, c_, block_);
+  }
+
+ private:
+  bool fixed_;
+  int64_t l_, c_, block_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    sparse_transformer,
+    VariantInfo{
+        .name = "sparse_transformer",
+        .summary = "Sparse Transformer, both heads of a pattern in one: strided (band + stride) "
+                   "or fixed (own block + summary columns)",
+        .complexity = "time O(n (l + m block / l) d) strided, O(n (l + m (c + block) / l) d) "
+                      "fixed, O(n m d) when l < 2 block; memory O(threads block (block + d))",
+        .params = {ParamSpec::Choice("mode", "strided", {"strided", "fixed"},
+                                     "strided: |a(i)-j| < l or (a(i)-j) mod l == 0; fixed: same "
+                                     "l-block or j mod l >= l - c"),
+                   ParamSpec::Int("stride", 128, 1, int64_t(1) << 30,
+                                  "the paper's block length l (band width and stride)"),
+                   ParamSpec::Int("summary", 32, 0, int64_t(1) << 30,
+                                  "fixed mode: summary columns c at the end of each l-block"),
+                   ParamSpec::Int("block", 64, 1, 4096,
+                                  "layout block size of the block-sparse engine (query and key tile)")},
+        .caps = {.causal = true, .cross = true},
+        .make = [](const ParamValues& v) {
+          return std::make_unique<SparseTransformer>(v.get_choice("mode") == "fixed",
+                                                     v.get_int("stride"), v.get_int("summary"),
+                                                     v.get_int("block"));
+        }});
+
+}  // namespace
+}  // namespace attnbench
