@@ -162,6 +162,32 @@ TEST(Cli, RunWritesTheOutput) {
   EXPECT_LT(test::rel_fro_error(reinterpret_cast<const float*>(a.data.data()), ref), 1e-5);
 }
 
+TEST(Cli, PatternExportsTheAttendedPairs) {
+  TempDir dir;
+  const std::string out = dir.file("pattern.npy");
+  // causal local window of 2 on n = 10, m = 12: query i sees keys a(i) - 2 .. a(i), a(i) = i + 2
+  CliResult r = run_cli("pattern --variant local:window=2,block=3 --seq 10 --seq-k 12 --causal "
+                        "--head 1 --output " + q(out), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  NpyArray a = read_npy(out);
+  EXPECT_EQ(a.dtype, "|u1");
+  ASSERT_EQ(a.shape, (std::vector<int64_t>{10, 12}));
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < 10; ++i)
+    for (int64_t j = 0; j < 12; ++j) {
+      const bool want = j <= i + 2 && j >= i;
+      wrong += (a.data[size_t(i * 12 + j)] != 0) != want;
+    }
+  EXPECT_EQ(wrong, 0);
+  // a variant without a pattern, a variant that refuses the problem, a bad head
+  CliResult none = run_cli("pattern --variant flash --seq 10 --output " + q(out), dir);
+  expect_usage_error(none, "pattern --variant flash");
+  EXPECT_CONTAINS(none.err, "no attention pattern");
+  CliResult refused = run_cli("pattern --variant bigbird --seq 10 --seq-k 12 --output " + q(out), dir);
+  EXPECT_NE(refused.code, 0);
+  EXPECT_CONTAINS(refused.err, "m != n");
+}
+
 TEST(Cli, RunFromAnInputsFile) {
   TempDir dir;
   Problem p;
