@@ -6,84 +6,158 @@
 #include <cmath>
 #include <vector>
 
-#include "common/softmax.h"
+#include "common/attention_kernels.h"
 
 namespace attnbench {
+namespace {
 
-void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
-                            ConstTensorView v, TensorView out, const SparsePattern& pat) {
-  const int64_t n = p.n, m = p.keys(), d = p.dim, bs = pat.block();
-  const int64_t qblocks = (n + bs - 1) / bs, tasks = p.batch * p.heads * qblocks;
-  const float scale = p.softmax_scale();
+/// Key blocks a thread's block list can hold without growing: a query block lists each key
+/// block at most once.
+int64_t max_key_blocks(const Problem& p, int64_t block) { return (p.keys() + block - 1) / block; }
+
+#ifdef __AVX512F__
+namespace fast {
+
+using namespace kernels;
+
+/// The tiles of one thread: query tiles of `block` rows, key blocks of `block` keys, both
+/// clipped to the problem (a block larger than n or m needs no larger tile).
+Tiles tiles(const Problem& p, int64_t block) {
+  return Tiles(std::min(block, p.n), std::min(block, p.keys()), p.dim);
+}
+
+/// One thread's working block: the tiles of the shared kernels, then the element-mask tile.
+int64_t thread_bytes(const Tiles& tl) { return tl.bytes() + mask_tile_bytes(tl.bq, tl.bk); }
+
+void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+         TensorView out, const SparsePattern& pat) {
+  const int64_t bs = pat.block();
+  const Tiles tl = tiles(p, bs);
+  const int64_t n = p.n, qblocks = (n + bs - 1) / bs, tasks = p.batch * p.heads * qblocks;
+  const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 logits
+
 #pragma omp parallel
   {
-    std::vector<float> s(size_t(bs * bs)), acc(size_t(bs * d)), mx(static_cast<size_t>(bs)),
-        l(static_cast<size_t>(bs));
-    std::vector<uint8_t> mask(size_t(bs * bs));
+    // per-thread tiles, mask and block list, allocated once per call
+    AlignedBuffer buf(thread_bytes(tl));
+    const Workspace w(tl, buf.floats());
+    uint8_t* const mask = buf.bytes() + tl.bytes();
     std::vector<KeyBlock> blocks;
+    blocks.reserve(size_t(max_key_blocks(p, bs)));
+
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t bh = t / qblocks, qb = t % qblocks, i0 = qb * bs;
+      // within a head, the last query blocks first: under a causal mask they see the most keys
+      const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bs;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bs, n - i0);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      std::fill(l.begin(), l.end(), 0.0f);
+      // keys visible to some row of the block (the last row sees the most)
+      const int64_t kend = p.visible(i0 + rows - 1);
+      begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
       pat.key_blocks(b, h, qb, blocks);
-      for (const KeyBlock& kb : blocks) {
-        const int64_t j0 = kb.index * bs, cols = std::min(bs, m - j0);
-        if (cols <= 0 || j0 >= p.visible(i0 + rows - 1)) continue;
-        if (kb.partial) pat.block_mask(b, h, i0, rows, j0, cols, mask.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          // pass 1: scores of the allowed, visible keys; the rest -inf
-          const float* qi = q.row(b, h, i0 + r);
-          const int64_t vis = std::clamp<int64_t>(p.visible(i0 + r) - j0, 0, cols);
-          float* sr = s.data() + r * bs;
-          float bm = -INFINITY;
-          for (int64_t c = 0; c < cols; ++c) {
-            if (c >= vis || (kb.partial && !mask[size_t(r * cols + c)])) {
-              sr[c] = -INFINITY;
-              continue;
-            }
-            const float* kj = k.row(b, h, j0 + c);
-            float dot = 0;
-            for (int64_t x = 0; x < d; ++x) dot += qi[x] * kj[x];
-            sr[c] = dot * scale;
-            bm = std::fmax(bm, sr[c]);
-          }
-          if (bm == -INFINITY) continue;  // nothing of this block is attended by row r
-          // pass 2: online softmax update and acc += P V
-          const float new_mx = std::fmax(mx[size_t(r)], bm);
-          const float corr = fast_exp(mx[size_t(r)] - new_mx);
-          float* ar = acc.data() + r * d;
-          for (int64_t x = 0; x < d; ++x) ar[x] *= corr;
-          float sum = 0;
-          for (int64_t c = 0; c < cols; ++c) {
-            const float e = fast_exp(sr[c] - new_mx);
-            if (e == 0.0f) continue;
-            sum += e;
-            const float* vj = v.row(b, h, j0 + c);
-            for (int64_t x = 0; x < d; ++x) ar[x] += e * vj[x];
-          }
-          l[size_t(r)] = l[size_t(r)] * corr + sum;
-          mx[size_t(r)] = new_mx;
+      // Q and out are touched once per task: fetch this task's output tile and the Q tiles of
+      // the next query blocks of this head (the next tasks, of this thread or another) into L2
+      // while this one computes, a share of the rows before each key block (all at once
+      // stalls on the miss buffers)
+      const int64_t ahead = std::min<int64_t>(2, qb);
+      const int64_t nb = std::max<int64_t>(int64_t(blocks.size()), 1);
+      int64_t fetched = 0;  // rows of those tiles prefetched so far
+      auto prefetch_upto = [&](int64_t upto) {
+        prefetch_rows(out.row(b, h, i0 + fetched), upto - fetched, out.stride_row, tl.d, true);
+        for (int64_t a = 1; a <= ahead; ++a)
+          prefetch_rows(q.row(b, h, i0 - a * bs + fetched), upto - fetched, q.stride_row, tl.d,
+                        false);
+        fetched = upto;
+      };
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        prefetch_upto(rows * int64_t(i + 1) / nb);
+        const KeyBlock& kb = blocks[i];
+        const int64_t j0 = kb.index * bs;
+        if (j0 >= kend) continue;  // wholly past the causal diagonal (or past m)
+        // keys past kend are hidden from every row: not computed
+        const int64_t cols = std::min(bs, kend - j0);
+        const uint8_t* mk = nullptr;
+        if (kb.partial) {
+          pat.block_mask(b, h, i0, rows, j0, cols, mask);
+          mk = mask;
         }
+        attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
+                     cols, scale, causal_first(p, i0, j0), mk);
       }
-      // pass 3: normalise; rows that attended nothing are 0
-      for (int64_t r = 0; r < rows; ++r) {
-        float* o = out.row(b, h, i0 + r);
-        const float inv = l[size_t(r)] > 0 ? 1.0f / l[size_t(r)] : 0.0f;
-        for (int64_t x = 0; x < d; ++x) o[x] = acc[size_t(r * d + x)] * inv;
-      }
+      prefetch_upto(rows);
+      finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row);
     }
   }
 }
 
+}  // namespace fast
+#endif  // __AVX512F__
+
+namespace portable {
+
+using namespace kernels::portable;
+
+[[maybe_unused]] void run(const Problem& p, ConstTensorView q, ConstTensorView k,
+                          ConstTensorView v, TensorView out, const SparsePattern& pat) {
+  const int64_t bs = pat.block(), n = p.n, d = p.dim;
+  const int64_t qblocks = (n + bs - 1) / bs, tasks = p.batch * p.heads * qblocks;
+  const float scale = p.softmax_scale();
+
+#pragma omp parallel
+  {
+    // per-thread tiles, mask and block list, allocated once per call
+    const int64_t max_rows = std::min(bs, n), max_cols = std::min(bs, p.keys());
+    Workspace w(max_rows, max_cols, d);
+    std::vector<uint8_t> mask(size_t(max_rows * max_cols));
+    std::vector<KeyBlock> blocks;
+    blocks.reserve(size_t(max_key_blocks(p, bs)));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bs;
+      const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bs, n - i0);
+      const int64_t kend = p.visible(i0 + rows - 1);
+      begin_tile(w, rows);
+      pat.key_blocks(b, h, qb, blocks);
+      for (const KeyBlock& kb : blocks) {
+        const int64_t j0 = kb.index * bs;
+        if (j0 >= kend) continue;
+        const int64_t cols = std::min(bs, kend - j0);
+        const uint8_t* mk = nullptr;
+        if (kb.partial) {
+          pat.block_mask(b, h, i0, rows, j0, cols, mask.data());
+          mk = mask.data();
+        }
+        attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
+                     v.row(b, h, j0), v.stride_row, cols, scale, kernels::causal_first(p, i0, j0),
+                     mk);
+      }
+      finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row);
+    }
+  }
+}
+
+}  // namespace portable
+}  // namespace
+
+void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
+                            ConstTensorView v, TensorView out, const SparsePattern& pat) {
+#ifdef __AVX512F__
+  fast::run(p, q, k, v, out, pat);
+#else
+  portable::run(p, q, k, v, out, pat);
+#endif
+}
+
 double block_sparse_memory(const Problem& p, int64_t block) {
   const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
-  const double per_thread = double(block * block) * (sizeof(float) + 1) +
-                            double(block * p.dim + 2 * block) * sizeof(float) +
-                            double((p.keys() + block - 1) / block) * sizeof(KeyBlock);
-  return per_thread * threads;
+#ifdef __AVX512F__
+  const double tile_bytes = double(fast::thread_bytes(fast::tiles(p, block)));
+#else
+  const int64_t rows = std::min(block, p.n), cols = std::min(block, p.keys());
+  const double tile_bytes =
+      double(kernels::portable::floats(rows, cols, p.dim)) * sizeof(float) + double(rows * cols);
+#endif
+  const double list = double(max_key_blocks(p, block)) * sizeof(KeyBlock);
+  return (tile_bytes + list) * threads;
 }
 
 void PatternVariant::forward(const Problem& p, ConstTensorView q, ConstTensorView k,

@@ -6,6 +6,15 @@
 //
 //   out_i = sum_{j in P(i), j visible} softmax_j(q_i . k_j / sqrt(d)) v_j
 //
+// Each task is one (batch, head, query block): the pattern's block size is both the query
+// tile (rows) and the key block (cols). It runs the tile passes of flash
+// (common/attention_kernels.h: AVX-512 register-blocked kernels on transposed score tiles, or
+// the portable Eigen passes), so per computed score it runs at close to flash's rate. Key
+// blocks wholly past the causal diagonal are skipped, and keys past the last one the block's
+// last row sees are not computed; a partial block takes its element mask from
+// SparsePattern::block_mask (disallowed scores -> -inf before the max and the exponentials),
+// a block crossing the causal diagonal is masked as in flash. Rows that attend no key are 0.
+//
 // Time O(B H n (keys per row) d); memory O(threads block (block + d)) plus the pattern.
 #pragma once
 
@@ -21,7 +30,9 @@ namespace attnbench {
 void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
                             ConstTensorView v, TensorView out, const SparsePattern& pat);
 
-/// Bytes block_sparse_attention allocates beyond inputs, output and the pattern.
+/// Bytes block_sparse_attention allocates beyond inputs, output and the pattern: per thread,
+/// the tiles of the kernels, the element-mask tile and the key-block list (reserved for every
+/// key block, so it never grows if the pattern clears and refills it).
 double block_sparse_memory(const Problem& p, int64_t block);
 
 /// Base of the pattern variants: a subclass only describes its pattern (make_pattern);

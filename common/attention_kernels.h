@@ -1,0 +1,506 @@
+// Tile kernels shared by the exact tiled attention (variants/flash.cpp) and the block-sparse
+// engine (common/block_sparse.cpp): both walk, for one query tile, a list of key blocks with an
+// online softmax, and only differ in which key blocks they visit and how they mask them.
+//
+// One query tile of `rows` query rows of one (batch, head) goes through
+//   begin_tile     pack Q^T, acc = 0, mx = -inf, l = 0;
+//   attend_block   for each key block (cols keys), passes 1-4 below;
+//   finish_tile    pass 5: out = acc / l (rows that attended no key give exactly 0).
+//
+// AVX-512 (when the compiler targets it): register-blocked kernels on transposed score tiles.
+// The scores are kept transposed, S^T (keys x query rows), so that one 16-float register holds
+// one key's scores for 16 consecutive query rows: the row max, the exponentials and the row
+// sums are all lane-wise, with no horizontal reductions, and the P V product broadcasts p
+// values straight from S^T. Q^T is packed once per tile (d x rows, reused by every key block);
+// K and V are read as stored. The running max is kept in base 2, so that
+// P = 2^(S log2(e)/sqrt(d) - mx) is one FMA and a polynomial exp2 per 16 scores (the scale is
+// not folded into Q: rounding q log2(e)/sqrt(d) would add an error to every logit).
+// Per key block:
+//   pass 1  S^T = K Q^T: register tile of 6 keys x 64 rows (24 accumulators), k values
+//           broadcast from K, block row max on the way out;
+//   pass 2  only blocks crossing the causal diagonal or with an element mask: scores the row
+//           must not see -> -inf, and the block row max again over what is left;
+//   pass 3  mx', correction 2^(mx - mx'), P = 2^(S - mx') in place of S, l;
+//   pass 4  acc = acc 2^(mx - mx') + P V: register tile of up to 6 rows x 64 features
+//           (24 accumulators) summing the block's P V from 0, then one FMA into acc.
+//
+// Portable (any other target): the same passes with Eigen tile products and the scalar
+// fast_exp (natural-base running max).
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <utility>
+
+#include "common/problem.h"
+#include "common/simd.h"
+#include "common/softmax.h"
+
+namespace attnbench::kernels {
+
+constexpr int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+/// Causal offset of key block j0 for the query tile starting at row i0: row r of the tile sees
+/// the keys c < causal_first(p, i0, j0) + r of the block (bottom-right aligned mask). Without a
+/// causal mask, a value past any block.
+inline int64_t causal_first(const Problem& p, int64_t i0, int64_t j0) {
+  constexpr int64_t kEveryKey = int64_t(1) << 60;
+  return p.causal ? i0 + (p.keys() - p.n) + 1 - j0 : kEveryKey;
+}
+
+/// One 64-byte aligned heap block (its size rounded up to whole 64-byte lines).
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(int64_t bytes)
+      : p_(std::aligned_alloc(64, size_t(round_up(std::max<int64_t>(bytes, 1), 64)))) {
+    if (!p_) throw std::bad_alloc();
+  }
+  ~AlignedBuffer() { std::free(p_); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  float* floats() const { return static_cast<float*>(p_); }
+  unsigned char* bytes() const { return static_cast<unsigned char*>(p_); }
+
+ private:
+  void* p_;
+};
+
+/// Bytes of an element-mask tile of rows x cols (row-major, one byte per pair), with the
+/// padding the AVX-512 mask pass may read past the last element.
+constexpr int64_t mask_tile_bytes(int64_t rows, int64_t cols) {
+  return round_up(rows * cols + 4, 64);
+}
+
+#ifdef __AVX512F__
+// GCC 12 reports its own _mm512_undefined_ps() (the pass-through operand of unmasked
+// intrinsics such as _mm512_max_ps) as used uninitialized once inlined here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+using simd::kLanes;
+constexpr int kKeys = 6;         // keys per pass-1 register tile
+constexpr int kRowVecs = 4;      // row vectors (16 rows each) per pass-1 register tile
+constexpr int64_t kPvCols = 64;  // features per pass-4 register tile (4 vectors)
+constexpr float kLog2e = 1.44269504088896341f;
+
+/// Shapes of one thread's working tiles. Every array starts on a 64-byte boundary because
+/// bqp and dp are whole vectors.
+struct Tiles {
+  int64_t bq, bk;  // query rows per tile, keys per block (at most)
+  int64_t bqp;     // bq rounded up to whole vectors: leading dimension of Q^T and S^T
+  int64_t bkp;     // bk rounded up to whole pass-1 key groups: rows of S^T
+  int64_t d, dp;   // head dimension, and d rounded up to whole vectors (row stride of acc)
+
+  Tiles(int64_t bq_, int64_t bk_, int64_t d_)
+      : bq(bq_), bk(bk_), bqp(round_up(bq_, kLanes)), bkp(round_up(bk_, kKeys)), d(d_),
+        dp(round_up(d_, kLanes)) {}
+  // Q^T (d x bqp), S^T (bkp x bqp), acc (bqp x dp), and per row mx, l, corr, block max.
+  int64_t floats() const { return d * bqp + bkp * bqp + bqp * dp + 4 * bqp; }
+  int64_t bytes() const { return round_up(floats() * int64_t(sizeof(float)), 64); }
+};
+
+/// One thread's tiles, carved out of a block of Tiles::bytes() (64-byte aligned).
+struct Workspace {
+  float *qt, *st, *acc, *mx, *l, *corr, *bmax;
+
+  Workspace(const Tiles& tl, float* buf)
+      : qt(buf),                         // Q^T, d x bqp
+        st(qt + tl.d * tl.bqp),          // S^T then P^T, bkp x bqp
+        acc(st + tl.bkp * tl.bqp),       // bqp x dp
+        mx(acc + tl.bqp * tl.dp),        // running max (base 2)
+        l(mx + tl.bqp),                  // running sum
+        corr(l + tl.bqp),                // correction of the last block
+        bmax(corr + tl.bqp) {}           // block row max (raw scores)
+};
+
+/// Starts a query tile of `rows` <= bq query rows (row r at q0 + r ldq): packs Q^T, with the
+/// padding rows up to a whole vector 0, and clears acc, mx and l. Q^T is gathered 16 rows at
+/// a time (rows past `rows` are never read).
+inline void begin_tile(const Tiles& tl, const Workspace& w, const float* q0, int64_t ldq,
+                       int64_t rows) {
+  const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp, d = tl.d;
+  if (ldq < (int64_t(1) << 26)) {  // 32-bit gather offsets
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_mullo_epi32(iota, _mm512_set1_epi32(int32_t(ldq)));
+    for (int64_t rv = 0; rv < nrv; ++rv) {
+      const __mmask16 real = simd::first_lanes(rows - rv * kLanes);
+      const float* src = q0 + rv * kLanes * ldq;
+      float* dst = w.qt + rv * kLanes;
+      for (int64_t x = 0; x < d; ++x)
+        _mm512_storeu_ps(dst + x * ld,
+                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, idx, src + x, 4));
+    }
+  } else {
+    for (int64_t r = 0; r < nrv * kLanes; ++r) {
+      const float* src = r < rows ? q0 + r * ldq : nullptr;
+      for (int64_t x = 0; x < d; ++x) w.qt[x * ld + r] = src ? src[x] : 0.0f;
+    }
+  }
+  std::fill(w.acc, w.acc + rows * tl.dp, 0.0f);
+  std::fill(w.mx, w.mx + nrv * kLanes, -INFINITY);
+  std::fill(w.l, w.l + nrv * kLanes, 0.0f);
+}
+
+/// Prefetches `rows` rows of d floats (row r at p + r ld) into L2, for reading or writing.
+inline void prefetch_rows(const float* p, int64_t rows, int64_t ld, int64_t d, bool write) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * ld);
+    for (int64_t o = 0; o < d * int64_t(sizeof(float)); o += 64) {
+      if (write) __builtin_prefetch(row + o, 1, 2);
+      else _mm_prefetch(row + o, _MM_HINT_T1);
+    }
+  }
+}
+
+// Pass 1: S^T[c][r] = k_c . q^T_r for kKeys keys (rows kr[c] of K) and NRV * 16 query rows
+// (columns of Q^T, leading dimension ldq), over the whole head dimension. The accumulators
+// never leave registers; each step loads NRV vectors of Q^T and broadcasts kKeys k values.
+// The block row max bmax is raised over the new scores.
+template <int NRV>
+inline void scores_tile(const float* qt, int64_t ldq, const float* const* kr, int64_t d,
+                        float* st, int64_t lds, float* bmax) {
+  __m512 acc[kKeys][NRV];
+#pragma GCC unroll 8
+  for (int c = 0; c < kKeys; ++c)
+#pragma GCC unroll 4
+    for (int r = 0; r < NRV; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < d; ++t) {
+    __m512 qv[NRV];
+#pragma GCC unroll 4
+    for (int r = 0; r < NRV; ++r) qv[r] = _mm512_loadu_ps(qt + t * ldq + r * kLanes);
+#pragma GCC unroll 8
+    for (int c = 0; c < kKeys; ++c) {
+      const __m512 kc = _mm512_set1_ps(kr[c][t]);
+#pragma GCC unroll 4
+      for (int r = 0; r < NRV; ++r) acc[c][r] = _mm512_fmadd_ps(qv[r], kc, acc[c][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NRV; ++r) {
+    __m512 mx = _mm512_loadu_ps(bmax + r * kLanes);
+#pragma GCC unroll 8
+    for (int c = 0; c < kKeys; ++c) {
+      _mm512_storeu_ps(st + c * lds + r * kLanes, acc[c][r]);
+      mx = _mm512_max_ps(mx, acc[c][r]);
+    }
+    _mm512_storeu_ps(bmax + r * kLanes, mx);
+  }
+}
+
+// Pass 1 over one key block of cols keys (key c at kb + c ldk) and nrv row vectors. Key groups
+// past `cols` repeat the block's last key (their scores are computed, never read; the last key
+// of a block needing no mask is one every row sees, so the block max stays right, and the
+// mask pass recomputes it otherwise).
+inline void scores_block(const Tiles& tl, const Workspace& w, int64_t nrv, const float* kb,
+                         int64_t ldk, int64_t cols) {
+  const int64_t ld = tl.bqp;
+  std::fill(w.bmax, w.bmax + nrv * kLanes, -INFINITY);
+  for (int64_t g = 0; g < cols; g += kKeys) {
+    const float* kr[kKeys];
+    for (int c = 0; c < kKeys; ++c) kr[c] = kb + std::min<int64_t>(g + c, cols - 1) * ldk;
+    for (int64_t rv = 0; rv < nrv; rv += kRowVecs) {
+      const float* qs = w.qt + rv * kLanes;
+      float* ss = w.st + g * ld + rv * kLanes;
+      float* bm = w.bmax + rv * kLanes;
+      switch (std::min<int64_t>(kRowVecs, nrv - rv)) {
+        case 1: scores_tile<1>(qs, ld, kr, tl.d, ss, ld, bm); break;
+        case 2: scores_tile<2>(qs, ld, kr, tl.d, ss, ld, bm); break;
+        case 3: scores_tile<3>(qs, ld, kr, tl.d, ss, ld, bm); break;
+        default: scores_tile<4>(qs, ld, kr, tl.d, ss, ld, bm); break;
+      }
+    }
+  }
+}
+
+// Pass 2, for a block that crosses the causal diagonal (kCausal) and/or has an element mask
+// (kMask): row r of the tile keeps key c iff c < first + r (kCausal) and
+// mask[r * cols + c] != 0 (kMask; mask is rows x cols, readable 3 bytes past its end). The
+// other scores become -inf, and the block row max is taken again over what is left (the
+// pass-1 max included keys the row must not see). A row left with no key gets max -inf.
+// The element mask is read by one gather of 4 bytes (4 keys) per 16 rows.
+template <bool kCausal, bool kMask>
+inline void mask_block(float* st, int64_t lds, int64_t rows, int64_t nrv, int64_t cols,
+                       int64_t first, const uint8_t* mask, float* bmax) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t rv = 0; rv < nrv; ++rv) {
+    // clamped so that the per-lane counts fit in 32 bits whatever the sizes
+    const int64_t base = std::clamp<int64_t>(first + rv * kLanes, -kLanes, cols);
+    const __m512i vis = _mm512_add_epi32(_mm512_set1_epi32(int32_t(base)), iota);
+    __m512 mx = neg_inf;
+    if constexpr (!kMask) {
+      for (int64_t c = 0; c < cols; ++c) {
+        float* s = st + c * lds + rv * kLanes;
+        const __mmask16 keep = _mm512_cmpgt_epi32_mask(vis, _mm512_set1_epi32(int32_t(c)));
+        const __m512 x = _mm512_mask_mov_ps(neg_inf, keep, _mm512_loadu_ps(s));
+        _mm512_storeu_ps(s, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+    } else {
+      // lane r of the gather reads bytes c0 .. c0 + 3 of row rv * 16 + r
+      const __mmask16 real = simd::first_lanes(rows - rv * kLanes);
+      const uint8_t* mrow = mask + rv * kLanes * cols;
+      __m512i idx = _mm512_mullo_epi32(iota, _mm512_set1_epi32(int32_t(cols)));
+      const __m512i four = _mm512_set1_epi32(4);
+      for (int64_t c0 = 0; c0 < cols; c0 += 4) {
+        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real, idx, mrow, 1);
+        idx = _mm512_add_epi32(idx, four);
+        const int64_t n4 = std::min<int64_t>(4, cols - c0);
+        for (int64_t u = 0; u < n4; ++u) {
+          const int64_t c = c0 + u;
+          float* s = st + c * lds + rv * kLanes;
+          __mmask16 keep = _mm512_test_epi32_mask(g, _mm512_set1_epi32(int32_t(0xFFu << (8 * u))));
+          if constexpr (kCausal)
+            keep &= _mm512_cmpgt_epi32_mask(vis, _mm512_set1_epi32(int32_t(c)));
+          const __m512 x = _mm512_mask_mov_ps(neg_inf, keep, _mm512_loadu_ps(s));
+          _mm512_storeu_ps(s, x);
+          mx = _mm512_max_ps(mx, x);
+        }
+      }
+    }
+    _mm512_storeu_ps(bmax + rv * kLanes, mx);
+  }
+}
+
+// Pass 3: online-softmax update of 16 rows at a time, in base 2: with x = S scale
+// (scale = log2(e)/sqrt(d)), the new max mx' = max(mx, block max scale); corr = 2^(mx - mx')
+// rescales what was accumulated; S^T becomes P = 2^(x - mx') in place (one FMA computes
+// x - mx' with a single rounding); l = l corr + rowsum P. A row that has seen no visible key
+// yet keeps mx = -inf and is shifted by 0 instead, so that its exponentials are 2^-inf = 0
+// and never NaN. scale > 0, so the max of the raw scores gives the max of x.
+inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, float scale,
+                           float* mx, float* l, float* corr, const float* bmax) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+  for (int64_t rv = 0; rv < nrv; ++rv) {
+    const int64_t o = rv * kLanes;
+    const __m512 old_mx = _mm512_loadu_ps(mx + o);
+    const __m512 new_mx = _mm512_max_ps(old_mx, _mm512_mul_ps(_mm512_loadu_ps(bmax + o), sc));
+    const __m512 shift = _mm512_mask_mov_ps(
+        new_mx, _mm512_cmp_ps_mask(new_mx, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    const __m512 cr = simd::exp2_ps(_mm512_sub_ps(old_mx, shift));
+    // two partial sums, so that consecutive keys do not wait on one add chain
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < cols; c += 2) {
+      float* s0 = st + c * lds + o;
+      float* s1 = s0 + lds;
+      const __m512 p0 = simd::exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s0), sc, shift));
+      const __m512 p1 = simd::exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s1), sc, shift));
+      _mm512_storeu_ps(s0, p0);
+      _mm512_storeu_ps(s1, p1);
+      sum0 = _mm512_add_ps(sum0, p0);
+      sum1 = _mm512_add_ps(sum1, p1);
+    }
+    if (c < cols) {
+      float* s0 = st + c * lds + o;
+      const __m512 p0 = simd::exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s0), sc, shift));
+      _mm512_storeu_ps(s0, p0);
+      sum0 = _mm512_add_ps(sum0, p0);
+    }
+    const __m512 sum = _mm512_add_ps(sum0, sum1);
+    _mm512_storeu_ps(l + o, _mm512_fmadd_ps(_mm512_loadu_ps(l + o), cr, sum));
+    _mm512_storeu_ps(mx + o, new_mx);
+    _mm512_storeu_ps(corr + o, cr);
+  }
+}
+
+// Pass 4: acc = acc corr + P V for R rows and NV vectors (16 features each) of acc. P is
+// read from S^T (column r of row c is p[r][c], leading dimension ldp), V row by row as
+// stored (leading dimension ldv); `tail` masks the features of the last vector, so nothing
+// past the end of a V row is read. The R x NV accumulators stay in registers over all keys
+// of the block and start from 0: the block's P V is summed on its own and then added to the
+// rescaled acc, which keeps the rounding error growing with the block size, not with m.
+template <int R, int NV>
+void pv_tile(const float* pt, int64_t ldp, const float* v, int64_t ldv, int64_t cols,
+             float* acc_mem, int64_t lda, const float* corr, __mmask16 tail) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < cols; ++c) {
+    const float* vr = v + c * ldv;
+    __m512 vv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j + 1 < NV; ++j) vv[j] = _mm512_loadu_ps(vr + j * kLanes);
+    vv[NV - 1] = _mm512_maskz_loadu_ps(tail, vr + (NV - 1) * kLanes);
+    const float* pr = pt + c * ldp;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 pb = _mm512_set1_ps(pr[r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(pb, vv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      float* a = acc_mem + r * lda + j * kLanes;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), cr, acc[r][j]));
+    }
+  }
+}
+
+using PvKernel = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                          const float*, __mmask16);
+// Rows per pass-4 register tile by vectors per row: at most 24 accumulators, leaving
+// registers for the v vectors and the broadcast.
+constexpr int kPvRows[5] = {0, 12, 12, 8, 6};
+
+template <int NV, int... R>
+constexpr std::array<PvKernel, sizeof...(R)> pv_kernels(std::integer_sequence<int, R...>) {
+  return {&pv_tile<R + 1, NV>...};
+}
+
+/// The pass-4 kernel for `nv` vectors per row and `rows` <= kPvRows[nv] rows.
+inline PvKernel pv_kernel(int64_t nv, int64_t rows) {
+  static constexpr auto k1 = pv_kernels<1>(std::make_integer_sequence<int, kPvRows[1]>{});
+  static constexpr auto k2 = pv_kernels<2>(std::make_integer_sequence<int, kPvRows[2]>{});
+  static constexpr auto k3 = pv_kernels<3>(std::make_integer_sequence<int, kPvRows[3]>{});
+  static constexpr auto k4 = pv_kernels<4>(std::make_integer_sequence<int, kPvRows[4]>{});
+  switch (nv) {
+    case 1: return k1[size_t(rows - 1)];
+    case 2: return k2[size_t(rows - 1)];
+    case 3: return k3[size_t(rows - 1)];
+    default: return k4[size_t(rows - 1)];
+  }
+}
+
+// Pass 4 over the whole tile: acc = acc corr + P V_blk for `rows` rows, 64 features at a time
+// (key c of the block at vb + c ldv).
+inline void pv_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* vb,
+                     int64_t ldv, int64_t cols) {
+  const int64_t d = tl.d;
+  for (int64_t c0 = 0; c0 < d; c0 += kPvCols) {
+    const int64_t wd = std::min(kPvCols, d - c0), nv = (wd + kLanes - 1) / kLanes;
+    const __mmask16 tail = simd::first_lanes(wd - (nv - 1) * kLanes);
+    for (int64_t r0 = 0; r0 < rows; r0 += kPvRows[nv]) {
+      const int64_t r = std::min<int64_t>(kPvRows[nv], rows - r0);
+      pv_kernel(nv, r)(w.st + r0, tl.bqp, vb + c0, ldv, cols, w.acc + r0 * tl.dp + c0, tl.dp,
+                       w.corr + r0, tail);
+    }
+  }
+}
+
+/// Passes 1-4 for one key block: cols <= bk keys, key c at kb + c ldk and vb + c ldv, for
+/// the tile's `rows` query rows. Row r sees the keys c < causal_first + r of the block
+/// (causal_first >= cols: every key), and, if mask is not null, only those with
+/// mask[r * cols + c] != 0 (mask: rows x cols bytes, mask_tile_bytes(rows, cols) readable).
+/// scale = log2(e) / sqrt(d).
+inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* kb,
+                         int64_t ldk, const float* vb, int64_t ldv, int64_t cols, float scale,
+                         int64_t causal_first, const uint8_t* mask) {
+  const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp;
+  // pass 1: S^T = K Q^T
+  scores_block(tl, w, nrv, kb, ldk, cols);
+  // pass 2: only blocks reaching past the keys every row sees, or with a mask
+  const bool causal = causal_first < cols;
+  if (mask) {
+    if (causal) mask_block<true, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
+    else mask_block<false, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
+  } else if (causal) {
+    mask_block<true, false>(w.st, ld, rows, nrv, cols, causal_first, nullptr, w.bmax);
+  }
+  // pass 3: new max, correction, P, l
+  softmax_update(w.st, ld, nrv, cols, scale, w.mx, w.l, w.corr, w.bmax);
+  // pass 4: acc = acc corr + P V
+  pv_block(tl, w, rows, vb, ldv, cols);
+}
+
+/// Pass 5: out row r (at out0 + r ldo) = acc / l; rows with l = 0 (no key attended) have
+/// acc = 0 and give exactly 0.
+inline void finish_tile(const Tiles& tl, const Workspace& w, int64_t rows, float* out0,
+                        int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out0 + r * ldo;
+    const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
+    for (int64_t x = 0; x < tl.d; ++x) o[x] = w.acc[r * tl.dp + x] * inv;
+  }
+}
+
+#pragma GCC diagnostic pop
+#endif  // __AVX512F__
+
+// ----- the portable passes (Eigen tile products, scalar fast_exp, natural-base max) -----
+namespace portable {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMap = Eigen::Map<const RowMat, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+/// Working floats of one thread: the score tile, the accumulator, and per row mx and l.
+constexpr int64_t floats(int64_t bq, int64_t bk, int64_t d) { return bq * bk + bq * d + 2 * bq; }
+
+/// One thread's tiles (allocated once per call).
+struct Workspace {
+  RowMat s, acc;
+  Eigen::VectorXf mx, l;
+  Workspace(int64_t bq, int64_t bk, int64_t d) : s(bq, bk), acc(bq, d), mx(bq), l(bq) {}
+};
+
+/// Starts a tile of `rows` query rows: acc = 0, mx = -inf, l = 0.
+inline void begin_tile(Workspace& w, int64_t rows) {
+  w.acc.topRows(rows).setZero();
+  w.mx.head(rows).setConstant(-INFINITY);
+  w.l.head(rows).setZero();
+}
+
+/// Passes 1-4 for one key block (cols keys at kb / vb with row strides ldk / ldv) and the
+/// tile's `rows` query rows (at q0, stride ldq): row r sees the keys c < causal_first + r,
+/// and if mask is not null only those with mask[r * cols + c] != 0. scale = 1/sqrt(d).
+inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t rows, int64_t d,
+                         const float* kb, int64_t ldk, const float* vb, int64_t ldv,
+                         int64_t cols, float scale, int64_t causal_first, const uint8_t* mask) {
+  ConstMap qm(q0, rows, d, Eigen::OuterStride<>(ldq));
+  ConstMap km(kb, cols, d, Eigen::OuterStride<>(ldk));
+  ConstMap vm(vb, cols, d, Eigen::OuterStride<>(ldv));
+  auto sb = w.s.topLeftCorner(rows, cols);
+  // pass 1: raw scores
+  sb.noalias() = qm * km.transpose();
+  // pass 2-3: per row, mask, new max, exponentials, rescale the running state
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = w.s.row(r).data();
+    const int64_t vis = std::clamp<int64_t>(causal_first + r, 0, cols);
+    const uint8_t* mr = mask ? mask + r * cols : nullptr;
+    if (mr)
+      for (int64_t c = 0; c < vis; ++c)
+        if (!mr[c]) sr[c] = -INFINITY;
+    float bm = -INFINITY;
+    for (int64_t c = 0; c < vis; ++c) bm = std::fmax(bm, sr[c]);
+    const float new_mx = std::fmax(w.mx[r], bm * scale);
+    if (new_mx == -INFINITY) {  // nothing seen yet in this row
+      std::fill(sr, sr + cols, 0.0f);
+      continue;
+    }
+    const float corr = fast_exp(w.mx[r] - new_mx);
+    float sum = 0.0f;
+    for (int64_t c = 0; c < vis; ++c) {
+      sr[c] = fast_exp(sr[c] * scale - new_mx);
+      sum += sr[c];
+    }
+    std::fill(sr + vis, sr + cols, 0.0f);
+    w.l[r] = w.l[r] * corr + sum;
+    w.mx[r] = new_mx;
+    if (corr != 1.0f) w.acc.row(r) *= corr;
+  }
+  // pass 4: acc += P V
+  w.acc.topRows(rows).noalias() += sb * vm;
+}
+
+/// Pass 5: out = acc / l; rows with no key attended stay 0.
+inline void finish_tile(const Workspace& w, int64_t rows, int64_t d, float* out0, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out0 + r * ldo;
+    const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
+    for (int64_t c = 0; c < d; ++c) o[c] = w.acc(r, c) * inv;
+  }
+}
+
+}  // namespace portable
+}  // namespace attnbench::kernels
