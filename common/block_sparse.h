@@ -35,6 +35,13 @@ void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView
 /// key block, so it never grows if the pattern clears and refills it).
 double block_sparse_memory(const Problem& p, int64_t block);
 
+/// The `block` parameter every pattern variant declares: the layout block size (query and key
+/// tile) of the engine.
+inline ParamSpec block_param() {
+  return ParamSpec::Int("block", 64, 1, 4096,
+                        "layout block size of the block-sparse engine (query and key tile)");
+}
+
 /// Base of the pattern variants: a subclass only describes its pattern (make_pattern);
 /// forward runs the engine, flops count the scores the engine computes (4 d per score).
 class PatternVariant : public Variant {

@@ -42,6 +42,16 @@ class SparsePattern {
   virtual double bytes() const { return 0; }
 };
 
+/// Floor division, for b > 0 (rounds toward minus infinity).
+inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+/// Ceiling division, for b > 0.
+inline int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+/// Mathematical a mod b in [0, b), for b > 0.
+inline int64_t pmod(int64_t a, int64_t b) {
+  const int64_t r = a % b;
+  return r < 0 ? r + b : r;
+}
+
 /// Row i of head (b, h) of the pattern intersected with the causal mask: row[j] = 1 if
 /// query i attends key j (length m).
 void pattern_row(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h, int64_t i,

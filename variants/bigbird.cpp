@@ -200,8 +200,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    "blocks per (head, query block)",
         .complexity = "time O(n (window_blocks + global_blocks + random_blocks) block d), "
                       "memory O(threads block (block + d) + H (n / block) random_blocks)",
-        .params = {ParamSpec::Int("block", 64, 1, 4096,
-                                  "layout block size of the block-sparse engine (query and key tile)"),
+        .params = {block_param(),
                    ParamSpec::Int("window_blocks", 3, 0, int64_t(1) << 20,
                                   "W blocks around the query block: qb-floor((W-1)/2) .. qb+floor(W/2)"),
                    ParamSpec::Int("random_blocks", 3, 0, 4096,

@@ -149,8 +149,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::IntList("positions", "none", 0, int64_t(1) << 30,
                                       "explicit global key positions (override global); query i "
                                       "is global iff i + m - n is one"),
-                   ParamSpec::Int("block", 64, 1, 4096,
-                                  "layout block size of the block-sparse engine (query and key tile)")},
+                   block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Global>(v.get_int("global"), v.get_int_list("positions"),

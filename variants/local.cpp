@@ -76,8 +76,7 @@ ATTNBENCH_REGISTER_VARIANT(
         .complexity = "time O(n (2 window + 1) d), memory O(threads block (block + d))",
         .params = {ParamSpec::Int("window", 256, 0, int64_t(1) << 30,
                                   "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
-                   ParamSpec::Int("block", 64, 1, 4096,
-                                  "layout block size of the block-sparse engine (query and key tile)")},
+                   block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Local>(v.get_int("window"), v.get_int("block"));

@@ -23,14 +23,6 @@
 namespace attnbench {
 namespace {
 
-// Floor division and mathematical mod for b > 0.
-int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
-int64_t pmod(int64_t a, int64_t b) {
-  const int64_t r = a % b;
-  return r < 0 ? r + b : r;
-}
-
 class LongformerPattern final : public SparsePattern {
  public:
   LongformerPattern(int64_t n, int64_t m, int64_t window, int64_t dilation, int64_t dilated_heads,
@@ -137,8 +129,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "0 = every head dilated; k > 0 = heads h < k only, others dilation 1"),
                    ParamSpec::Int("global", 16, 0, int64_t(1) << 30,
                                   "number of global tokens: the first g positions"),
-                   ParamSpec::Int("block", 64, 1, 4096,
-                                  "layout block size of the block-sparse engine (query and key tile)")},
+                   block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Longformer>(v.get_int("window"), v.get_int("dilation"),

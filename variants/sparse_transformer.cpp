@@ -28,14 +28,6 @@
 namespace attnbench {
 namespace {
 
-// Floor division and mathematical mod for b > 0.
-int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
-int64_t pmod(int64_t a, int64_t b) {
-  const int64_t r = a % b;
-  return r < 0 ? r + b : r;
-}
-
 class SparseTransformerPattern final : public SparsePattern {
  public:
   SparseTransformerPattern(int64_t n, int64_t m, bool fixed, int64_t l, int64_t c, int64_t block)
@@ -173,8 +165,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "the paper's block length l (band width and stride)"),
                    ParamSpec::Int("summary", 32, 0, int64_t(1) << 30,
                                   "fixed mode: summary columns c at the end of each l-block"),
-                   ParamSpec::Int("block", 64, 1, 4096,
-                                  "layout block size of the block-sparse engine (query and key tile)")},
+                   block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<SparseTransformer>(v.get_choice("mode") == "fixed",

@@ -23,14 +23,6 @@
 namespace attnbench {
 namespace {
 
-// Floor division and mathematical mod for b > 0.
-int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
-int64_t pmod(int64_t a, int64_t b) {
-  const int64_t r = a % b;
-  return r < 0 ? r + b : r;
-}
-
 class StridedPattern final : public SparsePattern {
  public:
   StridedPattern(int64_t n, int64_t m, int64_t stride, int64_t span, int64_t block)
@@ -115,8 +107,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "distance between attended keys (Sparse Transformer's l)"),
                    ParamSpec::Int("span", 0, 0, int64_t(1) << 30,
                                   "only keys with |a(i) - j| <= span (one side); 0 = unlimited"),
-                   ParamSpec::Int("block", 64, 1, 4096,
-                                  "layout block size of the block-sparse engine (query and key tile)")},
+                   block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Strided>(v.get_int("stride"), v.get_int("span"),
