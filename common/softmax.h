@@ -32,18 +32,43 @@ inline float fast_exp(float x) {
   return x > 88.7f ? INFINITY : y;
 }
 
+/// max of x[0, len) (-inf for an empty row). The max is kept in 16 lanes with a plain
+/// comparison, so GCC vectorises it (std::fmax becomes a libm call per element).
+inline float row_max(const float* x, int64_t len) {
+  constexpr int kLanes = 16;
+  float m[kLanes];
+  for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= len; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
+  float mx = -INFINITY;
+  for (; j < len; ++j) mx = x[j] > mx ? x[j] : mx;
+  for (int l = 0; l < kLanes; ++l) mx = m[l] > mx ? m[l] : mx;
+  return mx;
+}
+
+/// x <- exp(x scale - shift) in place; returns the sum, accumulated in 16 lanes.
+inline float exp_sum(float* x, int64_t len, float scale, float shift) {
+  constexpr int kLanes = 16;
+  float s[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= len; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float e = fast_exp(x[j + l] * scale - shift);
+      x[j + l] = e;
+      s[l] += e;
+    }
+  float sum = 0.0f;
+  for (; j < len; ++j) sum += x[j] = fast_exp(x[j] * scale - shift);
+  for (int l = 0; l < kLanes; ++l) sum += s[l];
+  return sum;
+}
+
 /// In-place softmax of x[0, len) scaled by `scale`: x <- exp(scale x - max) / sum.
 /// An empty row is left alone. Returns the sum of exponentials (0 for an empty row).
 inline float softmax_row(float* x, int64_t len, float scale) {
   if (len <= 0) return 0.0f;
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) mx = std::fmax(mx, x[j]);
-  const float shift = mx * scale;
-  float sum = 0.0f;
-  for (int64_t j = 0; j < len; ++j) {
-    x[j] = fast_exp(x[j] * scale - shift);
-    sum += x[j];
-  }
+  const float sum = exp_sum(x, len, scale, row_max(x, len) * scale);
   const float inv = 1.0f / sum;
   for (int64_t j = 0; j < len; ++j) x[j] *= inv;
   return sum;

@@ -1,0 +1,167 @@
+// efficient: "efficient attention" (Shen et al. 2018, "Efficient Attention: Attention with
+// Linear Complexities", arXiv:1812.01243; WACV 2021).
+//
+//   out = softmax_row(Q) . (softmax_col(K)^T V)
+//
+// softmax_row(Q): each query row softmaxed over its d features; softmax_col(K): each of the d
+// key channels softmaxed over the m positions. No 1/sqrt(d). softmax_col(K)^T V is a d x d
+// "global context" matrix G, so the cost is linear in n and m. This is not softmax attention
+// (no query-key logits at all): its oracle is the explicit formula, and its error against
+// exact attention is a measurement.
+//
+// Steps:
+//   1. per (batch, head) and key range: column max of K over the range, then per chunk of 512
+//      keys P = exp(K_chunk - max) (chunk x d), column sums, G += P^T V_chunk (a GEMM); the key
+//      ranges (one per head, or several when there are fewer heads than threads) are merged
+//      with their maxima and G is divided by the column sums;
+//   2. per block of 512 query rows: out_blk = softmax_row(Q_blk) G (a GEMM).
+// Time O(B H (n + m) d^2); memory O(B H d^2 + threads 512 d).
+// Not causal: the causal form would need a d x d prefix state per position (not implemented).
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "common/registry.h"
+#include "common/softmax.h"
+
+namespace attnbench {
+namespace {
+
+constexpr int64_t kChunkK = 512;  // keys per G update
+constexpr int64_t kBlockQ = 512;  // query rows per task in step 2
+
+class Efficient final : public Variant {
+ public:
+  struct Plan {
+    int64_t threads, chunks, splits, tasks;
+  };
+  static Plan plan(const Problem& p) {
+    Plan pl;
+    pl.threads = omp_get_max_threads();
+    pl.chunks = (p.keys() + kChunkK - 1) / kChunkK;
+    const int64_t bh = p.batch * p.heads;
+    pl.splits = std::min(pl.chunks, std::max<int64_t>(1, (pl.threads + bh - 1) / bh));
+    pl.tasks = bh * pl.splits;
+    return pl;
+  }
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
+    const int64_t dd = d * d, part = dd + 2 * d;
+    const Plan pl = plan(p);
+    std::unique_ptr<float[]> g(new float[size_t(BH * dd)]);
+    // per task of step 1: unnormalised G (d x d), column max (d), column sum (d)
+    std::unique_ptr<float[]> partial(new float[size_t(pl.tasks * part)]);
+
+#pragma omp parallel
+    {
+      {
+        std::unique_ptr<float[]> pbuf(new float[size_t(std::min(kChunkK, m) * d)]);
+        float* pc = pbuf.get();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < pl.tasks; ++t) {
+          const int64_t bh = t / pl.splits, sp = t % pl.splits;
+          const int64_t b = bh / H, h = bh % H;
+          const int64_t j0 = (sp * pl.chunks / pl.splits) * kChunkK;
+          const int64_t j1 = std::min(m, ((sp + 1) * pl.chunks / pl.splits) * kChunkK);
+          float* gp = partial.get() + t * part;
+          float* mx = gp + dd;
+          float* sum = mx + d;
+          std::fill(mx, mx + d, -INFINITY);
+          std::fill(sum, sum + d, 0.0f);
+          for (int64_t j = j0; j < j1; ++j) {
+            const float* kr = k.row(b, h, j);
+            for (int64_t c = 0; c < d; ++c) mx[c] = kr[c] > mx[c] ? kr[c] : mx[c];
+          }
+          for (int64_t c0 = j0; c0 < j1; c0 += kChunkK) {
+            const int64_t rows = std::min(kChunkK, j1 - c0);
+            for (int64_t j = 0; j < rows; ++j) {
+              const float* kr = k.row(b, h, c0 + j);
+              float* pr = pc + j * d;
+              for (int64_t c = 0; c < d; ++c) {
+                pr[c] = fast_exp(kr[c] - mx[c]);
+                sum[c] += pr[c];
+              }
+            }
+            // G += P^T V_chunk
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(d), int(d), int(rows), 1.0f,
+                        pc, int(d), v.row(b, h, c0), int(v.stride_row), c0 == j0 ? 0.0f : 1.0f,
+                        gp, int(d));
+          }
+        }
+      }
+      // merge the key ranges of each head: G[c, :] = sum_s e^(mx_s - top) G_s[c, :] / total
+#pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < BH; ++bh) {
+        const float* first = partial.get() + bh * pl.splits * part;
+        float* gd = g.get() + bh * dd;
+        for (int64_t c = 0; c < d; ++c) {
+          float top = -INFINITY;
+          for (int64_t sp = 0; sp < pl.splits; ++sp) top = std::max(top, first[sp * part + dd + c]);
+          float total = 0.0f;
+          std::fill(gd + c * d, gd + (c + 1) * d, 0.0f);
+          for (int64_t sp = 0; sp < pl.splits; ++sp) {
+            const float* gp = first + sp * part;
+            const float f = fast_exp(gp[dd + c] - top);
+            total += f * gp[dd + d + c];
+            for (int64_t x = 0; x < d; ++x) gd[c * d + x] += f * gp[c * d + x];
+          }
+          const float inv = 1.0f / total;
+          for (int64_t x = 0; x < d; ++x) gd[c * d + x] *= inv;
+        }
+      }
+      // step 2: out = softmax_row(Q) G
+      {
+        const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = BH * qblocks;
+        std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockQ, n) * d)]);
+        float* s = sbuf.get();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+          const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
+          const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+          for (int64_t r = 0; r < rows; ++r) {
+            std::copy_n(q.row(b, h, i0 + r), d, s + r * d);
+            softmax_row(s + r * d, d, 1.0f);
+          }
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(d), 1.0f, s,
+                      int(d), g.get() + bh * dd, int(d), 0.0f, out.row(b, h, i0),
+                      int(out.stride_row));
+        }
+      }
+    }
+  }
+
+  double flops(const Problem& p) const override {
+    const double bh = double(p.batch * p.heads), d = double(p.dim);
+    const double n = double(p.n), m = double(p.keys());
+    // GEMMs: P^T V (2 m d^2) and softmax_row(Q) G (2 n d^2); softmaxes: about 4 operations per
+    // element of Q and of K (max, subtract, exp, sum or normalise).
+    return bh * (2.0 * (n + m) * d * d + 4.0 * (n + m) * d);
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double d = double(p.dim), f = sizeof(float);
+    const double shared = double(p.batch * p.heads) * d * d * f + double(pl.tasks) * (d * d + 2 * d) * f;
+    const double per_thread =
+        double(std::max(std::min(kChunkK, p.keys()), std::min(kBlockQ, p.n))) * d * f;
+    return shared + double(pl.threads) * per_thread;
+  }
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    efficient,
+    VariantInfo{.name = "efficient",
+                .summary = "softmax_row(Q) (softmax_col(K)^T V), no query-key logits "
+                           "(Shen et al. efficient attention)",
+                .complexity = "time O((n + m) d^2), memory O(B H d^2 + threads 512 d)",
+                .params = {},
+                .caps = {.causal = false, .cross = true, .exact = false},
+                .make = [](const ParamValues&) { return std::make_unique<Efficient>(); }});
+
+}  // namespace
+}  // namespace attnbench

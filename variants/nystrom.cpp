@@ -1,0 +1,327 @@
+// nystrom: Nyström approximation of the softmax matrix through L landmarks (Xiong et al. 2021,
+// "Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention",
+// arXiv:2102.03902).
+//
+//   Q~, K~ = means of L consecutive segments of the rows of Q and of K (landmarks, L x d)
+//   out = softmax(s Q K~^T) . pinv(softmax(s Q~ K~^T)) . softmax(s Q~ K^T) V,   s = 1/sqrt(d)
+//
+// (the paper scales Q and K by d^-1/4 each; landmarks are means, so that is the same as one
+// factor s = d^-1/2 on every logit, which is how it is applied here.)
+//
+// Segments: segment r of the n query rows covers rows floor(r n / L) .. floor((r + 1) n / L) - 1,
+// so when L does not divide n the segments differ in size by at most one row (the same for
+// the m keys). L = min(landmarks, n, m): more landmarks than rows would leave empty segments.
+// With L = n = m every segment is one token, the three softmax matrices are the same n x n
+// matrix A, and out = A pinv(A) A V = A V: exact attention (given enough pinv iterations).
+//
+// pinv by the paper's iteration (Razavi et al. 2014):
+//   Z0 = A^T / (max_i sum_j |A_ij| . max_j sum_i |A_ij|),
+//   Z <- 1/4 Z (13 I - A Z (15 I - A Z (7 I - A Z)))        (pinv_iterations times)
+// per head, in double. Z0 here uses each head's own maxima; the authors' code ("original"
+// init, also in HF transformers) divides by the largest column sum over the whole batch and
+// all heads (rows of a softmax sum to 1), and lucidrains' nystrom-attention by both global
+// maxima; a smaller Z0 only delays convergence. Every iterate is Z = A^T g(A A^T): the singular values
+// sigma of A Z start at sigma_A^2 / (row max . col max) and move as x <- x (13 - 15x + 7x^2
+// - x^3) / 4 (about x 13/4 while small, converging to 1), so directions with small singular
+// values of A stay unconverged after few iterations (6 in the paper): a built-in regulariser.
+// The iteration runs in double because the landmark matrix is badly conditioned (cond 1e3 to
+// 2e4 in the tests; landmarks that are means of many tokens give nearly uniform rows): with
+// landmarks = n = m and 50 iterations, float iterations stayed up to 8e-5 (relative Frobenius)
+// from exact attention, double ones 4e-7. It costs about 1 ms of 10 at B=1 H=8 n=4096 L=64
+// (2 threads); its L^3 work does not grow with n.
+//
+// Steps:
+//   1. landmarks Q~, K~ (segment means, accumulated in double) for every (batch, head);
+//   2. B = softmax(s Q~ K^T) V (L x d) with an online softmax over chunks of 512 keys
+//      (S = Q~ K_chunk^T, running row max and sum, acc = acc corr + P V_chunk), so the L x m
+//      matrix is never stored; with fewer heads than threads the keys of a head are split into
+//      ranges merged afterwards;
+//   3. A = softmax(s Q~ K~^T) (L x L), Z = pinv(A) by the iteration, W = Z B (L x d);
+//   4. per block of 256 query rows: out_blk = softmax(s Q_blk K~^T) W.
+// Time O(B H ((n + m) L d + iterations L^3)); memory O(B H L d + threads L (512 + 256 + 5 L)).
+// Not causal: the landmarks mix all positions.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "common/registry.h"
+#include "common/softmax.h"
+
+namespace attnbench {
+namespace {
+
+constexpr int64_t kChunkK = 512;  // keys per online-softmax step in step 2
+constexpr int64_t kBlockQ = 256;  // query rows per task in step 4
+
+using Real = double;  // precision of the L x L pseudo-inverse iteration
+
+// C = alpha A B + beta C for L x L row-major matrices.
+inline void gemm_square(int64_t L, const double* a, const double* b, double beta, double* c,
+                        double alpha = 1.0) {
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(L), int(L), alpha, a, int(L),
+              b, int(L), beta, c, int(L));
+}
+inline void gemm_square(int64_t L, const float* a, const float* b, float beta, float* c,
+                        float alpha = 1.0f) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(L), int(L), alpha, a, int(L),
+              b, int(L), beta, c, int(L));
+}
+
+// W = Z B with Z L x L and B L x d, row-major.
+inline void gemm_rect(int64_t L, int64_t d, const double* z, const double* b, double* w) {
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0, z, int(L),
+              b, int(d), 0.0, w, int(d));
+}
+inline void gemm_rect(int64_t L, int64_t d, const float* z, const float* b, float* w) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0f, z, int(L),
+              b, int(d), 0.0f, w, int(d));
+}
+
+// x <- c I - x for an L x L matrix.
+template <class T>
+void shifted_negation(int64_t L, T c, T* x) {
+  for (int64_t i = 0; i < L * L; ++i) x[i] = -x[i];
+  for (int64_t i = 0; i < L; ++i) x[i * L + i] += c;
+}
+
+// Z = pinv(A) by `iters` iterations of the Nyströmformer iteration. work holds 3 L^2 values.
+template <class T>
+void iterative_pinv(int64_t L, const T* a, int64_t iters, T* z, T* work) {
+  T max_row = 0, max_col = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    T row = 0, col = 0;
+    for (int64_t j = 0; j < L; ++j) row += std::abs(a[i * L + j]), col += std::abs(a[j * L + i]);
+    max_row = std::max(max_row, row), max_col = std::max(max_col, col);
+  }
+  const T inv = T(1) / (max_row * max_col);
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < L; ++j) z[i * L + j] = a[j * L + i] * inv;
+  T *az = work, *t1 = work + L * L, *t2 = work + 2 * L * L;
+  for (int64_t it = 0; it < iters; ++it) {
+    gemm_square(L, a, z, T(0), az);        // AZ
+    std::memcpy(t1, az, size_t(L * L) * sizeof(T));
+    shifted_negation(L, T(7), t1);         // 7I - AZ
+    gemm_square(L, az, t1, T(0), t2);      // AZ (7I - AZ)
+    shifted_negation(L, T(15), t2);        // 15I - ...
+    gemm_square(L, az, t2, T(0), t1);      // AZ (15I - ...)
+    shifted_negation(L, T(13), t1);        // 13I - ...
+    gemm_square(L, z, t1, T(0), t2, T(0.25));  // Z <- Z (13I - ...) / 4
+    std::memcpy(z, t2, size_t(L * L) * sizeof(T));
+  }
+}
+
+// Mean of rows [floor(r len / L), floor((r + 1) len / L)) of a len x d matrix, for r < L.
+void segment_means(const float* x, int64_t ld, int64_t len, int64_t d, int64_t L, float* out,
+                   double* acc) {
+  for (int64_t r = 0; r < L; ++r) {
+    const int64_t lo = r * len / L, hi = (r + 1) * len / L;
+    std::fill(acc, acc + d, 0.0);
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t c = 0; c < d; ++c) acc[c] += double(x[i * ld + c]);
+    const double inv = 1.0 / double(hi - lo);
+    for (int64_t c = 0; c < d; ++c) out[r * d + c] = float(acc[c] * inv);
+  }
+}
+
+class Nystrom final : public Variant {
+ public:
+  Nystrom(int64_t landmarks, int64_t iters) : landmarks_(landmarks), iters_(iters) {}
+
+  struct Plan {
+    int64_t L, threads, chunks, splits, tasks;
+  };
+  Plan plan(const Problem& p) const {
+    Plan pl;
+    pl.L = std::min({landmarks_, p.n, p.keys()});
+    pl.threads = omp_get_max_threads();
+    pl.chunks = (p.keys() + kChunkK - 1) / kChunkK;
+    const int64_t bh = p.batch * p.heads;
+    pl.splits = std::min(pl.chunks, std::max<int64_t>(1, (pl.threads + bh - 1) / bh));
+    pl.tasks = bh * pl.splits;
+    return pl;
+  }
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
+    const Plan pl = plan(p);
+    const int64_t L = pl.L, Ld = L * d;
+    const float scale = p.softmax_scale();
+    // qt, kt: landmarks (L x d per head); w: Z B (L x d per head)
+    std::unique_ptr<float[]> qt(new float[size_t(BH * Ld)]), kt(new float[size_t(BH * Ld)]),
+        w(new float[size_t(BH * Ld)]);
+    // per task of step 2: acc (L x d), row max (L), row sum (L)
+    const int64_t part = Ld + 2 * L;
+    std::unique_ptr<float[]> partial(new float[size_t(pl.tasks * part)]);
+
+#pragma omp parallel
+    {
+      // step 1: landmarks
+      {
+        std::unique_ptr<double[]> acc(new double[size_t(d)]);
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < BH; ++bh) {
+          const int64_t b = bh / H, h = bh % H;
+          segment_means(q.head(b, h), q.stride_row, n, d, L, qt.get() + bh * Ld, acc.get());
+          segment_means(k.head(b, h), k.stride_row, m, d, L, kt.get() + bh * Ld, acc.get());
+        }
+      }
+      // step 2: softmax(s Q~ K^T) V over each task's key range, online
+      {
+        const int64_t cols_max = std::min(kChunkK, m);
+        std::unique_ptr<float[]> sbuf(new float[size_t(L * cols_max)]);
+        float* s = sbuf.get();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < pl.tasks; ++t) {
+          const int64_t bh = t / pl.splits, sp = t % pl.splits;
+          const int64_t b = bh / H, h = bh % H;
+          const int64_t c0 = sp * pl.chunks / pl.splits, c1 = (sp + 1) * pl.chunks / pl.splits;
+          float* acc = partial.get() + t * part;
+          float* mx = acc + Ld;
+          float* l = mx + L;
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t j0 = c * kChunkK, cols = std::min(kChunkK, m - j0);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(cols), int(d), 1.0f,
+                        qt.get() + bh * Ld, int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, s,
+                        int(cols));
+            for (int64_t r = 0; r < L; ++r) {
+              float* row = s + r * cols;
+              const float bm = row_max(row, cols);
+              const float mnew = c == c0 || bm > mx[r] ? bm : mx[r];
+              const float shift = mnew * scale;
+              const float sum = exp_sum(row, cols, scale, shift);
+              if (c == c0) {
+                l[r] = sum;
+              } else {
+                const float corr = fast_exp(mx[r] * scale - shift);
+                l[r] = l[r] * corr + sum;
+                for (int64_t x = 0; x < d; ++x) acc[r * d + x] *= corr;
+              }
+              mx[r] = mnew;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(cols), 1.0f,
+                        s, int(cols), v.row(b, h, j0), int(v.stride_row), c == c0 ? 0.0f : 1.0f,
+                        acc, int(d));
+          }
+        }
+      }
+    }
+    // step 3: merge the key ranges into B, then W = pinv(softmax(s Q~ K~^T)) B. One head per
+    // thread; with fewer heads than threads, one head at a time with BLAS using the threads
+    // (the L^3 iteration is the largest piece of work here when L is large).
+#pragma omp parallel if (BH >= pl.threads)
+    {
+      {
+        std::unique_ptr<Real[]> rbuf(new Real[size_t(5 * L * L + 2 * Ld)]);
+        std::unique_ptr<float[]> fbuf(new float[size_t(L * L)]);
+        Real *a = rbuf.get(), *z = a + L * L, *work = z + L * L, *bb = work + 3 * L * L;
+        float* af = fbuf.get();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < BH; ++bh) {
+          // B = acc / l, the key ranges combined with their running maxima
+          const float* first = partial.get() + bh * pl.splits * part;
+          for (int64_t r = 0; r < L; ++r) {
+            float top = -INFINITY;
+            for (int64_t sp = 0; sp < pl.splits; ++sp)
+              top = std::max(top, first[sp * part + Ld + r]);
+            double sum = 0;
+            std::fill(bb + r * d, bb + (r + 1) * d, Real(0));
+            for (int64_t sp = 0; sp < pl.splits; ++sp) {
+              const float* acc = first + sp * part;
+              const double f = fast_exp((acc[Ld + r] - top) * scale);
+              sum += f * acc[Ld + L + r];
+              for (int64_t x = 0; x < d; ++x) bb[r * d + x] += Real(f * acc[r * d + x]);
+            }
+            for (int64_t x = 0; x < d; ++x) bb[r * d + x] = Real(bb[r * d + x] / sum);
+          }
+          // A = softmax(s Q~ K~^T)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(L), int(d), 1.0f,
+                      qt.get() + bh * Ld, int(d), kt.get() + bh * Ld, int(d), 0.0f, af, int(L));
+          for (int64_t r = 0; r < L; ++r) softmax_row(af + r * L, L, scale);
+          for (int64_t i = 0; i < L * L; ++i) a[i] = Real(af[i]);
+          iterative_pinv(L, a, iters_, z, work);
+          // W = Z B (in Real, rounded once)
+          Real* wr = bb + Ld;
+          gemm_rect(L, d, z, bb, wr);
+          for (int64_t i = 0; i < Ld; ++i) w[size_t(bh * Ld + i)] = float(wr[i]);
+        }
+      }
+    }
+#pragma omp parallel
+    {
+      // step 4: out = softmax(s Q K~^T) W, per block of query rows
+      {
+        const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = BH * qblocks;
+        std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockQ, n) * L)]);
+        float* s = sbuf.get();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+          const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
+          const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(L), int(d), 1.0f,
+                      q.row(b, h, i0), int(q.stride_row), kt.get() + bh * Ld, int(d), 0.0f, s,
+                      int(L));
+          for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * L, L, scale);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(L), 1.0f, s,
+                      int(L), w.get() + bh * Ld, int(d), 0.0f, out.row(b, h, i0),
+                      int(out.stride_row));
+        }
+      }
+    }
+  }
+
+  double flops(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double bh = double(p.batch * p.heads), L = double(pl.L), d = double(p.dim);
+    const double n = double(p.n), m = double(p.keys());
+    // GEMMs: Q~ K^T and P V (2 L m d each), Q~ K~^T (2 L^2 d), Q K~^T and S W (2 n L d each),
+    // Z B (2 L^2 d), 4 L x L products per pinv iteration (8 L^3); softmax: about 4 operations
+    // per score (n L + L m + L^2 scores) plus the online rescaling (L d per key chunk);
+    // landmark means: (n + m) d additions.
+    return bh * (4.0 * L * m * d + 4.0 * n * L * d + 4.0 * L * L * d +
+                 8.0 * double(iters_) * L * L * L + 4.0 * (n * L + L * m + L * L) +
+                 double(pl.chunks) * L * d + (n + m) * d);
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double L = double(pl.L), d = double(p.dim), f = sizeof(float), T = double(pl.threads);
+    const double shared = 3.0 * double(p.batch * p.heads) * L * d * f +
+                          double(pl.tasks) * (L * d + 2 * L) * f;
+    // the largest of the per-thread buffers of steps 1-4 (each step frees its own); step 3
+    // runs on one thread when there are fewer heads than threads
+    const double step1 = T * d * sizeof(double);
+    const double step2 = T * L * double(std::min(kChunkK, p.keys())) * f;
+    const double step3 = (p.batch * p.heads >= pl.threads ? T : 1.0) *
+                         ((5 * L * L + 2 * L * d) * sizeof(Real) + L * L * f);
+    const double step4 = T * double(std::min(kBlockQ, p.n)) * L * f;
+    return shared + std::max({step1, step2, step3, step4});
+  }
+
+ private:
+  int64_t landmarks_, iters_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    nystrom,
+    VariantInfo{
+        .name = "nystrom",
+        .summary = "Nystrom approximation of softmax through L segment-mean landmarks "
+                   "(Nystromformer)",
+        .complexity = "time O((n + m) L d + L^3 iterations), memory O(B H L d + threads L^2)",
+        .params = {ParamSpec::Int("landmarks", 64, 1, int64_t(1) << 16,
+                                  "number of landmarks L (segment means; capped at n and m)"),
+                   ParamSpec::Int("pinv_iterations", 6, 0, 100,
+                                  "iterations of the iterative pseudo-inverse of the L x L matrix")},
+        .caps = {.causal = false, .cross = true, .exact = false},
+        .make = [](const ParamValues& pv) {
+          return std::make_unique<Nystrom>(pv.get_int("landmarks"),
+                                           pv.get_int("pinv_iterations"));
+        }});
+
+}  // namespace
+}  // namespace attnbench
