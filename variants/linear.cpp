@@ -1,0 +1,63 @@
+// linear: linear attention with the elu + 1 feature map (Katharopoulos, Vyas, Pappas &
+// Fleuret 2020, "Transformers are RNNs: Fast Autoregressive Transformers with Linear
+// Attention").
+//
+//   phi(x) = elu(x) + 1   (elementwise, d features, no 1/sqrt(d))
+//   out_i  = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps)
+//
+// the sums running over the keys query i sees (all of them, or keys 0 .. i + (m - n) under
+// the bottom-right aligned causal mask); rows with no visible key give exactly 0. A different
+// kernel from softmax, not an approximation of it: the tests hold it to the O(n m d)
+// evaluation of this same formula (tests/kernel_test.cpp), and its distance to softmax
+// attention is a measurement.
+//
+// Computed by the chunked engine of common/kernel_attention.h with F = d features: the state
+// S = sum phi(k_j) v_j^T (d x d) and z = sum phi(k_j) are built by GEMMs over key blocks;
+// causal rows use the state of the keys before their 16-row chunk plus a masked 16 x 16
+// product inside it.
+// Time O((n + m) d^2 + n C d) (C = 16, causal only); memory O(threads (R d + d^2 + C^2))
+// beyond inputs and output (R = 1024 rows per block for d <= 64), independent of n and m.
+#include <memory>
+
+#include "common/kernel_attention.h"
+#include "common/registry.h"
+
+namespace attnbench {
+namespace {
+
+namespace ka = kernel_attention;
+
+class Linear final : public Variant {
+ public:
+  explicit Linear(const ParamValues& pv) : eps_(float(pv.get_float("eps"))) {}
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    const ka::EluFeatureMap fm(p.dim);
+    ka::attend(p, q, k, v, out, eps_, p.dim, [&](int64_t) -> const ka::FeatureMap& { return fm; });
+  }
+
+  double flops(const Problem& p) const override {
+    const ka::EluFeatureMap fm(p.dim);
+    return ka::attend_flops(p, p.dim, fm.query_flops(), fm.key_flops());
+  }
+
+  double memory_estimate(const Problem& p) const override { return ka::attend_bytes(p, p.dim); }
+
+ private:
+  float eps_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    linear,
+    VariantInfo{
+        .name = "linear",
+        .summary = "linear attention, phi(x) = elu(x) + 1 (Katharopoulos et al. 2020); not softmax",
+        .complexity = "time O((n + m) d^2), memory O(threads d (d + 2 R)), R = min(1024, 65536 / d)",
+        .params = {ParamSpec::Float("eps", 1e-6, 0.0, 1.0,
+                                    "added to the denominator phi(q)^T sum phi(k)")},
+        .caps = {.causal = true, .cross = true, .exact = false},
+        .make = [](const ParamValues& pv) { return std::make_unique<Linear>(pv); }});
+
+}  // namespace
+}  // namespace attnbench

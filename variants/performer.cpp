@@ -1,0 +1,111 @@
+// performer: FAVOR+ random-feature attention (Choromanski et al. 2021, "Rethinking Attention
+// with Performers", ICLR; positive orthogonal random features).
+//
+//   x~ = x d^-1/4,  W: F x d random (F = features)
+//   softmax kernel: phi(x) = F^-1/2 exp(W x~ - |x~|^2/2 - shift)
+//                   E_W[phi(q)^T phi(k)] = exp(q.k / sqrt(d)) (shifts undone), variance ~ 1/F
+//   relu kernel:    phi(x) = F^-1/2 relu(W x~) + 1e-3 (the 1e-3 is the numerical_stabilizer of
+//                   the Performer code's relu_kernel_transformation; that code applies relu to
+//                   W x, unscaled, where this follows the x~ = x d^-1/4 of the softmax kernel)
+//   out_i = sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j)   (visible j only)
+//
+// W per head from the problem seed (common/kernel_attention.h, performer_projection): with
+// `orthogonal`, blocks of d orthonormal rows (QR of d x d Gaussian matrices) rescaled to
+// chi_d norms, so each row is still N(0, I) but rows within a block are orthogonal (lower
+// variance); otherwise iid Gaussian rows. The same W serves every batch item of a head.
+//
+// Stabiliser (softmax kernel): a query subtracts its own max over features of the exponent;
+// keys subtract the max of W k~ - |k~|^2/2 over every key and feature of the head. The
+// shifts cancel between numerator and denominator. The engine keeps the key state at a
+// running max and rescales it when the max grows: without a mask every key is folded before
+// any query, so this is exactly the global max of the head; under a causal mask a query
+// block sees the state at the max over the keys mapped so far (its own block included),
+// equal in exact arithmetic, and a key far in the future cannot make earlier keys underflow.
+// The softmax kernel adds no eps to the denominator (it would bias the estimate); a
+// denominator that underflows to 0 gives a 0 row.
+//
+// Causal via prefix states in 16-row chunks (see common/kernel_attention.h).
+// Time O((n + m) F d + n 16 (F + d)) plus O(H ceil(F/d) d^3) for the QRs; memory
+// O(H F d) for the projections plus O(threads (2 R F + F d + 16^2)) per-thread state, R =
+// min(1024, 65536 / F) rows per block (256 at the default F).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "common/kernel_attention.h"
+#include "common/registry.h"
+
+namespace attnbench {
+namespace {
+
+namespace ka = kernel_attention;
+
+class Performer final : public Variant {
+ public:
+  explicit Performer(const ParamValues& pv)
+      : features_(pv.get_int("features")),
+        orthogonal_(pv.get_bool("orthogonal")),
+        kernel_(pv.get_choice("kernel") == "relu" ? ka::PerformerKernel::Relu
+                                                  : ka::PerformerKernel::Softmax) {}
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    std::vector<std::unique_ptr<ka::PerformerFeatureMap>> maps(size_t(p.heads));
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t h = 0; h < p.heads; ++h)
+      maps[size_t(h)] = std::make_unique<ka::PerformerFeatureMap>(
+          ka::performer_projection(p.seed, h, features_, p.dim, orthogonal_), features_, p.dim,
+          kernel_);
+    ka::attend(p, q, k, v, out, 0.0f, features_,
+               [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; });
+  }
+
+  double flops(const Problem& p) const override {
+    const ka::PerformerFeatureMap fm({}, features_, p.dim, kernel_);
+    const double f = double(features_), d = double(p.dim);
+    // W: chi norms (2 F d) and the d^-1/4 scaling (F d); orthogonal adds per block of d rows
+    // a Householder QR (4/3 d^3) and forming Q (4/3 d^3)
+    const double blocks = std::ceil(f / d);
+    const double proj = 3.0 * f * d + (orthogonal_ ? blocks * (8.0 / 3.0) * d * d * d : 0.0);
+    return ka::attend_flops(p, features_, fm.query_flops(), fm.key_flops()) +
+           double(p.heads) * proj;
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const double d = double(p.dim);
+    // the projections of every head, plus either what drawing them takes (per thread, for
+    // orthogonal blocks: the Gaussian block, its QR and Q, d x d doubles each; freed before
+    // the attention starts) or the attention's per-thread workspaces
+    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const double gen =
+        orthogonal_ ? double(std::min<int64_t>(threads, p.heads)) * 3.0 * d * d * 8.0 : 0.0;
+    return double(p.heads) * double(features_) * d * 4.0 +
+           std::max(gen, ka::attend_bytes(p, features_));
+  }
+
+ private:
+  int64_t features_;
+  bool orthogonal_;
+  ka::PerformerKernel kernel_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    performer,
+    VariantInfo{
+        .name = "performer",
+        .summary = "FAVOR+ positive random features approximating softmax (Choromanski et al.)",
+        .complexity = "time O((n + m) F d), memory O(H F d + threads F (2 R + d)), R = min(1024, 65536 / F)",
+        .params = {ParamSpec::Int("features", 256, 1, int64_t(1) << 16,
+                                  "random features F (rows of W)"),
+                   ParamSpec::Bool("orthogonal", true,
+                                   "orthogonal Gaussian blocks (QR) with chi norms; false: iid rows"),
+                   ParamSpec::Choice("kernel", "softmax", {"softmax", "relu"},
+                                     "softmax: positive exp features (FAVOR+); relu: relu(W x~) + 1e-3")},
+        .caps = {.causal = true, .cross = true, .exact = false},
+        .make = [](const ParamValues& pv) { return std::make_unique<Performer>(pv); }});
+
+}  // namespace
+}  // namespace attnbench
