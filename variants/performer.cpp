@@ -18,9 +18,11 @@
 // keys subtract the max of W k~ - |k~|^2/2 over every key and feature of the head. The
 // shifts cancel between numerator and denominator. The engine keeps the key state at a
 // running max and rescales it when the max grows: without a mask every key is folded before
-// any query, so this is exactly the global max of the head; under a causal mask a query
-// block sees the state at the max over the keys mapped so far (its own block included),
-// equal in exact arithmetic, and a key far in the future cannot make earlier keys underflow.
+// any query, so this is exactly the global max of the head. Under a causal mask a query
+// block sees the state at the max over the keys mapped so far (up to the last key any row of
+// the block sees): equal in exact arithmetic, and a key past the block cannot make earlier
+// keys underflow, which a global max over keys the row must not see could (later keys of
+// the row's own block move its output by rounding only; tests/kernel_test.cpp checks 1e-6).
 // The softmax kernel adds no eps to the denominator (it would bias the estimate); a
 // denominator that underflows to 0 gives a 0 row.
 //
