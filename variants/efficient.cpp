@@ -16,7 +16,8 @@
 //      with their maxima and G is divided by the column sums;
 //   2. per block of 512 query rows: out_blk = softmax_row(Q_blk) G (a GEMM).
 // Time O(B H (n + m) d^2); memory O(B H d^2 + threads 512 d).
-// Not causal: the causal form would need a d x d prefix state per position (not implemented).
+// Not causal: a causal form would need a d x d prefix state per position; causal problems are
+// refused with UnsupportedError.
 #include <cblas.h>
 #include <omp.h>
 
