@@ -32,12 +32,7 @@ Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool
   return p;
 }
 
-Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
-  auto v = make_variant(spec);
-  Tensor out(p.q_shape());
-  v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-  return out;
-}
+using test::run;
 
 // Feature map in double of one row x (d floats) of head h.
 using DoubleMap = std::function<std::vector<double>(int64_t h, const float* x)>;

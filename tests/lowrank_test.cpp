@@ -35,12 +35,7 @@ Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, uint
   return p;
 }
 
-Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
-  auto v = make_variant(spec);
-  Tensor out(p.q_shape());
-  v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-  return out;
-}
+using test::run;
 
 // One head of a tensor as a double matrix (len x d).
 Mat head(const Tensor& t, int64_t b, int64_t h) {

@@ -19,9 +19,19 @@
 
 #include <gtest/gtest.h>
 
+#include "common/inputs.h"
+#include "common/registry.h"
 #include "common/tensor.h"
 
 namespace attnbench::test {
+
+/// Builds the variant named by `spec` and runs it on p with the given inputs.
+inline Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
+  auto v = make_variant(spec);
+  Tensor out(p.q_shape());
+  v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  return out;
+}
 
 /// Message of the exception of type E thrown by f, or "" (and a test failure) if f throws
 /// nothing or something else.
