@@ -1,0 +1,363 @@
+// reformer: LSH attention with shared queries and keys (Kitaev et al. 2020, "Reformer: The
+// Efficient Transformer", ICLR 2020; defaults and details as in the HF/trax code).
+//
+// Keys are the queries, length-normalised: k_j = q_j / |q_j| (a zero query gives a zero key),
+// values are v; logits are q_i . k_j (the unit keys already carry the 1/sqrt(d) of the HF
+// "length and dim norm", so there is no further scale). Per head and per round r of `hashes`:
+//   hash    bucket(i) from random rotations R_r (d x B/2, N(0,1), from the seed per (head,
+//           round)): argmax of [q_i R_r, -q_i R_r]; with factorised buckets B = B1 x B2 each
+//           factor has its own rotations and the bucket combines the factors' indices;
+//   sort    tokens by (bucket, position), a stable counting sort;
+//   chunk   the sorted sequence is cut into chunks of `chunk` tokens; each chunk attends to
+//           itself and to the previous chunk (chunk 0 to the last one, as in the HF/trax
+//           code; a single chunk attends to itself only);
+//   mask    a token never attends to itself unless nothing else is visible to it in the
+//           round (its logit is then -1e5, as in the HF code, so such a round weighs nothing
+//           next to a round with real keys); causal: keys at later positions are hidden;
+//   combine out_i = sum_r w_r o_i^r with w = softmax_r(lse_i^r), lse the per-round log-sum-exp
+//           of the logits the row attended. A key found in several rounds counts once per
+//           round (no de-duplication, as in the HF code).
+// The sorted Q, K, V of a round are gathered contiguously and each chunk runs the flash tile
+// passes (common/tile_attention.h) on two key blocks with an element mask from the positions.
+//
+// Defaults: chunk 64 (HF), hashes 4 (the paper uses 1-8; HF's default is 1), buckets from
+// reformer::auto_buckets (HF's rule: about 2 n / chunk, factorised once large).
+// Self-attention only (m = n): the keys are the queries. Causal supported.
+// Time O(hashes n (2 chunk d + d C + log... )) = O(hashes n chunk d + hashes n d C); memory
+// O(n (3 d + hashes C)) for one head at a time plus per-thread tiles.
+#include "variants/reformer.h"
+
+#include <cblas.h>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <memory>
+#include <numeric>
+
+#include "common/error.h"
+#include "common/random.h"
+#include "common/registry.h"
+#include "common/row_pattern.h"
+#include "common/tensor.h"
+#include "common/tile_attention.h"
+
+namespace attnbench {
+namespace reformer {
+
+std::vector<int64_t> auto_buckets(int64_t n, int64_t chunk) {
+  const int64_t target = 2 * (n / chunk);
+  const int pw = target < 2 ? 1 : int(std::bit_width(uint64_t(target))) - 1;
+  const int64_t buckets = int64_t(1) << pw;
+  const int64_t root = int64_t(std::sqrt(double(n / chunk)));
+  const int64_t limit = 2 * std::max(root, chunk);
+  if (buckets > limit) return {int64_t(1) << (pw / 2), int64_t(1) << (pw - pw / 2)};
+  return {buckets};
+}
+
+std::vector<float> rotations(uint64_t seed, int64_t head, int64_t round, int64_t d,
+                             const std::vector<int64_t>& factors) {
+  int64_t cols = 0;
+  for (int64_t f : factors) cols += f / 2;
+  const RandomStream rs(seed, 0x7265666f726d6572ULL ^ (uint64_t(head) << 20) ^ uint64_t(round));
+  std::vector<float> r(static_cast<size_t>(d * cols));
+  // entry (x, c) is number c * 4096 + x of the stream: independent of d up to 4096
+  for (int64_t x = 0; x < d; ++x)
+    for (int64_t c = 0; c < cols; ++c)
+      r[size_t(x * cols + c)] = float(rs.normal(uint64_t(c * 4096 + x)));
+  return r;
+}
+
+int64_t bucket_of(const float* proj, const std::vector<int64_t>& factors) {
+  int64_t bucket = 0, mult = 1, off = 0;
+  for (int64_t f : factors) {
+    const int64_t half = f / 2;
+    if (half == 0) continue;  // a factor of 1: one bucket, nothing to hash
+    int64_t best = 0;
+    float best_v = proj[off];
+    for (int64_t c = 1; c < half; ++c)
+      if (proj[off + c] > best_v) best_v = proj[off + c], best = c;
+    // the negative half comes after the positive one: it wins only if strictly larger
+    for (int64_t c = 0; c < half; ++c)
+      if (-proj[off + c] > best_v) best_v = -proj[off + c], best = half + c;
+    bucket += best * mult;
+    mult *= f;
+    off += half;
+  }
+  return bucket;
+}
+
+}  // namespace reformer
+
+namespace {
+
+/// The hashing plan of one problem.
+struct Plan {
+  std::vector<int64_t> factors;
+  int64_t buckets = 1;  // product of the factors
+  int64_t cols = 0;     // rotation columns per round
+  int64_t chunk = 0, hashes = 0, chunks = 0;
+};
+
+/// Working buffers of one head (reused head after head).
+struct HeadBuffers {
+  Tensor proj;                       // n x (hashes cols) projections
+  std::vector<int32_t> bucket, perm;  // per round
+  std::vector<int32_t> count;         // buckets + 1
+  Tensor qs, ks, vs;                  // sorted q, unit keys, v: n x d
+  std::vector<float> inv_norm, lse, mx, z;
+  HeadBuffers(const Plan& pl, int64_t n, int64_t d)
+      : proj(Shape4{1, 1, n, pl.hashes * pl.cols}),
+        bucket(size_t(n)),
+        perm(size_t(n)),
+        count(size_t(pl.buckets + 1)),
+        qs(Shape4{1, 1, n, d}),
+        ks(Shape4{1, 1, n, d}),
+        vs(Shape4{1, 1, n, d}),
+        inv_norm(size_t(n)),
+        lse(size_t(n)),
+        mx(size_t(n)),
+        z(size_t(n)) {}
+  static double bytes(const Plan& pl, int64_t n, int64_t d) {
+    return 4.0 * double(n) * double(pl.hashes * pl.cols + 3 * d + 6) + 4.0 * double(pl.buckets + 1);
+  }
+};
+
+class Reformer final : public Variant {
+ public:
+  Reformer(std::vector<int64_t> buckets, int64_t hashes, int64_t chunk)
+      : buckets_(std::move(buckets)), hashes_(hashes), chunk_(chunk) {}
+
+  Plan plan(const Problem& p) const {
+    Plan pl;
+    pl.factors = buckets_.empty() ? reformer::auto_buckets(p.n, chunk_) : buckets_;
+    for (int64_t f : pl.factors) {
+      if (f != 1 && f % 2 != 0)
+        throw SpecError(fmt::format("reformer: each bucket count must be 1 (no hashing) or even "
+                                    "(a factor B hashes to the argmax of [xR, -xR], R d x B/2); "
+                                    "got {}", f));
+      pl.buckets *= f;
+      pl.cols += f / 2;
+    }
+    pl.chunk = std::min(chunk_, p.n);
+    pl.hashes = hashes_;
+    pl.chunks = (p.n + pl.chunk - 1) / pl.chunk;
+    return pl;
+  }
+
+  /// Hashes and sorts head (b, h): after the call, hb.perm holds round r's order (sorted
+  /// position -> token) for the round given; hb.proj is filled by project() first.
+  void project(const Problem& p, const Plan& pl, ConstTensorView q, int64_t b, int64_t h,
+               HeadBuffers& hb) const {
+    const int64_t n = p.n, d = p.dim, c = pl.hashes * pl.cols;
+    std::vector<float> rot(static_cast<size_t>(d * c));
+    for (int64_t r = 0; r < pl.hashes; ++r) {
+      const auto part = reformer::rotations(p.seed, h, r, d, pl.factors);
+      for (int64_t x = 0; x < d; ++x)
+        std::copy_n(part.begin() + x * pl.cols, pl.cols, rot.begin() + x * c + r * pl.cols);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(c), int(d), 1.0f,
+                q.row(b, h, 0), int(q.stride_row), rot.data(), int(c), 0.0f, hb.proj.data(),
+                int(c));
+  }
+
+  void sort_round(const Problem& p, const Plan& pl, int64_t r, HeadBuffers& hb) const {
+    const int64_t n = p.n, c = pl.hashes * pl.cols;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i)
+      hb.bucket[size_t(i)] =
+          int32_t(reformer::bucket_of(hb.proj.data() + i * c + r * pl.cols, pl.factors));
+    // stable counting sort by bucket
+    std::fill(hb.count.begin(), hb.count.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++hb.count[size_t(hb.bucket[size_t(i)]) + 1];
+    for (int64_t u = 0; u < pl.buckets; ++u) hb.count[size_t(u + 1)] += hb.count[size_t(u)];
+    for (int64_t i = 0; i < n; ++i) hb.perm[size_t(hb.count[size_t(hb.bucket[size_t(i)])]++)] = int32_t(i);
+  }
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView v,
+               TensorView out) override {
+    const Plan pl = plan(p);
+    const int64_t n = p.n, d = p.dim;
+    HeadBuffers hb(pl, n, d);
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h) {
+        project(p, pl, q, b, h, hb);
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; ++i) {
+          const float* qi = q.row(b, h, i);
+          double ss = 0;
+          for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
+          hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
+          hb.mx[size_t(i)] = -INFINITY;
+          hb.z[size_t(i)] = 0.0f;
+          std::fill_n(out.row(b, h, i), d, 0.0f);
+        }
+        for (int64_t r = 0; r < pl.hashes; ++r) {
+          sort_round(p, pl, r, hb);
+          gather(p, q, v, b, h, hb);
+          attend_round(p, pl, v, out, b, h, hb);
+        }
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; ++i) {
+          float* o = out.row(b, h, i);
+          const float inv = 1.0f / hb.z[size_t(i)];
+          for (int64_t x = 0; x < d; ++x) o[x] *= inv;
+        }
+      }
+  }
+
+  double flops(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const int64_t n = p.n, ch = pl.chunk, nch = pl.chunks;
+    double pairs = 0;  // (query, key) scores per round
+    for (int64_t c = 0; c < nch; ++c) {
+      const int64_t rows = std::min(ch, n - c * ch);
+      const int64_t prev = nch > 1 ? std::min(ch, n - ((c + nch - 1) % nch) * ch) : 0;
+      pairs += double(rows) * double(rows + prev);
+    }
+    const double hashing = 2.0 * double(n) * double(p.dim) * double(pl.hashes * pl.cols);
+    return double(p.batch * p.heads) * (hashing + double(pl.hashes) * 4.0 * double(p.dim) * pairs);
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const double per_thread = double(TileAttention::bytes(pl.chunk, pl.chunk, p.dim)) +
+                              4.0 * double(pl.chunk) * double(p.dim + 1);
+    const double rot = 8.0 * double(p.dim) * double(pl.hashes * pl.cols);
+    return HeadBuffers::bytes(pl, p.n, p.dim) + rot + per_thread * threads;
+  }
+
+  std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
+                                              ConstTensorView) const override {
+    if (q.data == nullptr) return nullptr;
+    const Plan pl = plan(p);
+    const int64_t n = p.n, ch = pl.chunk, nch = pl.chunks;
+    HeadBuffers hb(pl, n, p.dim);
+    auto pat = std::make_unique<GroupPattern>(p, /*self_rule=*/true);
+    std::vector<int32_t> keys;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h) {
+        pat->begin_head();
+        project(p, pl, q, b, h, hb);
+        for (int64_t r = 0; r < pl.hashes; ++r) {
+          sort_round(p, pl, r, hb);
+          for (int64_t c = 0; c < nch; ++c) {
+            const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
+            keys.assign(hb.perm.begin() + s0, hb.perm.begin() + s0 + rows);
+            if (nch > 1) {
+              const int64_t pc = (c + nch - 1) % nch, p0 = pc * ch;
+              keys.insert(keys.end(), hb.perm.begin() + p0,
+                          hb.perm.begin() + p0 + std::min(ch, n - p0));
+            }
+            const int32_t g = pat->add_group(keys.data(), int64_t(keys.size()));
+            for (int64_t s = s0; s < s0 + rows; ++s) pat->add_membership(hb.perm[size_t(s)], g);
+          }
+        }
+        pat->finish_head();
+      }
+    return pat;
+  }
+
+ private:
+  /// Sorted copies of q, the unit keys and v for the current round's order.
+  void gather(const Problem& p, ConstTensorView q, ConstTensorView v, int64_t b, int64_t h,
+              HeadBuffers& hb) const {
+    const int64_t n = p.n, d = p.dim;
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t i = hb.perm[size_t(s)];
+      const float* qi = q.row(b, h, i);
+      const float* vi = v.row(b, h, i);
+      float* qd = hb.qs.data() + s * d;
+      float* kd = hb.ks.data() + s * d;
+      float* vd = hb.vs.data() + s * d;
+      const float in = hb.inv_norm[size_t(i)];
+      for (int64_t x = 0; x < d; ++x) {
+        qd[x] = qi[x];
+        kd[x] = qi[x] * in;
+        vd[x] = vi[x];
+      }
+    }
+  }
+
+  /// One round: every chunk attends itself and the previous chunk; the result is folded into
+  /// out (running max mx and sum z of the round weights per token).
+  void attend_round(const Problem& p, const Plan& pl, ConstTensorView v, TensorView out,
+                    int64_t b, int64_t h, HeadBuffers& hb) const {
+    const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
+    constexpr float kSelfLogit = -1e5f;  // the HF self-mask value
+#pragma omp parallel
+    {
+      TileAttention ta(ch, ch, d, 1.0f);
+      std::vector<float> o(static_cast<size_t>(ch * d)), lse(static_cast<size_t>(ch));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c = 0; c < nch; ++c) {
+        const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
+        ta.begin(hb.qs.data() + s0 * d, d, rows);
+        int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
+        for (int64_t kb : blocks) {
+          if (kb < 0) continue;
+          const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
+          uint8_t* mask = ta.mask();
+          for (int64_t rr = 0; rr < rows; ++rr) {
+            const int32_t i = hb.perm[size_t(s0 + rr)];
+            const int64_t vis = p.visible(i);
+            uint8_t* mrow = mask + rr * cols;
+            for (int64_t cc = 0; cc < cols; ++cc) {
+              const int32_t j = hb.perm[size_t(j0 + cc)];
+              mrow[cc] = uint8_t(j != i && j < vis);
+            }
+          }
+          ta.attend(hb.ks.data() + j0 * d, d, hb.vs.data() + j0 * d, d, cols, mask);
+        }
+        ta.finish(o.data(), d, lse.data());
+        for (int64_t rr = 0; rr < rows; ++rr) {
+          const int32_t i = hb.perm[size_t(s0 + rr)];
+          const float* orow = o.data() + rr * d;
+          float l = lse[size_t(rr)];
+          if (l == -INFINITY) {  // nothing but itself: its own value, at logit -1e5
+            orow = v.row(b, h, i);
+            l = kSelfLogit;
+          }
+          float& mx = hb.mx[size_t(i)];
+          float& z = hb.z[size_t(i)];
+          const float nm = std::max(mx, l);
+          const float a = std::exp(mx - nm), w = std::exp(l - nm);
+          float* dst = out.row(b, h, i);
+          for (int64_t x = 0; x < d; ++x) dst[x] = dst[x] * a + orow[x] * w;
+          z = z * a + w;
+          mx = nm;
+        }
+      }
+    }
+  }
+
+  std::vector<int64_t> buckets_;
+  int64_t hashes_, chunk_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    reformer,
+    VariantInfo{
+        .name = "reformer",
+        .summary = "LSH attention, shared QK: hash rounds, sort, chunk + previous chunk, "
+                   "rounds combined by log-sum-exp (Reformer)",
+        .complexity = "time O(hashes n (chunk + C) d + hashes n), memory O(n (d + hashes C))",
+        .params = {ParamSpec::IntList("buckets", "none", 1, int64_t(1) << 24,
+                                      "buckets per round, or factors 'B1+B2' hashed separately "
+                                      "(each 1 or even); none: about 2n/chunk, factorised when large"),
+                   ParamSpec::Int("hashes", 4, 1, 64, "hash rounds"),
+                   ParamSpec::Int("chunk", 64, 1, 4096,
+                                  "chunk length of the sorted sequence (attends itself and the "
+                                  "previous chunk)")},
+        .caps = {.causal = true, .cross = false, .exact = false},
+        .make = [](const ParamValues& pv) {
+          return std::make_unique<Reformer>(pv.get_int_list("buckets"), pv.get_int("hashes"),
+                                            pv.get_int("chunk"));
+        }});
+
+}  // namespace
+}  // namespace attnbench
