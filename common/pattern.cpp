@@ -4,19 +4,24 @@
 
 namespace attnbench {
 
-void pattern_row(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h, int64_t i,
-                 uint8_t* row) {
-  const int64_t m = p.keys(), bs = pat.block(), visible = p.visible(i);
+void SparsePattern::row_mask(int64_t b, int64_t h, int64_t i, int64_t m, uint8_t* row) const {
+  const int64_t bs = block();
   std::fill(row, row + m, uint8_t(0));
   std::vector<KeyBlock> blocks;
-  pat.key_blocks(b, h, i / bs, blocks);
+  key_blocks(b, h, i / bs, blocks);
   for (const KeyBlock& kb : blocks) {
     const int64_t j0 = kb.index * bs, cols = std::min(bs, m - j0);
     if (cols <= 0) continue;
-    if (kb.partial) pat.block_mask(b, h, i, 1, j0, cols, row + j0);
+    if (kb.partial) block_mask(b, h, i, 1, j0, cols, row + j0);
     else std::fill(row + j0, row + j0 + cols, uint8_t(1));
   }
-  std::fill(row + visible, row + m, uint8_t(0));
+}
+
+void pattern_row(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h, int64_t i,
+                 uint8_t* row) {
+  const int64_t m = p.keys();
+  pat.row_mask(b, h, i, m, row);
+  std::fill(row + p.visible(i), row + m, uint8_t(0));
 }
 
 double pattern_pairs(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h) {

@@ -38,6 +38,10 @@ class SparsePattern {
   /// Called for partial blocks only (and by the generic helpers below).
   virtual void block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
                           int64_t cols, uint8_t* mask) const = 0;
+  /// row[j] = 1 if query i of head (b, h) attends key j (length m), before the causal mask.
+  /// The default assembles the row from key_blocks and block_mask; patterns stated row by row
+  /// override it.
+  virtual void row_mask(int64_t b, int64_t h, int64_t i, int64_t m, uint8_t* row) const;
   /// Heap bytes the pattern object holds (block tables and the like).
   virtual double bytes() const { return 0; }
 };

@@ -103,6 +103,9 @@ class Variant {
   /// empty views for the others). nullptr for every other variant.
   virtual std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
                                                       ConstTensorView k) const;
+  /// What the last forward pass did that its numbers alone do not show (e.g. rows a routing
+  /// variant left without keys), for the results' notes column; "" if nothing.
+  virtual std::string notes() const { return {}; }
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }

@@ -32,6 +32,13 @@ void RowKeysPattern::block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, 
   }
 }
 
+void RowKeysPattern::row_mask(int64_t b, int64_t h, int64_t i, int64_t m, uint8_t* row) const {
+  std::fill(row, row + m, uint8_t(0));
+  std::vector<int64_t> keys;
+  row_keys(b, h, i, keys);
+  for (int64_t j : keys) row[j] = 1;
+}
+
 GroupPattern::GroupPattern(const Problem& p, bool self_rule, int64_t block)
     : RowKeysPattern(p.n, p.keys(), block), p_(p), self_rule_(self_rule) {
   heads_.reserve(size_t(p.batch * p.heads));

@@ -29,6 +29,7 @@ class RowKeysPattern : public SparsePattern {
   void key_blocks(int64_t b, int64_t h, int64_t qb, std::vector<KeyBlock>& out) const override;
   void block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                   uint8_t* mask) const override;
+  void row_mask(int64_t b, int64_t h, int64_t i, int64_t m, uint8_t* row) const override;
 
  protected:
   int64_t n_, m_, bs_;

@@ -221,6 +221,11 @@ void print_row(const Row& r) {
              "rows)\n",
              r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used,
              r.error.rows_total);
+  if (!std::isnan(r.error.mass_mean))
+    fmt::print("mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
+               "variant's pattern\n",
+               r.error.mass_mean, r.error.mass_min);
+  if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
 }
 
 }  // namespace

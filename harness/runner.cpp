@@ -125,6 +125,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
                                 out.data()[bad], bad);
       return row;
     }
+    row.notes = variant.notes();
     auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
     row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit,
                               pattern.get());
@@ -218,7 +219,8 @@ nlohmann::ordered_json to_json(const Row& r) {
           {"error_rows", r.error.rows_used},
           {"error_rows_total", r.error.rows_total},
           {"mass_mean", num(r.error.mass_mean)},
-          {"mass_min", num(r.error.mass_min)}};
+          {"mass_min", num(r.error.mass_min)},
+          {"notes", r.notes}};
 }
 
 }  // namespace attnbench

@@ -8,6 +8,7 @@
 #include <set>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/error.h"
@@ -17,6 +18,7 @@
 #include "common/registry.h"
 #include "tests/test_util.h"
 #include "variants/reformer.h"
+#include "variants/routing.h"
 
 namespace attnbench {
 namespace {
@@ -293,6 +295,176 @@ TEST(Reformer, RefusesCrossAttentionAndOddBuckets) {
   const Inputs qin = generate_inputs(q);
   EXPECT_CONTAINS(test::error_message<SpecError>([&] { test::run("reformer:buckets=3", q, qin); }),
                   "even");
+}
+
+// ----- routing -----
+
+/// The routing variant's formula on given routes, in double: each cluster's queries attend its
+/// keys with an exact softmax (causal rule by position); a query averages the clusters that
+/// selected it and in which it saw a key, and is 0 if none. Counts such unrouted rows.
+std::vector<double> routing_oracle(const Problem& p, const Inputs& in, int64_t clusters,
+                                   int64_t window, int64_t iterations, int64_t sample,
+                                   int64_t* unrouted) {
+  const routing::Sizes sz = routing::sizes(p, clusters, window, sample);
+  const int64_t n = p.n, d = p.dim;
+  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
+  *unrouted = 0;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const routing::Routes r = routing::route(p, sz, iterations, in.q.view(), in.k.view(), b, h);
+      std::vector<double> sum(static_cast<size_t>(n * d), 0.0);
+      std::vector<int64_t> used(static_cast<size_t>(n), 0);
+      for (int64_t u = 0; u < sz.c; ++u)
+        for (int64_t t = 0; t < sz.wq; ++t) {
+          const int64_t i = r.queries[size_t(u * sz.wq + t)];
+          std::vector<double> l;
+          std::vector<int64_t> js;
+          for (int64_t e = 0; e < sz.wk; ++e) {
+            const int64_t j = r.keys[size_t(u * sz.wk + e)];
+            if (j >= p.visible(i)) continue;
+            double dot = 0;
+            for (int64_t x = 0; x < d; ++x)
+              dot += double(in.q.view().row(b, h, i)[x]) * double(in.k.view().row(b, h, j)[x]);
+            l.push_back(dot / std::sqrt(double(d)));
+            js.push_back(j);
+          }
+          if (js.empty()) continue;
+          const double mx = *std::max_element(l.begin(), l.end());
+          double z = 0;
+          for (double& x : l) z += (x = std::exp(x - mx));
+          for (size_t e = 0; e < js.size(); ++e)
+            for (int64_t x = 0; x < d; ++x)
+              sum[size_t(i * d + x)] += l[e] / z * double(in.v.view().row(b, h, js[e])[x]);
+          ++used[size_t(i)];
+        }
+      for (int64_t i = 0; i < n; ++i) {
+        if (used[size_t(i)] == 0 && p.visible(i) > 0) ++*unrouted;
+        for (int64_t x = 0; x < d; ++x)
+          out[size_t(((b * p.heads + h) * n + i) * d + x)] =
+              used[size_t(i)] ? sum[size_t(i * d + x)] / double(used[size_t(i)]) : 0.0;
+      }
+    }
+  return out;
+}
+
+TEST(Routing, MatchesItsFormulaOnItsRoutes) {
+  struct Case {
+    int64_t n, m, d;
+    bool causal;
+    int64_t clusters, window, iterations, sample;
+  };
+  const std::vector<Case> cases = {
+      {200, 200, 17, false, 0, 0, 2, 4096}, {200, 200, 17, true, 0, 0, 2, 4096},
+      {150, 90, 64, false, 5, 0, 3, 0},     {90, 150, 64, true, 0, 40, 1, 64},
+      {77, 77, 1, true, 3, 30, 0, 4096},    {300, 300, 32, true, 4, 100, 2, 100},
+  };
+  for (const Case& c : cases) {
+    Problem p = make_problem(c.n, c.d, c.causal);
+    p.m = c.m;
+    const Inputs in = generate_inputs(p);
+    const std::string spec = fmt::format("routing:clusters={},window={},iterations={},sample={}",
+                                         c.clusters, c.window, c.iterations, c.sample);
+    SCOPED_TRACE(spec + " " + p.str());
+    auto v = make_variant(spec);
+    Tensor out(p.q_shape());
+    v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    int64_t unrouted = 0;
+    const auto want = routing_oracle(p, in, c.clusters, c.window, c.iterations, c.sample, &unrouted);
+    EXPECT_LT(test::rel_fro_error(out.data(), want), 1e-5);
+    // the notes report the rows left without keys
+    EXPECT_CONTAINS(v->notes(), fmt::format("{} of {} query rows", unrouted,
+                                            p.batch * p.heads * p.n));
+  }
+}
+
+TEST(Routing, EachClusterTakesItsNearestTokens) {
+  Problem p = make_problem(300, 16, false, "clustered", 1, 2);
+  p.m = 260;
+  const Inputs in = generate_inputs(p);
+  const routing::Sizes sz = routing::sizes(p, 6, 0, 0);
+  for (int64_t h = 0; h < p.heads; ++h) {
+    const routing::Routes r = routing::route(p, sz, 3, in.q.view(), in.k.view(), 0, h);
+    for (bool queries : {true, false}) {
+      const int64_t len = queries ? p.n : p.keys(), w = queries ? sz.wq : sz.wk;
+      ConstTensorView x = queries ? in.q.view() : in.k.view();
+      for (int64_t u = 0; u < sz.c; ++u) {
+        std::vector<double> cosine(static_cast<size_t>(len));
+        for (int64_t t = 0; t < len; ++t) {
+          double dot = 0, nn = 0;
+          for (int64_t j = 0; j < p.dim; ++j) {
+            dot += double(x.row(0, h, t)[j]) * r.centroids[size_t(u * p.dim + j)];
+            nn += double(x.row(0, h, t)[j]) * double(x.row(0, h, t)[j]);
+          }
+          cosine[size_t(t)] = dot / std::sqrt(nn);
+        }
+        const int32_t* sel = (queries ? r.queries.data() : r.keys.data()) + u * w;
+        std::vector<uint8_t> chosen(static_cast<size_t>(len), 0);
+        double worst_in = INFINITY, best_out = -INFINITY;
+        for (int64_t t = 0; t < w; ++t) {
+          ASSERT_EQ(chosen[size_t(sel[t])], 0) << "a token selected twice by one cluster";
+          chosen[size_t(sel[t])] = 1;
+          worst_in = std::min(worst_in, cosine[size_t(sel[t])]);
+          if (t > 0) {
+            EXPECT_LT(sel[t - 1], sel[t]);
+          }
+        }
+        for (int64_t t = 0; t < len; ++t)
+          if (!chosen[size_t(t)]) best_out = std::max(best_out, cosine[size_t(t)]);
+        EXPECT_GE(worst_in, best_out - 1e-5) << "cluster " << u << " skipped a nearer token";
+      }
+    }
+    // centroids are unit vectors
+    for (int64_t u = 0; u < sz.c; ++u) {
+      double nn = 0;
+      for (int64_t j = 0; j < p.dim; ++j) nn += std::pow(r.centroids[size_t(u * p.dim + j)], 2);
+      EXPECT_NEAR(nn, 1.0, 1e-5);
+    }
+  }
+}
+
+TEST(Routing, OneClusterIsFullAttention) {
+  for (bool causal : {false, true})
+    for (auto [n, m] : {std::pair<int64_t, int64_t>{1, 1}, {37, 37}, {200, 200}, {64, 150}, {150, 64}})
+      for (int64_t d : {1, 17, 64}) {
+        Problem p = make_problem(n, d, causal);
+        p.m = m;
+        const Inputs in = generate_inputs(p);
+        SCOPED_TRACE(p.str());
+        const Tensor out = test::run("routing:clusters=1,window=100000", p, in);
+        EXPECT_LT(test::rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
+                                                                      in.v.view())),
+                  1e-5);
+      }
+}
+
+TEST(Routing, CausalValuesOfLaterTokensNeverReachEarlierRows) {
+  Problem p = make_problem(300, 16, true);
+  Inputs in = generate_inputs(p);
+  const Tensor before = test::run("routing", p, in);
+  const int64_t cut = 170;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t j = cut; j < p.n; ++j)
+        for (int64_t x = 0; x < p.dim; ++x) in.v.view().row(b, h, j)[x] -= 50.0f;
+  const Tensor after = test::run("routing", p, in);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < cut; ++i)
+        for (int64_t x = 0; x < p.dim; ++x)
+          ASSERT_EQ(before.view().row(b, h, i)[x], after.view().row(b, h, i)[x])
+              << "row " << i << " changed with later values";
+}
+
+TEST(Routing, SeedChoosesTheCentroids) {
+  Problem p = make_problem(256, 32, false, "gaussian", 1, 2);
+  const Inputs in = generate_inputs(p);
+  const Tensor a = test::run("routing", p, in);
+  Problem p2 = p;
+  p2.seed = p.seed + 1;  // same inputs, other initial centroids and sample
+  const Tensor b = test::run("routing", p2, in);
+  double diff = 0;
+  for (int64_t t = 0; t < p.q_shape().numel(); ++t) diff += std::fabs(a.data()[t] - b.data()[t]);
+  EXPECT_GT(diff, 0.0);
 }
 
 }  // namespace

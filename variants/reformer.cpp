@@ -28,6 +28,9 @@
 #include "variants/reformer.h"
 
 #include <cblas.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <fmt/format.h>
 #include <omp.h>
 
@@ -75,14 +78,32 @@ int64_t bucket_of(const float* proj, const std::vector<int64_t>& factors) {
   for (int64_t f : factors) {
     const int64_t half = f / 2;
     if (half == 0) continue;  // a factor of 1: one bucket, nothing to hash
-    int64_t best = 0;
-    float best_v = proj[off];
-    for (int64_t c = 1; c < half; ++c)
-      if (proj[off + c] > best_v) best_v = proj[off + c], best = c;
-    // the negative half comes after the positive one: it wins only if strictly larger
-    for (int64_t c = 0; c < half; ++c)
-      if (-proj[off + c] > best_v) best_v = -proj[off + c], best = half + c;
-    bucket += best * mult;
+    const float* x = proj + off;
+    // the largest and the smallest projection; the negative half [-xR] comes after the
+    // positive one, so it wins only if -min is strictly larger than max
+    float hi = x[0], lo = x[0];
+    int64_t c = 1;
+#ifdef __AVX512F__
+    if (half >= 16) {
+      __m512 vh = _mm512_loadu_ps(x), vl = vh;
+      for (c = 16; c + 16 <= half; c += 16) {
+        const __m512 t = _mm512_loadu_ps(x + c);
+        vh = _mm512_max_ps(vh, t);
+        vl = _mm512_min_ps(vl, t);
+      }
+      hi = _mm512_reduce_max_ps(vh);
+      lo = _mm512_reduce_min_ps(vl);
+    }
+#endif
+    for (; c < half; ++c) {
+      hi = std::max(hi, x[c]);
+      lo = std::min(lo, x[c]);
+    }
+    const bool negative = -lo > hi;
+    const float target = negative ? lo : hi;
+    int64_t idx = 0;
+    while (idx + 1 < half && x[idx] != target) ++idx;  // the first occurrence
+    bucket += (negative ? half + idx : idx) * mult;
     mult *= f;
     off += half;
   }
@@ -176,13 +197,23 @@ class Reformer final : public Variant {
     for (int64_t i = 0; i < n; ++i) hb.perm[size_t(hb.count[size_t(hb.bucket[size_t(i)])]++)] = int32_t(i);
   }
 
+  /// Heads run one per thread when there are at least as many (batch, head) pairs as
+  /// threads (no synchronisation inside a head); otherwise one head at a time, each step
+  /// parallel inside.
+  static bool by_head(const Problem& p, int threads) {
+    return threads > 1 && p.batch * p.heads >= threads;
+  }
+
   void forward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView v,
                TensorView out) override {
     const Plan pl = plan(p);
-    const int64_t n = p.n, d = p.dim;
-    HeadBuffers hb(pl, n, d);
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t h = 0; h < p.heads; ++h) {
+    const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
+#pragma omp parallel if (by_head(p, omp_get_max_threads()))
+    {
+      HeadBuffers hb(pl, n, d);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < heads; ++bh) {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
         project(p, pl, q, b, h, hb);
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
@@ -206,6 +237,7 @@ class Reformer final : public Variant {
           for (int64_t x = 0; x < d; ++x) o[x] *= inv;
         }
       }
+    }
   }
 
   double flops(const Problem& p) const override {
@@ -227,7 +259,8 @@ class Reformer final : public Variant {
     const double per_thread = double(TileAttention::bytes(pl.chunk, pl.chunk, p.dim)) +
                               4.0 * double(pl.chunk) * double(p.dim + 1);
     const double rot = 8.0 * double(p.dim) * double(pl.hashes * pl.cols);
-    return HeadBuffers::bytes(pl, p.n, p.dim) + rot + per_thread * threads;
+    const int copies = by_head(p, threads) ? threads : 1;
+    return (HeadBuffers::bytes(pl, p.n, p.dim) + rot) * copies + per_thread * threads;
   }
 
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
@@ -293,28 +326,35 @@ class Reformer final : public Variant {
     {
       TileAttention ta(ch, ch, d, 1.0f);
       std::vector<float> o(static_cast<size_t>(ch * d)), lse(static_cast<size_t>(ch));
+      // without a causal mask a chunk's only masked pairs are the tokens themselves: the
+      // diagonal of its own block (the previous chunk holds other tokens)
+      std::vector<uint8_t> off_diagonal(static_cast<size_t>(ch * ch), 1);
+      for (int64_t t = 0; t < ch; ++t) off_diagonal[size_t(t * ch + t)] = 0;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t c = 0; c < nch; ++c) {
         const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
         ta.begin(hb.qs.data() + s0 * d, d, rows);
-        int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
+        const int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
         for (int64_t kb : blocks) {
           if (kb < 0) continue;
           const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
-          uint8_t* mask = ta.mask();
-          for (int64_t rr = 0; rr < rows; ++rr) {
-            const int32_t i = hb.perm[size_t(s0 + rr)];
-            const int64_t vis = p.visible(i);
-            uint8_t* mrow = mask + rr * cols;
-            for (int64_t cc = 0; cc < cols; ++cc) {
-              const int32_t j = hb.perm[size_t(j0 + cc)];
-              mrow[cc] = uint8_t(j != i && j < vis);
-            }
+          const uint8_t* mask = nullptr;
+          if (p.causal) {
+            uint8_t* mk = ta.mask();
+            causal_mask(p, hb.perm.data() + s0, rows, hb.perm.data() + j0, cols, mk);
+            mask = mk;
+          } else if (kb == c) {
+            // rows x cols corner of the off-diagonal tile (cols == rows here)
+            uint8_t* mk = ta.mask();
+            for (int64_t rr = 0; rr < rows; ++rr)
+              std::copy_n(off_diagonal.data() + rr * ch, cols, mk + rr * cols);
+            mask = mk;
           }
           ta.attend(hb.ks.data() + j0 * d, d, hb.vs.data() + j0 * d, d, cols, mask);
         }
         ta.finish(o.data(), d, lse.data());
         for (int64_t rr = 0; rr < rows; ++rr) {
+          if (rr + 4 < rows) __builtin_prefetch(out.row(b, h, hb.perm[size_t(s0 + rr + 4)]), 1);
           const int32_t i = hb.perm[size_t(s0 + rr)];
           const float* orow = o.data() + rr * d;
           float l = lse[size_t(rr)];
@@ -332,6 +372,27 @@ class Reformer final : public Variant {
           mx = nm;
         }
       }
+    }
+  }
+
+  /// mask[r * cols + c] = 1 iff key token kpos[c] is another token than qpos[r] and visible
+  /// to it under the causal mask.
+  static void causal_mask(const Problem& p, const int32_t* qpos, int64_t rows,
+                          const int32_t* kpos, int64_t cols, uint8_t* mask) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t i = qpos[r], vis = int32_t(p.visible(i));
+      uint8_t* m = mask + r * cols;
+      int64_t c = 0;
+#ifdef __AVX512F__
+      const __m512i vi = _mm512_set1_epi32(i), vv = _mm512_set1_epi32(vis);
+      for (; c + 16 <= cols; c += 16) {
+        const __m512i k = _mm512_loadu_si512(kpos + c);
+        const __mmask16 keep = _mm512_cmpneq_epi32_mask(k, vi) & _mm512_cmplt_epi32_mask(k, vv);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(m + c),
+                         _mm_maskz_set1_epi8(keep, 1));
+      }
+#endif
+      for (; c < cols; ++c) m[c] = uint8_t(kpos[c] != i && kpos[c] < vis);
     }
   }
 

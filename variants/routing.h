@@ -1,0 +1,34 @@
+// The routing step of the routing variant (variants/routing.cpp), exposed so that tests can
+// check the selection and compute the variant's formula on the same routes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/problem.h"
+#include "common/tensor.h"
+
+namespace attnbench::routing {
+
+/// Cluster count, queries and keys per cluster, and Lloyd sample size for a problem.
+struct Sizes {
+  int64_t c = 1, wq = 1, wk = 1, sample = 0;
+};
+
+/// The sizes the variant uses for `clusters`, `window` and `sample` (0 = automatic; see
+/// variants/routing.cpp).
+Sizes sizes(const Problem& p, int64_t clusters, int64_t window, int64_t sample);
+
+/// The routes of one head.
+struct Routes {
+  std::vector<float> centroids;        ///< c x d unit centroids
+  std::vector<int32_t> queries, keys;  ///< cluster u: [u wq, (u + 1) wq) / [u wk, (u + 1) wk),
+                                       ///< each ascending
+};
+
+/// Routes head (b, h): `iterations` Lloyd steps on the seeded sample, then per cluster the
+/// top-wq queries and top-wk keys by cosine with its centroid (ties: lower position).
+Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTensorView q,
+             ConstTensorView k, int64_t b, int64_t h);
+
+}  // namespace attnbench::routing
