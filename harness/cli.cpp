@@ -242,7 +242,8 @@ int cli_main(int argc, char** argv) {
   app.add_option("--plugin", plugin_paths,
                  "load variants from this plugin (.so built with attnbench_add_plugin; "
                  "repeatable; also the colon-separated list in ATTNBENCH_PLUGINS)")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->allow_extra_args(false);  // one FILE per --plugin
 
   // list
   auto* list = app.add_subcommand("list", "variants with their parameters and capabilities");
