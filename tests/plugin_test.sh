@@ -158,6 +158,28 @@ for causal in 0 1; do
     "$tmp/pattern.npy" 1
 done
 
+# --- ties: with k = 0 every logit is exactly 0, and the lower key indices win ---
+"$py" - "$tmp/ties.npz" <<'PY'
+import numpy as np, sys
+rng = np.random.default_rng(3)
+q = rng.standard_normal((1, 2, 20, 8)).astype(np.float32)
+v = rng.standard_normal((1, 2, 30, 8)).astype(np.float32)
+np.savez(sys.argv[1], q=q, k=np.zeros_like(v), v=v)
+PY
+"$bin" --plugin "$topk" run --variant topk:k=4 --inputs "$tmp/ties.npz" --causal --reps 1 \
+  --min-time 0.01 --json --output "$tmp/ties_out.npy" >"$tmp/row.json"
+"$bin" --plugin "$topk" pattern --variant topk:k=4 --inputs "$tmp/ties.npz" --causal --head 1 \
+  --output "$tmp/ties_pattern.npy" 2>/dev/null
+"$py" - "$tmp/ties.npz" "$tmp/ties_out.npy" "$tmp/ties_pattern.npy" <<'PY'
+import numpy as np, sys
+v, out, pattern = np.load(sys.argv[1])["v"], np.load(sys.argv[2]), np.load(sys.argv[3])
+n, m = out.shape[2], v.shape[2]
+want = np.zeros((n, m), dtype=np.uint8)
+want[:, :4] = 1  # the causal mask leaves query i keys 0 .. i + 10: always more than 4
+assert (pattern == want).all(), "ties do not go to the lowest key indices"
+assert np.abs(out - v[:, :, :4].mean(axis=2, keepdims=True)).max() < 1e-6, "tied output"
+PY
+
 # --- a short sweep, with meta.json naming the plugin ---
 ATTNBENCH_PLUGINS="$topk" "$bin" sweep --variant topk:k=8 --variant full --seq 64,100 \
   --heads 2 --dim 16 --causal both --reps 1 --min-time 0.01 --out "$tmp/sweep" 2>/dev/null
