@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <set>
+#include <utility>
 
 #include "common/error.h"
 #include "common/pattern.h"
@@ -187,28 +188,72 @@ Registry& Registry::instance() {
   return r;
 }
 
-bool Registry::add(VariantInfo info) {
+void Registry::check(const VariantInfo& info,
+                     const std::map<std::string, ParamType>& types) const {
   if (info.name.empty() || info.name.find_first_of(":,= ") != std::string::npos)
     throw SpecError(fmt::format("invalid variant name '{}'", info.name));
-  if (variants_.count(info.name))
-    throw SpecError(fmt::format("variant '{}' is already registered", info.name));
-  // Check everything first, so a rejected variant leaves no trace in the registry.
+  if (const VariantInfo* have = find(info.name))
+    throw SpecError(fmt::format("variant '{}' is already registered ({})", info.name,
+                                have->plugin.empty() ? std::string("built in")
+                                                     : "from plugin " + have->plugin));
   std::set<std::string> seen;
   for (const auto& ps : info.params) {
     if (!seen.insert(ps.name).second)
       throw SpecError(fmt::format("variant '{}' declares parameter '{}' twice", info.name, ps.name));
-    auto it = param_types_.find(ps.name);
-    if (it != param_types_.end() && it->second != ps.type)
+    auto it = types.find(ps.name);
+    if (it != types.end() && it->second != ps.type)
       throw SpecError(fmt::format(
           "variant '{}' declares parameter '{}' as {}, but it is {} in another variant; a "
           "parameter name has one type across all variants",
           info.name, ps.name, to_string(ps.type), to_string(it->second)));
     canonical_value(info.name, ps, ps.default_value);  // the default must itself be valid
   }
+}
+
+bool Registry::add(VariantInfo info) {
+  // Check everything first, so a rejected variant leaves no trace in the registry.
+  check(info, param_types_);
   for (const auto& ps : info.params) param_types_.emplace(ps.name, ps.type);
   auto name = info.name;
   variants_.emplace(name, std::make_unique<VariantInfo>(std::move(info)));
   return true;
+}
+
+void Registry::add_all(std::vector<VariantInfo> infos) {
+  // Check the whole batch against the registry and against itself before adding any.
+  auto types = param_types_;
+  std::set<std::string> names;
+  for (const auto& info : infos) {
+    check(info, types);
+    if (!names.insert(info.name).second)
+      throw SpecError(fmt::format("variant '{}' is registered twice", info.name));
+    for (const auto& ps : info.params) types.emplace(ps.name, ps.type);
+  }
+  for (auto& info : infos) add(std::move(info));
+}
+
+void Registry::open_stage() {
+  staging_ = true;
+  staged_.clear();
+}
+
+std::vector<VariantInfo> Registry::close_stage() {
+  staging_ = false;
+  return std::exchange(staged_, {});
+}
+
+bool Registry::register_static(VariantInfo info) {
+  // While a plugin loads, its static initialisers run inside dlopen: nothing may throw
+  // there, and nothing may be added before the loader has checked the whole plugin.
+  if (staging_) {
+    staged_.push_back(std::move(info));
+    return true;
+  }
+  return add(std::move(info));
+}
+
+bool ATTNBENCH_REGISTER_ENTRY(VariantInfo info) {
+  return Registry::instance().register_static(std::move(info));
 }
 
 const VariantInfo* Registry::find(std::string_view name) const {

@@ -6,6 +6,10 @@
 //   ATTNBENCH_REGISTER_VARIANT(flash, VariantInfo{...});
 //
 // A spec string "name:key=value,key=value" names a variant and overrides parameters.
+//
+// The same macro registers a variant built into libattnbench and one in a plugin (a shared
+// library loaded at run time, common/plugin.h). This header and everything it includes are
+// installed; changing them means bumping ATTNBENCH_ABI_VERSION (common/abi.h).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/abi.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
@@ -82,6 +87,9 @@ struct VariantInfo {
   std::vector<ParamSpec> params;
   Capabilities caps;
   std::function<std::unique_ptr<Variant>(const ParamValues&)> make;
+  /// The plugin file the variant was loaded from (absolute path); empty for a built-in one.
+  /// Set by the plugin loader, not by the variant.
+  std::string plugin = {};
 };
 
 /// An attention variant: computes out = attention(q, k, v) for one problem.
@@ -138,9 +146,27 @@ class Registry {
   /// Names of all registered variants joined by ", ".
   std::string names() const;
 
+  /// Adds several variants, all or none: throws SpecError, adding nothing, if any of them
+  /// would be rejected by add() (also for a name given twice among them).
+  void add_all(std::vector<VariantInfo> infos);
+
+  /// Plugin loading (common/plugin.cpp). While a stage is open, registrations through
+  /// ATTNBENCH_REGISTER_VARIANT are held back instead of added, so the loader can check a
+  /// plugin's variants (and unload it) before any of them becomes visible.
+  void open_stage();
+  /// Closes the stage and returns what was registered while it was open.
+  std::vector<VariantInfo> close_stage();
+  /// Called by ATTNBENCH_REGISTER_VARIANT: add(), or into the stage while one is open.
+  bool register_static(VariantInfo info);
+
  private:
+  // Throws SpecError if `info` cannot join a registry holding `types` as parameter types.
+  void check(const VariantInfo& info, const std::map<std::string, ParamType>& types) const;
+
   std::map<std::string, std::unique_ptr<VariantInfo>, std::less<>> variants_;
   std::map<std::string, ParamType> param_types_;
+  bool staging_ = false;
+  std::vector<VariantInfo> staged_;
 };
 
 /// Splits "name:key=value,key=value" into the name and its key/value pairs (in order).
@@ -153,7 +179,20 @@ std::unique_ptr<Variant> make_variant(std::string_view spec);
 
 }  // namespace attnbench
 
-/// Registers a variant from its own translation unit. `ident` is any unique identifier.
-#define ATTNBENCH_REGISTER_VARIANT(ident, ...)                                        \
-  [[maybe_unused]] static const bool attnbench_registered_##ident =                   \
-      ::attnbench::Registry::instance().add(__VA_ARGS__)
+#define ATTNBENCH_CAT_(a, b) a##b
+#define ATTNBENCH_CAT(a, b) ATTNBENCH_CAT_(a, b)
+/// The registration entry point, register_variant_abiN with N = ATTNBENCH_ABI_VERSION. Its
+/// name carries the ABI version, so a plugin compiled against another version does not load
+/// (an undefined symbol at dlopen) instead of registering through a mismatched interface.
+#define ATTNBENCH_REGISTER_ENTRY ATTNBENCH_CAT(register_variant_abi, ATTNBENCH_ABI_VERSION)
+
+namespace attnbench {
+/// Registry::instance().register_static(info); see ATTNBENCH_REGISTER_ENTRY.
+bool ATTNBENCH_REGISTER_ENTRY(VariantInfo info);
+}  // namespace attnbench
+
+/// Registers a variant from its own translation unit (built in, or in a plugin). `ident` is
+/// any identifier unique in the file.
+#define ATTNBENCH_REGISTER_VARIANT(ident, ...)                      \
+  [[maybe_unused]] static const bool attnbench_registered_##ident = \
+      ::attnbench::ATTNBENCH_REGISTER_ENTRY(__VA_ARGS__)

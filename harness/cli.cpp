@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <iostream>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "common/inputs.h"
 #include "common/npy.h"
 #include "common/pattern.h"
+#include "common/plugin.h"
 #include "common/registry.h"
 #include "harness/machine.h"
 #include "harness/results.h"
@@ -148,6 +150,8 @@ nlohmann::ordered_json variants_json() {
                    {"causal", v->caps.causal},
                    {"cross", v->caps.cross},
                    {"exact", v->caps.exact},
+                   {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
+                                                : nlohmann::ordered_json(v->plugin)},
                    {"params", params}});
   }
   return all;
@@ -163,6 +167,7 @@ void print_list() {
     fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", v->name, w, v->caps.causal ? "yes" : "no",
                v->caps.cross ? "yes" : "no", v->caps.exact ? "yes" : "no", v->summary);
     fmt::print("{:<{}} {}\n", "", indent, v->complexity);
+    if (!v->plugin.empty()) fmt::print("{:<{}} from plugin {}\n", "", indent, v->plugin);
     for (const auto& p : v->params)
       fmt::print("{:<{}} {}={} ({}; {}): {}\n", "", indent, p.name, p.default_value,
                  to_string(p.type), p.accepted(), p.help);
@@ -202,6 +207,7 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
           {"threads", threads},
           {"machine", to_json(mf)},
           {"command_line", command_line(argc, argv)},
+          {"plugins", loaded_plugins()},
           {"exact_pairs_limit", kExactPairsLimit}};
 }
 
@@ -235,6 +241,14 @@ int cli_main(int argc, char** argv) {
                "attention"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help for every command");
+  // --plugin belongs to the top level but may also follow the subcommand.
+  app.fallthrough();
+  std::vector<std::string> plugin_paths;
+  app.add_option("--plugin", plugin_paths,
+                 "load variants from this plugin (.so built with attnbench_add_plugin; "
+                 "repeatable; also the colon-separated list in ATTNBENCH_PLUGINS)")
+      ->type_name("FILE")
+      ->allow_extra_args(false);  // one FILE per --plugin
 
   // list
   auto* list = app.add_subcommand("list", "variants with their parameters and capabilities");
@@ -323,6 +337,18 @@ int cli_main(int argc, char** argv) {
   }
 
   try {
+    // Plugins first: their variants are then available to every command.
+    if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {
+      for (const auto& path : split_plugin_list(env)) {
+        try {
+          load_plugin(path);
+        } catch (const PluginError& e) {
+          throw PluginError(fmt::format("{} (in ATTNBENCH_PLUGINS)", e.what()));
+        }
+      }
+    }
+    for (const auto& path : plugin_paths) load_plugin(path);
+
     if (*list) {
       if (list_json) fmt::print("{}\n", variants_json().dump(2));
       else print_list();
@@ -494,6 +520,9 @@ int cli_main(int argc, char** argv) {
     }
   } catch (const UsageError& e) {
     fmt::print(stderr, "attnbench: error: {}\n", e.what());
+    return 2;
+  } catch (const PluginError& e) {
+    fmt::print(stderr, "attnbench: plugin error: {}\n", e.what());
     return 2;
   } catch (const SpecError& e) {
     fmt::print(stderr, "attnbench: error: {}\n", e.what());

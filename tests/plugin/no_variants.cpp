@@ -1,0 +1,2 @@
+// A plugin that registers no variant.
+int attnbench_test_no_variants() { return 0; }

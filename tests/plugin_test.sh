@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# Out-of-tree plugins end to end: installs this build into a temporary prefix, builds
+# examples/plugin (exact top-k attention) and the broken plugins of tests/plugin as separate
+# CMake projects against it, and drives the installed binary with them. Top-k outputs, errors
+# and patterns are checked against an independent numpy computation.
+#
+# usage: plugin_test.sh BUILD_DIR SOURCE_DIR [CMAKE]
+set -euo pipefail
+build=$1
+src=$2
+cmake=${3:-cmake}
+py=/usr/bin/python3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+fail() {
+  echo "plugin_test: FAILED: $*" >&2
+  exit 1
+}
+
+# refused NEEDLE... -- COMMAND...: COMMAND must exit with status 2 and say every NEEDLE on
+# stderr.
+refused() {
+  local needles=()
+  while [ "$1" != "--" ]; do needles+=("$1"); shift; done
+  shift
+  local status=0
+  "$@" >"$tmp/out" 2>"$tmp/err" || status=$?
+  [ "$status" -eq 2 ] || fail "exit status $status, expected 2: $* (stderr: $(cat "$tmp/err"))"
+  for n in "${needles[@]}"; do
+    grep -qF -- "$n" "$tmp/err" || fail "stderr of '$*' lacks '$n': $(cat "$tmp/err")"
+  done
+  echo "refused as expected: $(cat "$tmp/err")"
+}
+
+# --- install, then build the plugins as an outside user would ---
+"$cmake" --install "$build" --prefix "$tmp/prefix" >/dev/null
+bin=$tmp/prefix/bin/attnbench
+prefix_lib=$(cd "$tmp/prefix/lib" && pwd -P)
+# the installed binary finds its own libattnbench (RPATH $ORIGIN/../lib) and OpenBLAS's
+# OpenMP build
+lib_used=$(ldd "$bin" | awk '$1 ~ /^libattnbench\.so/ { print $3 }')
+[ -n "$lib_used" ] && [ "$(realpath "$lib_used")" = "$(realpath "$prefix_lib/libattnbench.so")" ] ||
+  fail "the installed binary does not load the installed libattnbench: $(ldd "$bin")"
+ldd "$bin" | grep -q "openblas-openmp/libopenblas" || fail "the installed binary misses OpenBLAS"
+for project in examples/plugin tests/plugin; do
+  dir=$tmp/build-${project//\//-}
+  if ! { "$cmake" -S "$src/$project" -B "$dir" -DCMAKE_PREFIX_PATH="$tmp/prefix" &&
+         "$cmake" --build "$dir" -j2; } >"$tmp/log" 2>&1; then
+    cat "$tmp/log" >&2
+    fail "building $project against the installed attnbench"
+  fi
+done
+topk=$tmp/build-examples-plugin/topk_attention.so
+broken=$tmp/build-tests-plugin
+[ -f "$topk" ] || fail "attnbench_add_plugin did not make $topk"
+topk_real=$(realpath "$topk")
+
+# --- loading: --plugin before or after the subcommand, ATTNBENCH_PLUGINS ---
+"$bin" --plugin "$topk" list >"$tmp/list"
+grep -q "^topk " "$tmp/list" || fail "list does not show topk"
+grep -qF "from plugin $topk_real" "$tmp/list" || fail "list does not say where topk comes from"
+# (output goes to a file first: grep -q would close the pipe early)
+lists() { "$@" >"$tmp/list" && grep -q "^topk " "$tmp/list"; }
+lists "$bin" list --plugin "$topk" || fail "--plugin after the subcommand"
+lists env ATTNBENCH_PLUGINS="$topk" "$bin" list || fail "ATTNBENCH_PLUGINS"
+# the same file twice (variable and option) is loaded once
+lists env ATTNBENCH_PLUGINS="$topk::" "$bin" --plugin "$topk" list || fail "the same plugin twice"
+"$bin" list >"$tmp/list"
+grep -q "^topk " "$tmp/list" && fail "topk is listed without the plugin"
+"$bin" --plugin "$topk" list --json >"$tmp/list.json"
+"$py" - "$tmp/list.json" "$topk_real" <<'PY'
+import json, sys
+by_name = {v["name"]: v for v in json.load(open(sys.argv[1]))}
+assert by_name["topk"]["plugin"] == sys.argv[2], by_name["topk"]
+assert by_name["full"]["plugin"] is None, by_name["full"]
+assert [p["name"] for p in by_name["topk"]["params"]] == ["k"], by_name["topk"]
+PY
+
+# --- run: with k >= every row's visible keys, top-k is exact attention ---
+for causal in "" "--causal"; do
+  "$bin" --plugin "$topk" run --variant topk:k=64 --seq 37 --seq-k 53 --heads 2 --dim 16 \
+    $causal --reps 1 --min-time 0.01 --json >"$tmp/row.json"
+  "$py" - "$tmp/row.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["status"] == "ok", r
+assert r["rel_fro_error"] < 1e-5, f"k >= m but rel. error {r['rel_fro_error']}"
+assert abs(r["mass_mean"] - 1) < 1e-9 and abs(r["mass_min"] - 1) < 1e-9, r
+# allocations inside the plugin are counted: one scratch row pair per thread
+assert r["peak_bytes"] >= r["estimated_bytes"] > 0, r
+PY
+done
+
+# --- run and pattern on given inputs against numpy's top-k attention ---
+"$py" - "$tmp/in.npz" <<'PY'
+import numpy as np, sys
+rng = np.random.default_rng(7)
+B, H, n, m, d = 1, 3, 45, 61, 16
+q = (2.0 * rng.standard_normal((B, H, n, d))).astype(np.float32)  # sharper attention
+k = rng.standard_normal((B, H, m, d)).astype(np.float32)
+v = rng.standard_normal((B, H, m, d)).astype(np.float32)
+np.savez(sys.argv[1], q=q, k=k, v=v)
+PY
+cat >"$tmp/check.py" <<'PY'
+# check.py INPUTS.npz K CAUSAL ROW.json OUT.npy PATTERN.npy HEAD: top-k attention in float64
+import json, sys
+import numpy as np
+f = np.load(sys.argv[1])
+q, k, v = (f[x].astype(np.float64) for x in "qkv")
+top, causal = int(sys.argv[2]), sys.argv[3] == "1"
+row, out = json.load(open(sys.argv[4])), np.load(sys.argv[5])
+pattern, head = np.load(sys.argv[6]), int(sys.argv[7])
+B, H, n, d = q.shape
+m = k.shape[2]
+exact, topk = np.zeros_like(q), np.zeros_like(q)
+mass, chosen = [], np.zeros((B, H, n, m), dtype=np.uint8)
+for b in range(B):
+    for h in range(H):
+        s = q[b, h] @ k[b, h].T / np.sqrt(d)
+        for i in range(n):
+            vis = min(m, i + m - n + 1) if causal else m
+            if vis <= 0:
+                mass.append(1.0)
+                continue
+            logits = s[i, :vis]
+            p = np.exp(logits - logits.max()); p /= p.sum()
+            exact[b, h, i] = p @ v[b, h, :vis]
+            # rank by larger logit, then lower key index
+            order = sorted(range(vis), key=lambda j: (-logits[j], j))
+            if vis > top:
+                gap = logits[order[top - 1]] - logits[order[top]]
+                assert gap > 1e-4, f"inputs too close to a tie for a float check (gap {gap})"
+            sel = np.array(sorted(order[:top]))
+            w = np.exp(logits[sel] - logits[sel].max()); w /= w.sum()
+            topk[b, h, i] = w @ v[b, h, sel]
+            chosen[b, h, i, sel] = 1
+            mass.append(p[sel].sum())
+assert row["status"] == "ok", row
+diff = np.abs(out - topk).max()
+assert diff < 2e-5, f"attnbench's topk output differs from numpy's by {diff}"
+rel = np.linalg.norm(topk - exact) / np.linalg.norm(exact)
+assert rel > 1e-2, f"top-{top} should be far from exact attention here, rel. error {rel}"
+assert abs(row["rel_fro_error"] - rel) <= 1e-4 * rel, (row["rel_fro_error"], rel)
+assert abs(row["mass_mean"] - np.mean(mass)) < 1e-6, (row["mass_mean"], np.mean(mass))
+assert abs(row["mass_min"] - np.min(mass)) < 1e-6, (row["mass_min"], np.min(mass))
+assert pattern.shape == (n, m) and (pattern == chosen[0, head]).all(), "pattern differs"
+print(f"top-{top} causal={causal}: max |diff| {diff:.2e}, rel. error {rel:.4f} "
+      f"(attnbench {row['rel_fro_error']:.4f}), mass {np.mean(mass):.4f}")
+PY
+for causal in 0 1; do
+  flag=$([ "$causal" = 1 ] && echo --causal || true)
+  "$bin" --plugin "$topk" run --variant topk:k=5 --inputs "$tmp/in.npz" $flag --reps 1 \
+    --min-time 0.01 --json --output "$tmp/out.npy" >"$tmp/row.json"
+  "$bin" --plugin "$topk" pattern --variant topk:k=5 --inputs "$tmp/in.npz" $flag --head 1 \
+    --output "$tmp/pattern.npy" 2>/dev/null
+  "$py" "$tmp/check.py" "$tmp/in.npz" 5 "$causal" "$tmp/row.json" "$tmp/out.npy" \
+    "$tmp/pattern.npy" 1
+done
+
+# --- ties: with k = 0 every logit is exactly 0, and the lower key indices win ---
+"$py" - "$tmp/ties.npz" <<'PY'
+import numpy as np, sys
+rng = np.random.default_rng(3)
+q = rng.standard_normal((1, 2, 20, 8)).astype(np.float32)
+v = rng.standard_normal((1, 2, 30, 8)).astype(np.float32)
+np.savez(sys.argv[1], q=q, k=np.zeros_like(v), v=v)
+PY
+"$bin" --plugin "$topk" run --variant topk:k=4 --inputs "$tmp/ties.npz" --causal --reps 1 \
+  --min-time 0.01 --json --output "$tmp/ties_out.npy" >"$tmp/row.json"
+"$bin" --plugin "$topk" pattern --variant topk:k=4 --inputs "$tmp/ties.npz" --causal --head 1 \
+  --output "$tmp/ties_pattern.npy" 2>/dev/null
+"$py" - "$tmp/ties.npz" "$tmp/ties_out.npy" "$tmp/ties_pattern.npy" <<'PY'
+import numpy as np, sys
+v, out, pattern = np.load(sys.argv[1])["v"], np.load(sys.argv[2]), np.load(sys.argv[3])
+n, m = out.shape[2], v.shape[2]
+want = np.zeros((n, m), dtype=np.uint8)
+want[:, :4] = 1  # the causal mask leaves query i keys 0 .. i + 10: always more than 4
+assert (pattern == want).all(), "ties do not go to the lowest key indices"
+assert np.abs(out - v[:, :, :4].mean(axis=2, keepdims=True)).max() < 1e-6, "tied output"
+PY
+
+# --- a short sweep, with meta.json naming the plugin ---
+ATTNBENCH_PLUGINS="$topk" "$bin" sweep --variant topk:k=8 --variant full --seq 64,100 \
+  --heads 2 --dim 16 --causal both --reps 1 --min-time 0.01 --out "$tmp/sweep" 2>/dev/null
+"$py" - "$tmp/sweep" "$topk_real" <<'PY'
+import csv, json, sys
+rows = list(csv.DictReader(open(sys.argv[1] + "/results.csv")))
+assert len(rows) == 8, len(rows)
+assert all(r["status"] == "ok" for r in rows), [(r["spec"], r["message"]) for r in rows]
+top = [r for r in rows if r["variant"] == "topk"]
+assert len(top) == 4 and all(r["spec"] == "topk:k=8" for r in top), top
+assert all(0 < float(r["mass_mean"]) < 1 for r in top), top
+meta = json.load(open(sys.argv[1] + "/meta.json"))
+assert meta["plugins"] == [sys.argv[2]], meta["plugins"]
+PY
+
+# --- refused plugins: a clear message naming the file, exit status 2 ---
+refused "$tmp/missing.so" "no such file" -- "$bin" --plugin "$tmp/missing.so" list
+refused "$tmp/missing.so" "ATTNBENCH_PLUGINS" -- env ATTNBENCH_PLUGINS="$topk:$tmp/missing.so" "$bin" list
+echo "not a library" >"$tmp/text.so"
+refused "$tmp/text.so" "not a shared library" -- "$bin" --plugin "$tmp/text.so" list
+refused "$tmp" "a directory" -- "$bin" --plugin "$tmp" list
+refused "$prefix_lib/libattnbench.so" "not an attnbench plugin" -- "$bin" --plugin "$prefix_lib/libattnbench.so" list
+mkdir "$tmp/copy" && cp "$topk" "$tmp/copy/"
+refused "$tmp/copy/topk_attention.so" "'topk' is already registered" "from plugin $topk_real" -- \
+  "$bin" --plugin "$topk" --plugin "$tmp/copy/topk_attention.so" list
+refused "$broken/clash_full.so" "'full' is already registered (built in)" -- \
+  "$bin" --plugin "$broken/clash_full.so" run --variant full --seq 16 --heads 1 --dim 8
+abi=$(sed -n 's/^#define ATTNBENCH_ABI_VERSION \([0-9]*\)$/\1/p' "$src/common/abi.h")
+refused "$broken/other_abi.so" "built against attnbench ABI $((abi + 1)), this attnbench is ABI $abi" -- \
+  "$bin" --plugin "$broken/other_abi.so" list
+refused "$broken/wrong_entry.so" "cannot load" "undefined symbol" "register_variant_abi$((abi + 1))" -- \
+  "$bin" --plugin "$broken/wrong_entry.so" list
+refused "$broken/no_variants.so" "registers no variant" -- "$bin" --plugin "$broken/no_variants.so" list
+echo "plugin_test: all checks passed"
