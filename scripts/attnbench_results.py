@@ -136,17 +136,21 @@ def format_seconds(t):
 
 
 def run_main(main, prog):
-    """Runs main() and maps ResultsError to `prog: error: message` on stderr and exit 2."""
+    """Runs main() and maps ResultsError (and a file that cannot be written) to
+    `prog: error: message` on stderr and exit code 2."""
     try:
         code = main()
     except ResultsError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        sys.exit(130)
     except BrokenPipeError:
         # the reader of stdout went away (e.g. `| head`): stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except OSError as e:  # e.g. a results directory that cannot be written
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(code or 0)

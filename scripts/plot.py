@@ -318,7 +318,7 @@ def fmt_sci(x):
 
 
 def fmt_mib(b):
-    return "—" if b is None or not np.isfinite(b) else f"{b / MIB:.3g}"
+    return "—" if b is None or not np.isfinite(b) else f"{b / MIB:.3g} MiB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +402,7 @@ class Report:
                        + ".\n")
 
     # --- time and memory against n ------------------------------------------------------------
-    def against_n(self, name, column, scale, ylabel, title, section, cell):
+    def against_n(self, name, column, scale, ylabel, title, section, cell, explain):
         lay = self.layout
         fig, axes = new_grid(len(lay.configs), len(lay.causals), sharey=True)
         present, dropped, with_guides = set(), [], False
@@ -435,6 +435,7 @@ class Report:
                f"{title} ({self.title_suffix()})")
         self.md.append(f"## {section}\n")
         self.embed(name, section)
+        self.md.append(explain + "\n")
         if dropped:
             self.note(f"{name}: rows whose {column} is missing or not positive are left out of "
                       f"the log-scale figure (the table shows them) for: " +
@@ -808,13 +809,17 @@ class Report:
         self.header()
         self.against_n("time_vs_n", "time_median_s", 1.0, "median time (s)",
                        "Time per forward pass", "Time against sequence length",
-                       format_seconds)
+                       format_seconds,
+                       "Median wall-clock time of one forward pass over the repetitions. The "
+                       "dashed and dotted grey lines are O(n) and O(n²) guides through the "
+                       "smallest n.")
         self.against_n("memory_vs_n", "peak_bytes", MIB,
                        "peak heap of the forward pass (MiB)", "Peak memory",
-                       "Peak memory against sequence length", fmt_mib)
-        self.md.append("Peak memory is the heap allocated during the timed forward passes "
-                       "beyond what was allocated before them (inputs and output excluded), in "
-                       "MiB.\n\n")
+                       "Peak memory against sequence length", fmt_mib,
+                       "Peak heap allocated during a forward pass beyond what was allocated "
+                       "before it (inputs and output excluded), in MiB. Variants with the same "
+                       "workspace draw coinciding lines, of which only the last is visible; the "
+                       "tables hold every value.")
         self.error_vs_n()
         self.speed_vs_error()
         self.crossover_section()

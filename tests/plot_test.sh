@@ -32,7 +32,8 @@ for section in "## Run" "## Time against sequence length" "## Peak memory agains
   "## Rows not plotted"; do
   grep -qF -- "$section" "$report" || fail "report.md lacks the section '$section'"
 done
-commit=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["git_commit"])' "$tmp/a/meta.json")
+commit=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["git_commit"])' \
+  "$tmp/a/meta.json")
 grep -qF "$commit" "$report" || fail "report.md does not name the commit $commit"
 # every variant in the time table, the pattern variant in the gallery, the others named as
 # having no pattern (on stderr too)
@@ -41,6 +42,10 @@ for spec in full "flash:block_q=64,block_k=256" "local:window=32,block=64" "line
 done
 grep -q "no attention pattern.*\`linear:eps=1e-06\`" "$report" ||
   fail "report.md does not say that linear has no attention pattern"
+grep -q "^One head (head 0) of each pattern variant at n = 128" "$report" ||
+  fail "report.md does not describe the pattern gallery"
+grep -q "no attention pattern.*local:window" "$report" "$tmp/plot.err" &&
+  fail "local is said to have no attention pattern"
 grep -q "no attention pattern.*linear" "$tmp/plot.err" ||
   fail "plot.py did not say on stderr that linear has no attention pattern"
 # the efficiency table: full is 1.00x of itself; lengths not measured are dashes
