@@ -1,0 +1,156 @@
+"""Loading and checking an attnbench results directory (results.csv and meta.json).
+
+Shared by plot.py and compare.py. A results directory is what `attnbench sweep --out DIR`
+writes: DIR/results.csv holds one row per (variant spec, problem), DIR/meta.json the machine,
+commit and command of the run. Everything that is wrong with a directory is raised as
+ResultsError with a one-line message that says what was found and what was expected;
+`run_main` turns it into that message on stderr and exit code 2.
+"""
+
+import json
+import math
+import os
+import sys
+
+import pandas as pd
+
+# The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
+PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed", "threads"]
+KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
+# Timing columns, in seconds: the median of the repetitions and their spread.
+TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
+# What plot.py and compare.py read; a results.csv without one of these is refused.
+REQUIRED_COLUMNS = KEY_COLUMNS + ["status", "message"] + TIME_COLUMNS + [
+    "reps", "peak_bytes", "rel_fro_error"]
+NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "scale", "seed", "threads",
+                   "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
+INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "seed", "threads", "reps"]
+
+
+class ResultsError(Exception):
+    """A results directory that cannot be used; the message is meant for the user as is."""
+
+
+def load_results(directory, need_ok=True):
+    """Reads DIR/results.csv into a DataFrame after checking it.
+
+    Checks: the directory and file exist, the file parses as CSV, every REQUIRED_COLUMNS
+    column is present, there is at least one row and (with need_ok) at least one row with
+    status "ok", and the key and timing columns of ok rows are numbers. Returns the frame with
+    numeric columns converted and `causal` as 0/1.
+    """
+    if not os.path.isdir(directory):
+        raise ResultsError(f"'{directory}' is not a directory; expected a results directory "
+                           f"written by `attnbench sweep --out DIR`")
+    path = os.path.join(directory, "results.csv")
+    if not os.path.isfile(path):
+        raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
+                           f"`attnbench sweep --out {directory}` writes")
+    try:
+        df = pd.read_csv(path, dtype={"spec": str, "input": str, "status": str, "message": str},
+                         keep_default_na=False, na_values=[""])
+    except pd.errors.EmptyDataError:
+        raise ResultsError(f"'{path}' is empty; expected a header line and one row per "
+                           f"(variant, problem)") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResultsError(f"'{path}' is not a readable CSV file ({first})") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "
+                           f"columns attnbench writes, including {', '.join(REQUIRED_COLUMNS)}")
+    if len(df) == 0:
+        raise ResultsError(f"'{path}' has a header but no rows; expected one row per "
+                           f"(variant, problem) from a sweep")
+    df["message"] = df["message"].fillna("")
+    df["status"] = df["status"].fillna("")
+    for c in NUMERIC_COLUMNS:
+        df[c] = pd.to_numeric(df[c], errors="coerce")
+    ok = df["status"] == "ok"
+    if need_ok and not ok.any():
+        counts = ", ".join(f"{k}: {v}" for k, v in df["status"].value_counts().items())
+        raise ResultsError(f"'{path}' has no row with status ok ({counts}); expected at least "
+                           f"one measured row")
+    # Every row must say which problem it is; ok rows must also carry a time.
+    for c in INTEGER_COLUMNS[:-1] + ["scale"]:
+        bad = df[c].isna() | ((df[c] != df[c].round()) if c in INTEGER_COLUMNS else False)
+        if bad.any():
+            line = int(bad.idxmax()) + 2
+            raise ResultsError(f"'{path}' line {line}: column {c} is not a number; expected "
+                               f"{'an integer' if c in INTEGER_COLUMNS else 'a number'}")
+    bad = ok & ~(df["time_median_s"] > 0)
+    if bad.any():
+        line = int(bad.idxmax()) + 2
+        raise ResultsError(f"'{path}' line {line}: status ok but time_median_s is not a positive "
+                           f"number; expected the median time in seconds")
+    for c in INTEGER_COLUMNS[:-1]:
+        df[c] = df[c].astype(int)
+    df["reps"] = df["reps"].fillna(0).astype(int)
+    df["input"] = df["input"].fillna("")
+    df["spec"] = df["spec"].fillna("")
+    return df
+
+
+def load_meta(directory):
+    """Reads DIR/meta.json. Returns None when the file does not exist (the caller says so);
+    raises ResultsError when it exists but is not a JSON object."""
+    path = os.path.join(directory, "meta.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ResultsError(f"'{path}' is not readable JSON ({e}); expected the meta.json "
+                           f"`attnbench sweep` writes") from None
+    if not isinstance(meta, dict):
+        raise ResultsError(f"'{path}' holds a JSON {type(meta).__name__}; expected an object")
+    return meta
+
+
+def spec_order(df):
+    """Variant specs in the order they first appear (the order of the sweep's --variant)."""
+    return list(dict.fromkeys(df["spec"]))
+
+
+def problem_label(row, columns=PROBLEM_COLUMNS):
+    """A compact `n=1024,causal=1,...` label of a row's problem columns."""
+    parts = []
+    for c in columns:
+        v = row[c]
+        if isinstance(v, float) and math.isfinite(v) and v == int(v):
+            v = int(v)
+        parts.append(f"{c}={v}")
+    return ",".join(parts)
+
+
+def format_seconds(t):
+    """A time in seconds as text with a unit that keeps 3 significant digits readable."""
+    if t is None or not math.isfinite(t):
+        return "—"
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} µs"
+
+
+def run_main(main, prog):
+    """Runs main() and maps ResultsError (and a file that cannot be written) to
+    `prog: error: message` on stderr and exit code 2."""
+    try:
+        code = main()
+    except ResultsError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except BrokenPipeError:
+        # the reader of stdout went away (e.g. `| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except OSError as e:  # e.g. a results directory that cannot be written
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

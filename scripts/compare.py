@@ -1,0 +1,187 @@
+#!/usr/bin/python3
+"""Time of each row in two attnbench results directories, side by side.
+
+    scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--fail-on-regression]
+
+Rows are joined on the variant spec and the problem columns (batch, heads, n, m, dim, causal,
+input, scale, seed, threads), the key `attnbench sweep` itself uses. For every row measured in
+both runs it prints the median times, the ratio B/A and the speed-up A/B, and flags the change
+when it is beyond the measured spread: each run's repetitions span [time_min_s, time_max_s],
+and a row is flagged "slower" or "faster" when the two spans do not overlap (and, with
+--min-change, the ratio differs from 1 by more than that fraction). A row with a single
+repetition has no spread and is marked "no spread" instead of being judged. Rows found in one
+run only, and rows not measured (status other than ok) in either, are listed after the table.
+
+Exit code 0, or 1 with --fail-on-regression when a row is flagged slower; 2 when a directory
+cannot be read.
+"""
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from attnbench_results import (KEY_COLUMNS, PROBLEM_COLUMNS, format_seconds, load_meta,
+                               load_results, problem_label, run_main, spec_order)
+
+PROG = "compare.py"
+SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "causal": "causal",
+         "input": "input", "scale": "scale", "seed": "seed", "threads": "threads"}
+
+
+def describe(directory, meta):
+    if meta is None:
+        return f"{directory} (no meta.json)"
+    commit = str(meta.get("git_commit", "unknown"))[:12]
+    machine = meta.get("machine", {}) if isinstance(meta.get("machine"), dict) else {}
+    cpu = machine.get("cpu_model", meta.get("cpu_model", "unknown CPU"))
+    return (f"{directory} (commit {commit}, {meta.get('date', 'unknown date')}, {cpu}, "
+            f"{meta.get('threads', '?')} threads)")
+
+
+def judge(a, b, min_change):
+    """'slower', 'faster', '' (within the spread) or 'no spread' for one joined row."""
+    if a["reps"] < 2 or b["reps"] < 2:
+        return "no spread"
+    ratio = b["time_median_s"] / a["time_median_s"]
+    if abs(ratio - 1.0) <= min_change:
+        return ""
+    if b["time_min_s"] > a["time_max_s"]:
+        return "slower"
+    if b["time_max_s"] < a["time_min_s"]:
+        return "faster"
+    return ""
+
+
+def print_table(header, rows, out):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(header)]
+    numeric = [i > 0 and all(_is_number_text(r[i]) for r in rows) for i in range(len(header))]
+
+    def line(cells):
+        parts = [str(c).rjust(w) if num else str(c).ljust(w)
+                 for c, w, num in zip(cells, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    print(line(header), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print(line(r), file=out)
+
+
+def _is_number_text(s):
+    try:
+        float(str(s).split()[0].rstrip("×"))
+        return True
+    except (ValueError, IndexError):
+        return False
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="Per-row time ratio B/A of two attnbench results directories, "
+                               "with changes beyond the measured spread flagged.")
+    ap.add_argument("dir_a", metavar="DIR_A", help="results directory of the first run (A)")
+    ap.add_argument("dir_b", metavar="DIR_B", help="results directory of the second run (B)")
+    ap.add_argument("--min-change", type=float, default=0.0, metavar="FRAC",
+                    help="flag only changes with |B/A - 1| above FRAC as well as beyond the "
+                         "spread (default: %(default)s)")
+    ap.add_argument("--fail-on-regression", action="store_true",
+                    help="exit with code 1 when a row is flagged slower")
+    args = ap.parse_args()
+    if not args.min_change >= 0:
+        ap.error("--min-change must be a fraction >= 0")
+
+    a = load_results(args.dir_a)
+    b = load_results(args.dir_b)
+    out = sys.stdout
+    print(f"A: {describe(args.dir_a, load_meta(args.dir_a))}", file=out)
+    print(f"B: {describe(args.dir_b, load_meta(args.dir_b))}", file=out)
+
+    for df in (a, b):
+        dup = df.duplicated(KEY_COLUMNS)
+        if dup.any():
+            r = df[dup].iloc[0]
+            print(f"{PROG}: warning: several rows for {r['spec']} {problem_label(r)}; the last "
+                  f"one is compared", file=sys.stderr)
+    a = a.drop_duplicates(KEY_COLUMNS, keep="last")
+    b = b.drop_duplicates(KEY_COLUMNS, keep="last")
+    joined = a.merge(b, on=KEY_COLUMNS, how="outer", suffixes=("_a", "_b"), indicator=True)
+    both = joined[joined["_merge"] == "both"]
+    measured = both[(both["status_a"] == "ok") & (both["status_b"] == "ok")]
+    # one block per variant, in the order of run A, then by problem
+    rank = {s: i for i, s in enumerate(spec_order(a))}
+    measured = measured.assign(_rank=measured["spec"].map(rank)).sort_values(
+        ["_rank", "causal", "input", "dim", "heads", "batch", "n", "m"], kind="stable")
+
+    # Show the problem columns that differ between rows; the others once, above the table.
+    # m is left out when it equals n everywhere (self-attention).
+    m_is_n = bool((joined["m"] == joined["n"]).all())
+    shown = [c for c in PROBLEM_COLUMNS
+             if c == "n" or (joined[c].nunique() > 1 and not (c == "m" and m_is_n))]
+    fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m"]
+    first = joined.iloc[0]
+    print("all rows: " + ", ".join((["m=n"] if m_is_n else []) +
+                                   [f"{c}={_plain(first[c])}" for c in fixed]), file=out)
+    print(file=out)
+
+    rows, flags, ratios = [], [], []
+    for _, r in measured.iterrows():
+        ra = {k: r[f"{k}_a"] for k in ["time_median_s", "time_min_s", "time_max_s", "reps"]}
+        rb = {k: r[f"{k}_b"] for k in ["time_median_s", "time_min_s", "time_max_s", "reps"]}
+        ratio = rb["time_median_s"] / ra["time_median_s"]
+        flag = judge(ra, rb, args.min_change)
+        flags.append(flag)
+        ratios.append(ratio)
+        rows.append([r["spec"]] + [_plain(r[c]) for c in shown] +
+                    [format_seconds(ra["time_median_s"]), format_seconds(rb["time_median_s"]),
+                     f"{ratio:.3f}", f"{1.0 / ratio:.2f}×", flag])
+    header = ["variant"] + [SHORT[c] for c in shown] + ["time A", "time B", "B/A", "speed-up",
+                                                        "change"]
+    if rows:
+        print_table(header, rows, out)
+    else:
+        print("No row is measured (status ok) in both runs.", file=out)
+
+    slower = flags.count("slower")
+    faster = flags.count("faster")
+    nospread = flags.count("no spread")
+    print(file=out)
+    if ratios:
+        gmean = math.exp(float(np.mean(np.log(ratios))))
+        print(f"{len(ratios)} row(s) compared: {slower} slower and {faster} faster beyond the "
+              f"measured spread, {len(ratios) - slower - faster - nospread} within it"
+              + (f", {nospread} with a single repetition (not judged)" if nospread else "")
+              + f"; geometric mean B/A = {gmean:.3f}.", file=out)
+
+    not_measured = both[(both["status_a"] != "ok") | (both["status_b"] != "ok")]
+    if not not_measured.empty:
+        print(f"\nIn both runs but not measured in both ({len(not_measured)}):", file=out)
+        for _, r in not_measured.iterrows():
+            print(f"  {r['spec']} {problem_label(r, shown)}: A {r['status_a']}, "
+                  f"B {r['status_b']}", file=out)
+    for side, name in (("left_only", "A"), ("right_only", "B")):
+        only = joined[joined["_merge"] == side]
+        if not only.empty:
+            print(f"\nOnly in {name} ({len(only)}):", file=out)
+            for _, r in only.iterrows():
+                status = r["status_a" if name == "A" else "status_b"]
+                print(f"  {r['spec']} {problem_label(r, shown)} ({status})", file=out)
+
+    if args.fail_on_regression and slower:
+        print(f"{PROG}: {slower} row(s) slower beyond the measured spread", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plain(v):
+    if isinstance(v, (float, np.floating)) and float(v).is_integer():
+        return int(v)
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    return v
+
+
+if __name__ == "__main__":
+    run_main(main, PROG)
