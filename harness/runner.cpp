@@ -125,7 +125,6 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
                                 out.data()[bad], bad);
       return row;
     }
-    row.notes = variant.notes();
     auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
     row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit,
                               pattern.get());
@@ -170,6 +169,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.gflops = row.flops / row.time_median / 1e9;
     row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
     row.peak_bytes = rep.peak_;
+    row.notes = variant.notes();  // of the last timed pass
     if (output) *output = std::move(out);
   } catch (const UnsupportedError& e) {
     row.status = "unsupported";

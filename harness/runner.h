@@ -33,7 +33,7 @@ struct Row {
   double flops = NAN, gflops = NAN, gemm_fraction = NAN;
   double peak_bytes = NAN, estimated_bytes = NAN;
   ErrorStats error{NAN, NAN, NAN, 0, 0, NAN, NAN};
-  std::string notes;  ///< the variant's notes() after the checked pass
+  std::string notes;  ///< the variant's notes() after the last timed pass
 };
 
 /// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS.

@@ -208,13 +208,18 @@ class Reformer final : public Variant {
                TensorView out) override {
     const Plan pl = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
-#pragma omp parallel if (by_head(p, omp_get_max_threads()))
+    // time spent hashing and sorting (projections, buckets, counting sort, gathering the
+    // sorted rows) and in all, summed over the threads that run heads
+    double t_hash = 0, t_all = 0;
+#pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : t_hash, t_all)
     {
       HeadBuffers hb(pl, n, d);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bh = 0; bh < heads; ++bh) {
         const int64_t b = bh / p.heads, h = bh % p.heads;
+        const double t0 = omp_get_wtime();
         project(p, pl, q, b, h, hb);
+        t_hash += omp_get_wtime() - t0;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
           const float* qi = q.row(b, h, i);
@@ -226,8 +231,10 @@ class Reformer final : public Variant {
           std::fill_n(out.row(b, h, i), d, 0.0f);
         }
         for (int64_t r = 0; r < pl.hashes; ++r) {
+          const double t1 = omp_get_wtime();
           sort_round(p, pl, r, hb);
           gather(p, q, v, b, h, hb);
+          t_hash += omp_get_wtime() - t1;
           attend_round(p, pl, v, out, b, h, hb);
         }
 #pragma omp parallel for schedule(static)
@@ -236,8 +243,15 @@ class Reformer final : public Variant {
           const float inv = 1.0f / hb.z[size_t(i)];
           for (int64_t x = 0; x < d; ++x) o[x] *= inv;
         }
+        t_all += omp_get_wtime() - t0;
       }
     }
+    hash_share_ = t_all > 0 ? t_hash / t_all : 0.0;
+  }
+
+  std::string notes() const override {
+    return fmt::format("hashing and sorting took {:.0f}% of the forward time",
+                       100.0 * hash_share_);
   }
 
   double flops(const Problem& p) const override {
@@ -398,6 +412,7 @@ class Reformer final : public Variant {
 
   std::vector<int64_t> buckets_;
   int64_t hashes_, chunk_;
+  double hash_share_ = 0;  // of the last forward
 };
 
 ATTNBENCH_REGISTER_VARIANT(
