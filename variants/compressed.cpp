@@ -1,0 +1,209 @@
+// compressed: memory-compressed attention (Liu et al. 2018). Keys and values are pooled by a
+// factor r = `ratio` along the positions, then every query attends the m' = ceil(m / r) pooled
+// keys with exact softmax (scale 1/sqrt(d)):
+//
+//   group t = keys [t r, min(m, (t + 1) r))                      (the last group may be ragged)
+//   mean:  K'_t = mean of K over group t                          (likewise V')
+//   conv:  K'_t = sum_{s < r} Wk_s K_{t r + s}                    (V'_t with Wv_s)
+//          a strided convolution, kernel = stride = r, full d x d channel mixing per tap; the
+//          missing taps of a ragged last group count as zeros
+//   out_i = sum_{t visible to i} softmax_t(q_i . K'_t / sqrt(d)) V'_t
+//
+// Conv weights: untrained, as a freshly initialised layer computes: Wk_s[c][c'] and
+// Wv_s[c][c'] ~ N(0, 1/(r d)), separate weights for keys and values (two conv layers, as in
+// tensor2tensor's memory-compressed attention), the same for every batch item of a head, drawn
+// from the problem's seed: entry (s, c, c') of head h is
+// RandomStream(seed, conv_stream(h, kv)).normal((s d + c) d + c') / sqrt(r d), kv = 0 for
+// keys and 1 for values.
+//
+// Causal: pooled key t is visible to query i only when ALL its keys are, i.e. its last key
+// min(m, (t + 1) r) - 1 < p.visible(i) (a staircase). Rows that see no complete group (the
+// first r - 1 rows when m = n) attend nothing and output 0. m != n is supported.
+//
+// Implementation: pool K and V into per-call buffers, then run the block-sparse engine on the
+// derived problem (n queries, m' keys, no causal mask) with the staircase as its pattern
+// (non-causal: every pooled key). The pooled keys mix keys, so there is no pattern over the
+// original keys: make_pattern returns nullptr (no `attnbench pattern`, no mass).
+// Time O(B H n (m / r) d) plus pooling O(B H m d) (mean) or O(B H m d^2) (conv);
+// memory O(B H (m / r) d + threads 64 (64 + d)) plus the conv weights (2 H r d^2 floats).
+// Paper: Liu, Saleh, Pot, Goodrich, Sepassi, Kaiser, Shazeer, "Generating Wikipedia by
+// Summarizing Long Sequences" (ICLR 2018), memory-compressed attention (r = 3 there).
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "common/block_sparse.h"
+#include "common/random.h"
+
+namespace attnbench {
+namespace {
+
+constexpr int64_t kTile = 64;  // engine tile (query rows and pooled keys)
+
+/// RandomStream id of the conv weights of head h: keys (kv = 0) or values (kv = 1).
+uint64_t conv_stream(int64_t head, int kv) {
+  // "CMPK" / "CMPV" in the high bits keeps these apart from the other generators' streams
+  return (uint64_t(kv ? 0x434d5056 : 0x434d504b) << 32) + uint64_t(head);
+}
+
+/// Pooled keys visible to query i: the groups whose last key is visible.
+inline int64_t complete_groups(const Problem& p, int64_t ratio, int64_t pooled, int64_t i) {
+  const int64_t vis = p.visible(i);
+  return vis >= p.keys() ? pooled : vis / ratio;
+}
+
+/// The causal staircase over the pooled keys: query i attends pooled keys t < cnt(i), cnt as
+/// complete_groups on the original problem. Consumed with the derived problem (m' keys).
+class StaircasePattern final : public SparsePattern {
+ public:
+  StaircasePattern(const Problem& original, int64_t ratio, int64_t pooled)
+      : p_(original), r_(ratio), mp_(pooled) {}
+
+  int64_t block() const override { return kTile; }
+
+  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
+    out.clear();
+    const int64_t i0 = qb * kTile, i1 = std::min(p_.n, i0 + kTile) - 1;
+    if (i0 < 0 || i0 > i1) return;
+    // cnt grows with i: the first row sees the fewest pooled keys, the last the most
+    const int64_t lo = cnt(i0), hi = cnt(i1);
+    for (int64_t kb = 0; kb * kTile < hi; ++kb)
+      out.push_back({kb, std::min(mp_, (kb + 1) * kTile) > lo});
+  }
+
+  void block_mask(int64_t, int64_t, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                  uint8_t* mask) const override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t c_end = cnt(i0 + r);
+      for (int64_t c = 0; c < cols; ++c) mask[r * cols + c] = j0 + c < c_end;
+    }
+  }
+
+ private:
+  int64_t cnt(int64_t i) const { return complete_groups(p_, r_, mp_, i); }
+
+  Problem p_;
+  int64_t r_, mp_;
+};
+
+/// mean pooling of one head: x (len rows, stride ld) -> y (ceil(len / r) rows of d).
+void mean_pool(const float* x, int64_t ld, int64_t len, int64_t d, int64_t r, float* y) {
+  for (int64_t t = 0; t * r < len; ++t) {
+    float* yt = y + t * d;
+    const int64_t j0 = t * r, j1 = std::min(len, j0 + r);
+    std::copy(x + j0 * ld, x + j0 * ld + d, yt);
+    for (int64_t j = j0 + 1; j < j1; ++j) {
+      const float* xj = x + j * ld;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) yt[c] += xj[c];
+    }
+    const float count = float(j1 - j0);
+    for (int64_t c = 0; c < d; ++c) yt[c] /= count;
+  }
+}
+
+/// conv pooling of one head: y_t = sum_s W_s x_{t r + s}, W = r taps of d x d ([s][c][c']).
+/// Tap s is one GEMM over the rows s, s + r, s + 2r, ... (row stride r ld).
+void conv_pool(const float* x, int64_t ld, int64_t len, int64_t d, int64_t r, const float* w,
+               float* y) {
+  for (int64_t s = 0; s < std::min(r, len); ++s) {
+    const int64_t rows = (len - s + r - 1) / r;  // groups that have tap s
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(d), int(d), 1.0f,
+                x + s * ld, int(r * ld), w + s * d * d, int(d), s == 0 ? 0.0f : 1.0f, y, int(d));
+  }
+}
+
+class Compressed final : public Variant {
+ public:
+  Compressed(int64_t ratio, bool conv) : r_(ratio), conv_(conv) {}
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    const int64_t B = p.batch, H = p.heads, m = p.keys(), d = p.dim, mp = pooled(p);
+    // pass 1: the conv weights of every head, keys then values
+    std::vector<float> weights;
+    if (conv_) {
+      const int64_t per = r_ * d * d;
+      weights.resize(size_t(2 * H * per));
+      const double sd = 1.0 / std::sqrt(double(r_ * d));
+#pragma omp parallel for schedule(static)
+      for (int64_t t = 0; t < 2 * H; ++t) {
+        const RandomStream rs(p.seed, conv_stream(t / 2, int(t % 2)));
+        float* w = weights.data() + t * per;
+        for (int64_t e = 0; e < per; ++e) w[e] = float(rs.normal(uint64_t(e)) * sd);
+      }
+    }
+    // pass 2: pooled keys and values [B, H, m', d]
+    Tensor pk(Shape4{B, H, mp, d}), pv(Shape4{B, H, mp, d});
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < B * H; ++t) {
+      const int64_t b = t / H, h = t % H;
+      if (conv_) {
+        const float* wk = weights.data() + (2 * h) * r_ * d * d;
+        conv_pool(k.row(b, h, 0), k.stride_row, m, d, r_, wk, pk.view().row(b, h, 0));
+        conv_pool(v.row(b, h, 0), v.stride_row, m, d, r_, wk + r_ * d * d, pv.view().row(b, h, 0));
+      } else {
+        mean_pool(k.row(b, h, 0), k.stride_row, m, d, r_, pk.view().row(b, h, 0));
+        mean_pool(v.row(b, h, 0), v.stride_row, m, d, r_, pv.view().row(b, h, 0));
+      }
+    }
+    // pass 3: exact attention over the pooled keys, the staircase as the pattern
+    const StaircasePattern pat(p, r_, mp);
+    block_sparse_attention(derived(p), q, pk.view(), pv.view(), out, pat);
+  }
+
+  double flops(const Problem& p) const override {
+    const int64_t mp = pooled(p);
+    const StaircasePattern pat(p, r_, mp);
+    const double scores = pattern_scores(derived(p), pat, 0, 0);
+    const double m = double(p.keys()), d = double(p.dim);
+    // pooling of K and V: about m d adds (mean) or 2 m d^2 (conv) each
+    const double pool = 2.0 * (conv_ ? 2.0 * m * d * d : m * d);
+    return double(p.batch * p.heads) * (4.0 * d * scores + pool);
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const double f = sizeof(float);
+    const double pooled_kv = 2.0 * double(p.batch * p.heads * pooled(p) * p.dim) * f;
+    const double weights = conv_ ? 2.0 * double(p.heads * r_ * p.dim * p.dim) * f : 0.0;
+    return pooled_kv + weights + block_sparse_memory(derived(p), kTile);
+  }
+
+ private:
+  int64_t pooled(const Problem& p) const { return (p.keys() + r_ - 1) / r_; }
+  /// The problem the engine runs: n queries over m' pooled keys; the causal rule is in the
+  /// staircase pattern.
+  Problem derived(const Problem& p) const {
+    Problem e = p;
+    e.m = pooled(p);
+    e.causal = false;
+    return e;
+  }
+
+  int64_t r_;
+  bool conv_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    compressed,
+    VariantInfo{
+        .name = "compressed",
+        .summary = "memory-compressed attention: keys and values pooled by `ratio` (mean or "
+                   "strided conv), then exact softmax; causal rows without a complete group are 0",
+        .complexity = "time O(n (m / ratio) d + m d (conv: m d^2)), "
+                      "memory O((m / ratio) d + threads 64 (64 + d))",
+        .params = {ParamSpec::Int("ratio", 3, 1, int64_t(1) << 20,
+                                  "pooling factor r: groups of r consecutive keys become one"),
+                   ParamSpec::Choice("pool", "mean", {"mean", "conv"},
+                                     "mean of each group, or a strided conv with seeded weights")},
+        .caps = {.causal = true, .cross = true, .exact = false},
+        .make = [](const ParamValues& v) {
+          return std::make_unique<Compressed>(v.get_int("ratio"), v.get_choice("pool") == "conv");
+        }});
+
+}  // namespace
+}  // namespace attnbench
