@@ -16,22 +16,29 @@
 // decision must stay a small share of the time: one step on all tokens costs as much as the
 // final assignment, 2 (n + m) c d flops.
 //
-// Defaults: window w = ceil(2 sqrt(n)), c = ceil(n / w) clusters (about sqrt(n) / 2: both grow
-// as sqrt(n), so time grows as n^1.5); w_q = min(n, w), w_k = min(m, ceil(w m / n)).
+// Defaults: window w = ceil(4 sqrt(n)), c = ceil(n / w) clusters (about sqrt(n) / 4: both grow
+// as sqrt(n), so time grows as n^1.5); w_q = min(n, w), w_k = min(m, ceil(w m / n)). Deciding
+// the routes costs 2 (n + m) c d flops and attending 4 c w_q w_k d, a ratio of n / w^2 = 1/16
+// for self-attention: the split keeps routing a small share of the time (with c = w = sqrt(n)
+// routing would cost as much as attending).
 // Giving only `clusters` sets w = ceil(n / c); giving only `window` sets c = ceil(n / w).
 // Causal: the mask is applied inside each cluster by position (bottom-right rule); cluster
 // selection itself looks at the whole sequence, as balanced top-w routing does. m != n is
 // supported. One cluster with w >= n is full attention.
 // Time O(iterations sample c d + (n + m) c d + c w_q w_k d) = O(n^1.5 d) with the defaults;
-// memory O(c (n + m) + c w_q d) for one head at a time.
+// memory O(n d + c w_q d) for one head at a time.
 #include "variants/routing.h"
 
 #include <cblas.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <fmt/format.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -49,17 +56,140 @@ namespace {
 
 constexpr uint64_t kRoutingStream = 0x726f7574696e67ULL;  // "routing"
 
-/// Indices of the `count` largest scores (ties: lower index first), ascending by index.
-void top_indices(const float* score, int64_t len, int64_t count, std::vector<int32_t>& idx,
-                 std::vector<int32_t>& out) {
-  idx.resize(size_t(len));
-  std::iota(idx.begin(), idx.end(), 0);
-  auto better = [score](int32_t a, int32_t b) {
-    return score[a] > score[b] || (score[a] == score[b] && a < b);
-  };
-  if (count < len) std::nth_element(idx.begin(), idx.begin() + count, idx.end(), better);
-  out.assign(idx.begin(), idx.begin() + count);
-  std::sort(out.begin(), out.end());
+/// Cosines of `count` <= 4 tokens (rows x + t ldx, 1/|x| in inv[t]) with every centroid:
+/// out[t cp + u] = (sum_j x_t[j] mut[j cp + u]) inv[t], mut = the centroids transposed (d x cp,
+/// zero padded). The same arithmetic for every token, so a score is the
+/// same number wherever it is computed. cp is a multiple of 64.
+void cosines(const float* mut, int64_t cp, int64_t d, const float* x, int64_t ldx,
+             const float* inv, int64_t count, float* out) {
+#ifdef __AVX512F__
+  // 4 tokens (the last one repeated past `count`) x 64 centroids per register tile
+  const float* xr[4];
+  for (int t = 0; t < 4; ++t) xr[t] = x + std::min<int64_t>(t, count - 1) * ldx;
+  for (int64_t g = 0; g < cp; g += 64) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t)
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; ++j) {
+      const float* mrow = mut + j * cp + g;
+      const __m512 m0 = _mm512_loadu_ps(mrow), m1 = _mm512_loadu_ps(mrow + 16),
+                   m2 = _mm512_loadu_ps(mrow + 32), m3 = _mm512_loadu_ps(mrow + 48);
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512 xv = _mm512_set1_ps(xr[t][j]);
+        acc[t][0] = _mm512_fmadd_ps(xv, m0, acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(xv, m1, acc[t][1]);
+        acc[t][2] = _mm512_fmadd_ps(xv, m2, acc[t][2]);
+        acc[t][3] = _mm512_fmadd_ps(xv, m3, acc[t][3]);
+      }
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const __m512 s = _mm512_set1_ps(inv[t]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v)
+        _mm512_storeu_ps(out + t * cp + g + 16 * v, _mm512_mul_ps(acc[t][v], s));
+    }
+  }
+#else
+  for (int64_t t = 0; t < count; ++t) {
+    float* o = out + t * cp;
+    std::fill(o, o + cp, 0.0f);
+    for (int64_t j = 0; j < d; ++j) {
+      const float xj = x[t * ldx + j];
+      for (int64_t u = 0; u < cp; ++u) o[u] += xj * mut[j * cp + u];
+    }
+    for (int64_t u = 0; u < cp; ++u) o[u] *= inv[t];
+  }
+#endif
+}
+
+/// For every centroid u, the w tokens t with the largest cosine (mu_u . x_t / |x_t|; ties:
+/// lower index), ascending: out[u w .. u w + w). x: len rows at stride ldx; inv: 1/|x_t|.
+///
+/// The c x len score matrix is never stored: a threshold per centroid is read off a strided
+/// sample of the tokens (its rank chosen to keep about 1.5 w + 8 tokens), then every token's
+/// cosines with all centroids are computed in registers and only those at or above their
+/// centroid's threshold are kept. Every discarded score is below every kept one (scores are
+/// computed the same way everywhere), so the selection among the kept is the exact top-w; a
+/// centroid left with fewer than w candidates is selected again from all its scores.
+void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t ldx,
+                const float* inv, int64_t len, int64_t w, int32_t* out) {
+  constexpr int64_t kSample = 512;
+  const int64_t cp = (c + 63) / 64 * 64;  // whole register tiles of cosines()
+  std::vector<float> mut(static_cast<size_t>(d * cp), 0.0f);
+  for (int64_t u = 0; u < c; ++u)
+    for (int64_t j = 0; j < d; ++j) mut[size_t(j * cp + u)] = mu[u * d + j];
+  // thresholds (padding centroids: +inf, never selected)
+  std::vector<float> thr(static_cast<size_t>(cp), INFINITY);
+  std::fill(thr.begin(), thr.begin() + c, -INFINITY);
+  const int64_t step = std::max<int64_t>(1, len / kSample), taken = (len + step - 1) / step;
+  if (w < len) {
+    const int64_t rank = std::min(taken - 1, (w * taken) / len * 3 / 2 + 8);
+    std::vector<float> ss(static_cast<size_t>(taken * cp)), col(static_cast<size_t>(taken));
+    for (int64_t t = 0; t < taken; ++t)
+      cosines(mut.data(), cp, d, x + t * step * ldx, ldx, inv + t * step, 1, ss.data() + t * cp);
+    for (int64_t u = 0; u < c; ++u) {
+      for (int64_t t = 0; t < taken; ++t) col[size_t(t)] = ss[size_t(t * cp + u)];
+      std::nth_element(col.begin(), col.begin() + rank, col.end(), std::greater<>());
+      thr[size_t(u)] = col[size_t(rank)];
+    }
+  }
+  // candidates per centroid, gathered per thread then joined
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  std::vector<std::vector<std::pair<float, int32_t>>> cand(static_cast<size_t>(threads * c));
+#pragma omp parallel num_threads(threads)
+  {
+    auto* mine = cand.data() + omp_get_thread_num() * c;
+    std::vector<float> sc(static_cast<size_t>(4 * cp));
+#pragma omp for schedule(static)
+    for (int64_t t0 = 0; t0 < len; t0 += 4) {
+      const int64_t count = std::min<int64_t>(4, len - t0);
+      cosines(mut.data(), cp, d, x + t0 * ldx, ldx, inv + t0, count, sc.data());
+      for (int64_t t = 0; t < count; ++t) {
+        const float* st = sc.data() + t * cp;
+        for (int64_t g = 0; g < cp; g += 16) {
+          uint32_t keep = 0;
+#ifdef __AVX512F__
+          keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + g), _mm512_loadu_ps(thr.data() + g),
+                                    _CMP_GE_OQ);
+#else
+          for (int l = 0; l < 16; ++l) keep |= uint32_t(st[g + l] >= thr[size_t(g + l)]) << l;
+#endif
+          while (keep) {
+            const int l = __builtin_ctz(keep);
+            keep &= keep - 1;
+            mine[g + l].emplace_back(st[g + l], int32_t(t0 + t));
+          }
+        }
+      }
+    }
+  }
+  std::vector<std::pair<float, int32_t>> all;
+  std::vector<float> sc(static_cast<size_t>(4 * cp));
+  for (int64_t u = 0; u < c; ++u) {
+    all.clear();
+    for (int th = 0; th < threads; ++th) {
+      const auto& part = cand[size_t(th * c + u)];
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    if (int64_t(all.size()) < w) {  // the sample misjudged this centroid: all its scores
+      all.clear();
+      for (int64_t t0 = 0; t0 < len; t0 += 4) {
+        const int64_t count = std::min<int64_t>(4, len - t0);
+        cosines(mut.data(), cp, d, x + t0 * ldx, ldx, inv + t0, count, sc.data());
+        for (int64_t t = 0; t < count; ++t) all.emplace_back(sc[size_t(t * cp + u)], int32_t(t0 + t));
+      }
+    }
+    auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b2) {
+      return a.first > b2.first || (a.first == b2.first && a.second < b2.second);
+    };
+    std::nth_element(all.begin(), all.begin() + w, all.end(), better);
+    int32_t* dst = out + u * w;
+    for (int64_t t = 0; t < w; ++t) dst[t] = all[size_t(t)].second;
+    std::sort(dst, dst + w);
+  }
 }
 
 }  // namespace
@@ -67,7 +197,7 @@ void top_indices(const float* score, int64_t len, int64_t count, std::vector<int
 Sizes sizes(const Problem& p, int64_t clusters, int64_t window, int64_t sample) {
   const int64_t n = p.n, m = p.keys();
   int64_t c = clusters, w = window;
-  if (c == 0 && w == 0) w = int64_t(std::ceil(2.0 * std::sqrt(double(n))));
+  if (c == 0 && w == 0) w = int64_t(std::ceil(4.0 * std::sqrt(double(n))));
   if (c == 0) c = (n + w - 1) / w;
   if (w == 0) w = (n + c - 1) / c;
   Sizes pl;
@@ -79,25 +209,43 @@ Sizes sizes(const Problem& p, int64_t clusters, int64_t window, int64_t sample) 
   return pl;
 }
 
+Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTensorView q,
+             ConstTensorView k, int64_t b, int64_t h) {
+  Workspace ws;
+  return route(p, sizes, iterations, q, k, b, h, ws);
+}
+
 Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorView q,
-           ConstTensorView k, int64_t b, int64_t h) {
+             ConstTensorView k, int64_t b, int64_t h, Workspace& ws) {
   const int64_t n = p.n, m = p.keys(), d = p.dim, c = pl.c, total = n + m;
   auto point = [&](int64_t t) { return t < n ? q.row(b, h, t) : k.row(b, h, t - n); };
+  // 1 / |x| of every query and key (0 for a zero vector)
+  std::vector<float>&inv_q = ws.inv_q, &inv_k = ws.inv_k;
+  inv_q.resize(size_t(n));
+  inv_k.resize(size_t(m));
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < total; ++t) {
+    const float* x = point(t);
+    float ss = 0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; ++j) ss += x[j] * x[j];
+    (t < n ? inv_q[size_t(t)] : inv_k[size_t(t - n)]) = ss > 0 ? 1.0f / std::sqrt(ss) : 0.0f;
+  }
   auto unit = [&](int64_t t, float* dst) {
     const float* x = point(t);
-    double ss = 0;
-    for (int64_t j = 0; j < d; ++j) ss += double(x[j]) * double(x[j]);
-    const float inv = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
+    const float inv = t < n ? inv_q[size_t(t)] : inv_k[size_t(t - n)];
     for (int64_t j = 0; j < d; ++j) dst[j] = x[j] * inv;
   };
   // the sample: a seeded partial shuffle of the n + m tokens (per head)
   const RandomStream rs(p.seed, kRoutingStream ^ (uint64_t(h) << 8));
-  std::vector<int64_t> order(static_cast<size_t>(total));
+  std::vector<int64_t>& order = ws.order;
+  order.resize(size_t(total));
   std::iota(order.begin(), order.end(), 0);
   const int64_t s_count = pl.sample;
   for (int64_t t = 0; t < s_count; ++t)
     std::swap(order[size_t(t)], order[size_t(t + int64_t(rs.below(uint64_t(t), uint64_t(total - t))))]);
-  std::vector<float> xs(static_cast<size_t>(s_count * d));
+  std::vector<float>& xs = ws.xs;
+  xs.resize(size_t(s_count * d));
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < s_count; ++t) unit(order[size_t(t)], xs.data() + t * d);
 
@@ -106,10 +254,14 @@ Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorV
   r.centroids.assign(size_t(c * d), 0.0f);
   for (int64_t u = 0; u < cc; ++u)  // the first c sample points are distinct tokens
     std::copy_n(xs.data() + u * d, d, r.centroids.data() + u * d);
-  std::vector<float> sc(static_cast<size_t>(s_count * c));
-  std::vector<int32_t> assign(static_cast<size_t>(s_count));
-  std::vector<double> sums(static_cast<size_t>(c * d));
-  std::vector<int64_t> counts(static_cast<size_t>(c));
+  std::vector<float>& sc = ws.sc;
+  sc.resize(size_t(s_count * c));
+  std::vector<int32_t>& assign = ws.assign;
+  assign.resize(size_t(s_count));
+  std::vector<double>& sums = ws.sums;
+  sums.resize(size_t(c * d));
+  std::vector<int64_t>& counts = ws.counts;
+  counts.resize(size_t(c));
   for (int64_t it = 0; it < iterations; ++it) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(s_count), int(c), int(d), 1.0f,
                 xs.data(), int(d), r.centroids.data(), int(d), 0.0f, sc.data(), int(c));
@@ -135,39 +287,12 @@ Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorV
         r.centroids[size_t(u * d + j)] = float(sums[size_t(u * d + j)] * inv);
     }
   }
-  // scores of every query and key against every centroid (c x n and c x m), divided by
-  // the token's norm afterwards
-  std::vector<float> sq(static_cast<size_t>(c * n)), sk(static_cast<size_t>(c * m));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(c), int(n), int(d), 1.0f,
-              r.centroids.data(), int(d), q.row(b, h, 0), int(q.stride_row), 0.0f, sq.data(),
-              int(n));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(c), int(m), int(d), 1.0f,
-              r.centroids.data(), int(d), k.row(b, h, 0), int(k.stride_row), 0.0f, sk.data(),
-              int(m));
-  std::vector<float> inv_q(static_cast<size_t>(n)), inv_k(static_cast<size_t>(m));
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < total; ++t) {
-    const float* x = point(t);
-    double ss = 0;
-    for (int64_t j = 0; j < d; ++j) ss += double(x[j]) * double(x[j]);
-    (t < n ? inv_q[size_t(t)] : inv_k[size_t(t - n)]) = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
-  }
   r.queries.resize(size_t(c * pl.wq));
   r.keys.resize(size_t(c * pl.wk));
-#pragma omp parallel
-  {
-    std::vector<int32_t> idx, top;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < 2 * c; ++u) {
-      const bool is_q = u < c;
-      const int64_t cl = is_q ? u : u - c, len = is_q ? n : m, w = is_q ? pl.wq : pl.wk;
-      float* s = (is_q ? sq.data() : sk.data()) + cl * len;
-      const float* inv = is_q ? inv_q.data() : inv_k.data();
-      for (int64_t t = 0; t < len; ++t) s[t] *= inv[t];
-      top_indices(s, len, w, idx, top);
-      std::copy(top.begin(), top.end(), (is_q ? r.queries.data() : r.keys.data()) + cl * w);
-    }
-  }
+  select_top(r.centroids.data(), c, d, q.row(b, h, 0), q.stride_row, inv_q.data(), n, pl.wq,
+             r.queries.data());
+  select_top(r.centroids.data(), c, d, k.row(b, h, 0), k.stride_row, inv_k.data(), m, pl.wk,
+             r.keys.data());
   return r;
 }
 
@@ -201,11 +326,12 @@ class RoutingVariant final : public Variant {
 #pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : unrouted, t_route, t_all)
     {
       HeadOutputs ho(p, pl);
+      routing::Workspace ws;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bh = 0; bh < heads; ++bh) {
         const int64_t b = bh / p.heads, h = bh % p.heads;
         const double t0 = omp_get_wtime();
-        const Routes r = routing::route(p, pl, iterations_, q, k, b, h);
+        const Routes r = routing::route(p, pl, iterations_, q, k, b, h, ws);
         t_route += omp_get_wtime() - t0;
         attend(p, pl, r, q, k, v, b, h, ho);
         unrouted += combine(p, pl, r, out, b, h, ho);
@@ -239,8 +365,11 @@ class RoutingVariant final : public Variant {
     const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
     const double n = double(p.n), m = double(p.keys()), d = double(p.dim), c = double(pl.c);
     const double s = double(pl.sample);
-    const double head = 4.0 * (s * d + s * c + s + c * (n + m) + (n + m) + c * d) +
-                        8.0 * ((n + m) + c * d + c) + 4.0 * c * double(pl.wq + pl.wk);
+    const double cp = std::ceil(c / 64) * 64;  // select_top's padded centroid count
+    const double w = double(std::max(pl.wq, pl.wk));
+    const double select = 4.0 * (d + 512 + 8) * cp + 8.0 * c * (1.5 * w + 16) * 2;
+    const double head = 4.0 * (s * d + s * c + s + (n + m) + c * d) +
+                        8.0 * ((n + m) + c * d + c) + 4.0 * c * double(pl.wq + pl.wk) + select;
     const double fwd = HeadOutputs::bytes(p, pl);
     const double per_thread =
         double(TileAttention::bytes(std::min(kTile, pl.wq), std::min(kTile, pl.wk), p.dim)) +
@@ -378,11 +507,11 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "routing",
         .summary = "k-means routing: each cluster's top-w queries attend its top-w keys "
                    "(Routing Transformer)",
-        .complexity = "time O((n + m) c d + c w^2 d) = O(n^1.5 d), memory O(c (n + m) + n d)",
+        .complexity = "time O((n + m) c d + c w^2 d) = O(n^1.5 d), memory O((n + m) d + c w d)",
         .params = {ParamSpec::Int("clusters", 0, 0, int64_t(1) << 20,
                                   "clusters c (0: ceil(n / window))"),
                    ParamSpec::Int("window", 0, 0, int64_t(1) << 24,
-                                  "queries each cluster takes, w (0: ceil(2 sqrt(n)), or "
+                                  "queries each cluster takes, w (0: ceil(4 sqrt(n)), or "
                                   "ceil(n / clusters) if clusters is given)"),
                    ParamSpec::Int("iterations", 2, 0, 100, "Lloyd (k-means) steps"),
                    ParamSpec::Int("sample", 4096, 0, int64_t(1) << 30,

@@ -26,8 +26,18 @@ struct Routes {
                                        ///< each ascending
 };
 
+/// Working buffers of route(), kept by a caller that routes head after head.
+struct Workspace {
+  std::vector<float> xs, sc, inv_q, inv_k;
+  std::vector<int32_t> assign;
+  std::vector<double> sums;
+  std::vector<int64_t> counts, order;
+};
+
 /// Routes head (b, h): `iterations` Lloyd steps on the seeded sample, then per cluster the
 /// top-wq queries and top-wk keys by cosine with its centroid (ties: lower position).
+Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTensorView q,
+             ConstTensorView k, int64_t b, int64_t h, Workspace& ws);
 Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTensorView q,
              ConstTensorView k, int64_t b, int64_t h);
 
