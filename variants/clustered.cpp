@@ -16,8 +16,9 @@
 //        out_i = mhat_g softmax_{j in T_g}(s q_i . k_j) V_T + sum_{j not in T_g} A_g[j] v_j,
 //      i.e. exact attention over the centroid's top keys, carrying the centroid's mass there,
 //      plus the centroid's attention to the rest. k = 32 is the paper's value.
-// Defaults: clusters = 100 and iterations = 10 as in fast-transformers' examples and defaults;
-// topk = 0 (the plain variant). clusters = n with bits = 0 gives exact attention (every query
+// Defaults: clusters = 100 as in the paper's experiments (fast-transformers has no default),
+// iterations = 10 and bits = 32 as fast-transformers' ClusteredAttention constructor (its
+// builder registry defaults bits to 63); topk = 0 (the plain variant). clusters = n with bits = 0 gives exact attention (every query
 // is its own centroid), and so does topk >= m for any clustering (mhat = 1, nothing left over).
 //
 // Steps:
@@ -25,22 +26,32 @@
 //      the row blocks of the assignments spread over the threads): hash codes by a GEMM of
 //      row blocks against the planes, Lloyd rounds (Hamming distances 32 queries at a time in
 //      SIMD lanes, or a GEMM against the centroids), then the groups and their means;
-//   2. per chunk of 32 groups of a head: S = Q_chunk K^T (GEMM), top-k selection and row
+//   2. per chunk of 128 groups of a head (one chunk at the default 100 clusters, so K and V
+//      are packed for the GEMMs once per head): S = Q_chunk K^T (GEMM), top-k selection and row
 //      softmax, zero the top-k entries (improved), O = S V (GEMM): the centroid outputs, or
 //      the residuals sum_{j not in T} A[j] v_j; then plain: copy O_g to the members; improved:
 //      per block of 128 members, S2 = Q_blk K_T^T (GEMM), row softmax times mhat,
-//      out_blk = O_g + S2 V_T (GEMM).
+//      out_blk = O_g + S2 V_T (GEMM). Chunks run in parallel; with fewer chunks than threads
+//      they run one at a time and OpenBLAS spreads each GEMM over the threads.
+// Every sum has a fixed order (row order, fixed chunks), so the output does not depend on the
+// thread count.
 // Time O(B H (iterations n c + n d bits + c m d + n k d)) with codes (iterations n c d with
-// bits = 0); memory O(B H (n + c d) + threads (32 m + n)).
-// Departures: fast-transformers initialises the centroids with the first c codes and reseeds
-// empty clusters at random, and counts `iterations` as the number of assignments; here the
-// initial rows are seeded, empty clusters keep their centroid, `iterations` counts update
-// rounds, and the query centroids are the member means also in the Euclidean mode. Not causal:
-// a centroid mixes the queries of all positions (the paper's causal form is not implemented).
+// bits = 0); memory O(B H (n + c d) + threads (min(c, 128) m + n)).
+// Departures from fast-transformers: it draws new planes on every call, initialises the
+// centroids with the first c codes, reseeds empty clusters at random and counts `iterations`
+// as the number of assignments; here planes and initial rows come from the seed per head,
+// empty clusters keep their centroid, `iterations` counts update rounds, and rounds stop once
+// the assignment repeats (which changes nothing, see clustered.h). bits = 0 (Euclidean k-means
+// on the vectors) is an addition. Not causal: a centroid mixes the queries of all positions
+// (fast-transformers' causal improved form is not implemented).
 #include "variants/clustered.h"
 
 #include <cblas.h>
 #include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -88,7 +99,8 @@ std::vector<int64_t> initial_rows(uint64_t seed, int64_t head, int64_t n, int64_
 
 namespace {
 
-constexpr int64_t kBlockRows = 256;  // query rows per hashing / Euclidean assignment block
+constexpr int64_t kBlockRows = 1024;  // query rows per hashing / Hamming assignment block
+constexpr int64_t kBlockEuclid = 256;  // query rows per Euclidean assignment GEMM
 constexpr int kLanes = 32;           // queries per step of the Hamming assignment
 
 // Codes of rows [0, rows) of q: P = Q_blk W (GEMM), bit b = P[r][b] + offset[b] > 0.
@@ -98,8 +110,16 @@ void hash_block(const float* q, int64_t ld, int64_t rows, int64_t d, int bits, c
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), bits, int(d), 1.0f, q, int(ld),
               w, bits, 0.0f, proj, bits);
   for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = proj + r * bits;
     Code x = 0;
-    for (int b = 0; b < bits; ++b) x |= Code(proj[r * bits + b] + offset[b] > 0.0f) << b;
+    int b = 0;
+#if defined(__AVX512F__)
+    for (; b + 16 <= bits; b += 16) {
+      const __m512 t = _mm512_add_ps(_mm512_loadu_ps(pr + b), _mm512_loadu_ps(offset + b));
+      x |= Code(_mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ)) << b;
+    }
+#endif
+    for (; b < bits; ++b) x |= Code(pr[b] + offset[b] > 0.0f) << b;
     codes[r] = x;
   }
 }
@@ -211,7 +231,7 @@ void lloyd_hamming(const float* q, int64_t ld, int64_t n, int64_t d, const Setti
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
 #pragma omp parallel if (parallel)
   {
-    std::unique_ptr<float[]> proj(new float[size_t(kBlockRows * s.bits)]);
+    std::unique_ptr<float[]> proj(new float[size_t(std::min(kBlockRows, n) * s.bits)]);
 #pragma omp for schedule(static)
     for (int64_t bl = 0; bl < blocks; ++bl) {
       const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
@@ -256,15 +276,15 @@ void lloyd_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const Settin
   std::vector<double> sums(size_t(c * d));
   std::vector<int32_t> size(static_cast<size_t>(c));
   int32_t* assign = out.assign.data();
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
+  const int64_t blocks = (n + kBlockEuclid - 1) / kBlockEuclid;
   auto assign_all = [&] {
     bool changed = false;
 #pragma omp parallel if (parallel) reduction(|| : changed)
     {
-      std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockRows, n) * c)]);
+      std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockEuclid, n) * c)]);
 #pragma omp for schedule(static)
       for (int64_t bl = 0; bl < blocks; ++bl) {
-        const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
+        const int64_t i0 = bl * kBlockEuclid, rows = std::min(kBlockEuclid, n - i0);
         changed = assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
                                 assign + i0) ||
                   changed;
@@ -343,12 +363,12 @@ using clustered::Clusters;
 using clustered::Groups;
 using clustered::Settings;
 
-constexpr int64_t kChunkG = 32;    // groups (centroids) per task of step 2
+constexpr int64_t kChunkG = 128;   // groups (centroids) per task of step 2
 constexpr int64_t kMemberRows = 128;  // members per GEMM block of the improved part
 
 // The kk largest scores of s[0, m) (ties to the lower index), written to keys ascending.
-// A min-heap of the kk best so far; blocks of 16 scores below its minimum are skipped after a
-// vectorised max, so most of a row costs one comparison per score.
+// A min-heap of the kk best so far; scores are compared with its minimum 16 at a time, so most
+// of a row costs one vector comparison per 16 scores.
 void top_keys(const float* s, int64_t m, int64_t kk, std::pair<float, int32_t>* heap,
               int32_t* keys) {
   // heap order: the worst candidate (lowest score, then highest index) on top
@@ -357,8 +377,6 @@ void top_keys(const float* s, int64_t m, int64_t kk, std::pair<float, int32_t>* 
   };
   for (int64_t j = 0; j < kk; ++j) heap[j] = {s[j], int32_t(j)};
   std::make_heap(heap, heap + kk, better);
-  constexpr int64_t kBlock = 16;
-  int64_t j = kk;
   auto consider = [&](int64_t jj) {
     if (s[jj] > heap[0].first) {  // an equal score has a higher index: not better
       std::pop_heap(heap, heap + kk, better);
@@ -366,11 +384,20 @@ void top_keys(const float* s, int64_t m, int64_t kk, std::pair<float, int32_t>* 
       std::push_heap(heap, heap + kk, better);
     }
   };
-  for (; j < m && j % kBlock != 0; ++j) consider(j);
-  for (; j + kBlock <= m; j += kBlock) {
-    if (row_max(s + j, kBlock) <= heap[0].first) continue;
-    for (int64_t t = 0; t < kBlock; ++t) consider(j + t);
+  int64_t j = kk;
+#if defined(__AVX512F__)
+  // 16 scores per compare against the current minimum; only lanes above it are looked at
+  for (; j + 16 <= m; j += 16) {
+    uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), _mm512_set1_ps(heap[0].first),
+                                       _CMP_GT_OQ);
+    for (; mask != 0; mask &= mask - 1) consider(j + std::countr_zero(mask));
   }
+#else
+  for (; j + 16 <= m; j += 16) {
+    if (row_max(s + j, 16) <= heap[0].first) continue;
+    for (int64_t t = 0; t < 16; ++t) consider(j + t);
+  }
+#endif
   for (; j < m; ++j) consider(j);
   for (int64_t t = 0; t < kk; ++t) keys[t] = heap[t].second;
   std::sort(keys, keys + kk);
@@ -393,9 +420,11 @@ class Clustered final : public Variant {
     const int64_t tasks = task_start[size_t(BH)];
     const int64_t kk = std::min(topk_, m);
     const float scale = p.softmax_scale();
-#pragma omp parallel
+    // with fewer tasks than threads (one or two heads), the tasks run one at a time and the
+    // GEMMs use the threads
+#pragma omp parallel if (tasks >= omp_get_max_threads())
     {
-      const int64_t rows_max = std::min<int64_t>(kChunkG, n);
+      const int64_t rows_max = std::min({kChunkG, s_.clusters, n});
       std::unique_ptr<float[]> sbuf(new float[size_t(rows_max * m)]),
           obuf(new float[size_t(rows_max * d)]);
       std::unique_ptr<int32_t[]> keys(new int32_t[size_t(rows_max * kk)]);
@@ -487,15 +516,19 @@ class Clustered final : public Variant {
       block = f * double(std::min<int64_t>(clustered::kBlockRows, p.n)) * s_.bits;
     } else {
       head = 4 * n + f * c * d + f * c + 8 * c * d + 4 * c + 8 * c + n;
-      block = f * double(std::min<int64_t>(clustered::kBlockRows, p.n)) * c;
+      block = f * double(std::min<int64_t>(clustered::kBlockEuclid, p.n)) * c;
     }
     head += 16 * c + 8 * d;  // group_queries: counts and slots, one double row
     const double step1 = heads * head + T * block;
     // step 2, per thread: scores and outputs of a chunk, top-k lists, improved buffers
-    const double rows = std::min<double>(double(kChunkG), n);
+    const double rows = double(std::min({kChunkG, s_.clusters, p.n}));
     double step2 = rows * (f * m + f * d + 4 * kk + f) + 8 * kk;
     if (kk > 0) step2 += f * (2 * kk * d + std::min<double>(double(kMemberRows), n) * (2 * d + kk));
-    return shared + std::max(step1, T * step2);
+    // (tasks of step 2: chunks of up to kChunkG groups; fewer than threads run one at a time,
+    // and OpenBLAS's threaded GEMMs then take about 512 KiB of their own, as measured)
+    const double tasks = BH * std::ceil(c / double(kChunkG));
+    step2 = tasks >= T ? T * step2 : step2 + (T > 1 ? 512.0 * 1024 : 0.0);
+    return shared + std::max(step1, step2);
   }
 
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
@@ -505,7 +538,7 @@ class Clustered final : public Variant {
     std::vector<Groups> groups(size_t(p.batch * p.heads));
     cluster_all(p, q, groups);
     auto pat = std::make_unique<GroupPattern>(p);
-    std::vector<float> s(size_t(std::min<int64_t>(kChunkG, n) * m));
+    std::vector<float> s(size_t(std::min({kChunkG, s_.clusters, n}) * m));
     std::vector<std::pair<float, int32_t>> heap(static_cast<size_t>(kk));
     std::vector<int32_t> keys(static_cast<size_t>(kk));
     for (int64_t b = 0; b < p.batch; ++b)
@@ -602,7 +635,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    "centroid; topk > 0: members attend the centroid's top-k keys exactly "
                    "(Vyas et al. 2020)",
         .complexity = "time O(iterations n c + c m d + n topk d), memory O(B H (n + c d) + "
-                      "threads 32 m)",
+                      "threads min(c, 128) m)",
         .params = {ParamSpec::Int("clusters", 100, 1, int64_t(1) << 24,
                                   "number of query clusters c (capped at n)"),
                    ParamSpec::Int("iterations", 10, 0, 1000,
