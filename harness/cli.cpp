@@ -368,7 +368,7 @@ int cli_main(int argc, char** argv) {
           }
         }
         throw UsageError(fmt::format("variant '{}' has no attention pattern (it does not restrict "
-                                     "exact softmax attention to a set of keys); variants with one: {}",
+                                     "exact softmax attention to a set of keys); variants with one at their defaults: {}",
                                      variant->spec(),
                                      with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
       }

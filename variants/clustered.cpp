@@ -645,7 +645,8 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "k-means); 0 clusters the query vectors (Euclidean)"),
                    ParamSpec::Int("topk", 0, 0, int64_t(1) << 24,
                                   "improved variant: keys each member attends exactly (the "
-                                  "paper uses 32); 0 = plain clustered attention")},
+                                  "paper uses 32; `attnbench pattern` exports them); 0 = plain "
+                                  "clustered attention, which has no sparse pattern")},
         .caps = {.causal = false, .cross = true, .exact = false},
         .make = [](const ParamValues& pv) {
           return std::make_unique<Clustered>(
