@@ -399,8 +399,8 @@ int cli_main(int argc, char** argv) {
           }
         }
         throw UsageError(fmt::format("variant '{}' has no attention pattern (it does not restrict "
-                                     "exact softmax attention to a set of keys); variants with one: {}",
-                                     variant->info().name,
+                                     "exact softmax attention to a set of keys); variants with one at their defaults: {}",
+                                     variant->spec(),
                                      with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
       }
       NpyArray a{"|u1", {p.n, p.keys()}, {}};

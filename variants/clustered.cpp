@@ -1,0 +1,660 @@
+// clustered: clustered attention (Vyas, Katharopoulos and Fleuret 2020, "Fast Transformers with
+// Clustered Attention", arXiv:2007.04825), plain and "improved".
+//
+// Per (batch, head), with s = 1/sqrt(d) and c = min(clusters, n):
+//   1. cluster the n queries into c clusters (variants/clustered.h, cluster_queries): k-means
+//      from c seeded query rows, `iterations` Lloyd rounds and a final assignment. With bits > 0
+//      (default 32, as fast-transformers' constructor) the queries are clustered on bits-bit LSH
+//      codes, bit b = [q . w_b + o_b > 0] for Gaussian planes (w_b, o_b) drawn per head from the
+//      seed (fast-transformers' hash_bias = True planes), with Hamming distance and a bit-wise
+//      majority update; bits = 0 runs Euclidean k-means on the query vectors themselves.
+//   2. Q_g = mean of the member query vectors of each non-empty cluster g (in both modes);
+//      A_g = softmax(s Q_g K^T) over all m keys.
+//   plain (topk = 0): every member i of g gets out_i = A_g V.
+//   improved (topk = k > 0): T_g = the k keys with the largest centroid scores (k capped at m,
+//      ties to the lower index), mhat_g = sum_{j in T_g} A_g[j]; member i gets
+//        out_i = mhat_g softmax_{j in T_g}(s q_i . k_j) V_T + sum_{j not in T_g} A_g[j] v_j,
+//      i.e. exact attention over the centroid's top keys, carrying the centroid's mass there,
+//      plus the centroid's attention to the rest. k = 32 is the paper's value.
+// Defaults: clusters = 100 as in the paper's experiments (fast-transformers has no default),
+// iterations = 10 and bits = 32 as fast-transformers' ClusteredAttention constructor (its
+// builder registry defaults bits to 63); topk = 0 (the plain variant). clusters = n with bits = 0 gives exact attention (every query
+// is its own centroid), and so does topk >= m for any clustering (mhat = 1, nothing left over).
+//
+// Steps:
+//   1. per head (one head per thread; with fewer heads than threads, one head at a time with
+//      the row blocks of the assignments spread over the threads): hash codes by a GEMM of
+//      row blocks against the planes, Lloyd rounds (Hamming distances 32 queries at a time in
+//      SIMD lanes, or a GEMM against the centroids), then the groups and their means;
+//   2. per chunk of 128 groups of a head (one chunk at the default 100 clusters, so K and V
+//      are packed for the GEMMs once per head): S = Q_chunk K^T (GEMM), top-k selection and row
+//      softmax, zero the top-k entries (improved), O = S V (GEMM): the centroid outputs, or
+//      the residuals sum_{j not in T} A[j] v_j; then plain: copy O_g to the members; improved:
+//      per block of 128 members, S2 = Q_blk K_T^T (GEMM), row softmax times mhat,
+//      out_blk = O_g + S2 V_T (GEMM). Chunks run in parallel; with fewer chunks than threads
+//      they run one at a time and OpenBLAS spreads each GEMM over the threads.
+// Every sum has a fixed order (row order, fixed chunks), so the output does not depend on the
+// thread count.
+// Time O(B H (iterations n c + n d bits + c m d + n k d)) with codes (iterations n c d with
+// bits = 0); memory O(B H (n + c d) + threads (min(c, 128) m + n)).
+// Departures from fast-transformers: it draws new planes on every call, initialises the
+// centroids with the first c codes, reseeds empty clusters at random and counts `iterations`
+// as the number of assignments; here planes and initial rows come from the seed per head,
+// empty clusters keep their centroid, `iterations` counts update rounds, and rounds stop once
+// the assignment repeats (which changes nothing, see clustered.h). bits = 0 (Euclidean k-means
+// on the vectors) is an addition. Not causal: a centroid mixes the queries of all positions
+// (fast-transformers' causal improved form is not implemented).
+#include "variants/clustered.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "common/random.h"
+#include "common/registry.h"
+#include "common/row_pattern.h"
+#include "common/softmax.h"
+
+namespace attnbench {
+namespace clustered {
+
+uint64_t plane_stream(int64_t head) { return (uint64_t(0x434c5550) << 32) + uint64_t(head); }  // "CLUP"
+uint64_t init_stream(int64_t head) { return (uint64_t(0x434c5549) << 32) + uint64_t(head); }   // "CLUI"
+
+void hash_planes(uint64_t seed, int64_t head, int64_t d, int bits, float* w, float* offset) {
+  const RandomStream rs(seed, plane_stream(head));
+  for (int b = 0; b < bits; ++b) {
+    const uint64_t base = uint64_t(b) * uint64_t(d + 1);
+    for (int64_t c = 0; c < d; ++c) w[c * bits + b] = float(rs.normal(base + uint64_t(c)));
+    offset[b] = float(rs.normal(base + uint64_t(d)));
+  }
+}
+
+std::vector<int64_t> initial_rows(uint64_t seed, int64_t head, int64_t n, int64_t c) {
+  // Floyd: for j = n - c .. n - 1 take a random t in [0, j], or j itself if t is taken
+  const RandomStream rs(seed, init_stream(head));
+  std::vector<uint8_t> taken(static_cast<size_t>(n), 0);
+  std::vector<int64_t> rows;
+  rows.reserve(size_t(c));
+  for (int64_t j = n - c; j < n; ++j) {
+    int64_t t = int64_t(rs.below(uint64_t(j), uint64_t(j + 1)));
+    if (taken[size_t(t)]) t = j;
+    taken[size_t(t)] = 1;
+    rows.push_back(t);
+  }
+  std::sort(rows.begin(), rows.end());
+  return rows;
+}
+
+namespace {
+
+constexpr int64_t kBlockRows = 1024;  // query rows per hashing / Hamming assignment block
+constexpr int64_t kBlockEuclid = 256;  // query rows per Euclidean assignment GEMM
+constexpr int kLanes = 32;           // queries per step of the Hamming assignment
+
+// Codes of rows [0, rows) of q: P = Q_blk W (GEMM), bit b = P[r][b] + offset[b] > 0.
+template <class Code>
+void hash_block(const float* q, int64_t ld, int64_t rows, int64_t d, int bits, const float* w,
+                const float* offset, float* proj, Code* codes) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), bits, int(d), 1.0f, q, int(ld),
+              w, bits, 0.0f, proj, bits);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = proj + r * bits;
+    Code x = 0;
+    int b = 0;
+#if defined(__AVX512F__)
+    for (; b + 16 <= bits; b += 16) {
+      const __m512 t = _mm512_add_ps(_mm512_loadu_ps(pr + b), _mm512_loadu_ps(offset + b));
+      x |= Code(_mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_GT_OQ)) << b;
+    }
+#endif
+    for (; b < bits; ++b) x |= Code(pr[b] + offset[b] > 0.0f) << b;
+    codes[r] = x;
+  }
+}
+
+// Nearest centroid code for queries [i0, i1): Hamming distance, ties to the lower index.
+// kLanes queries at a time against every centroid, so the distances vectorise over queries.
+// Returns whether any assignment changed.
+template <class Code>
+bool assign_hamming(const Code* codes, int64_t i0, int64_t i1, const Code* centres, int64_t c,
+                    int32_t* assign) {
+  bool changed = false;
+  for (int64_t i = i0; i < i1; i += kLanes) {
+    const int64_t len = std::min<int64_t>(kLanes, i1 - i);
+    Code x[kLanes] = {};
+    int32_t best[kLanes], arg[kLanes];
+    for (int64_t l = 0; l < len; ++l) x[l] = codes[i + l];
+    for (int l = 0; l < kLanes; ++l) best[l] = INT32_MAX, arg[l] = 0;
+    for (int64_t k = 0; k < c; ++k) {
+      const Code ck = centres[k];
+      for (int l = 0; l < kLanes; ++l) {
+        const int32_t dist = int32_t(std::popcount(Code(x[l] ^ ck)));
+        const bool closer = dist < best[l];
+        best[l] = closer ? dist : best[l];
+        arg[l] = closer ? int32_t(k) : arg[l];
+      }
+    }
+    for (int64_t l = 0; l < len; ++l) {
+      changed |= assign[i + l] != arg[l];
+      assign[i + l] = arg[l];
+    }
+  }
+  return changed;
+}
+
+// Bit-wise majority of each non-empty cluster's member codes (a tie gives 0); empty clusters
+// keep their code. ones: c x 64 counters, size: c counters.
+template <class Code>
+void update_hamming(const Code* codes, int64_t n, const int32_t* assign, int64_t c, int bits,
+                    Code* centres, int32_t* ones, int32_t* size) {
+  std::fill(ones, ones + c * 64, 0);
+  std::fill(size, size + c, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const Code x = codes[i];
+    int32_t* o = ones + int64_t(assign[i]) * 64;
+    ++size[assign[i]];
+    for (int b = 0; b < int(sizeof(Code) * 8); ++b) o[b] += int32_t((x >> b) & 1);
+  }
+  for (int64_t k = 0; k < c; ++k) {
+    if (size[k] == 0) continue;
+    Code x = 0;
+    for (int b = 0; b < bits; ++b) x |= Code(2 * ones[k * 64 + b] > size[k]) << b;
+    centres[k] = x;
+  }
+}
+
+// Nearest centroid for rows [0, rows) of q by squared Euclidean distance, through the GEMM
+// S = Q_blk C^T: |q - c_k|^2 - |q|^2 = |c_k|^2 - 2 q . c_k. Ties to the lower index.
+bool assign_euclid(const float* q, int64_t ld, int64_t rows, int64_t d, const float* centres,
+                   const float* norms, int64_t c, float* s, int32_t* assign) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(c), int(d), -2.0f, q, int(ld),
+              centres, int(d), 0.0f, s, int(c));
+  bool changed = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = s + r * c;
+    float best = INFINITY;
+    int32_t arg = 0;
+    for (int64_t k = 0; k < c; ++k) {
+      const float dist = row[k] + norms[k];
+      if (dist < best) best = dist, arg = int32_t(k);
+    }
+    changed |= assign[r] != arg;
+    assign[r] = arg;
+  }
+  return changed;
+}
+
+// Means of the members of each non-empty cluster (row order, in double); empty clusters keep
+// their centroid. sums: c x d, size: c.
+void update_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const int32_t* assign,
+                   int64_t c, float* centres, float* norms, double* sums, int32_t* size) {
+  std::fill(sums, sums + c * d, 0.0);
+  std::fill(size, size + c, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    double* acc = sums + int64_t(assign[i]) * d;
+    const float* x = q + i * ld;
+    for (int64_t t = 0; t < d; ++t) acc[t] += double(x[t]);
+    ++size[assign[i]];
+  }
+  for (int64_t k = 0; k < c; ++k) {
+    if (size[k] == 0) continue;
+    for (int64_t t = 0; t < d; ++t) centres[k * d + t] = float(sums[k * d + t] / double(size[k]));
+  }
+  for (int64_t k = 0; k < c; ++k) {
+    double nn = 0;
+    for (int64_t t = 0; t < d; ++t) nn += double(centres[k * d + t]) * centres[k * d + t];
+    norms[k] = float(nn);
+  }
+}
+
+// Lloyd's algorithm on codes (bits > 0) of type Code; codes holds n query codes then c centroid
+// codes.
+template <class Code>
+void lloyd_hamming(const float* q, int64_t ld, int64_t n, int64_t d, const Settings& s,
+                   uint64_t seed, int64_t head, bool parallel, int64_t c, Code* codes,
+                   Clusters& out) {
+  // pass 1: codes of every query
+  std::vector<float> planes(size_t(s.bits) * size_t(d + 1));
+  hash_planes(seed, head, d, s.bits, planes.data(), planes.data() + d * s.bits);
+  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
+#pragma omp parallel if (parallel)
+  {
+    std::unique_ptr<float[]> proj(new float[size_t(std::min(kBlockRows, n) * s.bits)]);
+#pragma omp for schedule(static)
+    for (int64_t bl = 0; bl < blocks; ++bl) {
+      const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
+      hash_block(q + i0 * ld, ld, rows, d, s.bits, planes.data(), planes.data() + d * s.bits,
+                 proj.get(), codes + i0);
+    }
+  }
+  // pass 2: initial centroids, Lloyd rounds, final assignment
+  Code* centres = codes + n;
+  const std::vector<int64_t> init = initial_rows(seed, head, n, c);
+  for (int64_t k = 0; k < c; ++k) centres[k] = codes[init[size_t(k)]];
+  std::vector<int32_t> ones(size_t(c * 64)), size(static_cast<size_t>(c));
+  int32_t* assign = out.assign.data();
+  auto assign_all = [&] {
+    bool changed = false;
+#pragma omp parallel for if (parallel) schedule(static) reduction(|| : changed)
+    for (int64_t bl = 0; bl < blocks; ++bl) {
+      const int64_t i0 = bl * kBlockRows, i1 = std::min(n, i0 + kBlockRows);
+      changed = assign_hamming(codes, i0, i1, centres, c, assign) || changed;
+    }
+    return changed;
+  };
+  for (int64_t it = 0; it < s.iterations; ++it) {
+    if (!assign_all()) return;  // settled: the last update changed nothing
+    ++out.rounds;
+    update_hamming(codes, n, assign, c, s.bits, centres, ones.data(), size.data());
+  }
+  assign_all();
+}
+
+void lloyd_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const Settings& s,
+                  uint64_t seed, int64_t head, bool parallel, int64_t c, Clusters& out) {
+  const std::vector<int64_t> init = initial_rows(seed, head, n, c);
+  float* centres = out.centres.data();
+  for (int64_t k = 0; k < c; ++k) std::memcpy(centres + k * d, q + init[size_t(k)] * ld, size_t(d) * sizeof(float));
+  std::vector<float> norms(static_cast<size_t>(c));
+  for (int64_t k = 0; k < c; ++k) {
+    double nn = 0;
+    for (int64_t t = 0; t < d; ++t) nn += double(centres[k * d + t]) * centres[k * d + t];
+    norms[size_t(k)] = float(nn);
+  }
+  std::vector<double> sums(size_t(c * d));
+  std::vector<int32_t> size(static_cast<size_t>(c));
+  int32_t* assign = out.assign.data();
+  const int64_t blocks = (n + kBlockEuclid - 1) / kBlockEuclid;
+  auto assign_all = [&] {
+    bool changed = false;
+#pragma omp parallel if (parallel) reduction(|| : changed)
+    {
+      std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockEuclid, n) * c)]);
+#pragma omp for schedule(static)
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        const int64_t i0 = bl * kBlockEuclid, rows = std::min(kBlockEuclid, n - i0);
+        changed = assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
+                                assign + i0) ||
+                  changed;
+      }
+    }
+    return changed;
+  };
+  for (int64_t it = 0; it < s.iterations; ++it) {
+    if (!assign_all()) return;
+    ++out.rounds;
+    update_euclid(q, ld, n, d, assign, c, centres, norms.data(), sums.data(), size.data());
+  }
+  assign_all();
+}
+
+}  // namespace
+
+void cluster_queries(const float* q, int64_t ld, int64_t n, int64_t d, const Settings& s,
+                     uint64_t seed, int64_t head, bool parallel, Clusters& out) {
+  const int64_t c = std::min(s.clusters, n);
+  out.bits = s.bits;
+  out.c = c;
+  out.rounds = 0;
+  out.assign.assign(size_t(n), -1);
+  out.codes32.clear();
+  out.codes64.clear();
+  out.centres.clear();
+  if (s.bits == 0) {
+    out.centres.resize(size_t(c * d));
+    lloyd_euclid(q, ld, n, d, s, seed, head, parallel, c, out);
+  } else if (s.bits <= 32) {
+    out.codes32.resize(size_t(n + c));
+    lloyd_hamming(q, ld, n, d, s, seed, head, parallel, c, out.codes32.data(), out);
+  } else {
+    out.codes64.resize(size_t(n + c));
+    lloyd_hamming(q, ld, n, d, s, seed, head, parallel, c, out.codes64.data(), out);
+  }
+}
+
+void group_queries(const float* q, int64_t ld, int64_t n, int64_t d, const int32_t* assign,
+                   int64_t c, Groups& out) {
+  // counting sort of the rows by cluster (stable: members ascending)
+  std::vector<int64_t> count(size_t(c + 1), 0);
+  for (int64_t i = 0; i < n; ++i) ++count[size_t(assign[i]) + 1];
+  out.cluster.clear();
+  out.start.assign(1, 0);
+  std::vector<int64_t> slot(static_cast<size_t>(c), -1);
+  for (int64_t k = 0; k < c; ++k) {
+    if (count[size_t(k) + 1] == 0) continue;
+    slot[size_t(k)] = out.start.back();
+    out.cluster.push_back(int32_t(k));
+    out.start.push_back(out.start.back() + count[size_t(k) + 1]);
+  }
+  out.members.resize(size_t(n));
+  for (int64_t i = 0; i < n; ++i) out.members[size_t(slot[size_t(assign[i])]++)] = int32_t(i);
+  // means, accumulated in double in member order
+  const int64_t groups = out.size();
+  out.means.resize(size_t(groups * d));
+  std::vector<double> acc(static_cast<size_t>(d));
+  for (int64_t g = 0; g < groups; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t e = out.start[size_t(g)]; e < out.start[size_t(g) + 1]; ++e) {
+      const float* x = q + int64_t(out.members[size_t(e)]) * ld;
+      for (int64_t t = 0; t < d; ++t) acc[size_t(t)] += double(x[t]);
+    }
+    const double inv = 1.0 / double(out.start[size_t(g) + 1] - out.start[size_t(g)]);
+    for (int64_t t = 0; t < d; ++t) out.means[size_t(g * d + t)] = float(acc[size_t(t)] * inv);
+  }
+}
+
+}  // namespace clustered
+
+namespace {
+
+using clustered::Clusters;
+using clustered::Groups;
+using clustered::Settings;
+
+constexpr int64_t kChunkG = 128;   // groups (centroids) per task of step 2
+constexpr int64_t kMemberRows = 128;  // members per GEMM block of the improved part
+
+// The kk largest scores of s[0, m) (ties to the lower index), written to keys ascending.
+// A min-heap of the kk best so far; scores are compared with its minimum 16 at a time, so most
+// of a row costs one vector comparison per 16 scores.
+void top_keys(const float* s, int64_t m, int64_t kk, std::pair<float, int32_t>* heap,
+              int32_t* keys) {
+  // heap order: the worst candidate (lowest score, then highest index) on top
+  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  for (int64_t j = 0; j < kk; ++j) heap[j] = {s[j], int32_t(j)};
+  std::make_heap(heap, heap + kk, better);
+  auto consider = [&](int64_t jj) {
+    if (s[jj] > heap[0].first) {  // an equal score has a higher index: not better
+      std::pop_heap(heap, heap + kk, better);
+      heap[kk - 1] = {s[jj], int32_t(jj)};
+      std::push_heap(heap, heap + kk, better);
+    }
+  };
+  int64_t j = kk;
+#if defined(__AVX512F__)
+  // 16 scores per compare against the current minimum; only lanes above it are looked at
+  for (; j + 16 <= m; j += 16) {
+    uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), _mm512_set1_ps(heap[0].first),
+                                       _CMP_GT_OQ);
+    for (; mask != 0; mask &= mask - 1) consider(j + std::countr_zero(mask));
+  }
+#else
+  for (; j + 16 <= m; j += 16) {
+    if (row_max(s + j, 16) <= heap[0].first) continue;
+    for (int64_t t = 0; t < 16; ++t) consider(j + t);
+  }
+#endif
+  for (; j < m; ++j) consider(j);
+  for (int64_t t = 0; t < kk; ++t) keys[t] = heap[t].second;
+  std::sort(keys, keys + kk);
+}
+
+class Clustered final : public Variant {
+ public:
+  Clustered(Settings s, int64_t topk) : s_(s), topk_(topk) {}
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
+    std::vector<Groups> groups(static_cast<size_t>(BH));
+    cluster_all(p, q, groups);
+    // step 2: tasks of up to kChunkG groups of one head
+    std::vector<int64_t> task_start(size_t(BH + 1), 0);
+    for (int64_t bh = 0; bh < BH; ++bh)
+      task_start[size_t(bh + 1)] =
+          task_start[size_t(bh)] + (groups[size_t(bh)].size() + kChunkG - 1) / kChunkG;
+    const int64_t tasks = task_start[size_t(BH)];
+    const int64_t kk = std::min(topk_, m);
+    const float scale = p.softmax_scale();
+    // with fewer tasks than threads (one or two heads), the tasks run one at a time and the
+    // GEMMs use the threads
+#pragma omp parallel if (tasks >= omp_get_max_threads())
+    {
+      const int64_t rows_max = std::min({kChunkG, s_.clusters, n});
+      std::unique_ptr<float[]> sbuf(new float[size_t(rows_max * m)]),
+          obuf(new float[size_t(rows_max * d)]);
+      std::unique_ptr<int32_t[]> keys(new int32_t[size_t(rows_max * kk)]);
+      std::unique_ptr<float[]> mhat(new float[size_t(rows_max)]);
+      std::unique_ptr<std::pair<float, int32_t>[]> heap(new std::pair<float, int32_t>[size_t(kk)]);
+      // improved: K_T, V_T (kk x d each), member block Q (rows x d), S2 (rows x kk), O2 (rows x d)
+      const int64_t mrows = std::min(kMemberRows, n);
+      std::unique_ptr<float[]> ibuf(kk > 0 ? new float[size_t(2 * kk * d + mrows * (2 * d + kk))]
+                                           : nullptr);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t bh = std::upper_bound(task_start.begin(), task_start.end(), t) -
+                           task_start.begin() - 1;
+        const int64_t b = bh / H, h = bh % H;
+        const Groups& gr = groups[size_t(bh)];
+        const int64_t g0 = (t - task_start[size_t(bh)]) * kChunkG,
+                      rows = std::min(kChunkG, gr.size() - g0);
+        float* s = sbuf.get();
+        float* o = obuf.get();
+        scores(gr, g0, rows, d, m, k.head(b, h), k.stride_row, s);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = s + r * m;
+          if (kk > 0) top_keys(row, m, kk, heap.get(), keys.get() + r * kk);
+          softmax_row(row, m, scale);
+          if (kk > 0) {
+            float mass = 0;
+            for (int64_t e = 0; e < kk; ++e) {
+              const int32_t j = keys[size_t(r * kk + e)];
+              mass += row[j];
+              row[j] = 0.0f;
+            }
+            mhat[r] = mass;
+          }
+        }
+        // O = A V: centroid outputs (plain) or residuals (improved)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(m), 1.0f, s,
+                    int(m), v.head(b, h), int(v.stride_row), 0.0f, o, int(d));
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t g = g0 + r;
+          const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
+          const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
+          if (kk == 0) {
+            for (int64_t e = 0; e < count; ++e)
+              std::memcpy(out.row(b, h, mem[e]), o + r * d, size_t(d) * sizeof(float));
+          } else {
+            improved_members(q, k, v, out, b, h, mem, count, keys.get() + r * kk, kk, mhat[r],
+                             o + r * d, scale, ibuf.get());
+          }
+        }
+      }
+    }
+  }
+
+  double flops(const Problem& p) const override {
+    const double bh = double(p.batch * p.heads), n = double(p.n), m = double(p.keys()),
+                 d = double(p.dim), c = double(std::min(s_.clusters, p.n)),
+                 it = double(s_.iterations), kk = double(std::min(topk_, p.keys()));
+    // clustering, at most iterations + 1 assignments (fewer once they settle): codes 2 n d bits
+    // (GEMM) + n bits; a Hamming distance is xor, popcount and compare-select (3 operations);
+    // a majority update n bits. Euclidean: 2 n c d per assignment (GEMM) and n d per update.
+    double cluster;
+    if (s_.bits > 0) {
+      const double bits = double(s_.bits);
+      cluster = 2 * n * d * bits + n * bits + (it + 1) * 3 * n * c + it * n * bits;
+    } else {
+      cluster = (it + 1) * (2 * n * c * d + n * c) + it * n * d;
+    }
+    // attention: means n d, scores and A V 2 c m d each, softmax about 4 per score, copies n d;
+    // improved: top-k about one comparison per score, per member 4 kk d (two GEMMs) + 4 kk.
+    double attn = n * d + 4 * c * m * d + 4 * c * m + n * d;
+    if (kk > 0) attn += c * m + n * (4 * kk * d + 4 * kk);
+    return bh * (cluster + attn);
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const double n = double(p.n), m = double(p.keys()), d = double(p.dim), f = 4,
+                 c = double(std::min(s_.clusters, p.n)), kk = double(std::min(topk_, p.keys()));
+    const double BH = double(p.batch * p.heads), T = double(omp_get_max_threads());
+    // the groups of every head, kept from step 1 to step 2 (members, start, cluster, means)
+    const double shared = BH * (4 * n + 12 * c + f * c * d + 8) + 8 * BH;
+    // step 1, per head in flight: assignment, codes (or centroids), counters, initial rows
+    // (and their Floyd marks), the groups' counting sort; per thread a block buffer
+    const double heads = BH >= T ? T : 1.0;
+    double head;
+    double block;
+    if (s_.bits > 0) {
+      const double code = s_.bits <= 32 ? 4 : 8;
+      head = 4 * n + code * (n + c) + c * (64 * 4 + 4) + 8 * c + n + f * d * (s_.bits + 1);
+      block = f * double(std::min<int64_t>(clustered::kBlockRows, p.n)) * s_.bits;
+    } else {
+      head = 4 * n + f * c * d + f * c + 8 * c * d + 4 * c + 8 * c + n;
+      block = f * double(std::min<int64_t>(clustered::kBlockEuclid, p.n)) * c;
+    }
+    head += 16 * c + 8 * d;  // group_queries: counts and slots, one double row
+    const double step1 = heads * head + T * block;
+    // step 2, per thread: scores and outputs of a chunk, top-k lists, improved buffers
+    const double rows = double(std::min({kChunkG, s_.clusters, p.n}));
+    double step2 = rows * (f * m + f * d + 4 * kk + f) + 8 * kk;
+    if (kk > 0) step2 += f * (2 * kk * d + std::min<double>(double(kMemberRows), n) * (2 * d + kk));
+    // (tasks of step 2: chunks of up to kChunkG groups; fewer than threads run one at a time,
+    // and OpenBLAS's threaded GEMMs then take about 512 KiB of their own, as measured)
+    const double tasks = BH * std::ceil(c / double(kChunkG));
+    step2 = tasks >= T ? T * step2 : step2 + (T > 1 ? 512.0 * 1024 : 0.0);
+    return shared + std::max(step1, step2);
+  }
+
+  std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
+                                              ConstTensorView k) const override {
+    if (topk_ == 0) return nullptr;
+    const int64_t n = p.n, m = p.keys(), d = p.dim, kk = std::min(topk_, m);
+    std::vector<Groups> groups(size_t(p.batch * p.heads));
+    cluster_all(p, q, groups);
+    auto pat = std::make_unique<GroupPattern>(p);
+    std::vector<float> s(size_t(std::min({kChunkG, s_.clusters, n}) * m));
+    std::vector<std::pair<float, int32_t>> heap(static_cast<size_t>(kk));
+    std::vector<int32_t> keys(static_cast<size_t>(kk));
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const Groups& gr = groups[size_t(b * p.heads + h)];
+        pat->begin_head();
+        for (int64_t g0 = 0; g0 < gr.size(); g0 += kChunkG) {
+          const int64_t rows = std::min(kChunkG, gr.size() - g0);
+          scores(gr, g0, rows, d, m, k.head(b, h), k.stride_row, s.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            top_keys(s.data() + r * m, m, kk, heap.data(), keys.data());
+            const int32_t id = pat->add_group(keys.data(), kk);
+            for (int64_t e = gr.start[size_t(g0 + r)]; e < gr.start[size_t(g0 + r) + 1]; ++e)
+              pat->add_membership(gr.members[size_t(e)], id);
+          }
+        }
+        pat->finish_head();
+      }
+    return pat;
+  }
+
+ private:
+  // Step 1: clusters and groups of every head.
+  void cluster_all(const Problem& p, ConstTensorView q, std::vector<Groups>& groups) const {
+    const int64_t BH = p.batch * p.heads, H = p.heads;
+    const bool per_head = BH >= omp_get_max_threads();
+#pragma omp parallel if (per_head)
+    {
+      Clusters cl;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < BH; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        clustered::cluster_queries(q.head(b, h), q.stride_row, p.n, p.dim, s_, p.seed, h,
+                                   !per_head, cl);
+        clustered::group_queries(q.head(b, h), q.stride_row, p.n, p.dim, cl.assign.data(), cl.c,
+                                 groups[size_t(bh)]);
+      }
+    }
+  }
+
+  // S = Q_g K^T for groups [g0, g0 + rows) of gr (rows x m).
+  static void scores(const Groups& gr, int64_t g0, int64_t rows, int64_t d, int64_t m,
+                     const float* k, int64_t ldk, float* s) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(m), int(d), 1.0f,
+                gr.means.data() + g0 * d, int(d), k, int(ldk), 0.0f, s, int(m));
+  }
+
+  // The improved part for the `count` members of one group: out_i = resid +
+  // mhat softmax(s q_i K_T^T) V_T, in blocks of kMemberRows members.
+  static void improved_members(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                               TensorView out, int64_t b, int64_t h, const int32_t* mem,
+                               int64_t count, const int32_t* keys, int64_t kk, float mhat,
+                               const float* resid, float scale, float* buf) {
+    const int64_t d = q.shape.dim;
+    float* kt = buf;
+    float* vt = kt + kk * d;
+    float* qm = vt + kk * d;
+    const int64_t block = std::min(kMemberRows, q.shape.len);  // rows of qm, s2, o2
+    float* s2 = qm + block * d;
+    float* o2 = s2 + block * kk;
+    for (int64_t e = 0; e < kk; ++e) {
+      std::memcpy(kt + e * d, k.row(b, h, keys[e]), size_t(d) * sizeof(float));
+      std::memcpy(vt + e * d, v.row(b, h, keys[e]), size_t(d) * sizeof(float));
+    }
+    for (int64_t e0 = 0; e0 < count; e0 += block) {
+      const int64_t rows = std::min(block, count - e0);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(qm + r * d, q.row(b, h, mem[e0 + r]), size_t(d) * sizeof(float));
+        std::memcpy(o2 + r * d, resid, size_t(d) * sizeof(float));
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(kk), int(d), 1.0f, qm,
+                  int(d), kt, int(d), 0.0f, s2, int(kk));
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = s2 + r * kk;
+        softmax_row(row, kk, scale);
+        for (int64_t e = 0; e < kk; ++e) row[e] *= mhat;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kk), 1.0f, s2,
+                  int(kk), vt, int(d), 1.0f, o2, int(d));
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(out.row(b, h, mem[e0 + r]), o2 + r * d, size_t(d) * sizeof(float));
+    }
+  }
+
+  Settings s_;
+  int64_t topk_;
+};
+
+ATTNBENCH_REGISTER_VARIANT(
+    clustered,
+    VariantInfo{
+        .name = "clustered",
+        .summary = "queries k-means clustered (on LSH codes), each cluster attends with its "
+                   "centroid; topk > 0: members attend the centroid's top-k keys exactly "
+                   "(Vyas et al. 2020)",
+        .complexity = "time O(iterations n c + c m d + n topk d), memory O(B H (n + c d) + "
+                      "threads min(c, 128) m)",
+        .params = {ParamSpec::Int("clusters", 100, 1, int64_t(1) << 24,
+                                  "number of query clusters c (capped at n)"),
+                   ParamSpec::Int("iterations", 10, 0, 1000,
+                                  "Lloyd (k-means) rounds before the final assignment"),
+                   ParamSpec::Int("bits", 32, 0, 64,
+                                  "LSH code bits the queries are clustered on (Hamming "
+                                  "k-means); 0 clusters the query vectors (Euclidean)"),
+                   ParamSpec::Int("topk", 0, 0, int64_t(1) << 24,
+                                  "improved variant: keys each member attends exactly (the "
+                                  "paper uses 32; `attnbench pattern` exports them); 0 = plain "
+                                  "clustered attention, which has no sparse pattern")},
+        .caps = {.causal = false, .cross = true, .exact = false},
+        .make = [](const ParamValues& pv) {
+          return std::make_unique<Clustered>(
+              Settings{.clusters = pv.get_int("clusters"),
+                       .iterations = pv.get_int("iterations"),
+                       .bits = int(pv.get_int("bits"))},
+              pv.get_int("topk"));
+        }});
+
+}  // namespace
+}  // namespace attnbench
