@@ -123,15 +123,16 @@ struct Plan {
 };
 
 /// Working buffers of one head (reused head after head).
+constexpr int64_t kHashRows = 256;  // rows projected per GEMM when hashing
+
 struct HeadBuffers {
-  Tensor proj;                       // n x (hashes cols) projections
-  std::vector<int32_t> bucket, perm;  // per round
-  std::vector<int32_t> count;         // buckets + 1
+  std::vector<int32_t> bucket;  // hashes x n: bucket of token i in round r at r n + i
+  std::vector<int32_t> perm;    // the current round's order (sorted position -> token)
+  std::vector<int32_t> count;   // buckets + 1
   Tensor qs, ks, vs;                  // sorted q, unit keys, v: n x d
   std::vector<float> inv_norm, lse, mx, z;
   HeadBuffers(const Plan& pl, int64_t n, int64_t d)
-      : proj(Shape4{1, 1, n, pl.hashes * pl.cols}),
-        bucket(size_t(n)),
+      : bucket(static_cast<size_t>(pl.hashes * n)),
         perm(size_t(n)),
         count(size_t(pl.buckets + 1)),
         qs(Shape4{1, 1, n, d}),
@@ -142,7 +143,7 @@ struct HeadBuffers {
         mx(size_t(n)),
         z(size_t(n)) {}
   static double bytes(const Plan& pl, int64_t n, int64_t d) {
-    return 4.0 * double(n) * double(pl.hashes * pl.cols + 3 * d + 6) + 4.0 * double(pl.buckets + 1);
+    return 4.0 * double(n) * double(pl.hashes + 3 * d + 5) + 4.0 * double(pl.buckets + 1);
   }
 };
 
@@ -168,10 +169,11 @@ class Reformer final : public Variant {
     return pl;
   }
 
-  /// Hashes and sorts head (b, h): after the call, hb.perm holds round r's order (sorted
-  /// position -> token) for the round given; hb.proj is filled by project() first.
-  void project(const Problem& p, const Plan& pl, ConstTensorView q, int64_t b, int64_t h,
-               HeadBuffers& hb) const {
+  /// Buckets of every token of head (b, h) in every round (hb.bucket): the projections
+  /// q R_r of all rounds come from one GEMM per block of kHashRows rows, and each block is
+  /// hashed while it is in cache (the n x hashes C projections are never stored whole).
+  void hash(const Problem& p, const Plan& pl, ConstTensorView q, int64_t b, int64_t h,
+            HeadBuffers& hb) const {
     const int64_t n = p.n, d = p.dim, c = pl.hashes * pl.cols;
     std::vector<float> rot(static_cast<size_t>(d * c));
     for (int64_t r = 0; r < pl.hashes; ++r) {
@@ -179,22 +181,36 @@ class Reformer final : public Variant {
       for (int64_t x = 0; x < d; ++x)
         std::copy_n(part.begin() + x * pl.cols, pl.cols, rot.begin() + x * c + r * pl.cols);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(c), int(d), 1.0f,
-                q.row(b, h, 0), int(q.stride_row), rot.data(), int(c), 0.0f, hb.proj.data(),
-                int(c));
+    if (c == 0) {  // one bucket: nothing to hash
+      std::fill(hb.bucket.begin(), hb.bucket.end(), 0);
+      return;
+    }
+#pragma omp parallel
+    {
+      std::vector<float> proj(static_cast<size_t>(kHashRows * c));
+#pragma omp for schedule(static)
+      for (int64_t i0 = 0; i0 < n; i0 += kHashRows) {
+        const int64_t rows = std::min(kHashRows, n - i0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(c), int(d), 1.0f,
+                    q.row(b, h, i0), int(q.stride_row), rot.data(), int(c), 0.0f, proj.data(),
+                    int(c));
+        for (int64_t t = 0; t < rows; ++t)
+          for (int64_t r = 0; r < pl.hashes; ++r)
+            hb.bucket[size_t(r * n + i0 + t)] =
+                int32_t(reformer::bucket_of(proj.data() + t * c + r * pl.cols, pl.factors));
+      }
+    }
   }
 
+  /// Round r's order into hb.perm: tokens sorted by (bucket, position).
   void sort_round(const Problem& p, const Plan& pl, int64_t r, HeadBuffers& hb) const {
-    const int64_t n = p.n, c = pl.hashes * pl.cols;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i)
-      hb.bucket[size_t(i)] =
-          int32_t(reformer::bucket_of(hb.proj.data() + i * c + r * pl.cols, pl.factors));
+    const int64_t n = p.n;
+    const int32_t* bucket = hb.bucket.data() + r * n;
     // stable counting sort by bucket
     std::fill(hb.count.begin(), hb.count.end(), 0);
-    for (int64_t i = 0; i < n; ++i) ++hb.count[size_t(hb.bucket[size_t(i)]) + 1];
+    for (int64_t i = 0; i < n; ++i) ++hb.count[size_t(bucket[i]) + 1];
     for (int64_t u = 0; u < pl.buckets; ++u) hb.count[size_t(u + 1)] += hb.count[size_t(u)];
-    for (int64_t i = 0; i < n; ++i) hb.perm[size_t(hb.count[size_t(hb.bucket[size_t(i)])]++)] = int32_t(i);
+    for (int64_t i = 0; i < n; ++i) hb.perm[size_t(hb.count[size_t(bucket[i])]++)] = int32_t(i);
   }
 
   /// Heads run one per thread when there are at least as many (batch, head) pairs as
@@ -218,7 +234,7 @@ class Reformer final : public Variant {
       for (int64_t bh = 0; bh < heads; ++bh) {
         const int64_t b = bh / p.heads, h = bh % p.heads;
         const double t0 = omp_get_wtime();
-        project(p, pl, q, b, h, hb);
+        hash(p, pl, q, b, h, hb);
         t_hash += omp_get_wtime() - t0;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
@@ -271,7 +287,8 @@ class Reformer final : public Variant {
     const Plan pl = plan(p);
     const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
     const double per_thread = double(TileAttention::bytes(pl.chunk, pl.chunk, p.dim)) +
-                              4.0 * double(pl.chunk) * double(p.dim + 1);
+                              4.0 * double(pl.chunk) * double(p.dim + 1) +
+                              4.0 * double(kHashRows * pl.hashes * pl.cols);
     const double rot = 8.0 * double(p.dim) * double(pl.hashes * pl.cols);
     const int copies = by_head(p, threads) ? threads : 1;
     return (HeadBuffers::bytes(pl, p.n, p.dim) + rot) * copies + per_thread * threads;
@@ -288,7 +305,7 @@ class Reformer final : public Variant {
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t h = 0; h < p.heads; ++h) {
         pat->begin_head();
-        project(p, pl, q, b, h, hb);
+        hash(p, pl, q, b, h, hb);
         for (int64_t r = 0; r < pl.hashes; ++r) {
           sort_round(p, pl, r, hb);
           for (int64_t c = 0; c < nch; ++c) {
@@ -315,6 +332,14 @@ class Reformer final : public Variant {
     const int64_t n = p.n, d = p.dim;
 #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < n; ++s) {
+      // the rows come in bucket order, at random positions: fetch some ahead
+      if (s + 8 < n) {
+        const int64_t ahead = hb.perm[size_t(s + 8)];
+        for (int64_t o = 0; o < d; o += 16) {
+          __builtin_prefetch(q.row(b, h, ahead) + o);
+          __builtin_prefetch(v.row(b, h, ahead) + o);
+        }
+      }
       const int64_t i = hb.perm[size_t(s)];
       const float* qi = q.row(b, h, i);
       const float* vi = v.row(b, h, i);
@@ -368,7 +393,9 @@ class Reformer final : public Variant {
         }
         ta.finish(o.data(), d, lse.data());
         for (int64_t rr = 0; rr < rows; ++rr) {
-          if (rr + 4 < rows) __builtin_prefetch(out.row(b, h, hb.perm[size_t(s0 + rr + 4)]), 1);
+          if (rr + 4 < rows)
+            for (int64_t o = 0; o < d; o += 16)
+              __builtin_prefetch(out.row(b, h, hb.perm[size_t(s0 + rr + 4)]) + o, 1);
           const int32_t i = hb.perm[size_t(s0 + rr)];
           const float* orow = o.data() + rr * d;
           float l = lse[size_t(rr)];
