@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, runs the default sweep into results/default (or the
 # directory given as the first argument), then draws its figures and report with
-# scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments go to `attnbench sweep`.
+# scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments replace the default
+# sweep and go to `attnbench sweep` as they are.
+#
+# The default sweep has two passes into the same directory:
+#   1. speed: every variant with its defaults, n = 256..8192, causal off and on, gaussian
+#      inputs;
+#   2. accuracy: every variant at n = 256..2048, without causal masking, on the other input
+#      distributions (local, clustered, lowrank), so that the error figure has a panel each.
+# A finished pass is kept: running the script again resumes where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/default}
 shift || true
 bash scripts/build.sh
-# Without extra arguments: every variant, n = 256..8192, causal off and on.
-if [ $# -eq 0 ]; then set -- --seq 256..8192 --causal both; fi
-./build/attnbench sweep --out "$out" "$@"
+if [ $# -eq 0 ]; then
+  ./build/attnbench sweep --out "$out" --resume --seq 256..8192 --causal both
+  ./build/attnbench sweep --out "$out" --resume --seq 256..2048 --causal off \
+    --input local,clustered,lowrank
+else
+  ./build/attnbench sweep --out "$out" "$@"
+fi
 /usr/bin/python3 scripts/plot.py "$out" --attnbench ./build/attnbench
