@@ -169,8 +169,23 @@ void ResultsDir::write_benchmark_json() const {
 }
 
 void ResultsDir::write_meta(const nlohmann::json& meta) const {
-  std::ofstream f(fs::path(dir_) / "meta.json");
-  f << meta.dump(2) << '\n';
+  const fs::path path = fs::path(dir_) / "meta.json";
+  nlohmann::json out = meta;
+  // A resumed directory holds rows of earlier sweeps too: keep their command lines, oldest
+  // first, so the directory still says how all of its rows were made.
+  if (rows_kept() > 0 && fs::exists(path)) {
+    std::ifstream in(path);
+    const auto old = nlohmann::json::parse(in, nullptr, false);
+    if (old.is_object()) {
+      nlohmann::json earlier = nlohmann::json::array();
+      if (old.contains("earlier_command_lines") && old["earlier_command_lines"].is_array())
+        earlier = old["earlier_command_lines"];
+      if (old.contains("command_line")) earlier.push_back(old["command_line"]);
+      out["earlier_command_lines"] = earlier;
+    }
+  }
+  std::ofstream f(path);
+  f << out.dump(2) << '\n';
 }
 
 }  // namespace attnbench

@@ -384,7 +384,9 @@ class Report:
             rows = [
                 ("commit", meta.get("git_commit", "unknown")),
                 ("date (UTC)", meta.get("date", "unknown")),
-                ("command", f"`{meta.get('command_line', 'unknown')}`"),
+                ("command" if not meta.get("earlier_command_lines") else "commands",
+                 "<br>".join(f"`{c}`" for c in list(meta.get("earlier_command_lines") or [])
+                             + [meta.get("command_line", "unknown")])),
                 ("CPU", m.get("cpu_model", meta.get("cpu_model", "unknown"))),
                 ("threads", meta.get("threads", m.get("threads", "unknown"))),
                 ("GEMM rate", _unit(m.get("gemm_gflops"), "GFLOP/s")),
@@ -463,8 +465,10 @@ class Report:
         rows_ = [(cfg, causal) for cfg in lay.configs for causal in lay.causals]
         # One panel per input distribution in a row; with a single input, the causal settings
         # go side by side instead.
-        panels = [(cfg, causal, inp) for cfg, causal in rows_ for inp in lay.inputs]
+        panels = [(cfg, causal, inp) for cfg, causal in rows_ for inp in lay.inputs
+                  if not lay.select(self.ok, cfg, causal, inp).empty]
         ncol = len(lay.inputs) if len(lay.inputs) > 1 else len(lay.causals)
+        ncol = max(1, min(ncol, len(panels)))
         fig, axes = new_grid(math.ceil(len(panels) / ncol), ncol, sharey=True)
         for ax in axes.flat[len(panels):]:
             ax.set_visible(False)
@@ -736,8 +740,9 @@ class Report:
             self.md.append(f"One head (head 0) of each pattern variant at n = {n}, exported by "
                            f"`attnbench pattern`; black = attended pair (query row i, key column "
                            f"j). The percentage is the share of the n × m pairs attended. Above "
-                           f"{TILE_PIXELS} positions a pixel stands for a square cell of pairs and "
-                           f"is black if any of them is attended.\n")
+                           f"{TILE_PIXELS} positions a pixel stands for a square cell of pairs; its "
+                           f"grey is the square root of the share of the cell's pairs attended "
+                           f"(black: all of them).\n")
         else:
             _remove(path)
             self.md.append("No variant in these results has an attention pattern to draw.\n")
@@ -752,9 +757,11 @@ class Report:
         self.md.append("\n")
 
     def pattern_figure(self, tiles, path, n):
-        # A tile is about TILE_PIXELS wide; larger patterns are shown in factor x factor cells,
-        # black when any pair in the cell is attended, so that a single attended key column
-        # (strided patterns) stays visible instead of being averaged into a faint grey.
+        # A tile is about TILE_PIXELS wide; larger patterns are shown in factor x factor cells
+        # whose grey is the square root of the share of the cell's pairs attended: a dense
+        # block is black, a scattered data-dependent pattern (hash buckets, clusters) shows as
+        # grey rather than as solid black, and a single attended key column (strided
+        # patterns) still stays visible (1/f of a cell -> grey sqrt(1/f)).
         factor = max(1, math.ceil(max(max(t[3].shape) for t in tiles) / TILE_PIXELS))
         ncol = min(6, len(tiles))
         nrow = math.ceil(len(tiles) / ncol)
@@ -766,7 +773,7 @@ class Report:
         for ax, (spec, causal, inp, mask) in zip(axes.flat, tiles):
             ax.axis("on")
             ax.grid(False)
-            ax.imshow(pool_any(mask, factor), cmap="Greys", vmin=0, vmax=1,
+            ax.imshow(np.sqrt(pool_share(mask, factor)), cmap="Greys", vmin=0, vmax=1,
                       interpolation="nearest", aspect="equal")
             ax.set_xticks([])
             ax.set_yticks([])
@@ -779,7 +786,7 @@ class Report:
             share = 100.0 * mask.mean()
             ax.set_title(f"{wrapped}\n{causal_name(causal)}, {share:.1f}% attended",
                          fontsize=7, linespacing=1.15)
-        cell = (f"; one pixel = {factor} × {factor} pairs, black if any is attended"
+        cell = (f"; one pixel = {factor} × {factor} pairs, grey = √(share attended)"
                 if factor > 1 else "")
         fig.suptitle(f"Attention patterns, head 0, n = {fmt_n(n)} (black = attended; rows "
                      f"queries, columns keys{cell})", fontsize=10.5)
@@ -832,14 +839,19 @@ class Report:
         return report
 
 
-def pool_any(mask, f):
-    """Max-pools a 0/1 mask over f x f cells (the last cells may be partial)."""
+def pool_share(mask, f):
+    """Share of attended pairs in each f x f cell of a 0/1 mask (partial last cells count
+    the pairs they hold)."""
     if f == 1:
-        return mask
+        return mask.astype(float)
     n, m = mask.shape
-    padded = np.zeros((math.ceil(n / f) * f, math.ceil(m / f) * f), dtype=mask.dtype)
+    rows, cols = math.ceil(n / f) * f, math.ceil(m / f) * f
+    padded = np.zeros((rows, cols))
+    count = np.zeros((rows, cols))
     padded[:n, :m] = mask
-    return padded.reshape(padded.shape[0] // f, f, padded.shape[1] // f, f).max(axis=(1, 3))
+    count[:n, :m] = 1
+    shape = (rows // f, f, cols // f, f)
+    return padded.reshape(shape).sum(axis=(1, 3)) / count.reshape(shape).sum(axis=(1, 3))
 
 
 def _unit(v, unit):

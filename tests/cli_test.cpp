@@ -432,6 +432,12 @@ TEST(Cli, SweepThenResume) {
   meta = parse_json(test::read_text(out + "/meta.json"));
   EXPECT_EQ(meta.at("rows_planned"), 12);
   EXPECT_EQ(meta.at("rows_kept_from_earlier_runs"), 8);
+  // the first sweep's command line is kept: the directory says how every row was made
+  EXPECT_CONTAINS(meta.at("command_line").get<std::string>(), "--seq 32,64,128 --resume");
+  ASSERT_EQ(meta.at("earlier_command_lines").size(), 1u);
+  EXPECT_EQ(meta.at("earlier_command_lines")[0].get<std::string>().find("--resume"),
+            std::string::npos);
+  EXPECT_CONTAINS(meta.at("earlier_command_lines")[0].get<std::string>(), "--seq 32,64");
 }
 
 TEST(Cli, SweepSkipsWhatCannotFit) {
