@@ -404,6 +404,19 @@ class Report:
                        + ".\n")
 
     # --- time and memory against n ------------------------------------------------------------
+    def table_by_n(self, sub, column, cell):
+        """Markdown table of `column` (median per n, formatted by `cell`): a row per spec, a
+        column per n of `sub`."""
+        ns = sorted(sub["n"].unique())
+        rows = []
+        for spec in self.styles.order:
+            s = sub[sub["spec"] == spec]
+            if s.empty:
+                continue
+            by_n = s.groupby("n")[column].median()
+            rows.append([code(spec)] + [cell(by_n.get(n, math.nan)) for n in ns])
+        return md_table(["variant"] + [f"n={fmt_n(n)}" for n in ns], rows)
+
     def against_n(self, name, column, scale, ylabel, title, section, cell, explain):
         lay = self.layout
         fig, axes = new_grid(len(lay.configs), len(lay.causals), sharey=True)
@@ -447,16 +460,8 @@ class Report:
                 sub = lay.select(self.timed, cfg, causal)
                 if sub.empty:
                     continue
-                ns = sorted(sub["n"].unique())
-                rows = []
-                for spec in self.styles.order:
-                    s = sub[sub["spec"] == spec]
-                    if s.empty:
-                        continue
-                    by_n = s.groupby("n")[column].median()
-                    rows.append([code(spec)] + [cell(by_n.get(n, math.nan)) for n in ns])
                 self.md.append(f"\n{self.panel_title(cfg, causal)}:\n\n")
-                self.md.append(md_table(["variant"] + [f"n={fmt_n(n)}" for n in ns], rows))
+                self.md.append(self.table_by_n(sub, column, cell))
         self.md.append("\n")
 
     # --- error against n ----------------------------------------------------------------------
@@ -509,16 +514,8 @@ class Report:
                 sub = lay.select(self.ok, cfg, causal, inp)
                 if sub.empty:
                     continue
-                ns = sorted(sub["n"].unique())
-                rows = []
-                for spec in self.styles.order:
-                    s = sub[sub["spec"] == spec]
-                    if s.empty:
-                        continue
-                    by_n = s.groupby("n")["rel_fro_error"].median()
-                    rows.append([code(spec)] + [fmt_sci(by_n.get(n, math.nan)) for n in ns])
                 self.md.append(f"\ninput={inp}, {self.panel_title(cfg, causal)}:\n\n")
-                self.md.append(md_table(["variant"] + [f"n={fmt_n(n)}" for n in ns], rows))
+                self.md.append(self.table_by_n(sub, "rel_fro_error", fmt_sci))
         self.md.append("\n")
 
     # --- speed against error ------------------------------------------------------------------

@@ -30,28 +30,6 @@ namespace {
 
 using test::rel_fro_error;
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
-                     uint64_t seed = 1) {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
-  return p;
-}
-
-// Sets the OpenMP thread count for a scope. The many small problems of the exactness tests run
-// on one thread: they check what is computed, and with other processes on the machine every
-// parallel region can wait milliseconds for a descheduled thread (a 20x slowdown measured on
-// 2 loaded cores). OutputsDoNotDependOnTheThreadCount covers the threaded engine.
-class ScopedThreads {
- public:
-  explicit ScopedThreads(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
-  ~ScopedThreads() { omp_set_num_threads(saved_); }
-  ScopedThreads(const ScopedThreads&) = delete;
-  ScopedThreads& operator=(const ScopedThreads&) = delete;
-
- private:
-  int saved_;
-};
-
 std::unique_ptr<SparsePattern> pattern_of(const std::string& spec, const Problem& p) {
   auto pat = make_variant(spec)->make_pattern(p, {}, {});
   if (!pat) throw std::runtime_error(spec + " has no pattern");
@@ -303,7 +281,7 @@ TEST(Patterns, MatchBruteForceDefinitions) {
     for (int64_t n : kLens)
       for (int64_t m : kLens)
         for (bool causal : {false, true}) {
-          const Problem p = make_problem(2, 3, n, m, 8, causal);
+          const Problem p = test::problem(2, 3, n, m, 8, causal);
           if (!supports(cs.spec, p)) continue;  // refusal is checked with the outputs
           check_pattern(cs, p);
         }
@@ -338,14 +316,14 @@ TEST(Patterns, RandomParametersMatchBruteForce) {
              std::to_string(dh) + ",global=" + std::to_string(g) + bs,
          longformer_rule(w, dil, dh, g)},
     };
-    for (const Case& cs : cases) check_pattern(cs, make_problem(1, 3, n, m, 4, causal));
+    for (const Case& cs : cases) check_pattern(cs, test::problem(1, 3, n, m, 4, causal));
     // bigbird is self-attention only
     const BigBirdShape bb{block, pick(0, 5), pick(0, 4), pick(0, 4)};
     const Case bcase{"bigbird:block=" + std::to_string(bb.block) + ",window_blocks=" +
                          std::to_string(bb.window) + ",random_blocks=" + std::to_string(bb.random) +
                          ",global_blocks=" + std::to_string(bb.global),
                      nullptr, &bb};
-    check_pattern(bcase, make_problem(1, 3, n, 0, 4, causal, uint64_t(t)));
+    check_pattern(bcase, test::problem(1, 3, n, 0, 4, causal, uint64_t(t)));
   }
 }
 
@@ -358,7 +336,7 @@ TEST(Patterns, RuleCheckHasTeeth) {
   {
     testing::ScopedFakeTestPartResultReporter reporter(
         testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &failures);
-    check_pattern(wrong, make_problem(1, 1, 113, 113, 8, false));
+    check_pattern(wrong, test::problem(1, 1, 113, 113, 8, false));
   }
   EXPECT_GT(failures.size(), 0);
 }
@@ -381,14 +359,14 @@ const char* const kOutputSpecs[] = {
 };
 
 TEST(Patterns, OutputsMatchTheMaskedReference) {
-  ScopedThreads one(1);
+  test::ScopedThreads one(1);
   for (const char* spec : kOutputSpecs) {
     auto variant = make_variant(spec);
     for (int64_t n : kLens)
       for (int64_t m : kLens)
         for (int64_t d : {1, 17, 64})
           for (bool causal : {false, true}) {
-            const Problem p = make_problem(2, 3, n, m, d, causal, uint64_t(n + m + d));
+            const Problem p = test::problem(2, 3, n, m, d, causal, uint64_t(n + m + d));
             SCOPED_TRACE(std::string(spec) + " " + p.str());
             Inputs in = generate_inputs(p);
             Tensor out(p.q_shape());
@@ -411,7 +389,7 @@ TEST(Patterns, BigBirdRefusesCrossAttention) {
   EXPECT_FALSE(v->info().caps.cross);
   EXPECT_TRUE(v->info().caps.causal);
   for (bool causal : {false, true}) {
-    const Problem p = make_problem(1, 2, 64, 96, 8, causal);
+    const Problem p = test::problem(1, 2, 64, 96, 8, causal);
     Inputs in = generate_inputs(p);
     Tensor out(p.q_shape());
     EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()), UnsupportedError);
@@ -426,17 +404,17 @@ TEST(Patterns, OutputsDoNotDependOnTheThreadCount) {
   // the patterns are read concurrently by the threads
   for (const char* spec : kOutputSpecs)
     for (bool causal : {false, true}) {
-      const Problem p = make_problem(2, 3, 200, 0, 17, causal, 12);
+      const Problem p = test::problem(2, 3, 200, 0, 17, causal, 12);
       SCOPED_TRACE(std::string(spec) + " " + p.str());
       auto variant = make_variant(spec);
       Inputs in = generate_inputs(p);
       Tensor one(p.q_shape()), two(p.q_shape());
       {
-        ScopedThreads t(1);
+        test::ScopedThreads t(1);
         variant->run(p, in.q.view(), in.k.view(), in.v.view(), one.view());
       }
       {
-        ScopedThreads t(2);
+        test::ScopedThreads t(2);
         variant->run(p, in.q.view(), in.k.view(), in.v.view(), two.view());
       }
       EXPECT_TRUE(std::equal(one.data(), one.data() + one.numel(), two.data()));
@@ -449,7 +427,7 @@ TEST(Patterns, OutputsDoNotDependOnTheThreadCount) {
 // ----- patterns that cover everything are full attention -----
 
 TEST(Patterns, CoveringPatternsAreFullAttention) {
-  ScopedThreads one(1);
+  test::ScopedThreads one(1);
   // each covers every pair for n, m <= 200
   const char* const specs[] = {
       "local:window=200,block=16",
@@ -468,7 +446,7 @@ TEST(Patterns, CoveringPatternsAreFullAttention) {
     for (int64_t n : kLens)
       for (int64_t m : kLens)
         for (bool causal : {false, true}) {
-          const Problem p = make_problem(2, 3, n, m, 17, causal, 3);
+          const Problem p = test::problem(2, 3, n, m, 17, causal, 3);
           if (!supports(spec, p)) continue;
           SCOPED_TRACE(std::string(spec) + " " + p.str());
           Inputs in = generate_inputs(p);
@@ -486,7 +464,7 @@ TEST(Patterns, CoveringPatternsAreFullAttention) {
 // ----- causal: nothing leaks from keys after a(i) -----
 
 TEST(Patterns, CausalVariantsLeakNothing) {
-  ScopedThreads one(1);
+  test::ScopedThreads one(1);
   const char* const specs[] = {
       "local:window=40,block=16",
       "strided:stride=3,block=16",
@@ -502,7 +480,7 @@ TEST(Patterns, CausalVariantsLeakNothing) {
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {100, 130}}) {
       bool changed_without_causal = false;
       for (bool causal : {true, false}) {
-        const Problem p = make_problem(1, 2, n, m, 17, causal, 21);
+        const Problem p = test::problem(1, 2, n, m, 17, causal, 21);
         if (!supports(spec, p)) continue;
         SCOPED_TRACE(std::string(spec) + " " + p.str());
         Inputs in = generate_inputs(p);
@@ -533,7 +511,7 @@ TEST(Patterns, CausalVariantsLeakNothing) {
         }
       }
       // the perturbation does reach these rows when nothing masks it
-      if (supports(spec, make_problem(1, 2, n, m, 17, false))) {
+      if (supports(spec, test::problem(1, 2, n, m, 17, false))) {
         EXPECT_TRUE(changed_without_causal) << spec << " n " << n << " m " << m;
       }
     }
@@ -560,7 +538,7 @@ TEST(BigBird, RandomBlocksFollowTheSeedAndTheHead) {
   const std::string spec = "bigbird:block=16";
   const int64_t n = 1024, nbq = 64;
   auto lists = [&](uint64_t seed, int64_t heads, int64_t b = 0) {
-    auto pat = pattern_of(spec, make_problem(2, heads, n, 0, 8, false, seed));
+    auto pat = pattern_of(spec, test::problem(2, heads, n, 0, 8, false, seed));
     return block_lists(*pat, b, heads, nbq);
   };
   const auto a = lists(1, 4), same = lists(1, 4), other = lists(2, 4);
@@ -603,16 +581,16 @@ TEST(BigBird, RandomBlocksFollowTheSeedAndTheHead) {
 }
 
 TEST(BigBird, PatternBytesCountTheRandomTable) {
-  auto pat = pattern_of("bigbird:block=16", make_problem(1, 4, 1024, 0, 8, false));
+  auto pat = pattern_of("bigbird:block=16", test::problem(1, 4, 1024, 0, 8, false));
   EXPECT_GE(pat->bytes(), 4.0 * 64 * 3 * sizeof(int32_t));
-  auto none = pattern_of("local", make_problem(1, 4, 1024, 0, 8, false));
+  auto none = pattern_of("local", test::problem(1, 4, 1024, 0, 8, false));
   EXPECT_EQ(none->bytes(), 0.0);
 }
 
 // ----- the engine's work follows the pattern -----
 
 TEST(Patterns, FlopsFollowThePattern) {
-  const Problem p = make_problem(1, 2, 4096, 0, 64, false);
+  const Problem p = test::problem(1, 2, 4096, 0, 64, false);
   const double full = make_variant("full")->flops(p);
   // local, window 64 one side, block 64: key blocks qb-1..qb+1 of 64 (2 at the ends)
   EXPECT_DOUBLE_EQ(make_variant("local:window=64")->flops(p), full * (62.0 * 3 + 2 * 2) / 4096);
@@ -626,7 +604,7 @@ TEST(Patterns, FlopsFollowThePattern) {
 TEST(Patterns, MassIsOneForCoveringPatterns) {
   for (bool causal : {false, true})
     for (const char* spec : {"global:global=100", "local:window=64,block=8", "bigbird:block=32"}) {
-      const Problem p = make_problem(1, 2, 50, 0, 16, causal, 8);
+      const Problem p = test::problem(1, 2, 50, 0, 16, causal, 8);
       SCOPED_TRACE(std::string(spec) + " " + p.str());
       Inputs in = generate_inputs(p);
       auto pat = pattern_of(spec, p);
@@ -640,7 +618,7 @@ TEST(Patterns, MassIsOneForCoveringPatterns) {
 
 TEST(Patterns, MassMatchesADirectComputation) {
   for (bool causal : {false, true}) {
-    const Problem p = make_problem(1, 2, 50, 0, 16, causal, 9);
+    const Problem p = test::problem(1, 2, 50, 0, 16, causal, 9);
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     auto pat = pattern_of("local:window=3,block=8", p);
@@ -709,7 +687,7 @@ TEST(Patterns, RegisteredWithTheDocumentedParameters) {
     EXPECT_EQ(names, w.params) << w.name;
     EXPECT_FALSE(info->complexity.empty());
     auto v = make_variant(w.name);
-    EXPECT_NE(v->make_pattern(make_problem(1, 1, 10, 0, 4, false), {}, {}), nullptr) << w.name;
+    EXPECT_NE(v->make_pattern(test::problem(1, 1, 10, 0, 4, false), {}, {}), nullptr) << w.name;
   }
   EXPECT_EQ(make_variant("local")->spec(), "local:window=256,block=64");
   EXPECT_EQ(make_variant("global:positions=50+0+5")->spec(), "global:global=64,positions=0+5+50,block=64");

@@ -28,24 +28,6 @@ using test::rel_fro_error;
 using test::run;
 using Matrix = std::vector<std::vector<double>>;
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
-                     uint64_t seed) {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
-  return p;
-}
-
-class ScopedThreads {
- public:
-  explicit ScopedThreads(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
-  ~ScopedThreads() { omp_set_num_threads(saved_); }
-  ScopedThreads(const ScopedThreads&) = delete;
-  ScopedThreads& operator=(const ScopedThreads&) = delete;
-
- private:
-  int saved_;
-};
-
 double at(const Tensor& t, int64_t b, int64_t h, int64_t i, int64_t c) {
   return t.view().row(b, h, i)[c];
 }
@@ -215,7 +197,7 @@ TEST(Sinkhorn, MatchingMatchesAPlainImplementation) {
     for (auto [n, d] : {std::pair<int64_t, int64_t>{113, 17}, {300, 64}, {7, 1}, {40, 5}})
       for (bool causal : {false, true}) {
         if (s.block == 1 && n > 113) continue;  // nb^3 oracle steps
-        const Problem p = make_problem(2, 2, n, 0, d, causal, uint64_t(n + d + s.block));
+        const Problem p = test::problem(2, 2, n, 0, d, causal, uint64_t(n + d + s.block));
         SCOPED_TRACE(s.str() + " " + p.str());
         Inputs in = generate_inputs(p);
         auto pat = make_variant(s.str())->make_pattern(p, in.q.view(), in.k.view());
@@ -244,7 +226,7 @@ TEST(Sinkhorn, ExportedPatternIsTheMatching) {
   test::TempDir dir;
   for (bool causal : {false, true}) {
     const SinkhornSpec s{16, 0.75, 5};
-    const Problem p = make_problem(1, 2, 150, 0, 24, causal, 9);
+    const Problem p = test::problem(1, 2, 150, 0, 24, causal, 9);
     const std::string f = dir.file(causal ? "c.npy" : "nc.npy");
     auto r = test::run_cli("pattern --variant " + s.str() + " --seq 150 --dim 24 --head 1 --seed 9 " +
                                (causal ? "--causal " : "") + "--output " + f,
@@ -269,7 +251,7 @@ TEST(Sinkhorn, OutputIsAttentionOverTheMatchedBlocks) {
   for (const SinkhornSpec& s : {SinkhornSpec{16, 0.75, 5}, SinkhornSpec{7, 0.5, 3}})
     for (auto [n, d] : {std::pair<int64_t, int64_t>{113, 17}, {200, 64}, {1, 1}})
       for (bool causal : {false, true}) {
-        const Problem p = make_problem(2, 2, n, 0, d, causal, 4);
+        const Problem p = test::problem(2, 2, n, 0, d, causal, 4);
         SCOPED_TRACE(s.str() + " " + p.str());
         Inputs in = generate_inputs(p);
         std::vector<std::vector<int64_t>> pis;
@@ -285,7 +267,7 @@ TEST(Sinkhorn, OutputIsAttentionOverTheMatchedBlocks) {
 TEST(Sinkhorn, OneBlockIsFullAttention) {
   for (int64_t n : {1, 7, 113, 1000})
     for (bool causal : {false, true}) {
-      const Problem p = make_problem(1, 2, n, 0, 17, causal, 3);
+      const Problem p = test::problem(1, 2, n, 0, 17, causal, 3);
       SCOPED_TRACE(p.str());
       Inputs in = generate_inputs(p);
       const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
@@ -295,15 +277,15 @@ TEST(Sinkhorn, OneBlockIsFullAttention) {
 
 TEST(Sinkhorn, DeterministicAcrossRunsAndThreadCounts) {
   for (bool causal : {false, true}) {
-    const Problem p = make_problem(2, 3, 500, 0, 32, causal, 8);
+    const Problem p = test::problem(2, 3, 500, 0, 32, causal, 8);
     Inputs in = generate_inputs(p);
     Tensor one, two;
     {
-      ScopedThreads t(1);
+      test::ScopedThreads t(1);
       one = run("sinkhorn:block=16", p, in);
     }
     {
-      ScopedThreads t(2);
+      test::ScopedThreads t(2);
       two = run("sinkhorn:block=16", p, in);
     }
     Tensor again = run("sinkhorn:block=16", p, generate_inputs(p));
@@ -318,7 +300,7 @@ TEST(Sinkhorn, CausalLeaksNothing) {
     for (int64_t n : {113, 300}) {
       bool changed_without_causal = false;
       for (bool causal : {true, false}) {
-        const Problem p = make_problem(1, 2, n, 0, 17, causal, 21);
+        const Problem p = test::problem(1, 2, n, 0, 17, causal, 21);
         SCOPED_TRACE(std::string(spec) + " " + p.str());
         Inputs in = generate_inputs(p);
         const Tensor base = run(spec, p, in);
@@ -342,7 +324,7 @@ TEST(Sinkhorn, CrossAttentionIsUnsupported) {
   EXPECT_TRUE(v->info().caps.causal);
   EXPECT_FALSE(v->info().caps.cross);
   EXPECT_TRUE(v->info().caps.exact);
-  const Problem p = make_problem(1, 2, 64, 96, 16, false, 1);
+  const Problem p = test::problem(1, 2, 64, 96, 16, false, 1);
   Inputs in = generate_inputs(p);
   Tensor out(p.q_shape());
   EXPECT_CONTAINS(test::error_message<UnsupportedError>(
@@ -355,7 +337,7 @@ TEST(Sinkhorn, ZeroSimilarityIsFinite) {
   // all-zero queries: R = 0 everywhere, every logit is log(1e-6) / temperature; the matching
   // is still defined (ties go to the lowest block) and the output finite
   for (bool causal : {false, true}) {
-    const Problem p = make_problem(1, 1, 100, 0, 8, causal, 2);
+    const Problem p = test::problem(1, 1, 100, 0, 8, causal, 2);
     Inputs in = generate_inputs(p);
     std::fill(in.q.data(), in.q.data() + in.q.numel(), 0.0f);
     const SinkhornSpec s{10, 0.75, 5};
@@ -372,7 +354,7 @@ TEST(Sinkhorn, ZeroSimilarityIsFinite) {
 TEST(Sinkhorn, EstimatesBoundTheWork) {
   // the estimates are upper bounds: at least the scores of the pattern actually used
   for (bool causal : {false, true}) {
-    const Problem p = make_problem(1, 2, 1000, 0, 64, causal, 5);
+    const Problem p = test::problem(1, 2, 1000, 0, 64, causal, 5);
     Inputs in = generate_inputs(p);
     auto v = make_variant("sinkhorn");
     auto pat = v->make_pattern(p, in.q.view(), in.k.view());
@@ -467,7 +449,7 @@ TEST(Compressed, MatchesThePooledAttentionOracle) {
         for (int64_t d : {1, 17, 64})
           for (bool causal : {false, true}) {
             // one batch item (the generic tests cover batches): the double oracle is slow
-            const Problem p = make_problem(1, 2, n, m, d, causal, uint64_t(7 * n + m + d + r));
+            const Problem p = test::problem(1, 2, n, m, d, causal, uint64_t(7 * n + m + d + r));
             const std::string spec =
                 "compressed:ratio=" + std::to_string(r) + ",pool=" + pool_kind;
             SCOPED_TRACE(spec + " " + p.str());
@@ -481,7 +463,7 @@ TEST(Compressed, MatchesThePooledAttentionOracle) {
 }
 
 TEST(Compressed, CausalRowsWithoutACompleteGroupAreZero) {
-  const Problem p = make_problem(1, 2, 50, 0, 8, true, 3);
+  const Problem p = test::problem(1, 2, 50, 0, 8, true, 3);
   Inputs in = generate_inputs(p);
   const Tensor out = run("compressed:ratio=4", p, in);
   for (int64_t i = 0; i < p.n; ++i) {
@@ -497,7 +479,7 @@ TEST(Compressed, RatioOneMeanIsFullAttention) {
   for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {7, 113}, {113, 7}, {300, 257}, {1, 1}})
     for (int64_t d : {1, 17, 64})
       for (bool causal : {false, true}) {
-        const Problem p = make_problem(1, 2, n, m, d, causal, 12);
+        const Problem p = test::problem(1, 2, n, m, d, causal, 12);
         SCOPED_TRACE(p.str());
         Inputs in = generate_inputs(p);
         const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
@@ -510,7 +492,7 @@ TEST(Compressed, CausalLeaksNothing) {
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {100, 130}, {130, 100}}) {
       bool changed_without_causal = false;
       for (bool causal : {true, false}) {
-        const Problem p = make_problem(1, 2, n, m, 17, causal, 21);
+        const Problem p = test::problem(1, 2, n, m, 17, causal, 21);
         SCOPED_TRACE(std::string(spec) + " " + p.str());
         Inputs in = generate_inputs(p);
         const Tensor base = run(spec, p, in);
@@ -532,7 +514,7 @@ TEST(Compressed, CausalLeaksNothing) {
 }
 
 TEST(Compressed, SeedDrivesTheConvWeightsOnly) {
-  Problem p = make_problem(2, 2, 90, 70, 16, false, 5);
+  Problem p = test::problem(2, 2, 90, 70, 16, false, 5);
   Inputs in = generate_inputs(p);
   const Tensor conv1 = run("compressed:pool=conv", p, in), mean1 = run("compressed", p, in);
   const Tensor conv_again = run("compressed:pool=conv", p, in);
@@ -551,7 +533,7 @@ TEST(Compressed, HasNoPatternAndSaysSo) {
   EXPECT_FALSE(v->info().caps.exact);
   EXPECT_TRUE(v->info().caps.causal);
   EXPECT_TRUE(v->info().caps.cross);
-  const Problem p = make_problem(1, 1, 30, 0, 8, false, 1);
+  const Problem p = test::problem(1, 1, 30, 0, 8, false, 1);
   Inputs in = generate_inputs(p);
   EXPECT_EQ(v->make_pattern(p, in.q.view(), in.k.view()), nullptr);
   test::TempDir dir;

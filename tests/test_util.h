@@ -18,12 +18,35 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include "common/inputs.h"
 #include "common/registry.h"
 #include "common/tensor.h"
 
 namespace attnbench::test {
+
+/// A problem of B = b, H = h, n queries, m keys (0: m = n), head dimension d.
+inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
+                       uint64_t seed = 1) {
+  Problem p;
+  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
+  return p;
+}
+
+/// Sets the OpenMP thread count for a scope. Many small problems run faster on one thread:
+/// with other processes on the machine every parallel region can wait milliseconds for a
+/// descheduled thread.
+class ScopedThreads {
+ public:
+  explicit ScopedThreads(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~ScopedThreads() { omp_set_num_threads(saved_); }
+  ScopedThreads(const ScopedThreads&) = delete;
+  ScopedThreads& operator=(const ScopedThreads&) = delete;
+
+ private:
+  int saved_;
+};
 
 /// Builds the variant named by `spec` and runs it on p with the given inputs.
 inline Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
