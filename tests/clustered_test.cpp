@@ -368,17 +368,8 @@ TEST(Clustered, ThreadCountDoesNotChangeTheOutput) {
 // ----- capabilities, pattern, memory -----
 
 TEST(Clustered, CausalIsUnsupported) {
-  for (const std::string& sp : {std::string("clustered"), spec(8, 10, 0, 32)}) {
-    auto v = make_variant(sp);
-    EXPECT_FALSE(v->info().caps.causal);
-    EXPECT_FALSE(v->info().caps.exact);
-    EXPECT_TRUE(v->info().caps.cross);
-    Problem p = make_problem(1, 2, 16, 16, 8, 1);
-    p.causal = true;
-    Inputs in = generate_inputs(p);
-    Tensor out(p.q_shape());
-    EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()), UnsupportedError);
-  }
+  for (const std::string& sp : {std::string("clustered"), spec(8, 10, 0, 32)})
+    test::expect_refuses_causal(sp);
 }
 
 TEST(Clustered, PatternIsEachClustersTopKeys) {

@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include "common/error.h"
 #include "common/inputs.h"
 #include "common/registry.h"
 #include "common/tensor.h"
@@ -54,6 +55,20 @@ inline Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
   Tensor out(p.q_shape());
   v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
   return out;
+}
+
+/// An approximation that supports m != n but refuses causal masking says so in its
+/// capabilities, and run() throws UnsupportedError on a causal problem.
+inline void expect_refuses_causal(const std::string& spec) {
+  SCOPED_TRACE(spec);
+  auto v = make_variant(spec);
+  EXPECT_FALSE(v->info().caps.causal);
+  EXPECT_FALSE(v->info().caps.exact);
+  EXPECT_TRUE(v->info().caps.cross);
+  Problem p = problem(1, 2, 16, 16, 8, true);
+  Inputs in = generate_inputs(p);
+  Tensor out(p.q_shape());
+  EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()), UnsupportedError);
 }
 
 /// Message of the exception of type E thrown by f, or "" (and a test failure) if f throws

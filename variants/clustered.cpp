@@ -42,8 +42,9 @@
 // as the number of assignments; here planes and initial rows come from the seed per head,
 // empty clusters keep their centroid, `iterations` counts update rounds, and rounds stop once
 // the assignment repeats (which changes nothing, see clustered.h). bits = 0 (Euclidean k-means
-// on the vectors) is an addition. Not causal: a centroid mixes the queries of all positions
-// (fast-transformers' causal improved form is not implemented).
+// on the vectors) is an addition. Not causal: a centroid mixes the queries of all positions,
+// so causal problems are refused (caps.causal = false; fast-transformers' separate causal
+// form, with its own masking rules, is not part of this variant).
 #include "variants/clustered.h"
 
 #include <cblas.h>

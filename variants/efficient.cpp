@@ -25,6 +25,7 @@
 #include <cmath>
 #include <memory>
 
+#include "common/key_split.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 
@@ -36,24 +37,13 @@ constexpr int64_t kBlockQ = 512;  // query rows per task in step 2
 
 class Efficient final : public Variant {
  public:
-  struct Plan {
-    int64_t threads, chunks, splits, tasks;
-  };
-  static Plan plan(const Problem& p) {
-    Plan pl;
-    pl.threads = omp_get_max_threads();
-    pl.chunks = (p.keys() + kChunkK - 1) / kChunkK;
-    const int64_t bh = p.batch * p.heads;
-    pl.splits = std::min(pl.chunks, std::max<int64_t>(1, (pl.threads + bh - 1) / bh));
-    pl.tasks = bh * pl.splits;
-    return pl;
-  }
+  static KeySplit plan(const Problem& p) { return KeySplit(p, kChunkK); }
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
     const int64_t dd = d * d, part = dd + 2 * d;
-    const Plan pl = plan(p);
+    const KeySplit pl = plan(p);
     std::unique_ptr<float[]> g(new float[size_t(BH * dd)]);
     // per task of step 1: unnormalised G (d x d), column max (d), column sum (d)
     std::unique_ptr<float[]> partial(new float[size_t(pl.tasks * part)]);
@@ -67,8 +57,8 @@ class Efficient final : public Variant {
         for (int64_t t = 0; t < pl.tasks; ++t) {
           const int64_t bh = t / pl.splits, sp = t % pl.splits;
           const int64_t b = bh / H, h = bh % H;
-          const int64_t j0 = (sp * pl.chunks / pl.splits) * kChunkK;
-          const int64_t j1 = std::min(m, ((sp + 1) * pl.chunks / pl.splits) * kChunkK);
+          const int64_t j0 = pl.first_chunk(sp) * kChunkK;
+          const int64_t j1 = std::min(m, pl.first_chunk(sp + 1) * kChunkK);
           float* gp = partial.get() + t * part;
           float* mx = gp + dd;
           float* sum = mx + d;
@@ -145,7 +135,7 @@ class Efficient final : public Variant {
   }
 
   double memory_estimate(const Problem& p) const override {
-    const Plan pl = plan(p);
+    const KeySplit pl = plan(p);
     const double d = double(p.dim), f = sizeof(float);
     const double shared = double(p.batch * p.heads) * d * d * f + double(pl.tasks) * (d * d + 2 * d) * f;
     const double per_thread =

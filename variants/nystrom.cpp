@@ -48,6 +48,7 @@
 #include <cstring>
 #include <memory>
 
+#include "common/key_split.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 
@@ -131,17 +132,14 @@ class Nystrom final : public Variant {
  public:
   Nystrom(int64_t landmarks, int64_t iters) : landmarks_(landmarks), iters_(iters) {}
 
-  struct Plan {
-    int64_t L, threads, chunks, splits, tasks;
+  /// Landmarks used, and the split of the keys of step 2 over the threads.
+  struct Plan : KeySplit {
+    int64_t L = 0;
   };
   Plan plan(const Problem& p) const {
     Plan pl;
+    static_cast<KeySplit&>(pl) = KeySplit(p, kChunkK);
     pl.L = std::min({landmarks_, p.n, p.keys()});
-    pl.threads = omp_get_max_threads();
-    pl.chunks = (p.keys() + kChunkK - 1) / kChunkK;
-    const int64_t bh = p.batch * p.heads;
-    pl.splits = std::min(pl.chunks, std::max<int64_t>(1, (pl.threads + bh - 1) / bh));
-    pl.tasks = bh * pl.splits;
     return pl;
   }
 
@@ -179,7 +177,7 @@ class Nystrom final : public Variant {
         for (int64_t t = 0; t < pl.tasks; ++t) {
           const int64_t bh = t / pl.splits, sp = t % pl.splits;
           const int64_t b = bh / H, h = bh % H;
-          const int64_t c0 = sp * pl.chunks / pl.splits, c1 = (sp + 1) * pl.chunks / pl.splits;
+          const int64_t c0 = pl.first_chunk(sp), c1 = pl.first_chunk(sp + 1);
           float* acc = partial.get() + t * part;
           float* mx = acc + Ld;
           float* l = mx + L;
