@@ -20,15 +20,4 @@ int64_t heap_reset_peak() {
   return cur;
 }
 
-void PeakMemoryManager::Start() {
-  base_ = heap_reset_peak();
-  allocs_ = heap_allocations();
-}
-
-void PeakMemoryManager::Stop(Result& result) {
-  result.max_bytes_used = heap_peak_bytes() - base_;
-  result.num_allocs = heap_allocations() - allocs_;
-  result.net_heap_growth = heap_current_bytes() - base_;
-}
-
 }  // namespace attnbench

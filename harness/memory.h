@@ -3,8 +3,6 @@
 // through malloc), Eigen temporaries and the OpenMP runtime are all seen.
 #pragma once
 
-#include <benchmark/benchmark.h>
-
 #include <cstdint>
 
 namespace attnbench {
@@ -18,15 +16,19 @@ int64_t heap_peak_bytes();
 /// Number of allocations since the process started.
 int64_t heap_allocations();
 
-/// Google Benchmark MemoryManager reporting the peak bytes above the level at Start().
-class PeakMemoryManager : public benchmark::MemoryManager {
+/// Peak heap bytes above the level at construction (which resets the process-wide peak).
+/// The harness measures each timed run with one of these instead of Google Benchmark's
+/// MemoryManager: Debian's Google Benchmark 1.7.1 hands reporters pointers to memory results
+/// that go stale after the first repetition (google/benchmark#1939), so neither attnbench nor
+/// its JSONReporter may see them.
+class PeakScope {
  public:
-  void Start() override;
-  void Stop(Result& result) override;
-  void Stop(Result* result) override { Stop(*result); }
+  PeakScope() : base_(heap_reset_peak()), allocs_(heap_allocations()) {}
+  int64_t peak_bytes() const { return heap_peak_bytes() - base_; }
+  int64_t allocations() const { return heap_allocations() - allocs_; }
 
  private:
-  int64_t base_ = 0, allocs_ = 0;
+  int64_t base_, allocs_;
 };
 
 }  // namespace attnbench

@@ -35,7 +35,6 @@ class CaptureReporter : public benchmark::BenchmarkReporter {
       if (r.run_type != Run::RT_Iteration || r.error_occurred) continue;
       times_.push_back(r.real_accumulated_time / double(r.iterations));
       iterations_ = r.iterations;
-      if (r.memory_result) peak_ = double(r.memory_result->max_bytes_used);
     }
     json_.ReportRuns(runs);
   }
@@ -43,7 +42,6 @@ class CaptureReporter : public benchmark::BenchmarkReporter {
 
   std::vector<double> times_;
   int64_t iterations_ = 0;
-  double peak_ = NAN;
   std::string error_;
   std::ostringstream json_text_;
 
@@ -130,16 +128,21 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
                               pattern.get());
     pattern.reset();
 
-    // Timed passes and peak memory, by Google Benchmark.
-    static PeakMemoryManager memory_manager;
-    benchmark::RegisterMemoryManager(&memory_manager);
+    // Timed passes by Google Benchmark. The peak heap above the level at the start of each
+    // run is measured here (no MemoryManager: see PeakScope) and reported as the run's
+    // `peak_bytes` counter; the row keeps the largest.
     const std::string name = fmt::format("{}/{}", row.spec, p.str());
+    double peak = 0;
     auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
+      PeakScope scope;
       for (auto _ : st) {
         variant.forward(p, in.q.view(), in.k.view(), in.v.view(), out.view());
         benchmark::ClobberMemory();
       }
+      const double run_peak = double(scope.peak_bytes());
+      peak = std::max(peak, run_peak);
       st.counters["FLOPS"] = benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
+      st.counters["peak_bytes"] = benchmark::Counter(run_peak);
     });
     bm->Repetitions(std::max(1, opt.reps))
         ->MinTime(opt.min_time)
@@ -149,7 +152,6 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     CaptureReporter rep;
     benchmark::RunSpecifiedBenchmarks(&rep);
     benchmark::ClearRegisteredBenchmarks();
-    benchmark::RegisterMemoryManager(nullptr);
     if (!rep.error_.empty() || rep.times_.empty()) {
       row.status = "error";
       row.message = rep.error_.empty() ? "benchmark produced no runs" : rep.error_;
@@ -168,7 +170,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.time_stddev = t.size() > 1 ? std::sqrt(var / double(t.size() - 1)) : 0.0;
     row.gflops = row.flops / row.time_median / 1e9;
     row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
-    row.peak_bytes = rep.peak_;
+    row.peak_bytes = peak;
     row.notes = variant.notes();  // of the last timed pass
     if (output) *output = std::move(out);
   } catch (const UnsupportedError& e) {
