@@ -15,16 +15,21 @@ namespace {
 
 // Stream ids: one per (tensor role, batch, head) so every head is independent.
 enum Role : uint64_t { kQ = 1, kK, kV, kLatent, kCenters, kAssign, kBasis, kNoiseQ, kNoiseK };
-uint64_t stream_id(Role r, int64_t b, int64_t h) {
-  return (uint64_t(r) << 48) ^ (uint64_t(b) << 24) ^ uint64_t(h);
+// Generated tensors may start at head (b0, h0) of the problem's full input (see
+// generate_head_inputs); stream ids are those of the full input.
+struct Origin {
+  int64_t b0 = 0, h0 = 0;
+};
+uint64_t stream_id(Role r, const Origin& o, int64_t b, int64_t h) {
+  return (uint64_t(r) << 48) ^ (uint64_t(o.b0 + b) << 24) ^ uint64_t(o.h0 + h);
 }
 
-void fill_gaussian(const Problem& p, Role role, TensorView t) {
+void fill_gaussian(const Problem& p, const Origin& o, Role role, TensorView t) {
   const int64_t len = t.shape.len, d = t.shape.dim;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < t.shape.batch; ++b)
     for (int64_t h = 0; h < t.shape.heads; ++h) {
-      RandomStream rs(p.seed, stream_id(role, b, h));
+      RandomStream rs(p.seed, stream_id(role, o, b, h));
       float* x = t.head(b, h);
       for (int64_t i = 0; i < len * d; ++i) x[i] = float(rs.normal(uint64_t(i)));
     }
@@ -34,15 +39,15 @@ void fill_gaussian(const Problem& p, Role role, TensorView t) {
 // correlation length 16 positions; q and k are the latent plus a little noise, so q_i . k_j is
 // large when i and j are close. Queries take the last n latent positions and keys the last m,
 // matching the bottom-right alignment of the causal mask.
-void fill_local(const Problem& p, Inputs& in) {
+void fill_local(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t n = p.n, m = p.keys(), d = p.dim, len = std::max(n, m);
   const double rho = std::exp(-1.0 / 16.0), innov = std::sqrt(1 - rho * rho), noise = 0.3;
   const double norm = 1.0 / std::sqrt(1 + noise * noise);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
-      RandomStream lat(p.seed, stream_id(kLatent, b, h)), nq(p.seed, stream_id(kNoiseQ, b, h)),
-          nk(p.seed, stream_id(kNoiseK, b, h));
+      RandomStream lat(p.seed, stream_id(kLatent, o, b, h)), nq(p.seed, stream_id(kNoiseQ, o, b, h)),
+          nk(p.seed, stream_id(kNoiseK, o, b, h));
       std::vector<double> z(size_t(len * d));
       for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
       for (int64_t t = 1; t < len; ++t)
@@ -60,17 +65,17 @@ void fill_local(const Problem& p, Inputs& in) {
 
 // clustered: 8 cluster centres per head shared by q and k; each token is its centre plus
 // noise of standard deviation 0.5, scaled to unit variance per entry.
-void fill_clustered(const Problem& p, Inputs& in) {
+void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t d = p.dim, clusters = 8;
   const double sigma = 0.5, norm = 1.0 / std::sqrt(1 + sigma * sigma);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
-      RandomStream cs(p.seed, stream_id(kCenters, b, h)), as(p.seed, stream_id(kAssign, b, h));
+      RandomStream cs(p.seed, stream_id(kCenters, o, b, h)), as(p.seed, stream_id(kAssign, o, b, h));
       std::vector<double> centres(size_t(clusters * d));
       for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
       auto fill = [&](float* x, int64_t len, Role noise_role, uint64_t offset) {
-        RandomStream ns(p.seed, stream_id(noise_role, b, h));
+        RandomStream ns(p.seed, stream_id(noise_role, o, b, h));
         for (int64_t t = 0; t < len; ++t) {
           int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
           for (int64_t j = 0; j < d; ++j)
@@ -85,16 +90,16 @@ void fill_clustered(const Problem& p, Inputs& in) {
 
 // lowrank: q and k lie in a shared random subspace of rank r = min(d, 8): x = z U with
 // z ~ N(0, I_r) and U entries N(0, 1/r), so every entry has unit variance.
-void fill_lowrank(const Problem& p, Inputs& in) {
+void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t d = p.dim, r = std::min<int64_t>(d, 8);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
-      RandomStream us(p.seed, stream_id(kBasis, b, h));
+      RandomStream us(p.seed, stream_id(kBasis, o, b, h));
       std::vector<double> u(size_t(r * d));
       for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
       auto fill = [&](float* x, int64_t len, Role role) {
-        RandomStream zs(p.seed, stream_id(role, b, h));
+        RandomStream zs(p.seed, stream_id(role, o, b, h));
         std::vector<double> z(static_cast<size_t>(r));
         for (int64_t t = 0; t < len; ++t) {
           for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
@@ -132,29 +137,44 @@ std::string describe_distribution(const std::string& name) {
   return "";
 }
 
-Inputs generate_inputs(const Problem& p) {
+namespace {
+
+Inputs generate(const Problem& p, const Origin& o) {
   const auto& names = input_distributions();
   if (std::find(names.begin(), names.end(), p.input) == names.end())
     throw UsageError(fmt::format("unknown input distribution '{}'; accepted: {}", p.input,
                                  fmt::join(names, ", ")));
   Inputs in{Tensor(p.q_shape()), Tensor(p.kv_shape()), Tensor(p.kv_shape())};
   if (p.input == "gaussian") {
-    fill_gaussian(p, kQ, in.q.view());
-    fill_gaussian(p, kK, in.k.view());
+    fill_gaussian(p, o, kQ, in.q.view());
+    fill_gaussian(p, o, kK, in.k.view());
   } else if (p.input == "local") {
-    fill_local(p, in);
+    fill_local(p, o, in);
   } else if (p.input == "clustered") {
-    fill_clustered(p, in);
+    fill_clustered(p, o, in);
   } else {
-    fill_lowrank(p, in);
+    fill_lowrank(p, o, in);
   }
-  fill_gaussian(p, kV, in.v.view());
+  fill_gaussian(p, o, kV, in.v.view());
   if (p.scale != 1.0) {
     float* q = in.q.data();
     const float s = float(p.scale);
     for (int64_t i = 0; i < in.q.numel(); ++i) q[i] *= s;
   }
   return in;
+}
+
+}  // namespace
+
+Inputs generate_inputs(const Problem& p) { return generate(p, Origin{}); }
+
+Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h) {
+  if (b < 0 || b >= p.batch || h < 0 || h >= p.heads)
+    throw UsageError(fmt::format("head ({}, {}) is outside a problem of batch {} and {} heads", b,
+                                 h, p.batch, p.heads));
+  Problem one = p;
+  one.batch = 1, one.heads = 1;
+  return generate(one, Origin{b, h});
 }
 
 }  // namespace attnbench

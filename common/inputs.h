@@ -22,5 +22,8 @@ std::string describe_distribution(const std::string& name);
 /// Generates inputs for p.input with p.seed; q is multiplied by p.scale. The result depends
 /// only on the problem, not on the thread count. Throws UsageError for an unknown name.
 Inputs generate_inputs(const Problem& p);
+/// Head (b, h) of generate_inputs(p) alone, as [1, 1, len, d] tensors: the same numbers
+/// without generating (or holding) the other heads.
+Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h);
 
 }  // namespace attnbench

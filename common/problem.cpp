@@ -8,6 +8,11 @@
 
 namespace attnbench {
 
+namespace {
+// Far beyond any memory, far below int64 overflow even after multiplying by a byte size.
+constexpr int64_t kMaxElements = int64_t(1) << 56;
+}  // namespace
+
 std::string Shape4::str() const { return fmt::format("[{}, {}, {}, {}]", batch, heads, len, dim); }
 
 double Problem::visible_pairs() const {
@@ -25,12 +30,30 @@ void Problem::validate() const {
   };
   positive("batch", batch);
   positive("heads", heads);
+  if (batch > kMaxBatchOrHeads || heads > kMaxBatchOrHeads)
+    throw UsageError(fmt::format("batch {} and heads {}: accepted: at most {} (2^24) each, the "
+                                 "independent random streams of seeded inputs",
+                                 batch, heads, kMaxBatchOrHeads));
   positive("seq (n)", n);
   positive("dim (d)", dim);
   if (m < 0) throw UsageError(fmt::format("seq-k (m) must be positive (or 0 for m = n), got {}", m));
   if (!std::isfinite(scale) || scale <= 0)
     throw UsageError(fmt::format("scale must be a positive finite number, got {}", scale));
   if (threads < 0) throw UsageError(fmt::format("threads must be >= 0 (0 = all), got {}", threads));
+  // Every element count the harness and the kernels form must fit in int64 (and then the
+  // memory guard decides whether it fits in memory): B H n d, B H m d and B H n m.
+  auto product = [&](std::initializer_list<int64_t> factors, const char* what) {
+    int64_t total = 1;
+    for (int64_t f : factors)
+      if (__builtin_mul_overflow(total, f, &total) || total > kMaxElements)
+        throw UsageError(fmt::format("{} of B={}, H={}, n={}, m={}, d={} exceeds {} elements; "
+                                     "accepted: problems whose tensors and score matrix hold at "
+                                     "most 2^56 elements",
+                                     what, batch, heads, n, keys(), dim, kMaxElements));
+  };
+  product({batch, heads, n, dim}, "q (B x H x n x d)");
+  product({batch, heads, keys(), dim}, "k and v (B x H x m x d)");
+  product({batch, heads, n, keys()}, "the scores (B x H x n x m)");
 }
 
 std::string Problem::str() const {

@@ -10,6 +10,10 @@ namespace attnbench {
 
 /// One attention problem. q is [B, H, n, d]; k and v are [B, H, m, d]; out is [B, H, n, d].
 struct Problem {
+  /// Largest batch and head count: seeded inputs draw an independent random stream per
+  /// (batch item, head), for up to 2^24 of each.
+  static constexpr int64_t kMaxBatchOrHeads = int64_t(1) << 24;
+
   int64_t batch = 1;
   int64_t heads = 8;
   int64_t n = 1024;  ///< query length

@@ -5,13 +5,16 @@
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <iostream>
+#include <limits>
 #include <memory>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "build_info.h"
@@ -44,6 +47,8 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
       throw bad(fmt::format("has '{}', which is too large", s));
     }
     if (v <= 0) throw bad("has a value that is not positive");
+    if (v > std::numeric_limits<int32_t>::max())
+      throw bad(fmt::format("has {}, which is larger than {}", v, std::numeric_limits<int32_t>::max()));
     return v;
   };
   std::vector<int64_t> out;
@@ -89,14 +94,32 @@ std::string run_command(const std::string& cmd) {
   return out;
 }
 
-std::string git_commit() {
-  std::string c = run_command(fmt::format("git -C '{}' rev-parse HEAD 2>/dev/null", ATTNBENCH_SOURCE_DIR));
-  if (c.empty()) return ATTNBENCH_GIT_COMMIT;
-  if (!run_command(fmt::format("git -C '{}' status --porcelain --untracked-files=no 2>/dev/null",
-                               ATTNBENCH_SOURCE_DIR))
-           .empty())
-    c += "-dirty";
-  return c;
+// The source tree's state when the run was made: its commit, and every modified, added,
+// deleted or untracked (not ignored) file, as `git status --porcelain` names them. Any of
+// them makes the commit "-dirty": an untracked variant file is compiled in all the same.
+struct GitState {
+  std::string commit;
+  std::vector<std::string> changes;
+};
+
+GitState git_state() {
+  GitState g;
+  g.commit = run_command(fmt::format("git -C '{}' rev-parse HEAD 2>/dev/null", ATTNBENCH_SOURCE_DIR));
+  if (g.commit.empty()) {
+    g.commit = ATTNBENCH_GIT_COMMIT;
+    return g;
+  }
+  const std::string status = run_command(fmt::format(
+      "git -C '{}' status --porcelain --untracked-files=all 2>/dev/null", ATTNBENCH_SOURCE_DIR));
+  size_t start = 0;
+  while (start < status.size()) {
+    size_t end = status.find('\n', start);
+    if (end == std::string::npos) end = status.size();
+    if (end > start) g.changes.push_back(status.substr(start, end - start));
+    start = end + 1;
+  }
+  if (!g.changes.empty()) g.commit += "-dirty";
+  return g;
 }
 
 std::string shell_quote(const std::string& s) {
@@ -174,6 +197,56 @@ void print_list() {
   }
 }
 
+// ----- option validators -----
+
+// An integer option in [lo, hi], parsed exactly: no clamping, no wrap-around, no fraction.
+CLI::Validator int_in(int64_t lo, int64_t hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        int64_t v = 0;
+        const char* end = text.data() + text.size();
+        auto [ptr, ec] = std::from_chars(text.data(), end, v);
+        if (ec == std::errc::result_out_of_range || (ec == std::errc() && ptr == end && (v < lo || v > hi)))
+          return fmt::format("{} is out of range; accepted: an integer in [{}, {}]", text, lo, hi);
+        if (ec != std::errc() || ptr != end || text.empty())
+          return fmt::format("'{}' is not an integer; accepted: an integer in [{}, {}]", text, lo, hi);
+        return "";
+      },
+      fmt::format("INT in [{}, {}]", lo, hi));
+}
+
+// A seed: any integer in [0, 2^64 - 1], written in decimal.
+CLI::Validator seed_value() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        uint64_t v = 0;
+        const char* end = text.data() + text.size();
+        auto [ptr, ec] = std::from_chars(text.data(), end, v);
+        if (ec != std::errc() || ptr != end || text.empty())
+          return fmt::format("'{}' is not a seed; accepted: an integer in [0, {}]", text,
+                             std::numeric_limits<uint64_t>::max());
+        return "";
+      },
+      "INT in [0, 2^64-1]");
+}
+
+// A finite number in [lo, hi] (NaN and infinities refused).
+CLI::Validator number_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        double v = 0;
+        const char* end = text.data() + text.size();
+        auto [ptr, ec] = std::from_chars(text.data(), end, v);
+        if (ec != std::errc() || ptr != end || text.empty() || !std::isfinite(v) || v < lo || v > hi)
+          return fmt::format("'{}' is not accepted; accepted: a number in [{}, {}]", text, lo, hi);
+        return "";
+      },
+      fmt::format("NUMBER in [{}, {}]", lo, hi));
+}
+
+constexpr int64_t kMaxExtent = std::numeric_limits<int32_t>::max();  // n, m and d each
+constexpr int64_t kMaxHeads = Problem::kMaxBatchOrHeads;             // B and H each
+
 // ----- shared problem options -----
 
 struct ProblemOptions {
@@ -187,19 +260,47 @@ struct ProblemOptions {
 };
 
 void add_timing_options(CLI::App* app, ProblemOptions& o) {
-  app->add_option("--seed", o.seed, "seed of every random choice")->capture_default_str();
-  app->add_option("--threads", o.threads, "threads (0 = every core)")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  app->add_option("--seed", o.seed, "seed of every random choice")->capture_default_str()
+      ->check(seed_value());
+  app->add_option("--threads", o.threads,
+                  fmt::format("threads (0 = every core; at most {} = {} x the cores)", max_threads(),
+                              kMaxThreadsPerCore))
+      ->capture_default_str()->check(int_in(0, max_threads()));
   app->add_option("--reps", o.reps, "Google Benchmark repetitions")->capture_default_str()
-      ->check(CLI::Range(1, 1000));
-  app->add_option("--min-time", o.min_time, "minimum seconds per repetition")
-      ->capture_default_str()->check(CLI::Range(0.0, 3600.0));
+      ->check(int_in(1, 1000));
+  app->add_option("--min-time", o.min_time,
+                  "minimum seconds per repetition (0 = one forward pass per repetition)")
+      ->capture_default_str()->check(number_in(0.0, 3600.0));
+}
+
+// With --inputs the file decides the sizes: a size option given beside it must agree.
+void check_sizes_agree(const std::vector<CLI::Option*>& opts, const Problem& p,
+                       const std::string& path) {
+  for (const CLI::Option* o : opts) {
+    if (o->count() == 0) continue;
+    const std::string name = o->get_name();
+    const int64_t given = o->as<int64_t>();
+    const int64_t file = name == "--batch" ? p.batch
+                         : name == "--heads" ? p.heads
+                         : name == "--seq"   ? p.n
+                         : name == "--seq-k" ? p.keys()
+                                             : p.dim;
+    if (given != file)
+      throw UsageError(fmt::format("{} {} disagrees with --inputs {}, whose tensors have {} = {} "
+                                   "(q [B, H, n, d] = {}, k and v [B, H, m, d] = {}); with --inputs "
+                                   "leave the size options out or give the file's sizes",
+                                   name, given, path, name.substr(2), file, p.q_shape().str(),
+                                   p.kv_shape().str()));
+  }
 }
 
 nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int threads) {
+  const GitState git = git_state();
   return {{"date", utc_now()},
           {"attnbench_version", ATTNBENCH_VERSION},
-          {"git_commit", git_commit()},
+          {"git_commit", git.commit},
+          {"git_dirty", !git.changes.empty()},
+          {"git_changes", git.changes},
           {"compiler", ATTNBENCH_COMPILER},
           {"cxx_flags", ATTNBENCH_CXX_FLAGS},
           {"build_type", ATTNBENCH_BUILD_TYPE},
@@ -261,11 +362,12 @@ int cli_main(int argc, char** argv) {
   bool run_json = false;
   auto* run = app.add_subcommand("run", "one variant on one problem");
   run->add_option("--variant", run_spec, "variant spec, name:key=value,...")->required();
-  run->add_option("--batch", ro.batch, "batch size B")->capture_default_str()->check(CLI::PositiveNumber);
-  run->add_option("--heads", ro.heads, "heads H")->capture_default_str()->check(CLI::PositiveNumber);
-  run->add_option("--seq", ro.seq, "query length n")->capture_default_str()->check(CLI::PositiveNumber);
-  run->add_option("--seq-k", ro.seq_k, "key length m (default: n)")->check(CLI::PositiveNumber);
-  run->add_option("--dim", ro.dim, "head dimension d")->capture_default_str()->check(CLI::PositiveNumber);
+  const std::vector<CLI::Option*> run_shape_opts = {
+      run->add_option("--batch", ro.batch, "batch size B")->capture_default_str()->check(int_in(1, kMaxHeads)),
+      run->add_option("--heads", ro.heads, "heads H")->capture_default_str()->check(int_in(1, kMaxHeads)),
+      run->add_option("--seq", ro.seq, "query length n")->capture_default_str()->check(int_in(1, kMaxExtent)),
+      run->add_option("--seq-k", ro.seq_k, "key length m (default: n)")->check(int_in(1, kMaxExtent)),
+      run->add_option("--dim", ro.dim, "head dimension d")->capture_default_str()->check(int_in(1, kMaxExtent))};
   run->add_flag("--causal", ro.causal, "bottom-right aligned causal mask");
   auto* input_opt = run->add_option("--input", ro.input, "input distribution")
                         ->capture_default_str()
@@ -308,14 +410,16 @@ int cli_main(int argc, char** argv) {
   int64_t pattern_head = 0;
   auto* pattern = app.add_subcommand("pattern", "export a variant's attention pattern for one head");
   pattern->add_option("--variant", pattern_spec, "variant spec, name:key=value,...")->required();
-  pattern->add_option("--seq", po.seq, "query length n")->capture_default_str()->check(CLI::PositiveNumber);
-  pattern->add_option("--seq-k", po.seq_k, "key length m (default: n)")->check(CLI::PositiveNumber);
-  pattern->add_option("--dim", po.dim, "head dimension d (for data-dependent patterns)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+  const std::vector<CLI::Option*> pattern_shape_opts = {
+      pattern->add_option("--seq", po.seq, "query length n")->capture_default_str()->check(int_in(1, kMaxExtent)),
+      pattern->add_option("--seq-k", po.seq_k, "key length m (default: n)")->check(int_in(1, kMaxExtent)),
+      pattern->add_option("--dim", po.dim, "head dimension d (for data-dependent patterns)")
+          ->capture_default_str()->check(int_in(1, kMaxExtent))};
   pattern->add_flag("--causal", po.causal, "bottom-right aligned causal mask");
   pattern->add_option("--head", pattern_head, "head index")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  pattern->add_option("--seed", po.seed, "seed of every random choice")->capture_default_str();
+      ->check(int_in(0, kMaxHeads - 1));
+  pattern->add_option("--seed", po.seed, "seed of every random choice")->capture_default_str()
+      ->check(seed_value());
   auto* pinput_opt = pattern->add_option("--input", po.input, "input distribution (data-dependent patterns)")
       ->capture_default_str()->check(CLI::IsMember(input_distributions()));
   pattern->add_option("--inputs", pattern_inputs, ".npz with float32 q, k, v of shape [B, H, len, d]")
@@ -326,13 +430,30 @@ int cli_main(int argc, char** argv) {
   auto* machine = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
   int machine_threads = 0;
   bool machine_json = false;
-  machine->add_option("--threads", machine_threads, "threads (0 = every core)")
-      ->check(CLI::NonNegativeNumber);
+  machine->add_option("--threads", machine_threads,
+                      fmt::format("threads (0 = every core; at most {})", max_threads()))
+      ->check(int_in(0, max_threads()));
   machine->add_flag("--json", machine_json, "print JSON");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    // A first word that names no command: say which word, and what the commands are.
+    if (e.get_exit_code() != 0 && app.get_subcommands().empty()) {
+      for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--plugin") {
+          ++i;
+          continue;
+        }
+        if (a.empty() || a[0] == '-') continue;
+        std::vector<std::string> names;
+        for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+        fmt::print(stderr, "attnbench: error: unknown command '{}'; accepted: {} (attnbench --help)\n",
+                   a, fmt::join(names, ", "));
+        return 2;
+      }
+    }
     return app.exit(e) == 0 ? 0 : 2;
   }
 
@@ -375,6 +496,7 @@ int cli_main(int argc, char** argv) {
       std::optional<Inputs> given;
       if (!pattern_inputs.empty()) {
         given = load_inputs_npz(pattern_inputs, &p);
+        check_sizes_agree(pattern_shape_opts, p, pattern_inputs);
         if (pattern_head >= p.heads)
           throw UsageError(fmt::format("--head {} is out of range: {} has {} heads", pattern_head,
                                        pattern_inputs, p.heads));
@@ -387,14 +509,25 @@ int cli_main(int argc, char** argv) {
         throw UsageError(fmt::format("a dense {} x {} pattern needs {:.1f} GiB, more than half the "
                                      "available memory; use a smaller --seq",
                                      p.n, p.keys(), bytes / double(1 << 30)));
-      if (!given) given = generate_inputs(p);
-      auto pat = variant->make_pattern(p, given->q.view(), given->k.view());
+      // Only head `pattern_head` is exported, so only its inputs are generated; the views
+      // show them at every head index (stride 0), so a data-dependent pattern of that head
+      // sees exactly the inputs a run of the problem gives it.
+      ConstTensorView qv, kv;
+      if (given) {
+        qv = given->q.view(), kv = given->k.view();
+      } else {
+        given = generate_head_inputs(p, 0, pattern_head);
+        qv = ConstTensorView(given->q.data(), p.q_shape());
+        kv = ConstTensorView(given->k.data(), p.kv_shape());
+        qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
+      }
+      auto pat = variant->make_pattern(p, qv, kv);
       if (!pat) {
         std::vector<std::string> with;
         for (const VariantInfo* v : Registry::instance().all()) {
           auto probe = make_variant(v->name);
           try {
-            if (probe->make_pattern(p, given->q.view(), given->k.view())) with.push_back(v->name);
+            if (probe->make_pattern(p, qv, kv)) with.push_back(v->name);
           } catch (const std::exception&) {
           }
         }
@@ -422,7 +555,10 @@ int cli_main(int argc, char** argv) {
       p.batch = ro.batch, p.heads = ro.heads, p.n = ro.seq, p.m = ro.seq_k, p.dim = ro.dim;
       p.causal = ro.causal, p.input = ro.input, p.scale = ro.scale, p.seed = ro.seed;
       std::optional<Inputs> given;
-      if (!inputs_path.empty()) given = load_inputs_npz(inputs_path, &p);
+      if (!inputs_path.empty()) {
+        given = load_inputs_npz(inputs_path, &p);
+        check_sizes_agree(run_shape_opts, p, inputs_path);
+      }
       p.threads = apply_threads(ro.threads);
       p.validate();
       MachineFigures mf = measure_machine(p.threads, /*quick=*/true);
@@ -460,6 +596,10 @@ int cli_main(int argc, char** argv) {
       const int threads = apply_threads(so.threads);
       struct Config { Variant* v; Problem p; };
       std::vector<Config> configs;
+      // Two specs that name the same canonical variant (flash and flash:block_q=64), or a
+      // length listed twice, would measure one configuration twice: keep the first.
+      std::set<std::string> seen;
+      std::vector<std::string> duplicates;
       for (auto& in : inputs)
         for (bool c : causals)
           for (auto d : dims)
@@ -471,8 +611,18 @@ int cli_main(int argc, char** argv) {
                     p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.input = in;
                     p.seed = so.seed, p.threads = threads;
                     p.validate();
+                    Row key;
+                    key.spec = v->spec(), key.problem = p;
+                    if (!seen.insert(row_key(key)).second) {
+                      duplicates.push_back(fmt::format("{} {}", key.spec, p.str()));
+                      continue;
+                    }
                     configs.push_back({v.get(), p});
                   }
+      if (!duplicates.empty())
+        fmt::print(stderr, "attnbench: {} duplicate configuration{} left out (same canonical spec "
+                           "and problem as an earlier one), e.g. {}\n",
+                   duplicates.size(), duplicates.size() == 1 ? "" : "s", duplicates.front());
       ResultsDir results(out_dir, resume);
       fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
       MachineFigures mf = measure_machine(threads);
@@ -485,7 +635,16 @@ int cli_main(int argc, char** argv) {
 
       RunOptions opt{.reps = so.reps, .min_time = so.min_time};
       double total_work = 0, done_work = 0;
-      auto work = [](const Config& c) { return c.v->flops(c.p) + 1e8; };
+      // Work left, for the ETA: FLOPs plus a fixed cost per row (an estimate that fails
+      // counts as the fixed cost; run_one reports the failure in the row).
+      auto work = [](const Config& c) {
+        double f = 0;
+        try {
+          f = c.v->flops(c.p);
+        } catch (const std::exception&) {
+        }
+        return (std::isfinite(f) && f > 0 ? f : 0) + 1e8;
+      };
       for (auto& c : configs) total_work += work(c);
       auto t0 = std::chrono::steady_clock::now();
       std::map<std::string, int> counts;

@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <iterator>
 
@@ -38,6 +42,52 @@ std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
   for (const auto& f : fields) k += f + '\x1f';
   return k;
+}
+
+// Why a complete results.csv line cannot stand for a finished row, or "" if it can.
+std::string malformed_reason(const std::vector<std::string>& header,
+                             const std::vector<std::string>& f) {
+  if (f.size() != header.size())
+    return fmt::format("{} fields where the header has {}", f.size(), header.size());
+  auto at = [&](const std::string& col) -> const std::string& {
+    return f[size_t(std::find(header.begin(), header.end(), col) - header.begin())];
+  };
+  auto integer = [](const std::string& t, int64_t lo) {
+    int64_t v = 0;
+    auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+    return ec == std::errc() && ptr == t.data() + t.size() && !t.empty() && v >= lo;
+  };
+  auto number = [](const std::string& t) {
+    if (t.empty()) return false;
+    char* end = nullptr;
+    const double v = std::strtod(t.c_str(), &end);
+    return end == t.c_str() + t.size() && std::isfinite(v);
+  };
+  if (at("spec").empty()) return "empty spec";
+  for (const char* c : {"batch", "heads", "n", "m", "dim"})
+    if (!integer(at(c), 1)) return fmt::format("{} is '{}', not a positive integer", c, at(c));
+  for (const char* c : {"seed", "threads"})
+    if (!integer(at(c), 0)) return fmt::format("{} is '{}', not an integer", c, at(c));
+  if (at("causal") != "0" && at("causal") != "1")
+    return fmt::format("causal is '{}', not 0 or 1", at("causal"));
+  if (!number(at("scale"))) return fmt::format("scale is '{}', not a number", at("scale"));
+  const std::string& status = at("status");
+  if (status != "ok" && status != "skipped" && status != "unsupported" && status != "error")
+    return fmt::format("status is '{}', not ok, skipped, unsupported or error", status);
+  if (status == "ok")
+    for (const char* c : {"time_median_s", "time_min_s", "time_max_s"})
+      if (!number(at(c))) return fmt::format("an ok row whose {} is '{}'", c, at(c));
+  return "";
+}
+
+// Throws UsageError if `path` exists but is not a regular file (a directory, say).
+void require_regular_file(const fs::path& path) {
+  std::error_code ec;
+  const auto st = fs::status(path, ec);
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st))
+    throw UsageError(fmt::format("'{}' is not a regular file (a directory?); a results directory "
+                                 "holds results.csv, benchmark.json and meta.json as files",
+                                 path.string()));
 }
 
 }  // namespace
@@ -96,6 +146,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
   fs::create_directories(dir, ec);
   if (ec) throw UsageError(fmt::format("cannot create results directory '{}': {}", dir, ec.message()));
   const fs::path csv_path = fs::path(dir) / "results.csv", json_path = fs::path(dir) / "benchmark.json";
+  for (const char* name : {"results.csv", "benchmark.json", "meta.json", "benchmark.json.tmp"})
+    require_regular_file(fs::path(dir) / name);
   bool have_header = false;
   if (resume && fs::exists(csv_path)) {
     // A line without its newline was torn by an interrupted write: drop it so the next row
@@ -123,18 +175,59 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     std::vector<size_t> idx;
     for (const auto& c : kKeyColumns)
       idx.push_back(size_t(std::find(header.begin(), header.end(), c) - header.begin()));
+    // A complete line that cannot stand for a finished row (hand-edited, or written by
+    // something else) is reported, moved to results.malformed.csv and its configuration runs
+    // again; every other line is kept as it is.
+    std::string kept = line + '\n', rejected;
+    int64_t line_no = 1, n_rejected = 0;
     while (std::getline(in, line)) {
+      ++line_no;
       if (line.empty()) continue;
       auto f = split_csv_line(line);
-      if (f.size() != header.size()) continue;  // a torn last line from an interrupted write
+      if (std::string why = malformed_reason(header, f); !why.empty()) {
+        fmt::print(stderr, "attnbench: warning: {} line {} is malformed ({}); it is moved to "
+                           "results.malformed.csv and its configuration runs again\n",
+                   csv_path.string(), line_no, why);
+        rejected += line + '\n';
+        ++n_rejected;
+        continue;
+      }
+      kept += line + '\n';
       std::vector<std::string> key;
       for (size_t i : idx) key.push_back(f[i]);
       done_.insert(join_key(key));
     }
+    in.close();
+    if (n_rejected > 0) {
+      {
+        std::ofstream bad(fs::path(dir) / "results.malformed.csv", std::ios::app);
+        bad << rejected;
+        if (!bad) throw UsageError(fmt::format("cannot write '{}'", (fs::path(dir) / "results.malformed.csv").string()));
+      }
+      const fs::path tmp = fs::path(dir) / "results.csv.tmp";
+      {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        out << kept;
+        if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+      }
+      fs::rename(tmp, csv_path);
+    }
     if (fs::exists(json_path)) {
       std::ifstream j(json_path);
       bench_ = nlohmann::json::parse(j, nullptr, false);
-      if (bench_.is_discarded()) bench_ = nlohmann::json();
+      const bool usable = bench_.is_object() && bench_.contains("benchmarks") &&
+                          bench_["benchmarks"].is_array();
+      if (!usable) {
+        // Not Google Benchmark JSON: set it aside, never lose it, and start a new one.
+        const fs::path aside = fs::path(dir) / "benchmark.json.unreadable";
+        fmt::print(stderr, "attnbench: warning: {} is not Google Benchmark JSON (an object with "
+                           "a \"benchmarks\" array); moved to {}, a new one is started\n",
+                   json_path.string(), aside.string());
+        fs::rename(json_path, aside);
+        bench_ = nlohmann::json();
+      } else if (!bench_.contains("context")) {
+        bench_["context"] = nullptr;
+      }
     }
   }
   csv_.open(csv_path, have_header ? std::ios::app : std::ios::trunc);
@@ -150,9 +243,10 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
 
 void ResultsDir::append(const Row& row, const nlohmann::json& bench) {
   csv_ << csv_line(row) << '\n' << std::flush;
+  if (!csv_) throw std::runtime_error(fmt::format("cannot append to '{}'", (fs::path(dir_) / "results.csv").string()));
   done_.insert(row_key(row));
-  if (bench.is_object() && bench.contains("benchmarks")) {
-    if (bench_["context"].is_null()) bench_["context"] = bench["context"];
+  if (bench.is_object() && bench.contains("benchmarks") && bench["benchmarks"].is_array()) {
+    if (bench_["context"].is_null() && bench.contains("context")) bench_["context"] = bench["context"];
     for (const auto& b : bench["benchmarks"]) bench_["benchmarks"].push_back(b);
     write_benchmark_json();
   }
@@ -171,21 +265,36 @@ void ResultsDir::write_benchmark_json() const {
 void ResultsDir::write_meta(const nlohmann::json& meta) const {
   const fs::path path = fs::path(dir_) / "meta.json";
   nlohmann::json out = meta;
-  // A resumed directory holds rows of earlier sweeps too: keep their command lines, oldest
-  // first, so the directory still says how all of its rows were made.
+  // A resumed directory holds rows of earlier sweeps too: keep their command lines and their
+  // whole meta records (machine figures, commit, date), oldest first, so the directory still
+  // says how, where and against which machine figures all of its rows were made.
   if (rows_kept() > 0 && fs::exists(path)) {
     std::ifstream in(path);
-    const auto old = nlohmann::json::parse(in, nullptr, false);
+    auto old = nlohmann::json::parse(in, nullptr, false);
     if (old.is_object()) {
-      nlohmann::json earlier = nlohmann::json::array();
+      nlohmann::json earlier = nlohmann::json::array(), runs = nlohmann::json::array();
       if (old.contains("earlier_command_lines") && old["earlier_command_lines"].is_array())
         earlier = old["earlier_command_lines"];
+      if (old.contains("earlier_runs") && old["earlier_runs"].is_array()) runs = old["earlier_runs"];
       if (old.contains("command_line")) earlier.push_back(old["command_line"]);
+      old.erase("earlier_command_lines");
+      old.erase("earlier_runs");
+      runs.push_back(old);
       out["earlier_command_lines"] = earlier;
+      out["earlier_runs"] = runs;
+    } else {
+      fmt::print(stderr, "attnbench: warning: {} was not a JSON object; the earlier runs it "
+                         "described are not carried over\n", path.string());
     }
   }
-  std::ofstream f(path);
-  f << out.dump(2) << '\n';
+  // write then rename, so an interrupted run never leaves a torn file
+  const fs::path tmp = fs::path(dir_) / "meta.json.tmp";
+  {
+    std::ofstream f(tmp);
+    f << out.dump(2) << '\n';
+    if (!f) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+  }
+  fs::rename(tmp, path);
 }
 
 }  // namespace attnbench

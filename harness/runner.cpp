@@ -66,8 +66,14 @@ std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / double(
 
 }  // namespace
 
+int max_threads() { return kMaxThreadsPerCore * std::max(1, omp_get_num_procs()); }
+
 int apply_threads(int threads) {
-  if (threads <= 0) threads = omp_get_num_procs();
+  if (threads < 0 || threads > max_threads())
+    throw UsageError(fmt::format("threads: {} is out of range; accepted: 0 (every core) to {} "
+                                 "({} per core on {} cores)",
+                                 threads, max_threads(), kMaxThreadsPerCore, omp_get_num_procs()));
+  if (threads == 0) threads = omp_get_num_procs();
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
   return threads;
@@ -89,12 +95,21 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
   row.spec = variant.spec();
   row.variant = variant.info().name;
   row.problem = p;
-  row.flops = variant.flops(p);
-  row.estimated_bytes = variant.memory_estimate(p);
   try {
+    if (!(opt.min_time >= 0 && opt.min_time <= 3600) || opt.reps < 1)
+      throw UsageError(fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
+                                   "and min_time in [0, 3600]",
+                                   opt.reps, opt.min_time));
+    p.validate();
     variant.check_supported(p);
+    row.flops = variant.flops(p);
+    row.estimated_bytes = variant.memory_estimate(p);
   } catch (const UnsupportedError& e) {
     row.status = "unsupported";
+    row.message = e.what();
+    return row;
+  } catch (const std::exception& e) {
+    row.status = "error";
     row.message = e.what();
     return row;
   }
@@ -144,9 +159,11 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
       st.counters["FLOPS"] = benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
       st.counters["peak_bytes"] = benchmark::Counter(run_peak);
     });
-    bm->Repetitions(std::max(1, opt.reps))
-        ->MinTime(opt.min_time)
-        ->UseRealTime()
+    bm->Repetitions(std::max(1, opt.reps));
+    // Google Benchmark requires a positive MinTime; 0 means one pass per repetition.
+    if (opt.min_time > 0) bm->MinTime(opt.min_time);
+    else bm->Iterations(1);
+    bm->UseRealTime()
         ->Unit(benchmark::kMillisecond)
         ->Threads(1);
     CaptureReporter rep;

@@ -36,7 +36,14 @@ struct Row {
   std::string notes;  ///< the variant's notes() after the last timed pass
 };
 
-/// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS.
+/// Threads per core a run may ask for: more only measures the scheduler, and far more makes
+/// the OpenMP runtime fail to start its threads.
+constexpr int kMaxThreadsPerCore = 8;
+/// The largest thread count accepted: kMaxThreadsPerCore x the cores this process may use.
+int max_threads();
+
+/// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS. Throws
+/// UsageError for a count outside [0, max_threads()].
 int apply_threads(int threads);
 
 /// Bytes of memory the system can give (MemAvailable).

@@ -17,6 +17,7 @@
 
 #include "common/inputs.h"
 #include "common/npy.h"
+#include "common/pattern.h"
 #include "common/reference.h"
 #include "harness/results.h"
 #include "test_util.h"
@@ -188,6 +189,38 @@ TEST(Cli, PatternExportsTheAttendedPairs) {
   EXPECT_CONTAINS(refused.err, "m != n");
 }
 
+// pattern generates only the exported head's inputs; a data-dependent pattern of that head
+// must be the one a run on the whole problem uses.
+TEST(Cli, PatternOfOneHeadMatchesTheWholeProblem) {
+  TempDir dir;
+  for (const std::string input : {"gaussian", "local", "clustered", "lowrank"}) {
+    for (const std::string spec : {"reformer:chunk=16", "sinkhorn:block=8"}) {
+      const std::string out = dir.file("p.npy");
+      CliResult r = run_cli("pattern --variant " + spec + " --seq 48 --dim 8 --head 5 --seed 3 --input " +
+                                input + " --output " + q(out), dir);
+      ASSERT_EQ(r.code, 0) << r.err;
+      NpyArray a = read_npy(out);
+      Problem p;
+      p.batch = 1, p.heads = 6, p.n = 48, p.dim = 8, p.seed = 3, p.input = input;
+      Inputs in = generate_inputs(p);
+      Inputs one = generate_head_inputs(p, 0, 5);
+      EXPECT_EQ(0, std::memcmp(one.q.data(), in.q.view().head(0, 5), 48 * 8 * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(one.k.data(), in.k.view().head(0, 5), 48 * 8 * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(one.v.data(), in.v.view().head(0, 5), 48 * 8 * sizeof(float)));
+      auto v = make_variant(spec);
+      auto pat = v->make_pattern(p, in.q.view(), in.k.view());
+      ASSERT_TRUE(pat);
+      std::vector<uint8_t> row(48);
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < 48; ++i) {
+        pattern_row(p, *pat, 0, 5, i, row.data());
+        for (int64_t j = 0; j < 48; ++j) wrong += (a.data[size_t(i * 48 + j)] != 0) != (row[size_t(j)] != 0);
+      }
+      EXPECT_EQ(wrong, 0) << spec << " on " << input;
+    }
+  }
+}
+
 TEST(Cli, RunFromAnInputsFile) {
   TempDir dir;
   Problem p;
@@ -243,8 +276,8 @@ TEST(Cli, BadArgumentsExitWithUsageErrors) {
       {run + "--variant flash:block_q", "malformed"},
       {run + "--variant flash:block_q=0", "[1, 4096]"},
       {run + "--variant flash:bogus=1", "block_k"},
-      // CLI11 only says "A subcommand is required" here; it does not name the bad word
-      {"bogus", "subcommand"},
+      {"bogus", "unknown command 'bogus'"},
+      {"--plugin x.so bogus", "unknown command 'bogus'"},
       {"", "subcommand"},
       {run, "--variant"},
       {run + "--variant flash --seq 0", "--seq"},
@@ -260,6 +293,21 @@ TEST(Cli, BadArgumentsExitWithUsageErrors) {
       {run + "--variant flash --inputs " + q(dir.file("nan.npz")), "non-finite"},
       {run + "--variant flash --inputs " + q(dir.file("f8.npz")), "float32"},
       {run + "--variant flash --inputs " + q(dir.file("good.npz")) + " --input local", "--input"},
+      {run + "--variant flash --min-time nan", "[0, 3600]"},
+      {run + "--variant flash --min-time -1", "[0, 3600]"},
+      {run + "--variant flash --threads 100000", "[0, "},
+      {run + "--variant flash --threads -1", "--threads"},
+      {"machine --threads 100000", "[0, "},
+      {run + "--variant flash --batch 4294967296 --heads 4294967296 --seq 1 --dim 1", "--batch"},
+      {run + "--variant flash --seq 99999999999999999999", "out of range"},
+      {run + "--variant flash --seq 1.5", "not an integer"},
+      {run + "--variant flash --seed -1", "not a seed"},
+      {run + "--variant flash --seed 18446744073709551616", "not a seed"},
+      {run + "--variant flash --inputs " + q(dir.file("good.npz")) + " --seq 512", "disagrees"},
+      {run + "--variant flash --inputs " + q(dir.file("good.npz")) + " --heads 7", "--heads 7"},
+      {"pattern --variant local --seq 64 --head 16777216 --output " + q(dir.file("p.npy")), "--head"},
+      {"sweep --variant flash --seq 3000000000 --out " + q(sweep_out), "larger than"},
+      {"sweep --variant flash --heads 16777217 --out " + q(sweep_out), "2^24"},
       {"sweep --variant flash --seq 10..5 --out " + q(sweep_out), "10..5"},
       {"sweep --variant flash --seq 32,abc --out " + q(sweep_out), "abc"},
       {"sweep --variant flash --dim 0 --out " + q(sweep_out), "--dim"},
@@ -364,15 +412,115 @@ TEST(Results, WithoutResumeOldFilesAreReplaced) {
       << "benchmark.json still holds the previous sweep's runs";
 }
 
+// A complete line that cannot be a finished row is reported, set aside (never deleted) and
+// its configuration runs again.
+TEST(Results, MalformedCompleteRowIsSetAsideAndRunAgain) {
+  TempDir dir;
+  const std::string out = dir.file("r");
+  {
+    ResultsDir rd(out, false);
+    rd.append(sample_row(32), nlohmann::json());
+  }
+  std::string bad = csv_line(sample_row(64));
+  bad.replace(bad.find(",ok,"), 4, ",bogus,");
+  {
+    std::ofstream f(out + "/results.csv", std::ios::app);
+    f << bad << '\n';
+  }
+  ResultsDir rd(out, true);
+  EXPECT_EQ(rd.rows_kept(), 1u);
+  EXPECT_TRUE(rd.done(sample_row(32)));
+  EXPECT_FALSE(rd.done(sample_row(64)));
+  EXPECT_EQ(test::read_text(out + "/results.csv").find("bogus"), std::string::npos);
+  EXPECT_CONTAINS(test::read_text(out + "/results.malformed.csv"), bad);
+}
+
+TEST(Results, UnreadableBenchmarkJsonIsSetAside) {
+  TempDir dir;
+  const std::string out = dir.file("r");
+  {
+    ResultsDir rd(out, false);
+    rd.append(sample_row(32), nlohmann::json());
+  }
+  {
+    std::ofstream f(out + "/benchmark.json");
+    f << R"({"benchmarks":5})";
+  }
+  ResultsDir rd(out, true);
+  nlohmann::json bench = {{"context", {{"host_name", "h"}}}, {"benchmarks", {{{"name", "new_run"}}}}};
+  rd.append(sample_row(64), bench);  // once threw a raw JSON-library error
+  EXPECT_EQ(test::read_text(out + "/benchmark.json.unreadable"), R"({"benchmarks":5})");
+  auto j = parse_json(test::read_text(out + "/benchmark.json"));
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j.at("benchmarks").size(), 1u);
+}
+
+TEST(Results, AResultFileThatIsADirectoryIsNamed) {
+  for (const std::string name : {"results.csv", "meta.json", "benchmark.json"}) {
+    TempDir dir;
+    const std::string out = dir.file("r");
+    fs::create_directories(fs::path(out) / name);
+    for (bool resume : {false, true}) {
+      try {
+        ResultsDir rd(out, resume);
+        ADD_FAILURE() << name << " as a directory was accepted";
+      } catch (const UsageError& e) {
+        EXPECT_CONTAINS(std::string(e.what()), name);
+        EXPECT_CONTAINS(std::string(e.what()), "not a regular file");
+      }
+    }
+  }
+}
+
+// A resumed directory keeps every earlier run's meta record, machine figures included.
+TEST(Results, ResumedMetaKeepsEachRunsMachineFigures) {
+  TempDir dir;
+  const std::string out = dir.file("r");
+  {
+    ResultsDir rd(out, false);
+    rd.append(sample_row(32), nlohmann::json());
+    rd.write_meta({{"command_line", "first"}, {"machine", {{"gemm_gflops", 100.0}}}});
+  }
+  {
+    ResultsDir rd(out, true);
+    rd.write_meta({{"command_line", "second"}, {"machine", {{"gemm_gflops", 50.0}}}});
+  }
+  {
+    ResultsDir rd(out, true);
+    rd.write_meta({{"command_line", "third"}, {"machine", {{"gemm_gflops", 75.0}}}});
+  }
+  auto meta = parse_json(test::read_text(out + "/meta.json"));
+  EXPECT_EQ(meta.at("machine").at("gemm_gflops"), 75.0);
+  ASSERT_EQ(meta.at("earlier_runs").size(), 2u);
+  EXPECT_EQ(meta["earlier_runs"][0].at("machine").at("gemm_gflops"), 100.0);
+  EXPECT_EQ(meta["earlier_runs"][1].at("machine").at("gemm_gflops"), 50.0);
+  EXPECT_EQ(meta["earlier_runs"][1].at("command_line"), "second");
+  EXPECT_EQ(meta.at("earlier_command_lines"), nlohmann::json({"first", "second"}));
+}
+
+// --min-time 0 is one forward pass per repetition (Google Benchmark itself refuses 0).
+TEST(Cli, MinTimeZeroIsOnePassPerRepetition) {
+  TempDir dir;
+  CliResult r = run_cli("run --variant flash --seq 32 --heads 1 --dim 8 --reps 2 --min-time 0 --json", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = parse_json(r.out);
+  EXPECT_EQ(j.at("status"), "ok");
+  EXPECT_EQ(j.at("reps"), 2);
+  EXPECT_EQ(j.at("iterations"), 1);
+}
+
 // ----- sweep -----
 
 TEST(Cli, SweepThenResume) {
   TempDir dir;
   const std::string out = dir.file("results");
-  const std::string base = "sweep --variant full --variant flash --heads 2 --dim 16 --causal both "
+  // flash:block_q=64 is flash at its defaults: the same canonical spec, measured once
+  const std::string base = "sweep --variant full --variant flash --variant flash:block_q=64 "
+                           "--heads 2 --dim 16 --causal both "
                            "--reps 1 --min-time 0.01 --out " + q(out);
-  CliResult r = run_cli(base + " --seq 32,64", dir);
+  CliResult r = run_cli(base + " --seq 32,64,32", dir);
   ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "10 duplicate configurations left out");
 
   Csv csv = read_csv(out + "/results.csv");
   EXPECT_EQ(csv.header, csv_columns());
@@ -411,6 +559,12 @@ TEST(Cli, SweepThenResume) {
   ASSERT_TRUE(meta.contains("command_line"));
   EXPECT_CONTAINS(meta["command_line"].get<std::string>(), "sweep");
   EXPECT_CONTAINS(meta["command_line"].get<std::string>(), "--seq 32,64");
+  ASSERT_TRUE(meta.contains("git_dirty"));
+  EXPECT_TRUE(meta["git_dirty"].is_boolean());
+  ASSERT_TRUE(meta.contains("git_changes"));
+  EXPECT_EQ(meta["git_dirty"].get<bool>(), !meta["git_changes"].empty());
+  EXPECT_EQ(meta["git_dirty"].get<bool>(),
+            meta["git_commit"].get<std::string>().find("-dirty") != std::string::npos);
 
   // --resume with one more length: only the 4 new configurations run
   r = run_cli(base + " --seq 32,64,128 --resume", dir);
@@ -435,6 +589,8 @@ TEST(Cli, SweepThenResume) {
   // the first sweep's command line is kept: the directory says how every row was made
   EXPECT_CONTAINS(meta.at("command_line").get<std::string>(), "--seq 32,64,128 --resume");
   ASSERT_EQ(meta.at("earlier_command_lines").size(), 1u);
+  ASSERT_EQ(meta.at("earlier_runs").size(), 1u);
+  EXPECT_GT(meta["earlier_runs"][0].at("machine").at("gemm_gflops").get<double>(), 0);
   EXPECT_EQ(meta.at("earlier_command_lines")[0].get<std::string>().find("--resume"),
             std::string::npos);
   EXPECT_CONTAINS(meta.at("earlier_command_lines")[0].get<std::string>(), "--seq 32,64");
