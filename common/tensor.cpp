@@ -1,15 +1,30 @@
 #include "common/tensor.h"
 
+#include <fmt/format.h>
+
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+
+#include "common/error.h"
 
 namespace attnbench {
 
 void Tensor::Free::operator()(float* p) const { std::free(p); }
 
 Tensor::Tensor(Shape4 s) : shape_(s) {
-  size_t bytes = size_t(s.numel()) * sizeof(float);
+  // The element count and byte size are formed with overflow checks: a shape whose product
+  // wraps around must not become a small buffer that kernels then walk off.
+  int64_t count = 1;
+  for (int64_t e : {s.batch, s.heads, s.len, s.dim})
+    if (e < 0 || __builtin_mul_overflow(count, e, &count))
+      throw InputError(fmt::format("tensor shape {} has a negative extent or more elements than "
+                                   "fit in 64 bits",
+                                   s.str()));
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(size_t(count), sizeof(float), &bytes) || bytes > SIZE_MAX - 63)
+    throw InputError(fmt::format("tensor shape {} needs more bytes than fit in 64 bits", s.str()));
   size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded ? rounded : 64);
   if (!p) throw std::bad_alloc();

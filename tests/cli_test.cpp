@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "common/inputs.h"
 #include "common/npy.h"
 #include "common/pattern.h"
@@ -246,6 +247,31 @@ TEST(Cli, RunFromAnInputsFile) {
   ASSERT_EQ(a.shape, (std::vector<int64_t>{1, 2, 32, 16}));
   auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   EXPECT_LT(test::rel_fro_error(reinterpret_cast<const float*>(a.data.data()), ref), 1e-5);
+}
+
+// ----- sizes -----
+
+// Element counts that overflow int64 once wrapped to 0, so the memory guard and the
+// truncation checks passed and kernels walked off a tiny buffer.
+TEST(Sizes, OverflowingShapesAreRefused) {
+  const int64_t big = int64_t(1) << 32;
+  EXPECT_THROW(Tensor(Shape4{big, big, 1, 1}), InputError);
+  EXPECT_THROW(Tensor(Shape4{big, big, big, 1}), InputError);
+  EXPECT_THROW(Tensor(Shape4{1, -1, 1, 1}), InputError);
+  Problem p;
+  p.batch = Problem::kMaxBatchOrHeads, p.heads = Problem::kMaxBatchOrHeads, p.n = 1, p.dim = 1;
+  EXPECT_NO_THROW(p.validate());  // 2^48 elements: refused later by the memory guard
+  p.n = p.dim = 1 << 20;  // q alone would hold 2^88 elements
+  try {
+    p.validate();
+    ADD_FAILURE() << "accepted " << p.str();
+  } catch (const UsageError& e) {
+    EXPECT_CONTAINS(std::string(e.what()), "exceeds");
+  }
+  p.batch = p.heads = 1, p.n = 1 << 30, p.m = 1 << 30, p.dim = 1;  // n m = 2^60 scores
+  EXPECT_THROW(p.validate(), UsageError);
+  p.heads = Problem::kMaxBatchOrHeads + 1, p.n = p.m = 1;
+  EXPECT_THROW(p.validate(), UsageError);
 }
 
 // ----- bad command lines -----
