@@ -12,25 +12,38 @@
 // one key's scores for 16 consecutive query rows: the row max, the exponentials and the row
 // sums are all lane-wise, with no horizontal reductions, and the P V product broadcasts p
 // values straight from S^T. Q^T is packed once per tile (d x rows, reused by every key block);
-// K and V are read as stored. The running max is kept in base 2, so that
-// P = 2^(S log2(e)/sqrt(d) - mx) is one FMA and a polynomial exp2 per 16 scores (the scale is
-// not folded into Q: rounding q log2(e)/sqrt(d) would add an error to every logit).
+// K and V are read as stored. The running max mx is kept in raw score units and subtracted
+// before scaling: P = 2^((S - mx) log2(e)/sqrt(d)) is a subtraction, a product and a
+// polynomial exp2 per 16 scores. S - mx <= 0, so no exponential can overflow at any logit
+// size (the scale is not folded into Q: rounding q log2(e)/sqrt(d) would add an error to every
+// logit; nor into mx: at |S| ~ 1e9 the rounding of mx log2(e)/sqrt(d) alone is past exp2's
+// range).
 // Per key block:
 //   pass 1  S^T = K Q^T: register tile of 6 keys x 64 rows (24 accumulators), k values
 //           broadcast from K, block row max on the way out;
 //   pass 2  only blocks crossing the causal diagonal or with an element mask: scores the row
 //           must not see -> -inf, and the block row max again over what is left;
-//   pass 3  mx', correction 2^(mx - mx'), P = 2^(S - mx') in place of S, l;
-//   pass 4  acc = acc 2^(mx - mx') + P V: register tile of up to 6 rows x 64 features
+//   pass 3  mx', correction c = 2^((mx - mx') s), P = 2^((S - mx') s) in place of S, l;
+//   pass 4  acc = acc c + P V: register tile of up to 6 rows x 64 features
 //           (24 accumulators) summing the block's P V from 0, then one FMA into acc.
 //
 // Portable (any other target): the same passes with Eigen tile products and the scalar
-// fast_exp (natural-base running max).
+// fast_exp.
+//
+// Overflow. With P <= 1, acc can still overflow when v holds values near FLT_MAX (sum_j p_j v_j
+// over several keys), although the output, a convex combination of v rows, is finite. That
+// shows as a non-finite output (inf never turns finite again), so finish_tile reports it and
+// the caller runs the tile again with every p multiplied by safe_pscale(keys) = 2^-e,
+// 2^e >= 2 keys: then sum_j p_j <= 1/2 and acc stays within max |v|. The common case pays
+// only the check of the output tile. A visible logit that overflows float (q . k = +-inf or
+// NaN) cannot be computed in float: it makes its row NaN (an error for the harness), never a
+// finite wrong value.
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -51,6 +64,12 @@ constexpr int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * t
 inline int64_t causal_first(const Problem& p, int64_t i0, int64_t j0) {
   constexpr int64_t kEveryKey = int64_t(1) << 60;
   return p.causal ? i0 + (p.keys() - p.n) + 1 - j0 : kEveryKey;
+}
+
+/// The factor every p of a tile is multiplied by when its plain run overflowed (see the note
+/// at the top): 2^-e with 2^e >= 2 keys, so that the weights of `keys` keys sum to at most 1/2.
+inline float safe_pscale(int64_t keys) {
+  return std::ldexp(1.0f, -(int(std::bit_width(uint64_t(std::max<int64_t>(keys, 1)))) + 1));
 }
 
 /// One 64-byte aligned heap block (its size rounded up to whole 64-byte lines).
@@ -112,7 +131,7 @@ struct Workspace {
       : qt(buf),                         // Q^T, d x bqp
         st(qt + tl.d * tl.bqp),          // S^T then P^T, bkp x bqp
         acc(st + tl.bkp * tl.bqp),       // bqp x dp
-        mx(acc + tl.bqp * tl.dp),        // running max (base 2)
+        mx(acc + tl.bqp * tl.dp),        // running max (raw scores)
         l(mx + tl.bqp),                  // running sum
         corr(l + tl.bqp),                // correction of the last block
         bmax(corr + tl.bqp) {}           // block row max (raw scores)
@@ -221,7 +240,8 @@ inline void scores_block(const Tiles& tl, const Workspace& w, int64_t nrv, const
 // (kMask): row r of the tile keeps key c iff c < first + r (kCausal) and
 // mask[r * cols + c] != 0 (kMask; mask is rows x cols, readable 3 bytes past its end). The
 // other scores become -inf, and the block row max is taken again over what is left (the
-// pass-1 max included keys the row must not see). A row left with no key gets max -inf.
+// pass-1 max included keys the row must not see). A row left with no key gets max -inf; a row
+// whose visible scores are all -inf (overflowed logits) gets NaN.
 // The element mask is read by one gather of 4 bytes (4 keys) per 16 rows.
 template <bool kCausal, bool kMask>
 inline void mask_block(float* st, int64_t lds, int64_t rows, int64_t nrv, int64_t cols,
@@ -233,6 +253,7 @@ inline void mask_block(float* st, int64_t lds, int64_t rows, int64_t nrv, int64_
     const int64_t base = std::clamp<int64_t>(first + rv * kLanes, -kLanes, cols);
     const __m512i vis = _mm512_add_epi32(_mm512_set1_epi32(int32_t(base)), iota);
     __m512 mx = neg_inf;
+    __mmask16 seen = 0;  // rows that keep some key
     if constexpr (!kMask) {
       for (int64_t c = 0; c < cols; ++c) {
         float* s = st + c * lds + rv * kLanes;
@@ -240,6 +261,7 @@ inline void mask_block(float* st, int64_t lds, int64_t rows, int64_t nrv, int64_
         const __m512 x = _mm512_mask_mov_ps(neg_inf, keep, _mm512_loadu_ps(s));
         _mm512_storeu_ps(s, x);
         mx = _mm512_max_ps(mx, x);
+        seen |= keep;
       }
     } else {
       // lane r of the gather reads bytes c0 .. c0 + 3 of row rv * 16 + r
@@ -260,37 +282,49 @@ inline void mask_block(float* st, int64_t lds, int64_t rows, int64_t nrv, int64_
           const __m512 x = _mm512_mask_mov_ps(neg_inf, keep, _mm512_loadu_ps(s));
           _mm512_storeu_ps(s, x);
           mx = _mm512_max_ps(mx, x);
+          seen |= keep;
         }
       }
     }
-    _mm512_storeu_ps(bmax + rv * kLanes, mx);
+    const __mmask16 lost = seen & _mm512_cmp_ps_mask(mx, neg_inf, _CMP_EQ_OQ);
+    _mm512_storeu_ps(bmax + rv * kLanes, _mm512_mask_mov_ps(mx, lost, _mm512_set1_ps(NAN)));
   }
 }
 
-// Pass 3: online-softmax update of 16 rows at a time, in base 2: with x = S scale
-// (scale = log2(e)/sqrt(d)), the new max mx' = max(mx, block max scale); corr = 2^(mx - mx')
-// rescales what was accumulated; S^T becomes P = 2^(x - mx') in place (one FMA computes
-// x - mx' with a single rounding); l = l corr + rowsum P. A row that has seen no visible key
-// yet keeps mx = -inf and is shifted by 0 instead, so that its exponentials are 2^-inf = 0
-// and never NaN. scale > 0, so the max of the raw scores gives the max of x.
+// Pass 3: online-softmax update of 16 rows at a time, in raw score units: the new max
+// mx' = max(mx, block max); corr = 2^((mx - mx') s) rescales what was accumulated
+// (s = scale = log2(e)/sqrt(d)); S^T becomes P = 2^((x - mx') s) pscale in place;
+// l = l corr + rowsum P. x - mx' <= 0, so P <= pscale whatever the size of the scores, and a
+// row whose max is NaN (see mask_block) gets NaN. A row that has seen no visible key yet keeps
+// mx = -inf and is shifted by 0 instead, so that its exponentials are 2^-inf = 0 and never
+// NaN. kScaleP: multiply P by pscale (a power of two, see safe_pscale), else pscale = 1.
+template <bool kScaleP>
 inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, float scale,
-                           float* mx, float* l, float* corr, const float* bmax) {
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+                           float pscale, float* mx, float* l, float* corr, const float* bmax) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale),
+               ps = _mm512_set1_ps(pscale);
+  // 2^((x - shift) s) for 16 scores
+  auto weight = [&](__m512 x, __m512 shift) {
+    const __m512 p = simd::exp2_nonpos_ps(_mm512_mul_ps(_mm512_sub_ps(x, shift), sc));
+    if constexpr (kScaleP) return _mm512_mul_ps(p, ps);
+    else return p;
+  };
   for (int64_t rv = 0; rv < nrv; ++rv) {
     const int64_t o = rv * kLanes;
     const __m512 old_mx = _mm512_loadu_ps(mx + o);
-    const __m512 new_mx = _mm512_max_ps(old_mx, _mm512_mul_ps(_mm512_loadu_ps(bmax + o), sc));
+    // block max second: a NaN there is kept
+    const __m512 new_mx = _mm512_max_ps(old_mx, _mm512_loadu_ps(bmax + o));
     const __m512 shift = _mm512_mask_mov_ps(
         new_mx, _mm512_cmp_ps_mask(new_mx, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
-    const __m512 cr = simd::exp2_ps(_mm512_sub_ps(old_mx, shift));
+    const __m512 cr = simd::exp2_nonpos_ps(_mm512_mul_ps(_mm512_sub_ps(old_mx, shift), sc));
     // two partial sums, so that consecutive keys do not wait on one add chain
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 1 < cols; c += 2) {
       float* s0 = st + c * lds + o;
       float* s1 = s0 + lds;
-      const __m512 p0 = simd::exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s0), sc, shift));
-      const __m512 p1 = simd::exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s1), sc, shift));
+      const __m512 p0 = weight(_mm512_loadu_ps(s0), shift);
+      const __m512 p1 = weight(_mm512_loadu_ps(s1), shift);
       _mm512_storeu_ps(s0, p0);
       _mm512_storeu_ps(s1, p1);
       sum0 = _mm512_add_ps(sum0, p0);
@@ -298,7 +332,7 @@ inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, fl
     }
     if (c < cols) {
       float* s0 = st + c * lds + o;
-      const __m512 p0 = simd::exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s0), sc, shift));
+      const __m512 p0 = weight(_mm512_loadu_ps(s0), shift);
       _mm512_storeu_ps(s0, p0);
       sum0 = _mm512_add_ps(sum0, p0);
     }
@@ -393,10 +427,10 @@ inline void pv_block(const Tiles& tl, const Workspace& w, int64_t rows, const fl
 /// the tile's `rows` query rows. Row r sees the keys c < causal_first + r of the block
 /// (causal_first >= cols: every key), and, if mask is not null, only those with
 /// mask[r * cols + c] != 0 (mask: rows x cols bytes, mask_tile_bytes(rows, cols) readable).
-/// scale = log2(e) / sqrt(d).
+/// scale = log2(e) / sqrt(d); every p is multiplied by pscale (1, or safe_pscale).
 inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* kb,
                          int64_t ldk, const float* vb, int64_t ldv, int64_t cols, float scale,
-                         int64_t causal_first, const uint8_t* mask) {
+                         int64_t causal_first, const uint8_t* mask, float pscale = 1.0f) {
   const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp;
   // pass 1: S^T = K Q^T
   scores_block(tl, w, nrv, kb, ldk, cols);
@@ -407,22 +441,40 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
     else mask_block<false, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
   } else if (causal) {
     mask_block<true, false>(w.st, ld, rows, nrv, cols, causal_first, nullptr, w.bmax);
+  } else {
+    // every row sees every key: a max of -inf means overflowed logits (see mask_block)
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), nan = _mm512_set1_ps(NAN);
+    for (int64_t rv = 0; rv < nrv; ++rv) {
+      const __m512 bm = _mm512_loadu_ps(w.bmax + rv * kLanes);
+      _mm512_storeu_ps(w.bmax + rv * kLanes,
+                       _mm512_mask_mov_ps(bm, _mm512_cmp_ps_mask(bm, neg_inf, _CMP_EQ_OQ), nan));
+    }
   }
   // pass 3: new max, correction, P, l
-  softmax_update(w.st, ld, nrv, cols, scale, w.mx, w.l, w.corr, w.bmax);
+  if (pscale == 1.0f)
+    softmax_update<false>(w.st, ld, nrv, cols, scale, 1.0f, w.mx, w.l, w.corr, w.bmax);
+  else
+    softmax_update<true>(w.st, ld, nrv, cols, scale, pscale, w.mx, w.l, w.corr, w.bmax);
   // pass 4: acc = acc corr + P V
   pv_block(tl, w, rows, vb, ldv, cols);
 }
 
 /// Pass 5: out row r (at out0 + r ldo) = acc / l; rows with l = 0 (no key attended) have
-/// acc = 0 and give exactly 0.
-inline void finish_tile(const Tiles& tl, const Workspace& w, int64_t rows, float* out0,
+/// acc = 0 and give exactly 0. Returns whether every output is finite (if not, see the
+/// overflow note at the top).
+inline bool finish_tile(const Tiles& tl, const Workspace& w, int64_t rows, float* out0,
                         int64_t ldo) {
+  bool finite = true;
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out0 + r * ldo;
     const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
-    for (int64_t x = 0; x < tl.d; ++x) o[x] = w.acc[r * tl.dp + x] * inv;
+    for (int64_t x = 0; x < tl.d; ++x) {
+      const float y = w.acc[r * tl.dp + x] * inv;
+      o[x] = y;
+      finite &= std::isfinite(y);
+    }
   }
+  return finite;
 }
 
 #pragma GCC diagnostic pop
@@ -453,10 +505,13 @@ inline void begin_tile(Workspace& w, int64_t rows) {
 
 /// Passes 1-4 for one key block (cols keys at kb / vb with row strides ldk / ldv) and the
 /// tile's `rows` query rows (at q0, stride ldq): row r sees the keys c < causal_first + r,
-/// and if mask is not null only those with mask[r * cols + c] != 0. scale = 1/sqrt(d).
+/// and if mask is not null only those with mask[r * cols + c] != 0. scale = 1/sqrt(d); every
+/// p is multiplied by pscale (1, or safe_pscale). The max is kept in raw score units and
+/// subtracted before scaling, as in the AVX-512 passes.
 inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t rows, int64_t d,
                          const float* kb, int64_t ldk, const float* vb, int64_t ldv,
-                         int64_t cols, float scale, int64_t causal_first, const uint8_t* mask) {
+                         int64_t cols, float scale, int64_t causal_first, const uint8_t* mask,
+                         float pscale = 1.0f) {
   ConstMap qm(q0, rows, d, Eigen::OuterStride<>(ldq));
   ConstMap km(kb, cols, d, Eigen::OuterStride<>(ldk));
   ConstMap vm(vb, cols, d, Eigen::OuterStride<>(ldv));
@@ -471,17 +526,24 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
     if (mr)
       for (int64_t c = 0; c < vis; ++c)
         if (!mr[c]) sr[c] = -INFINITY;
+    // the max over the visible keys; NaN if they are all -inf (overflowed logits)
     float bm = -INFINITY;
-    for (int64_t c = 0; c < vis; ++c) bm = std::fmax(bm, sr[c]);
-    const float new_mx = std::fmax(w.mx[r], bm * scale);
+    bool seen = false;
+    for (int64_t c = 0; c < vis; ++c) {
+      if (std::isnan(sr[c])) bm = NAN;
+      else bm = sr[c] > bm ? sr[c] : bm;
+      seen |= !mr || mr[c];
+    }
+    if (seen && bm == -INFINITY) bm = NAN;
+    const float new_mx = std::isnan(bm) ? bm : std::max(w.mx[r], bm);
     if (new_mx == -INFINITY) {  // nothing seen yet in this row
       std::fill(sr, sr + cols, 0.0f);
       continue;
     }
-    const float corr = fast_exp(w.mx[r] - new_mx);
+    const float corr = fast_exp((w.mx[r] - new_mx) * scale);
     float sum = 0.0f;
     for (int64_t c = 0; c < vis; ++c) {
-      sr[c] = fast_exp(sr[c] * scale - new_mx);
+      sr[c] = fast_exp((sr[c] - new_mx) * scale) * pscale;
       sum += sr[c];
     }
     std::fill(sr + vis, sr + cols, 0.0f);
@@ -493,13 +555,20 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
   w.acc.topRows(rows).noalias() += sb * vm;
 }
 
-/// Pass 5: out = acc / l; rows with no key attended stay 0.
-inline void finish_tile(const Workspace& w, int64_t rows, int64_t d, float* out0, int64_t ldo) {
+/// Pass 5: out = acc / l; rows with no key attended stay 0. Returns whether every output is
+/// finite.
+inline bool finish_tile(const Workspace& w, int64_t rows, int64_t d, float* out0, int64_t ldo) {
+  bool finite = true;
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out0 + r * ldo;
     const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
-    for (int64_t c = 0; c < d; ++c) o[c] = w.acc(r, c) * inv;
+    for (int64_t c = 0; c < d; ++c) {
+      const float y = w.acc(r, c) * inv;
+      o[c] = y;
+      finite &= std::isfinite(y);
+    }
   }
+  return finite;
 }
 
 }  // namespace portable

@@ -34,7 +34,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
   const int64_t bs = pat.block();
   const Tiles tl = tiles(p, bs);
   const int64_t n = p.n, qblocks = (n + bs - 1) / bs, tasks = p.batch * p.heads * qblocks;
-  const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 logits
+  const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 weights
 
 #pragma omp parallel
   {
@@ -52,7 +52,6 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bs, n - i0);
       // keys visible to some row of the block (the last row sees the most)
       const int64_t kend = p.visible(i0 + rows - 1);
-      begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
       pat.key_blocks(b, h, qb, blocks);
       // Q and out are touched once per task: fetch this task's output tile and the Q tiles of
       // the next query blocks of this head (the next tasks, of this thread or another) into L2
@@ -68,23 +67,28 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
                         false);
         fetched = upto;
       };
-      for (size_t i = 0; i < blocks.size(); ++i) {
-        prefetch_upto(rows * int64_t(i + 1) / nb);
-        const KeyBlock& kb = blocks[i];
-        const int64_t j0 = kb.index * bs;
-        if (j0 >= kend) continue;  // wholly past the causal diagonal (or past m)
-        // keys past kend are hidden from every row: not computed
-        const int64_t cols = std::min(bs, kend - j0);
-        const uint8_t* mk = nullptr;
-        if (kb.partial) {
-          pat.block_mask(b, h, i0, rows, j0, cols, mask);
-          mk = mask;
+      // the key blocks; again with scaled weights if acc overflowed (huge v, see
+      // attention_kernels.h: rare, so the prefetches are not repeated)
+      for (float pscale = 1.0f;; pscale = safe_pscale(kend)) {
+        begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
+        for (size_t i = 0; i < blocks.size(); ++i) {
+          if (pscale == 1.0f) prefetch_upto(rows * int64_t(i + 1) / nb);
+          const KeyBlock& kb = blocks[i];
+          const int64_t j0 = kb.index * bs;
+          if (j0 >= kend) continue;  // wholly past the causal diagonal (or past m)
+          // keys past kend are hidden from every row: not computed
+          const int64_t cols = std::min(bs, kend - j0);
+          const uint8_t* mk = nullptr;
+          if (kb.partial) {
+            pat.block_mask(b, h, i0, rows, j0, cols, mask);
+            mk = mask;
+          }
+          attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0),
+                       v.stride_row, cols, scale, causal_first(p, i0, j0), mk, pscale);
         }
-        attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
-                     cols, scale, causal_first(p, i0, j0), mk);
+        if (pscale == 1.0f) prefetch_upto(rows);
+        if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-      prefetch_upto(rows);
-      finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row);
     }
   }
 }
@@ -115,22 +119,24 @@ using namespace kernels::portable;
       const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bs;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bs, n - i0);
       const int64_t kend = p.visible(i0 + rows - 1);
-      begin_tile(w, rows);
       pat.key_blocks(b, h, qb, blocks);
-      for (const KeyBlock& kb : blocks) {
-        const int64_t j0 = kb.index * bs;
-        if (j0 >= kend) continue;
-        const int64_t cols = std::min(bs, kend - j0);
-        const uint8_t* mk = nullptr;
-        if (kb.partial) {
-          pat.block_mask(b, h, i0, rows, j0, cols, mask.data());
-          mk = mask.data();
+      for (float pscale = 1.0f;; pscale = kernels::safe_pscale(kend)) {
+        begin_tile(w, rows);
+        for (const KeyBlock& kb : blocks) {
+          const int64_t j0 = kb.index * bs;
+          if (j0 >= kend) continue;
+          const int64_t cols = std::min(bs, kend - j0);
+          const uint8_t* mk = nullptr;
+          if (kb.partial) {
+            pat.block_mask(b, h, i0, rows, j0, cols, mask.data());
+            mk = mask.data();
+          }
+          attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0),
+                       k.stride_row, v.row(b, h, j0), v.stride_row, cols, scale,
+                       kernels::causal_first(p, i0, j0), mk, pscale);
         }
-        attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
-                     v.row(b, h, j0), v.stride_row, cols, scale, kernels::causal_first(p, i0, j0),
-                     mk);
+        if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-      finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row);
     }
   }
 }

@@ -160,6 +160,12 @@ Inputs generate(const Problem& p, const Origin& o) {
     float* q = in.q.data();
     const float s = float(p.scale);
     for (int64_t i = 0; i < in.q.numel(); ++i) q[i] *= s;
+    // a scale that is finite in float (Problem::validate) can still overflow q
+    for (int64_t i = 0; i < in.q.numel(); ++i)
+      if (!std::isfinite(q[i]))
+        throw InputError(fmt::format("scale {} overflows q in float32 (q holds {} at flat index "
+                                     "{}): use a smaller scale",
+                                     p.scale, q[i], i));
   }
   return in;
 }

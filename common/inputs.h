@@ -20,7 +20,8 @@ const std::vector<std::string>& input_distributions();
 std::string describe_distribution(const std::string& name);
 
 /// Generates inputs for p.input with p.seed; q is multiplied by p.scale. The result depends
-/// only on the problem, not on the thread count. Throws UsageError for an unknown name.
+/// only on the problem, not on the thread count. Throws UsageError for an unknown name, and
+/// InputError if the scale overflows an entry of q in float.
 Inputs generate_inputs(const Problem& p);
 /// Head (b, h) of generate_inputs(p) alone, as [1, 1, len, d] tensors: the same numbers
 /// without generating (or holding) the other heads.

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/error.h"
 
@@ -37,8 +39,20 @@ void Problem::validate() const {
   positive("seq (n)", n);
   positive("dim (d)", dim);
   if (m < 0) throw UsageError(fmt::format("seq-k (m) must be positive (or 0 for m = n), got {}", m));
-  if (!std::isfinite(scale) || scale <= 0)
-    throw UsageError(fmt::format("scale must be a positive finite number, got {}", scale));
+  // The kernels see scale as a float (q is multiplied by float(scale)), and the logits as
+  // float(scale) q . k / sqrt(d): both factors must be finite and nonzero in float.
+  const float fs = float(scale), fl = fs * softmax_scale();
+  if (!(scale > 0) || !std::isfinite(fs) || !std::isfinite(fl) || fs == 0 || fl == 0) {
+    // the accepted range: float(scale) in [smallest positive float, FLT_MAX], and
+    // float(scale) / sqrt(d) not below the smallest positive float either
+    const double lo = std::max(double(std::numeric_limits<float>::denorm_min()),
+                               double(std::numeric_limits<float>::denorm_min()) /
+                                   double(softmax_scale()));
+    throw UsageError(fmt::format(
+        "scale must be a positive number that stays finite and nonzero in float32, also "
+        "divided by sqrt(d): accepted range about [{:.3g}, {:.7g}] (d = {}), got {}",
+        lo, double(std::numeric_limits<float>::max()), dim, scale));
+  }
   if (threads < 0) throw UsageError(fmt::format("threads must be >= 0 (0 = all), got {}", threads));
   // Every element count the harness and the kernels form must fit in int64 (and then the
   // memory guard decides whether it fits in memory): B H n d, B H m d and B H n m.

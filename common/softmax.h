@@ -47,28 +47,32 @@ inline float row_max(const float* x, int64_t len) {
   return mx;
 }
 
-/// x <- exp(x scale - shift) in place; returns the sum, accumulated in 16 lanes.
-inline float exp_sum(float* x, int64_t len, float scale, float shift) {
+/// x <- exp((x - max) scale) in place; returns the sum, accumulated in 16 lanes. `max` is the
+/// row max in the units of x (raw logits): x - max <= 0, so no exponential can overflow
+/// whatever the size of the logits (subtracting max * scale from x * scale instead rounds
+/// max * scale, and at |logit| ~ 1e9 that rounding alone is past exp's range). A NaN, or
+/// max = +-inf (an overflowed logit), gives NaN, never a finite wrong value.
+inline float exp_sum(float* x, int64_t len, float scale, float max) {
   constexpr int kLanes = 16;
   float s[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const float e = fast_exp(x[j + l] * scale - shift);
+      const float e = fast_exp((x[j + l] - max) * scale);
       x[j + l] = e;
       s[l] += e;
     }
   float sum = 0.0f;
-  for (; j < len; ++j) sum += x[j] = fast_exp(x[j] * scale - shift);
+  for (; j < len; ++j) sum += x[j] = fast_exp((x[j] - max) * scale);
   for (int l = 0; l < kLanes; ++l) sum += s[l];
   return sum;
 }
 
-/// In-place softmax of x[0, len) scaled by `scale`: x <- exp(scale x - max) / sum.
+/// In-place softmax of x[0, len) scaled by `scale`: x <- exp(scale (x - max)) / sum.
 /// An empty row is left alone. Returns the sum of exponentials (0 for an empty row).
 inline float softmax_row(float* x, int64_t len, float scale) {
   if (len <= 0) return 0.0f;
-  const float sum = exp_sum(x, len, scale, row_max(x, len) * scale);
+  const float sum = exp_sum(x, len, scale, row_max(x, len));
   const float inv = 1.0f / sum;
   for (int64_t j = 0; j < len; ++j) x[j] *= inv;
   return sum;

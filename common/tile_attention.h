@@ -6,7 +6,11 @@
 //   TileAttention t(max_rows, max_cols, d, scale);   // one per thread
 //   t.begin(q0, ldq, rows);
 //   t.attend(k0, ldk, v0, ldv, cols, mask);          // any number of key blocks
-//   t.finish(out0, ldo, lse);
+//   t.finish(out0, ldo, lse);                        // false: some output not finite
+//
+// finish returns false when an output is not finite: NaN/inf inputs, a logit past float, or
+// an accumulator that overflowed on v near FLT_MAX. For the last, run the tile again from
+// begin with pscale = kernels::safe_pscale(keys attended), as the exact variants do.
 //
 // Row r of the tile attends key c of a block iff mask is null or mask[r * cols + c] != 0
 // (fill t.mask() for that). A row that attended no key gets output 0 and lse -inf.
@@ -56,8 +60,9 @@ class TileAttention {
   /// The element-mask tile (rows x cols bytes of the next attend call).
   uint8_t* mask() { return mask_; }
 
-  void begin(const float* q0, int64_t ldq, int64_t rows) {
+  void begin(const float* q0, int64_t ldq, int64_t rows, float pscale = 1.0f) {
     rows_ = rows;
+    pscale_ = pscale;
 #ifdef __AVX512F__
     kernels::begin_tile(tl_, w_, q0, ldq, rows);
 #else
@@ -71,28 +76,31 @@ class TileAttention {
               const uint8_t* mask) {
     constexpr int64_t kEveryKey = int64_t(1) << 60;
 #ifdef __AVX512F__
-    kernels::attend_block(tl_, w_, rows_, k0, ldk, v0, ldv, cols, scale_, kEveryKey, mask);
+    kernels::attend_block(tl_, w_, rows_, k0, ldk, v0, ldv, cols, scale_, kEveryKey, mask,
+                          pscale_);
 #else
     kernels::portable::attend_block(w_, q0_, ldq_, rows_, d_, k0, ldk, v0, ldv, cols, scale_,
-                                    kEveryKey, mask);
+                                    kEveryKey, mask, pscale_);
 #endif
   }
 
   /// out row r (at out0 + r ldo) = the row's softmax output; lse[r] = natural log of the sum
-  /// of exp(logit) over the keys the row attended (-inf if none).
-  void finish(float* out0, int64_t ldo, float* lse) {
+  /// of exp(logit) over the keys the row attended (-inf if none). Returns whether every
+  /// output is finite. (The running max mx is in raw score units, l is scaled by pscale.)
+  bool finish(float* out0, int64_t ldo, float* lse) {
 #ifdef __AVX512F__
-    kernels::finish_tile(tl_, w_, rows_, out0, ldo);
+    const bool finite = kernels::finish_tile(tl_, w_, rows_, out0, ldo);
     constexpr float kLn2 = 0.693147180559945309f;
     for (int64_t r = 0; r < rows_; ++r)
-      lse[r] = w_.l[r] > 0 ? (w_.mx[r] + std::log2(w_.l[r])) * kLn2
+      lse[r] = w_.l[r] > 0 ? (w_.mx[r] * scale_ + std::log2(w_.l[r] / pscale_)) * kLn2
                            : -std::numeric_limits<float>::infinity();
 #else
-    kernels::portable::finish_tile(w_, rows_, d_, out0, ldo);
+    const bool finite = kernels::portable::finish_tile(w_, rows_, d_, out0, ldo);
     for (int64_t r = 0; r < rows_; ++r)
-      lse[r] = w_.l[r] > 0 ? w_.mx[r] + std::log(w_.l[r])
+      lse[r] = w_.l[r] > 0 ? w_.mx[r] * scale_ + std::log(w_.l[r] / pscale_)
                            : -std::numeric_limits<float>::infinity();
 #endif
+    return finite;
   }
 
  private:
@@ -108,7 +116,7 @@ class TileAttention {
   const float* q0_ = nullptr;
   int64_t ldq_ = 0, d_;
 #endif
-  float scale_;
+  float scale_, pscale_ = 1.0f;
   int64_t rows_ = 0;
 };
 

@@ -1,10 +1,13 @@
 #include "harness/metrics.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <unordered_set>
 #include <vector>
 
+#include "common/error.h"
 #include "common/random.h"
 #include "common/reference.h"
 
@@ -66,16 +69,21 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
         double dot = 0, nn = 0, nr = 0;
         for (int64_t c = 0; c < d; ++c) {
           const double a = o[c], x = o_ref[c];
+          if (!std::isfinite(a) || !std::isfinite(x))
+            throw Error(fmt::format(
+                "the error cannot be measured: {} holds a non-finite value ({}) at batch {}, "
+                "head {}, row {}, feature {}",
+                std::isfinite(x) ? "the output" : "the float64 reference", std::isfinite(x) ? a : x,
+                b, h, r[t], c));
           diff2 += (a - x) * (a - x);
           ref2 += x * x;
           dot += a * x;
           nn += a * a;
           nr += x * x;
           e.max_abs = std::max(e.max_abs, std::abs(a - x));
-          if (std::isnan(a)) e.max_abs = NAN;
         }
         if (nn == 0 && nr == 0) cos_sum += 1;
-        else if (nn > 0 && nr > 0) cos_sum += dot / std::sqrt(nn * nr);
+        else if (nn > 0 && nr > 0) cos_sum += dot / (std::sqrt(nn) * std::sqrt(nr));
       }
       e.rows_used += int64_t(r.size());
       if (pattern)
@@ -90,6 +98,12 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
   }
   e.rel_fro = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
   e.mean_cos = e.rows_used ? cos_sum / double(e.rows_used) : 0;
+  // finite values can still overflow the sums of squares (|values| ~ 1e154 and more are
+  // impossible in float, but a NaN error must never be reported as a result)
+  if (!std::isfinite(e.rel_fro) || !std::isfinite(e.max_abs) || !std::isfinite(e.mean_cos))
+    throw Error(fmt::format("the error against the reference is not finite (rel_fro {}, "
+                            "max_abs {}, mean_cos {})",
+                            e.rel_fro, e.max_abs, e.mean_cos));
   return e;
 }
 

@@ -27,7 +27,9 @@ struct ErrorStats {
 
 /// Compares `out` with the double-precision reference. Rows are sampled with p.seed when the
 /// problem exceeds `exact_limit` pairs.
-/// With a pattern, the mass it keeps is measured on the same rows.
+/// With a pattern, the mass it keeps is measured on the same rows. Throws Error if the output
+/// or the reference holds a non-finite value on those rows, or an error figure is not finite:
+/// a non-finite error is never returned as a result (the runner turns it into an error row).
 ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
                          ConstTensorView v, ConstTensorView out,
                          double exact_limit = kExactPairsLimit,

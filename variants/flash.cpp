@@ -5,10 +5,12 @@
 //
 // Each task is one query tile (block_q rows of one batch item and head). It walks the key
 // blocks (block_k keys) up to the last key visible to its last row, keeping per row a running
-// max mx and a running sum l:
-//   S = Q_blk K_blk^T / sqrt(d);  mx' = max(mx, rowmax S);  P = exp(S - mx')
-//   l = l exp(mx - mx') + rowsum P;  acc = acc exp(mx - mx') + P V_blk
-// and finally out = acc / l (rows with no visible key give 0).
+// max mx of the raw scores and a running sum l:
+//   S = Q_blk K_blk^T;  mx' = max(mx, rowmax S);  P = exp((S - mx') / sqrt(d))
+//   l = l exp((mx - mx') / sqrt(d)) + rowsum P;  acc = acc exp((mx - mx') / sqrt(d)) + P V_blk
+// and finally out = acc / l (rows with no visible key give 0). The max is subtracted before
+// scaling, so no exponential overflows at any logit size; a tile whose acc overflowed (v near
+// FLT_MAX) is run again with scaled weights (see common/attention_kernels.h).
 //
 // Time O(B H n m d); memory O(threads block_q (block_k + d)).
 // Dao et al. 2022, "FlashAttention"; Milakov & Gimelshein 2018 for the online softmax.
@@ -20,16 +22,16 @@
 //   key's scores for 16 consecutive query rows: the row max, the exponentials and the row
 //   sums are all lane-wise, with no horizontal reductions, and the P V product broadcasts
 //   p values straight from S^T. Q^T is packed once per task (d x block_q, reused by every
-//   key block); K and V are read as stored. The running max is kept in base 2, so that
-//   P = 2^(S log2(e)/sqrt(d) - mx) is one FMA and a polynomial exp2 per 16 scores (the scale
+//   key block); K and V are read as stored. P = 2^((S - mx) log2(e)/sqrt(d)) is a
+//   subtraction, a product and a polynomial exp2 per 16 scores (the scale
 //   is not folded into Q: rounding q log2(e)/sqrt(d) would add an error to every logit).
 //   Per key block:
 //     pass 1  S^T = K Q^T: register tile of 6 keys x 64 rows (24 accumulators), k values
 //             broadcast from K, block row max on the way out;
 //     pass 2  blocks crossing the causal diagonal only: keys past the diagonal -> -inf,
 //             and the block row max again over the visible keys;
-//     pass 3  mx', correction 2^(mx - mx'), P = 2^(S - mx') in place of S, l;
-//     pass 4  acc = acc 2^(mx - mx') + P V: register tile of up to 6 rows x 64 features
+//     pass 3  mx', correction c = 2^((mx - mx') s), P = 2^((S - mx') s) in place of S, l;
+//     pass 4  acc = acc c + P V: register tile of up to 6 rows x 64 features
 //             (24 accumulators) summing the block's P V from 0, then one FMA into acc;
 //   and after the last block, pass 5: out = acc / l. Key blocks wholly past the diagonal
 //   are never visited; tasks are scheduled dynamically, heaviest causal tiles first.
@@ -60,7 +62,7 @@ void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensor
   const Tiles tl(block_q, block_k, p.dim);
   const int64_t n = p.n, bq = tl.bq, bk = tl.bk;
   const int64_t qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
-  const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 logits
+  const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 weights
 
 #pragma omp parallel
   {
@@ -75,13 +77,16 @@ void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensor
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
       // keys visible to some row of the tile (the last row sees the most)
       const int64_t kend = p.visible(i0 + rows - 1);
-      begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
-      for (int64_t j0 = 0; j0 < kend; j0 += bk) {
-        const int64_t cols = std::min(bk, kend - j0);
-        attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
-                     cols, scale, causal_first(p, i0, j0), nullptr);
+      // again with scaled weights if acc overflowed (huge v; see attention_kernels.h)
+      for (float pscale = 1.0f;; pscale = safe_pscale(kend)) {
+        begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
+        for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+          const int64_t cols = std::min(bk, kend - j0);
+          attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0),
+                       v.stride_row, cols, scale, causal_first(p, i0, j0), nullptr, pscale);
+        }
+        if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-      finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row);
     }
   }
 }
@@ -109,13 +114,16 @@ using namespace kernels::portable;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
       // keys visible to some row of this block: the last row sees the most
       const int64_t kend = p.visible(i0 + rows - 1);
-      begin_tile(w, rows);
-      for (int64_t j0 = 0; j0 < kend; j0 += bk) {
-        const int64_t cols = std::min(bk, kend - j0);
-        attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
-                     v.row(b, h, j0), v.stride_row, cols, scale, kernels::causal_first(p, i0, j0), nullptr);
+      for (float pscale = 1.0f;; pscale = kernels::safe_pscale(kend)) {
+        begin_tile(w, rows);
+        for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+          const int64_t cols = std::min(bk, kend - j0);
+          attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0),
+                       k.stride_row, v.row(b, h, j0), v.stride_row, cols, scale,
+                       kernels::causal_first(p, i0, j0), nullptr, pscale);
+        }
+        if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-      finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row);
     }
   }
 }

@@ -190,12 +190,11 @@ class Nystrom final : public Variant {
               float* row = s + r * cols;
               const float bm = row_max(row, cols);
               const float mnew = c == c0 || bm > mx[r] ? bm : mx[r];
-              const float shift = mnew * scale;
-              const float sum = exp_sum(row, cols, scale, shift);
+              const float sum = exp_sum(row, cols, scale, mnew);
               if (c == c0) {
                 l[r] = sum;
               } else {
-                const float corr = fast_exp(mx[r] * scale - shift);
+                const float corr = fast_exp((mx[r] - mnew) * scale);
                 l[r] = l[r] * corr + sum;
                 for (int64_t x = 0; x < d; ++x) acc[r * d + x] *= corr;
               }

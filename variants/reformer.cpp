@@ -372,26 +372,29 @@ class Reformer final : public Variant {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t c = 0; c < nch; ++c) {
         const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
-        ta.begin(hb.qs.data() + s0 * d, d, rows);
-        const int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
-        for (int64_t kb : blocks) {
-          if (kb < 0) continue;
-          const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
-          const uint8_t* mask = nullptr;
-          if (p.causal) {
-            uint8_t* mk = ta.mask();
-            causal_mask(p, hb.perm.data() + s0, rows, hb.perm.data() + j0, cols, mk);
-            mask = mk;
-          } else if (kb == c) {
-            // rows x cols corner of the off-diagonal tile (cols == rows here)
-            uint8_t* mk = ta.mask();
-            for (int64_t rr = 0; rr < rows; ++rr)
-              std::copy_n(off_diagonal.data() + rr * ch, cols, mk + rr * cols);
-            mask = mk;
+        // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
+        for (float pscale = 1.0f;; pscale = kernels::safe_pscale(2 * ch)) {
+          ta.begin(hb.qs.data() + s0 * d, d, rows, pscale);
+          const int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
+          for (int64_t kb : blocks) {
+            if (kb < 0) continue;
+            const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
+            const uint8_t* mask = nullptr;
+            if (p.causal) {
+              uint8_t* mk = ta.mask();
+              causal_mask(p, hb.perm.data() + s0, rows, hb.perm.data() + j0, cols, mk);
+              mask = mk;
+            } else if (kb == c) {
+              // rows x cols corner of the off-diagonal tile (cols == rows here)
+              uint8_t* mk = ta.mask();
+              for (int64_t rr = 0; rr < rows; ++rr)
+                std::copy_n(off_diagonal.data() + rr * ch, cols, mk + rr * cols);
+              mask = mk;
+            }
+            ta.attend(hb.ks.data() + j0 * d, d, hb.vs.data() + j0 * d, d, cols, mask);
           }
-          ta.attend(hb.ks.data() + j0 * d, d, hb.vs.data() + j0 * d, d, cols, mask);
+          if (ta.finish(o.data(), d, lse.data()) || pscale != 1.0f) break;
         }
-        ta.finish(o.data(), d, lse.data());
         for (int64_t rr = 0; rr < rows; ++rr) {
           if (rr + 4 < rows)
             for (int64_t o = 0; o < d; o += 16)

@@ -435,26 +435,30 @@ class RoutingVariant final : public Variant {
         }
         for (int64_t r0 = 0; r0 < wq; r0 += kTile) {
           const int64_t rows = std::min(kTile, wq - r0);
-          ta.begin(gq.data() + r0 * d, d, rows);
-          // keys are in position order: under a causal mask, blocks every row sees need no
-          // mask and blocks no row sees are skipped
-          const int64_t first_vis = p.visible(qi[r0]), last_vis = p.visible(qi[r0 + rows - 1]);
-          for (int64_t j0 = 0; j0 < wk; j0 += kTile) {
-            const int64_t cols = std::min(kTile, wk - j0);
-            if (kj[j0] >= last_vis) break;
-            const uint8_t* mask = nullptr;
-            if (kj[j0 + cols - 1] >= first_vis) {
-              uint8_t* mk = ta.mask();
-              for (int64_t rr = 0; rr < rows; ++rr) {
-                const int64_t vis = p.visible(qi[r0 + rr]);
-                for (int64_t cc = 0; cc < cols; ++cc)
-                  mk[rr * cols + cc] = uint8_t(kj[j0 + cc] < vis);
+          // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
+          for (float pscale = 1.0f;; pscale = kernels::safe_pscale(wk)) {
+            ta.begin(gq.data() + r0 * d, d, rows, pscale);
+            // keys are in position order: under a causal mask, blocks every row sees need no
+            // mask and blocks no row sees are skipped
+            const int64_t first_vis = p.visible(qi[r0]), last_vis = p.visible(qi[r0 + rows - 1]);
+            for (int64_t j0 = 0; j0 < wk; j0 += kTile) {
+              const int64_t cols = std::min(kTile, wk - j0);
+              if (kj[j0] >= last_vis) break;
+              const uint8_t* mask = nullptr;
+              if (kj[j0 + cols - 1] >= first_vis) {
+                uint8_t* mk = ta.mask();
+                for (int64_t rr = 0; rr < rows; ++rr) {
+                  const int64_t vis = p.visible(qi[r0 + rr]);
+                  for (int64_t cc = 0; cc < cols; ++cc)
+                    mk[rr * cols + cc] = uint8_t(kj[j0 + cc] < vis);
+                }
+                mask = mk;
               }
-              mask = mk;
+              ta.attend(gk.data() + j0 * d, d, gv.data() + j0 * d, d, cols, mask);
             }
-            ta.attend(gk.data() + j0 * d, d, gv.data() + j0 * d, d, cols, mask);
+            if (ta.finish(ho.out.data() + (u * wq + r0) * d, d, lse.data()) || pscale != 1.0f)
+              break;
           }
-          ta.finish(ho.out.data() + (u * wq + r0) * d, d, lse.data());
           for (int64_t rr = 0; rr < rows; ++rr)
             ho.valid[size_t(u * wq + r0 + rr)] = uint8_t(lse[size_t(rr)] > -INFINITY);
         }

@@ -1,0 +1,244 @@
+// Numerical range of the exact variants and of the harness: logits far past exp's range,
+// values near FLT_MAX, logits that overflow float, scales that do not fit a float, and error
+// figures that are not finite. The rule: a result is finite and exact whenever the float64
+// reference is finite, or it is not finite at all (the harness reports an error), never a
+// finite wrong value.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cfloat>
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/reference.h"
+#include "common/registry.h"
+#include "harness/machine.h"
+#include "harness/metrics.h"
+#include "harness/runner.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+using test::rel_fro_error;
+
+bool all_finite(const Tensor& t) {
+  return std::all_of(t.data(), t.data() + t.numel(), [](float x) { return std::isfinite(x); });
+}
+
+// Every exact variant with its default parameters, and flash with small tiles (many key
+// blocks per row, so the online rescaling between blocks is exercised too).
+std::vector<std::string> exact_specs() {
+  std::vector<std::string> specs;
+  for (const VariantInfo* v : Registry::instance().all())
+    if (v->caps.exact) specs.push_back(v->name);
+  specs.push_back("flash:block_q=16,block_k=16");
+  return specs;
+}
+
+std::string test_name(const testing::TestParamInfo<std::string>& info) {
+  std::string s = info.param;
+  for (char& c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return s;
+}
+
+// Ragged shapes, causal and not, the first within one key block, the others across several.
+const std::tuple<int64_t, int64_t, int64_t, bool> kShapes[] = {
+    {37, 53, 13, false}, {37, 53, 13, true}, {53, 37, 13, true}, {150, 600, 13, false},
+    {150, 600, 20, true}};
+
+class ExactNumerics : public testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { variant_ = make_variant(GetParam()); }
+
+  // p adjusted to what the variant supports (m = n without cross-attention, no mask without
+  // causal support).
+  Problem problem(int64_t n, int64_t m, int64_t d, bool causal, uint64_t seed) const {
+    const Capabilities& caps = variant_->info().caps;
+    return test::problem(1, 2, n, caps.cross ? m : 0, d, causal && caps.causal, seed);
+  }
+
+  std::vector<double> reference(const Problem& p, const Inputs& in) const {
+    auto pattern = variant_->make_pattern(p, in.q.view(), in.k.view());
+    return reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
+  }
+
+  Tensor run(const Problem& p, const Inputs& in) const {
+    Tensor out(p.q_shape());
+    variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    return out;
+  }
+
+  // The output is finite and within tol of the reference (which must be finite itself).
+  void expect_exact(const Problem& p, const Inputs& in, double tol) const {
+    SCOPED_TRACE(p.str());
+    const std::vector<double> ref = reference(p, in);
+    ASSERT_TRUE(std::all_of(ref.begin(), ref.end(), [](double x) { return std::isfinite(x); }));
+    Tensor out = run(p, in);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < out.numel(); ++i) bad += !std::isfinite(out.data()[i]);
+    EXPECT_EQ(bad, 0) << "non-finite outputs where the reference is finite";
+    EXPECT_LE(rel_fro_error(out.data(), ref), tol);
+  }
+
+  std::unique_ptr<Variant> variant_;
+};
+
+TEST_P(ExactNumerics, HugeLogitScaleStaysFiniteAndExact) {
+  // q scaled by 1e9 and 1e30: logits of that size in float, attention one-hot up to
+  // exp(-huge) = 0, the output the value row of each row's top key. Rounding max s and x s
+  // separately puts x s - max s past exp's range here; the max must go first.
+  for (double scale : {1e9, 1e30})
+    for (auto [n, m, d, causal] : kShapes) {
+      Problem p = problem(n, m, d, causal, 21);
+      p.scale = scale;
+      ASSERT_NO_THROW(p.validate());
+      expect_exact(p, generate_inputs(p), 1e-5);
+    }
+}
+
+TEST_P(ExactNumerics, ValuesNearFloatMaxGiveFiniteExactOutput) {
+  // |v| up to 3e38 (finite): the output, a convex combination of v rows, is finite, but
+  // sum_j p_j v_j over a few keys of similar weight is not, in float
+  for (auto [n, m, d, causal] : kShapes) {
+    Problem p = problem(n, m, d, causal, 22);
+    Inputs in = generate_inputs(p);
+    const int64_t dim = p.dim;
+    float* v = in.v.data();
+    for (int64_t i = 0; i < in.v.numel(); ++i) {
+      const float sign = (i % dim) % 3 == 0 ? -1.0f : 1.0f;
+      v[i] = sign * 3e38f * (0.75f + 0.25f * std::tanh(v[i]));
+    }
+    expect_exact(p, in, 1e-5);
+    // and with larger logits too (fewer keys share the weight)
+    p.scale = 4;
+    Inputs in4 = generate_inputs(p);
+    std::copy(in.v.data(), in.v.data() + in.v.numel(), in4.v.data());
+    expect_exact(p, in4, 1e-5);
+  }
+}
+
+TEST_P(ExactNumerics, LogitsPastFloatAreNeverFiniteAndWrong) {
+  // |q| = |k| = 1e20: every product q_c k_c is +-1e40, inf in float, so the float logits are
+  // +-inf or NaN while the float64 reference is finite. A float kernel cannot compute this;
+  // it must not return a finite wrong answer (the harness turns non-finite outputs into an
+  // error). Signs: random (NaN logits), all q = -k (every logit -inf), all equal (+inf).
+  for (int mode = 0; mode < 3; ++mode)
+    for (auto [n, m, d, causal] : kShapes) {
+      Problem p = problem(n, m, d, causal, 23);
+      SCOPED_TRACE(p.str() + " mode " + std::to_string(mode));
+      Inputs in = generate_inputs(p);
+      for (Tensor* t : {&in.q, &in.k}) {
+        const float sign = mode == 1 && t == &in.k ? -1.0f : 1.0f;
+        for (int64_t i = 0; i < t->numel(); ++i) {
+          float& x = t->data()[i];
+          x = sign * (mode == 0 ? std::copysign(1e20f, x) : 1e20f) * (1.0f + 0.01f * (i % 7));
+        }
+      }
+      Tensor out = run(p, in);
+      if (!all_finite(out)) continue;  // reported as an error: fine
+      // finite: then it must be right
+      const std::vector<double> ref = reference(p, in);
+      EXPECT_LE(rel_fro_error(out.data(), ref), 1e-5) << "a finite wrong output";
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Exact, ExactNumerics, testing::ValuesIn(exact_specs()), test_name);
+
+// ----- the problem's scale, as the kernels see it -----
+
+TEST(ProblemScale, ValidateChecksTheFloatValue) {
+  Problem p = test::problem(1, 1, 8, 8, 16, false);
+  for (double ok : {1e-30, 1.0, 1e9, 1e30, 3e38}) {
+    p.scale = ok;
+    EXPECT_NO_THROW(p.validate()) << ok;
+  }
+  // finite as a double, inf as a float: once status ok with error -nan
+  p.scale = 1e39;
+  const std::string msg = test::error_message<UsageError>([&] { p.validate(); });
+  EXPECT_CONTAINS(msg, "scale");
+  EXPECT_CONTAINS(msg, "float32");
+  EXPECT_CONTAINS(msg, "accepted range");
+  EXPECT_CONTAINS(msg, "3.402823e+38");
+  EXPECT_CONTAINS(msg, "1e+39");
+  // 0 in float, or 0 once divided by sqrt(d); and what was refused before
+  for (double bad : {1e-50, 2e-45, 0.0, -1.0, double(NAN), double(INFINITY), 1e300}) {
+    p.scale = bad;
+    EXPECT_THROW(p.validate(), UsageError) << bad;
+  }
+}
+
+TEST(ProblemScale, ScaleThatOverflowsQIsAnInputError) {
+  // 3e38 is finite in float, but q = N(0, 1) 3e38 is not for |N| > 1.14
+  Problem p = test::problem(1, 1, 64, 64, 16, false);
+  p.scale = 3e38;
+  ASSERT_NO_THROW(p.validate());
+  const std::string msg = test::error_message<InputError>([&] { generate_inputs(p); });
+  EXPECT_CONTAINS(msg, "overflows q");
+}
+
+// ----- error figures that are not finite -----
+
+TEST(ErrorMetrics, NonFiniteOutputOrReferenceThrows) {
+  Problem p = test::problem(1, 2, 20, 30, 8, false);
+  Inputs in = generate_inputs(p);
+  Tensor out(p.q_shape());
+  const std::vector<double> ref =
+      reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  std::copy(ref.begin(), ref.end(), out.data());
+  const ErrorStats e = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  EXPECT_LT(e.rel_fro, 1e-6);
+  // a NaN in the output
+  out.data()[5] = NAN;
+  std::string msg = test::error_message<Error>(
+      [&] { measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view()); });
+  EXPECT_CONTAINS(msg, "the output");
+  out.data()[5] = INFINITY;
+  EXPECT_THROW(measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view()), Error);
+  // a finite output against a reference that is not: inf in q makes its logits inf/NaN
+  out.data()[5] = 0;
+  in.q.data()[3] = INFINITY;
+  msg = test::error_message<Error>(
+      [&] { measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view()); });
+  EXPECT_CONTAINS(msg, "float64 reference");
+}
+
+TEST(ErrorMetrics, RunOneNeverReportsOkWithANonFiniteError) {
+  test::ScopedThreads threads(1);
+  MachineFigures mf;
+  RunOptions opt{.reps = 1, .min_time = 0.001};
+  Problem p = test::problem(1, 2, 40, 60, 16, false);
+  p.threads = 1;
+  for (const char* spec : {"full", "flash", "local"}) {
+    SCOPED_TRACE(spec);
+    auto v = make_variant(spec);
+    // inputs whose reference is not finite: an error row
+    Inputs bad = generate_inputs(p);
+    bad.q.data()[7] = INFINITY;
+    Row row = run_one(*v, p, &bad, mf, opt);
+    EXPECT_EQ(row.status, "error") << row.message;
+    EXPECT_FALSE(row.message.empty());
+    // v near FLT_MAX: finite, so ok, and the error finite and small
+    Inputs big = generate_inputs(p);
+    for (int64_t i = 0; i < big.v.numel(); ++i) big.v.data()[i] = 3e38f * std::tanh(big.v.data()[i]);
+    row = run_one(*v, p, &big, mf, opt);
+    EXPECT_EQ(row.status, "ok") << row.message;
+    EXPECT_TRUE(std::isfinite(row.error.rel_fro));
+    EXPECT_LT(row.error.rel_fro, 1e-5);
+  }
+  // a scale whose q overflows float: an error row, not ok with a NaN error
+  auto v = make_variant("flash");
+  p.scale = 3e38;
+  Row row = run_one(*v, p, nullptr, mf, opt);
+  EXPECT_EQ(row.status, "error");
+  EXPECT_CONTAINS(row.message, "overflows q");
+}
+
+}  // namespace
+}  // namespace attnbench
