@@ -692,6 +692,11 @@ int cli_main(int argc, char** argv) {
   } catch (const UnsupportedError& e) {
     fmt::print(stderr, "attnbench: unsupported: {}\n", e.what());
     return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "attnbench: error: out of memory: the problem (or the pattern of every "
+                       "head up to --head) needs more memory than this machine can give; use "
+                       "smaller sizes\n");
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "attnbench: error: {}\n", e.what());
     return 1;

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages attnbench needs, if any are missing (as root, or through sudo).
+# Usage: scripts/deps.sh [--dev]
 set -euo pipefail
 
 packages=(
@@ -8,6 +9,12 @@ packages=(
   libcli11-dev libgtest-dev libzip-dev
   libbenchmark-tools python3 python3-scipy python3-matplotlib python3-pandas
 )
+
+# --dev adds what the clang build, the sanitizer runs and the fuzzers need (scripts/clang_build.sh,
+# scripts/sanitize_test.sh, scripts/fuzz.sh): clang 14 with its sanitizer and libFuzzer runtimes.
+if [ "${1:-}" = "--dev" ]; then
+  packages+=(clang libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
