@@ -47,32 +47,40 @@ int64_t itemsize(const std::string& descr) {
   return descr[1] == 'U' ? 4 * n : n;  // a unicode string of n characters is UCS-4
 }
 
+// The header as quoted in error messages: at most its first 200 bytes.
+std::string excerpt(const std::string& header) {
+  return header.size() <= 200 ? header : header.substr(0, 200) + "...";
+}
+
 // Extracts the value text for key in the header dict "{'descr': '<f4', ...}".
-std::string dict_value(const std::string& header, const std::string& key, const std::string& what) {
+std::string dict_value(const std::string& header, const std::string& key,
+                       const std::string& what) {
   auto pos = header.find("'" + key + "'");
   if (pos == std::string::npos)
-    throw InputError(fmt::format("{}: .npy header has no '{}' field: {}", what, key, header));
+    throw InputError(fmt::format("{}: .npy header has no '{}' field: {}", what, key,
+                                 excerpt(header)));
   pos = header.find(':', pos);
   if (pos == std::string::npos)
     throw InputError(fmt::format("{}: malformed .npy header (no ':' after '{}'): {}", what, key,
-                                 header));
+                                 excerpt(header)));
   ++pos;
   while (pos < header.size() && header[pos] == ' ') ++pos;
   if (pos >= header.size())
     throw InputError(fmt::format("{}: malformed .npy header (no value for '{}'): {}", what, key,
-                                 header));
+                                 excerpt(header)));
   size_t end = pos;
   if (header[pos] == '(') {
     end = header.find(')', pos);
     if (end == std::string::npos)
-      throw InputError(fmt::format("{}: malformed .npy shape (no closing ')'): {}", what, header));
+      throw InputError(fmt::format("{}: malformed .npy shape (no closing ')'): {}", what,
+                                   excerpt(header)));
     return header.substr(pos, end - pos + 1);
   }
   if (header[pos] == '\'') {
     end = header.find('\'', pos + 1);
     if (end == std::string::npos)
       throw InputError(fmt::format("{}: malformed .npy header (unterminated string for '{}'): {}",
-                                   what, key, header));
+                                   what, key, excerpt(header)));
     return header.substr(pos + 1, end - pos - 1);
   }
   end = header.find_first_of(",}", pos);
@@ -84,7 +92,7 @@ std::vector<int64_t> parse_shape(const std::string& text, const std::string& wha
   auto bad = [&](const char* why) {
     return InputError(fmt::format("{}: malformed .npy shape '{}' ({}); accepted: a tuple of "
                                   "non-negative integers such as (2, 8, 1024, 64), (5,) or ()",
-                                  what, text, why));
+                                  what, excerpt(text), why));
   };
   if (text.size() < 2 || text.front() != '(' || text.back() != ')') throw bad("not a tuple");
   std::vector<int64_t> shape;
