@@ -4,51 +4,117 @@
 #include <fmt/ranges.h>
 #include <zip.h>
 
+#include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <string_view>
 
+#include "common/checked.h"
 #include "common/error.h"
 
 namespace attnbench {
 
 int64_t NpyArray::numel() const {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape)
+    if ((n = checked_mul(n, s)) < 0)
+      throw InputError(fmt::format("shape ({}) has more elements than an int64 can count",
+                                   fmt::join(shape, ", ")));
   return n;
 }
 
 namespace {
 
+constexpr const char* kNpyDtypes =
+    "accepted: a NumPy type string of byte order, kind and size, such as '<f4' (float32), "
+    "'<f8' or '|u1'";
+
+// Bytes per element of a simple NumPy descr ("<f4", "|u1", "<U10"), or 0 if it is not one.
 int64_t itemsize(const std::string& descr) {
-  if (descr.size() < 3) return 0;
-  return std::atoll(descr.c_str() + 2);
+  if (descr.size() < 3 || descr.size() > 12 || std::string_view("<>|=").find(descr[0]) ==
+      std::string_view::npos || !std::isalpha(static_cast<unsigned char>(descr[1])))
+    return 0;
+  int64_t n = 0;
+  const char* first = descr.data() + 2;
+  const char* last = descr.data() + descr.size();
+  auto [end, ec] = std::from_chars(first, last, n);
+  if (ec != std::errc() || end != last || n <= 0 || n > (int64_t(1) << 30)) return 0;
+  return descr[1] == 'U' ? 4 * n : n;  // a unicode string of n characters is UCS-4
+}
+
+// The header as quoted in error messages: at most its first 200 bytes.
+std::string excerpt(const std::string& header) {
+  return header.size() <= 200 ? header : header.substr(0, 200) + "...";
 }
 
 // Extracts the value text for key in the header dict "{'descr': '<f4', ...}".
-std::string dict_value(const std::string& header, const std::string& key, const std::string& what) {
+std::string dict_value(const std::string& header, const std::string& key,
+                       const std::string& what) {
   auto pos = header.find("'" + key + "'");
   if (pos == std::string::npos)
-    throw InputError(fmt::format("{}: .npy header has no '{}' field: {}", what, key, header));
+    throw InputError(fmt::format("{}: .npy header has no '{}' field: {}", what, key,
+                                 excerpt(header)));
   pos = header.find(':', pos);
-  if (pos == std::string::npos) throw InputError(fmt::format("{}: malformed .npy header", what));
+  if (pos == std::string::npos)
+    throw InputError(fmt::format("{}: malformed .npy header (no ':' after '{}'): {}", what, key,
+                                 excerpt(header)));
   ++pos;
   while (pos < header.size() && header[pos] == ' ') ++pos;
+  if (pos >= header.size())
+    throw InputError(fmt::format("{}: malformed .npy header (no value for '{}'): {}", what, key,
+                                 excerpt(header)));
   size_t end = pos;
   if (header[pos] == '(') {
     end = header.find(')', pos);
-    if (end == std::string::npos) throw InputError(fmt::format("{}: malformed .npy shape", what));
+    if (end == std::string::npos)
+      throw InputError(fmt::format("{}: malformed .npy shape (no closing ')'): {}", what,
+                                   excerpt(header)));
     return header.substr(pos, end - pos + 1);
   }
   if (header[pos] == '\'') {
     end = header.find('\'', pos + 1);
-    if (end == std::string::npos) throw InputError(fmt::format("{}: malformed .npy header", what));
+    if (end == std::string::npos)
+      throw InputError(fmt::format("{}: malformed .npy header (unterminated string for '{}'): {}",
+                                   what, key, excerpt(header)));
     return header.substr(pos + 1, end - pos - 1);
   }
   end = header.find_first_of(",}", pos);
-  return header.substr(pos, end - pos);
+  return header.substr(pos, end == std::string::npos ? end : end - pos);
+}
+
+// Parses "(2, 8, 1024, 64)", "(5,)" or "()".
+std::vector<int64_t> parse_shape(const std::string& text, const std::string& what) {
+  auto bad = [&](const char* why) {
+    return InputError(fmt::format("{}: malformed .npy shape '{}' ({}); accepted: a tuple of "
+                                  "non-negative integers such as (2, 8, 1024, 64), (5,) or ()",
+                                  what, excerpt(text), why));
+  };
+  if (text.size() < 2 || text.front() != '(' || text.back() != ')') throw bad("not a tuple");
+  std::vector<int64_t> shape;
+  const char* p = text.data() + 1;
+  const char* const last = text.data() + text.size() - 1;  // the ')'
+  auto skip_spaces = [&] {
+    while (p < last && *p == ' ') ++p;
+  };
+  skip_spaces();
+  while (p < last) {
+    int64_t v = 0;
+    auto [end, ec] = std::from_chars(p, last, v);
+    if (ec == std::errc::result_out_of_range) throw bad("an axis exceeds 2^63 - 1");
+    if (ec != std::errc() || end == p || v < 0) throw bad("an axis is not a non-negative integer");
+    shape.push_back(v);
+    p = end;
+    skip_spaces();
+    if (p < last && *p != ',') throw bad("axes must be separated by ','");
+    if (p < last) ++p;
+    skip_spaces();
+  }
+  return shape;
 }
 
 std::string slurp(const std::string& path) {
@@ -75,10 +141,12 @@ NpyArray parse_npy(const std::string& bytes, const std::string& what) {
     for (int i = 0; i < 4; ++i) header_len |= size_t(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
     offset = 12;
   } else {
-    throw InputError(fmt::format("{}: unsupported .npy format version {}", what, major));
+    throw InputError(fmt::format("{}: unsupported .npy format version {}; accepted: 1, 2 or 3",
+                                 what, major));
   }
   if (bytes.size() < offset + header_len)
-    throw InputError(fmt::format("{}: truncated .npy header", what));
+    throw InputError(fmt::format("{}: truncated .npy header: it declares {} bytes, the file has {}",
+                                 what, header_len, bytes.size() - offset));
   std::string header = bytes.substr(offset, header_len);
   NpyArray a;
   a.dtype = dict_value(header, "descr", what);
@@ -86,26 +154,25 @@ NpyArray parse_npy(const std::string& bytes, const std::string& what) {
     throw InputError(fmt::format("{}: Fortran-order arrays are not accepted; save a C-order "
                                  "array (np.ascontiguousarray)",
                                  what));
-  std::string shape = dict_value(header, "shape", what);
-  for (size_t i = 1; i + 1 < shape.size();) {
-    while (i + 1 < shape.size() && (shape[i] == ' ' || shape[i] == ',')) ++i;
-    if (i + 1 >= shape.size()) break;
-    char* end = nullptr;
-    long long v = std::strtoll(shape.c_str() + i, &end, 10);
-    if (end == shape.c_str() + i || v < 0)
-      throw InputError(fmt::format("{}: malformed .npy shape {}", what, shape));
-    a.shape.push_back(v);
-    i = size_t(end - shape.c_str());
-  }
+  a.shape = parse_shape(dict_value(header, "shape", what), what);
   const int64_t isz = itemsize(a.dtype);
-  if (isz <= 0) throw InputError(fmt::format("{}: unsupported dtype '{}'", what, a.dtype));
-  const size_t want = size_t(a.numel() * isz), have = bytes.size() - offset - header_len;
-  if (have < want)
+  if (isz <= 0)
+    throw InputError(fmt::format("{}: unsupported dtype '{}'; {}", what, a.dtype, kNpyDtypes));
+  const size_t have = bytes.size() - offset - header_len;
+  // Every product is checked: a shape whose element count wraps to 0 would pass the
+  // truncation check below and send whoever reads the array off the end of its data.
+  int64_t want = isz;
+  for (int64_t s : a.shape) want = checked_mul(want, s);
+  if (want < 0)
+    throw InputError(fmt::format("{}: shape ({}) of {} needs more than 2^63 bytes (the element "
+                                 "count overflows int64), the file has {}",
+                                 what, fmt::join(a.shape, ", "), a.dtype, have));
+  if (have < uint64_t(want))
     throw InputError(fmt::format("{}: truncated data: shape ({}) of {} needs {} bytes, the "
                                  "file has {}",
                                  what, fmt::join(a.shape, ", "), a.dtype, want, have));
   a.data.assign(bytes.begin() + std::ptrdiff_t(offset + header_len),
-                bytes.begin() + std::ptrdiff_t(offset + header_len + want));
+                bytes.begin() + std::ptrdiff_t(offset + header_len + size_t(want)));
   return a;
 }
 
@@ -117,13 +184,14 @@ std::string encode_npy(const NpyArray& a) {
   shape += ")";
   std::string header =
       fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}", a.dtype, shape);
-  // Pad with spaces so magic + length + header + '\n' is a multiple of 64.
-  size_t total = 10 + header.size() + 1;
-  header.append((64 - total % 64) % 64, ' ');
+  // Format 1.0 has a 16-bit header length; longer headers (thousands of axes) need 2.0, as
+  // NumPy does. Pad with spaces so magic + length + header + '\n' is a multiple of 64.
+  const bool v2 = 10 + header.size() + 1 + 63 > 0xffff;
+  const size_t prefix = v2 ? 12 : 10;
+  header.append((64 - (prefix + header.size() + 1) % 64) % 64, ' ');
   header += '\n';
-  std::string out("\x93NUMPY\x01\x00", 8);
-  out += char(header.size() & 0xff);
-  out += char(header.size() >> 8);
+  std::string out(v2 ? "\x93NUMPY\x02\x00" : "\x93NUMPY\x01\x00", 8);
+  for (size_t i = 0; i < prefix - 8; ++i) out += char((header.size() >> (8 * i)) & 0xff);
   out += header;
   out.append(a.data.begin(), a.data.end());
   return out;
@@ -139,34 +207,139 @@ void write_npy(const std::string& path, const NpyArray& a) {
 
 NpyArray read_npy(const std::string& path) { return parse_npy(slurp(path), path); }
 
-std::map<std::string, NpyArray> read_npz(const std::string& path) {
-  int err = 0;
-  std::unique_ptr<zip_t, int (*)(zip_t*)> z(zip_open(path.c_str(), ZIP_RDONLY, &err), zip_close);
-  if (!z) {
-    zip_error_t ze;
-    zip_error_init_with_code(&ze, err);
-    std::string msg = zip_error_strerror(&ze);
-    zip_error_fini(&ze);
-    throw InputError(fmt::format("cannot read '{}' as .npz (a zip of .npy files): {}", path, msg));
-  }
+namespace {
+
+constexpr const char* kNpzAccepted =
+    "accepted: a zip archive of .npy files, stored or deflated, as np.savez and "
+    "np.savez_compressed write them";
+// Deflate emits at least 2 bits per 258-byte match, so no entry expands beyond 1032 times
+// its compressed size.
+constexpr uint64_t kMaxDeflateRatio = 1032;
+
+using ZipArchive = std::unique_ptr<zip_t, void (*)(zip_t*)>;
+
+std::string zip_error_text(int code) {
+  zip_error_t ze;
+  zip_error_init_with_code(&ze, code);
+  std::string msg = zip_error_strerror(&ze);
+  zip_error_fini(&ze);
+  return msg;
+}
+
+// Reads every entry of the archive z, `archive_bytes` long and named `what` in messages. The
+// sizes the zip directory declares are checked against the archive and the memory available
+// before anything is allocated, and each entry's CRC is checked.
+std::map<std::string, NpyArray> read_entries(zip_t* z, uint64_t archive_bytes,
+                                             const std::string& what) {
   std::map<std::string, NpyArray> out;
-  const zip_int64_t entries = zip_get_num_entries(z.get(), 0);
+  const uint64_t memory = uint64_t(available_memory_bytes());
+  uint64_t total = 0;  // uncompressed bytes of the entries so far
+  const zip_int64_t entries = zip_get_num_entries(z, 0);
   for (zip_int64_t i = 0; i < entries; ++i) {
     zip_stat_t st;
-    if (zip_stat_index(z.get(), zip_uint64_t(i), 0, &st) != 0)
-      throw InputError(fmt::format("{}: unreadable entry {}", path, i));
-    std::string name = st.name;
-    std::unique_ptr<zip_file_t, int (*)(zip_file_t*)> f(zip_fopen_index(z.get(), zip_uint64_t(i), 0),
+    zip_stat_init(&st);
+    if (zip_stat_index(z, zip_uint64_t(i), 0, &st) != 0)
+      throw InputError(fmt::format("{}: zip entry {} is unreadable: {}; {}", what, i,
+                                   zip_strerror(z), kNpzAccepted));
+    const std::string name =
+        (st.valid & ZIP_STAT_NAME) && st.name ? std::string(st.name) : fmt::format("#{}", i);
+    const std::string entry = fmt::format("{}: entry '{}'", what, name);
+    constexpr zip_uint64_t need = ZIP_STAT_SIZE | ZIP_STAT_COMP_SIZE | ZIP_STAT_COMP_METHOD;
+    if ((st.valid & need) != need)
+      throw InputError(fmt::format("{} has no size or compression method in the zip directory; "
+                                   "{}",
+                                   entry, kNpzAccepted));
+    if ((st.valid & ZIP_STAT_ENCRYPTION_METHOD) && st.encryption_method != ZIP_EM_NONE)
+      throw InputError(fmt::format("{} is encrypted; {}", entry, kNpzAccepted));
+    if (st.comp_method != ZIP_CM_STORE && st.comp_method != ZIP_CM_DEFLATE)
+      throw InputError(fmt::format("{} uses zip compression method {}; {}", entry,
+                                   st.comp_method, kNpzAccepted));
+    if (st.comp_size > archive_bytes)
+      throw InputError(fmt::format("{} declares {} compressed bytes, more than the whole archive "
+                                   "({} bytes); the file is truncated or corrupt; {}",
+                                   entry, st.comp_size, archive_bytes, kNpzAccepted));
+    if (st.comp_method == ZIP_CM_STORE && st.size != st.comp_size)
+      throw InputError(fmt::format("{} is stored uncompressed, yet declares {} bytes of data in "
+                                   "{} bytes; the zip directory is corrupt; {}",
+                                   entry, st.size, st.comp_size, kNpzAccepted));
+    if (st.comp_method == ZIP_CM_DEFLATE && st.size > st.comp_size * kMaxDeflateRatio)
+      throw InputError(fmt::format("{} declares {} bytes uncompressed from {} compressed bytes, "
+                                   "more than deflate can expand ({}x); the zip directory is "
+                                   "corrupt; {}",
+                                   entry, st.size, st.comp_size, kMaxDeflateRatio, kNpzAccepted));
+    if (st.size > memory || total + st.size > memory)
+      throw InputError(fmt::format("{} declares {} bytes uncompressed, {} with the entries before "
+                                   "it, more than the {} bytes of memory available",
+                                   entry, st.size, total + st.size, memory));
+    total += st.size;
+
+    std::unique_ptr<zip_file_t, int (*)(zip_file_t*)> f(zip_fopen_index(z, zip_uint64_t(i), 0),
                                                        zip_fclose);
-    if (!f) throw InputError(fmt::format("{}: cannot open entry '{}'", path, name));
+    if (!f)
+      throw InputError(fmt::format("{} cannot be opened: {}; {}", entry, zip_strerror(z),
+                                   kNpzAccepted));
     std::string bytes(size_t(st.size), '\0');
     zip_int64_t got = zip_fread(f.get(), bytes.data(), st.size);
-    if (got != zip_int64_t(st.size))
-      throw InputError(fmt::format("{}: entry '{}' is truncated or corrupt", path, name));
+    // One more read must meet the end of the entry; reaching it makes libzip check the CRC.
+    char extra = 0;
+    zip_int64_t more = got == zip_int64_t(st.size) ? zip_fread(f.get(), &extra, 1) : 0;
+    if (got < 0 || more < 0) {
+      zip_error_t* ze = zip_file_get_error(f.get());
+      const int code = zip_error_code_zip(ze);
+      const std::string detail = zip_error_strerror(ze);
+      if (code == ZIP_ER_CRC)
+        throw InputError(fmt::format("{} fails its CRC check: its data is corrupt; {}", entry,
+                                     kNpzAccepted));
+      if (code == ZIP_ER_COMPRESSED_DATA)
+        throw InputError(fmt::format("{} is corrupt: its deflate stream cannot be decoded ({}); "
+                                     "{}",
+                                     entry, detail, kNpzAccepted));
+      throw InputError(fmt::format("{} is corrupt or unreadable: {}; {}", entry, detail,
+                                   kNpzAccepted));
+    }
+    if (got != zip_int64_t(st.size) || more != 0)
+      throw InputError(fmt::format("{} holds {} bytes, but the zip directory declares {}; the "
+                                   "archive is corrupt; {}",
+                                   entry, more != 0 ? "more than " + std::to_string(st.size)
+                                                    : std::to_string(got),
+                                   st.size, kNpzAccepted));
     std::string key = name.size() > 4 && name.ends_with(".npy") ? name.substr(0, name.size() - 4) : name;
-    out[key] = parse_npy(bytes, fmt::format("{}:{}", path, name));
+    out[key] = parse_npy(bytes, fmt::format("{}:{}", what, name));
   }
   return out;
+}
+
+}  // namespace
+
+std::map<std::string, NpyArray> read_npz(const std::string& path) {
+  int err = 0;
+  ZipArchive z(zip_open(path.c_str(), ZIP_RDONLY, &err), zip_discard);
+  if (!z)
+    throw InputError(fmt::format("cannot read '{}' as .npz: {}; {}", path, zip_error_text(err),
+                                 kNpzAccepted));
+  std::error_code ec;
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  return read_entries(z.get(), ec ? UINT64_MAX : uint64_t(size), path);
+}
+
+std::map<std::string, NpyArray> read_npz_buffer(std::string_view bytes, const std::string& what) {
+  zip_error_t ze;
+  zip_error_init(&ze);
+  zip_source_t* src = zip_source_buffer_create(bytes.data(), bytes.size(), 0, &ze);
+  if (!src) {
+    std::string msg = zip_error_strerror(&ze);
+    zip_error_fini(&ze);
+    throw InputError(fmt::format("cannot read {} as .npz: {}", what, msg));
+  }
+  ZipArchive z(zip_open_from_source(src, ZIP_RDONLY, &ze), zip_discard);
+  if (!z) {
+    zip_source_free(src);
+    std::string msg = zip_error_strerror(&ze);
+    zip_error_fini(&ze);
+    throw InputError(fmt::format("cannot read {} as .npz: {}; {}", what, msg, kNpzAccepted));
+  }
+  zip_error_fini(&ze);
+  return read_entries(z.get(), bytes.size(), what);
 }
 
 void write_npz(const std::string& path, const std::map<std::string, NpyArray>& arrays) {
@@ -199,7 +372,11 @@ NpyArray to_npy(const Tensor& t) {
 }
 
 Inputs load_inputs_npz(const std::string& path, Problem* p) {
-  auto arrays = read_npz(path);
+  return inputs_from_arrays(read_npz(path), path, p);
+}
+
+Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::string& path,
+                          Problem* p) {
   auto take = [&](const char* key) -> NpyArray& {
     auto it = arrays.find(key);
     if (it == arrays.end()) {
@@ -221,6 +398,14 @@ Inputs load_inputs_npz(const std::string& path, Problem* p) {
       if (s <= 0)
         throw InputError(fmt::format("{}: '{}' has an empty axis: shape ({})", path, key,
                                      fmt::join(a.shape, ", ")));
+    // The tensors are sized from the shape and filled from the data: they must agree, and
+    // no product may wrap.
+    int64_t bytes = int64_t(sizeof(float));
+    for (int64_t s : a.shape) bytes = checked_mul(bytes, s);
+    if (bytes < 0 || uint64_t(bytes) != a.data.size())
+      throw InputError(fmt::format("{}: '{}' has shape ({}) but {} bytes of data; float32 needs "
+                                   "4 bytes per element",
+                                   path, key, fmt::join(a.shape, ", "), a.data.size()));
     return a;
   };
   NpyArray &q = take("q"), &k = take("k"), &v = take("v");

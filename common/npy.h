@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/inputs.h"
@@ -17,6 +18,7 @@ struct NpyArray {
   std::vector<int64_t> shape;
   std::vector<char> data;  ///< raw little-endian bytes, C order
 
+  /// Product of the shape; throws InputError if it overflows int64.
   int64_t numel() const;
 };
 
@@ -28,8 +30,12 @@ std::string encode_npy(const NpyArray& a);
 void write_npy(const std::string& path, const NpyArray& a);
 NpyArray read_npy(const std::string& path);
 /// Reads every array of an .npz archive (stored or deflated, as np.savez and
-/// np.savez_compressed write them). Keys drop the ".npy" suffix.
+/// np.savez_compressed write them). Keys drop the ".npy" suffix. Sizes the zip declares are
+/// checked against the file and the memory available before anything is allocated, and
+/// every entry's CRC is checked; a bad archive throws InputError naming the file and entry.
 std::map<std::string, NpyArray> read_npz(const std::string& path);
+/// read_npz on an archive held in memory; `what` names it in error messages.
+std::map<std::string, NpyArray> read_npz_buffer(std::string_view bytes, const std::string& what);
 /// Writes an .npz archive (stored, like np.savez).
 void write_npz(const std::string& path, const std::map<std::string, NpyArray>& arrays);
 
@@ -40,5 +46,8 @@ NpyArray to_npy(const Tensor& t);
 /// k, v with m rows, all finite. Fills batch, heads, n, m, dim of *p and sets p->input to
 /// "file". Throws InputError naming what is wrong.
 Inputs load_inputs_npz(const std::string& path, Problem* p);
+/// The checks and copies of load_inputs_npz on arrays already read; `what` names their source.
+Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::string& what,
+                          Problem* p);
 
 }  // namespace attnbench

@@ -316,7 +316,7 @@ std::unique_ptr<Variant> Registry::make(std::string_view spec) const {
   for (const auto& ps : info->params) values.values[ps.name] = canonical_value(name, ps, ps.default_value);
   for (const auto& [key, value] : kv) {
     auto it = std::find_if(info->params.begin(), info->params.end(),
-                           [&](const ParamSpec& ps) { return ps.name == key; });
+                           [&key = key](const ParamSpec& ps) { return ps.name == key; });
     if (it == info->params.end()) {
       std::vector<std::string> valid;
       for (const auto& ps : info->params) valid.push_back(ps.name);

@@ -162,7 +162,7 @@ TEST(Clustered, EveryQueryJoinsItsNearestCentroid) {
         }
       } else {
         for (int64_t i = 0; i < n; ++i) {
-          auto dist = [&](int64_t c) {
+          auto dist = [&, d = d](int64_t c) {  // clang 14 cannot capture a structured binding
             double s = 0;
             for (int64_t t = 0; t < d; ++t) s += std::pow(double(q[i * d + t]) - cl.centres[size_t(c * d + t)], 2);
             return s;

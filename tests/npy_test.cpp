@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <zip.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -312,6 +313,216 @@ TEST(Npz, LoadInputsErrors) {
     a["v"] = NpyArray{"|u1", {1, 2, 5, 4}, std::vector<char>(40, 1)};
     EXPECT_CONTAINS(load_error(dir, "u1.npz", a), "float32");
   }
+}
+
+
+// ----- untrusted headers and archives: a clear InputError, never a crash or a huge allocation
+
+// An .npy whose header declares `shape` (text as NumPy writes it) and holds `data_bytes` zeros.
+std::string npy_with_shape(const std::string& shape, size_t data_bytes) {
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }";
+  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
+  header += '\n';
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out += char(header.size() & 0xff);
+  out += char(header.size() >> 8);
+  return out + header + std::string(data_bytes, '\0');
+}
+
+// An .npz of q, k, v as given (raw .npy bytes), each entry deflated or stored.
+void write_raw_npz(const std::string& path, const std::map<std::string, std::string>& entries,
+                   bool deflate) {
+  int err = 0;
+  zip_t* z = zip_open(path.c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err);
+  ASSERT_NE(z, nullptr);
+  for (const auto& [name, bytes] : entries) {
+    zip_source_t* src = zip_source_buffer(z, bytes.data(), bytes.size(), 0);
+    zip_int64_t idx = zip_file_add(z, name.c_str(), src, ZIP_FL_OVERWRITE);
+    ASSERT_GE(idx, 0);
+    ASSERT_EQ(zip_set_file_compression(z, zip_uint64_t(idx), deflate ? ZIP_CM_DEFLATE : ZIP_CM_STORE,
+                                       deflate ? 9 : 0),
+              0);
+  }
+  ASSERT_EQ(zip_close(z), 0);
+}
+
+std::map<std::string, std::string> encoded_qkv(int64_t b, int64_t h, int64_t n, int64_t m,
+                                               int64_t d) {
+  std::map<std::string, std::string> out;
+  for (const auto& [key, a] : qkv(b, h, n, m, d)) out[key + ".npy"] = encode_npy(a);
+  return out;
+}
+
+// Offsets of every occurrence of a zip signature ("PK\1\2": central directory, "PK\3\4": local
+// header).
+std::vector<size_t> find_all(const std::string& bytes, const std::string& sig) {
+  std::vector<size_t> at;
+  for (size_t i = bytes.find(sig); i != std::string::npos; i = bytes.find(sig, i + 1)) at.push_back(i);
+  return at;
+}
+
+void put_u32(std::string& bytes, size_t at, uint32_t v) {
+  for (int i = 0; i < 4; ++i) bytes[at + size_t(i)] = char((v >> (8 * i)) & 0xff);
+}
+
+const std::string kCentral("PK\x01\x02", 4), kLocal("PK\x03\x04", 4);
+
+// Start of the data of the first entry (after its local header, name and extra field).
+size_t first_entry_data(const std::string& bytes) {
+  const size_t at = find_all(bytes, kLocal).at(0);
+  const size_t name = uint8_t(bytes[at + 26]) | size_t(uint8_t(bytes[at + 27])) << 8;
+  const size_t extra = uint8_t(bytes[at + 28]) | size_t(uint8_t(bytes[at + 29])) << 8;
+  return at + 30 + name + extra;
+}
+
+std::string npz_error(const std::string& path) {
+  Problem p;
+  std::string msg = input_error([&] { load_inputs_npz(path, &p); });
+  EXPECT_CONTAINS(msg, path);
+  // the same archive from memory gives the same message, naming what it was given
+  const std::string bytes = test::read_text(path);
+  EXPECT_EQ(input_error([&] { inputs_from_arrays(read_npz_buffer(bytes, path), path, &p); }), msg);
+  return msg;
+}
+
+TEST(Npy, ShapeWhoseSizeOverflowsIsRefused) {
+  // 2^32 * 2^32 elements wrap to 0 in int64: the file must not pass as holding its data
+  const std::string bytes = npy_with_shape("(4294967296, 4294967296, 1, 1)", 64);
+  std::string msg = input_error([&] { parse_npy(bytes, "wrap.npy"); });
+  EXPECT_CONTAINS(msg, "wrap.npy");
+  EXPECT_CONTAINS(msg, "(4294967296, 4294967296, 1, 1)");
+  EXPECT_CONTAINS(msg, "overflows");
+  // an element count that fits but whose byte count does not (2^62 * 4 bytes)
+  msg = input_error([&] { parse_npy(npy_with_shape("(4611686018427387904,)", 0), "bytes.npy"); });
+  EXPECT_CONTAINS(msg, "overflows");
+  // an axis beyond int64, a negative axis, a shape that is not a tuple
+  msg = input_error([&] { parse_npy(npy_with_shape("(99999999999999999999, 1)", 0), "big.npy"); });
+  EXPECT_CONTAINS(msg, "big.npy");
+  EXPECT_CONTAINS(msg, "2^63");
+  msg = input_error([&] { parse_npy(npy_with_shape("(2, -1)", 0), "neg.npy"); });
+  EXPECT_CONTAINS(msg, "non-negative integers");
+  msg = input_error([&] { parse_npy(npy_with_shape("12", 64), "int.npy"); });
+  EXPECT_CONTAINS(msg, "malformed .npy shape '12'");
+  EXPECT_THROW(parse_npy(npy_with_shape("(1 2)", 64), "space.npy"), InputError);
+  EXPECT_THROW(parse_npy(npy_with_shape("(1,,2)", 64), "commas.npy"), InputError);
+  // what NumPy writes still parses
+  EXPECT_EQ(parse_npy(npy_with_shape("(2, 3)", 24), "ok.npy").shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(parse_npy(npy_with_shape("(5,)", 20), "ok.npy").shape, (std::vector<int64_t>{5}));
+  // and NpyArray::numel refuses to wrap
+  NpyArray a{"<f4", {int64_t(1) << 32, int64_t(1) << 32, 1, 1}, {}};
+  EXPECT_THROW(a.numel(), InputError);
+}
+
+TEST(Npy, UnsupportedDtypesAreRefused) {
+  NpyArray a = random_f32({2, 2}, 1);
+  for (const char* descr : {"<f", "f4", "<f0", "<f4x", "<f99999999999999999999", "<<4"}) {
+    SCOPED_TRACE(descr);
+    a.dtype = descr;
+    std::string msg = input_error([&] { parse_npy(encode_npy(a), "dtype.npy"); });
+    EXPECT_CONTAINS(msg, "unsupported dtype");
+    EXPECT_CONTAINS(msg, "'<f4'");  // it says what is accepted
+  }
+}
+
+TEST(Npz, ShapeWhoseSizeOverflowsIsRefused) {
+  // q, k and v declare 2^64 elements each and hold none: this used to load as a problem of
+  // B = H = 2^32 over 64-byte buffers
+  TempDir dir;
+  const std::string npy = npy_with_shape("(4294967296, 4294967296, 1, 1)", 0);
+  write_raw_npz(dir.file("wrap.npz"), {{"q.npy", npy}, {"k.npy", npy}, {"v.npy", npy}}, false);
+  std::string msg = npz_error(dir.file("wrap.npz"));
+  EXPECT_CONTAINS(msg, "k.npy");
+  EXPECT_CONTAINS(msg, "overflows");
+  // arrays made in code are checked the same way
+  std::map<std::string, NpyArray> arrays;
+  for (const char* key : {"q", "k", "v"})
+    arrays[key] = NpyArray{"<f4", {int64_t(1) << 32, int64_t(1) << 32, 1, 1}, {}};
+  Problem p;
+  EXPECT_CONTAINS(input_error([&] { inputs_from_arrays(arrays, "made", &p); }), "bytes of data");
+}
+
+TEST(Npz, DeclaredSizesAreCheckedAgainstTheFile) {
+  TempDir dir;
+  for (bool deflate : {true, false}) {
+    SCOPED_TRACE(deflate ? "deflated" : "stored");
+    const std::string path = dir.file(deflate ? "deflated.npz" : "stored.npz");
+    write_raw_npz(path, encoded_qkv(1, 1, 1, 1, 1), deflate);
+    std::string bytes = test::read_text(path);
+    ASSERT_LT(bytes.size(), 1000u);
+    // every entry claims 3 GiB uncompressed, in the central directory and the local headers:
+    // refused before anything is allocated
+    for (size_t at : find_all(bytes, kCentral)) put_u32(bytes, at + 24, 3u << 30);
+    for (size_t at : find_all(bytes, kLocal)) put_u32(bytes, at + 22, 3u << 30);
+    const std::string huge = dir.file("huge.npz");
+    test::write_text(huge, bytes);
+    const auto start = std::chrono::steady_clock::now();
+    std::string msg = npz_error(huge);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+    EXPECT_CONTAINS(msg, "entry 'k.npy'");  // the first entry, in name order
+    EXPECT_CONTAINS(msg, "3221225472");
+    EXPECT_CONTAINS(msg, deflate ? "more than deflate can expand" : "stored uncompressed");
+    EXPECT_CONTAINS(msg, "np.savez");  // what is accepted
+  }
+}
+
+TEST(Npz, BadCrcIsRefused) {
+  TempDir dir;
+  for (bool deflate : {true, false}) {
+    SCOPED_TRACE(deflate ? "deflated" : "stored");
+    const std::string path = dir.file("crc.npz");
+    write_raw_npz(path, encoded_qkv(1, 2, 3, 3, 4), deflate);
+    std::string bytes = test::read_text(path);
+    // one flipped bit of data (the last float of k) is what only the CRC catches
+    if (!deflate) {
+      const size_t central = find_all(bytes, kCentral).at(0);
+      const size_t size = uint8_t(bytes[central + 20]) | size_t(uint8_t(bytes[central + 21])) << 8;
+      bytes[first_entry_data(bytes) + size - 1] ^= 0x01;
+    } else {
+      // or a CRC that does not match the data
+      for (size_t at : find_all(bytes, kCentral)) bytes[at + 16] ^= 0x01;
+      for (size_t at : find_all(bytes, kLocal)) bytes[at + 14] ^= 0x01;
+    }
+    test::write_text(path, bytes);
+    std::string msg = npz_error(path);
+    EXPECT_CONTAINS(msg, "entry 'k.npy'");
+    EXPECT_CONTAINS(msg, "CRC");
+  }
+}
+
+TEST(Npz, CorruptDeflateStreamIsReportedAsSuch) {
+  TempDir dir;
+  const std::string path = dir.file("deflate.npz");
+  write_raw_npz(path, encoded_qkv(1, 2, 3, 3, 4), true);
+  std::string bytes = test::read_text(path);
+  const size_t data = first_entry_data(bytes);
+  for (size_t i = data + 3; i < data + 9; ++i) bytes[i] ^= 0x5a;
+  test::write_text(path, bytes);
+  std::string msg = npz_error(path);
+  EXPECT_CONTAINS(msg, "entry 'k.npy'");
+  EXPECT_CONTAINS(msg, "corrupt");
+  EXPECT_EQ(msg.find("shape"), std::string::npos) << msg;  // not mistaken for a bad header
+}
+
+TEST(Npz, ReadsArchivesFromMemory) {
+  TempDir dir;
+  auto arrays = qkv(1, 2, 3, 5, 4);
+  write_npz(dir.file("a.npz"), arrays);
+  auto back = read_npz_buffer(test::read_text(dir.file("a.npz")), "buffer");
+  ASSERT_EQ(back.size(), 3u);
+  for (const auto& [key, a] : arrays) expect_same(back.at(key), a);
+  std::string msg = input_error([] { read_npz_buffer("not a zip", "the buffer"); });
+  EXPECT_CONTAINS(msg, "the buffer");
+  EXPECT_CONTAINS(msg, "np.savez");
+}
+
+TEST(Npy, EncodesLongHeadersAsVersion2) {
+  // a header beyond 65535 bytes does not fit version 1.0's 16-bit length
+  NpyArray a{"|u1", std::vector<int64_t>(25000, 1), {}};
+  a.shape[0] = 3;
+  a.data = {1, 2, 3};
+  const std::string bytes = encode_npy(a);
+  EXPECT_EQ(bytes[6], 2);
+  expect_same(parse_npy(bytes, "long"), a);
 }
 
 }  // namespace

@@ -66,8 +66,9 @@ inline void gemm_square(int64_t L, const double* a, const double* b, double beta
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(L), int(L), alpha, a, int(L),
               b, int(L), beta, c, int(L));
 }
-inline void gemm_square(int64_t L, const float* a, const float* b, float beta, float* c,
-                        float alpha = 1.0f) {
+// The float overloads serve Real = float; unused while Real is double.
+[[maybe_unused]] inline void gemm_square(int64_t L, const float* a, const float* b, float beta,
+                                         float* c, float alpha = 1.0f) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(L), int(L), alpha, a, int(L),
               b, int(L), beta, c, int(L));
 }
@@ -77,7 +78,8 @@ inline void gemm_rect(int64_t L, int64_t d, const double* z, const double* b, do
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0, z, int(L),
               b, int(d), 0.0, w, int(d));
 }
-inline void gemm_rect(int64_t L, int64_t d, const float* z, const float* b, float* w) {
+[[maybe_unused]] inline void gemm_rect(int64_t L, int64_t d, const float* z, const float* b,
+                                       float* w) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0f, z, int(L),
               b, int(d), 0.0f, w, int(d));
 }
