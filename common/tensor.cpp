@@ -7,6 +7,7 @@
 #include <cstring>
 #include <new>
 
+#include "common/checked.h"
 #include "common/error.h"
 
 namespace attnbench {
@@ -18,14 +19,14 @@ Tensor::Tensor(Shape4 s) : shape_(s) {
   // wraps around must not become a small buffer that kernels then walk off.
   int64_t count = 1;
   for (int64_t e : {s.batch, s.heads, s.len, s.dim})
-    if (e < 0 || __builtin_mul_overflow(count, e, &count))
+    if ((count = checked_mul(count, e)) < 0)
       throw InputError(fmt::format("tensor shape {} has a negative extent or more elements than "
                                    "fit in 64 bits",
                                    s.str()));
-  size_t bytes = 0;
-  if (__builtin_mul_overflow(size_t(count), sizeof(float), &bytes) || bytes > SIZE_MAX - 63)
+  const int64_t bytes = checked_mul(count, int64_t(sizeof(float)));
+  if (bytes < 0 || bytes > INT64_MAX - 63)
     throw InputError(fmt::format("tensor shape {} needs more bytes than fit in 64 bits", s.str()));
-  size_t rounded = (bytes + 63) / 64 * 64;
+  size_t rounded = (size_t(bytes) + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded ? rounded : 64);
   if (!p) throw std::bad_alloc();
   std::memset(p, 0, rounded);

@@ -7,6 +7,9 @@
 
 namespace attnbench {
 
+/// Whether the allocation hook counts (false under AddressSanitizer, whose allocator it leaves
+/// alone): when it does not, every heap figure below stays 0 and must not be reported.
+bool heap_counting();
 /// Bytes currently allocated on the heap (usable sizes).
 int64_t heap_current_bytes();
 /// Resets the peak to the current figure and returns it.

@@ -40,7 +40,23 @@ inline void on_free(void* p) {
 using namespace attnbench::hook;
 
 // AddressSanitizer brings its own malloc; under it the hook steps aside (and counts nothing).
-#ifndef __SANITIZE_ADDRESS__
+#if defined(__SANITIZE_ADDRESS__)
+#define ATTNBENCH_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ATTNBENCH_UNDER_ASAN 1
+#endif
+#endif
+
+namespace attnbench {
+#ifdef ATTNBENCH_UNDER_ASAN
+bool heap_counting() { return false; }
+#else
+bool heap_counting() { return true; }
+#endif
+}  // namespace attnbench
+
+#ifndef ATTNBENCH_UNDER_ASAN
 extern "C" {
 
 void* malloc(size_t size) {
@@ -98,4 +114,4 @@ void* pvalloc(size_t size) {
 }
 
 }  // extern "C"
-#endif  // __SANITIZE_ADDRESS__
+#endif  // ATTNBENCH_UNDER_ASAN

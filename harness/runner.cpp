@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <regex>
 #include <sstream>
 
+#include "common/checked.h"
 #include "common/error.h"
 #include "common/pattern.h"
 #include "harness/memory.h"
@@ -49,6 +51,14 @@ class CaptureReporter : public benchmark::BenchmarkReporter {
   benchmark::JSONReporter json_;
 };
 
+// Google Benchmark's JSON, with the non-finite numbers its reporter writes as bare NaN or
+// inf (e.g. the coefficient of variation of a counter that is 0 in every repetition) turned
+// into null: JSON has no such literals, and a results file holds no figure that is not one.
+nlohmann::json parse_benchmark_json(const std::string& text) {
+  static const std::regex non_finite(R"((:\s*)-?(NaN|nan|inf|Infinity)\b)");
+  return nlohmann::json::parse(std::regex_replace(text, non_finite, "$1null"));
+}
+
 double median(std::vector<double> x) {
   std::sort(x.begin(), x.end());
   const size_t n = x.size();
@@ -79,15 +89,7 @@ int apply_threads(int threads) {
   return threads;
 }
 
-double available_memory() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  double kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024.0;
-  return 8.0 * double(1ULL << 30);
-}
+double available_memory() { return double(available_memory_bytes()); }
 
 Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
             const RunOptions& opt, Tensor* output, nlohmann::json* bench_json) {
@@ -157,7 +159,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
       const double run_peak = double(scope.peak_bytes());
       peak = std::max(peak, run_peak);
       st.counters["FLOPS"] = benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
-      st.counters["peak_bytes"] = benchmark::Counter(run_peak);
+      if (heap_counting()) st.counters["peak_bytes"] = benchmark::Counter(run_peak);
     });
     bm->Repetitions(std::max(1, opt.reps));
     // Google Benchmark requires a positive MinTime; 0 means one pass per repetition.
@@ -174,7 +176,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
       row.message = rep.error_.empty() ? "benchmark produced no runs" : rep.error_;
       return row;
     }
-    if (bench_json) *bench_json = nlohmann::json::parse(rep.json_text_.str());
+    if (bench_json) *bench_json = parse_benchmark_json(rep.json_text_.str());
     auto& t = rep.times_;
     row.reps = int(t.size());
     row.iterations = rep.iterations_;
@@ -187,7 +189,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.time_stddev = t.size() > 1 ? std::sqrt(var / double(t.size() - 1)) : 0.0;
     row.gflops = row.flops / row.time_median / 1e9;
     row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
-    row.peak_bytes = peak;
+    row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
     row.notes = variant.notes();  // of the last timed pass
     if (output) *output = std::move(out);
   } catch (const UnsupportedError& e) {
