@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "common/attention_kernels.h"
+#include "common/omp_guard.h"
 
 namespace attnbench {
 namespace {
@@ -36,17 +38,21 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
   const int64_t n = p.n, qblocks = (n + bs - 1) / bs, tasks = p.batch * p.heads * qblocks;
   const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 weights
 
+  OmpGuard guard;
 #pragma omp parallel
   {
     // per-thread tiles, mask and block list, allocated once per call
-    AlignedBuffer buf(thread_bytes(tl));
-    const Workspace w(tl, buf.floats());
-    uint8_t* const mask = buf.bytes() + tl.bytes();
+    std::optional<AlignedBuffer> buf;
     std::vector<KeyBlock> blocks;
-    blocks.reserve(size_t(max_key_blocks(p, bs)));
+    guard.run([&] {
+      buf.emplace(thread_bytes(tl));
+      blocks.reserve(size_t(max_key_blocks(p, bs)));
+    });
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
+      const Workspace w(tl, buf->floats());
+      uint8_t* const mask = buf->bytes() + tl.bytes();
       // within a head, the last query blocks first: under a causal mask they see the most keys
       const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bs;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bs, n - i0);
@@ -89,8 +95,9 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
         if (pscale == 1.0f) prefetch_upto(rows);
         if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-    }
+    });
   }
+  guard.rethrow();
 }
 
 }  // namespace fast
@@ -106,16 +113,22 @@ using namespace kernels::portable;
   const int64_t qblocks = (n + bs - 1) / bs, tasks = p.batch * p.heads * qblocks;
   const float scale = p.softmax_scale();
 
+  OmpGuard guard;
 #pragma omp parallel
   {
     // per-thread tiles, mask and block list, allocated once per call
     const int64_t max_rows = std::min(bs, n), max_cols = std::min(bs, p.keys());
-    Workspace w(max_rows, max_cols, d);
-    std::vector<uint8_t> mask(size_t(max_rows * max_cols));
+    std::optional<Workspace> ws;
+    std::vector<uint8_t> mask;
     std::vector<KeyBlock> blocks;
-    blocks.reserve(size_t(max_key_blocks(p, bs)));
+    guard.run([&] {
+      ws.emplace(max_rows, max_cols, d);
+      mask.resize(size_t(max_rows * max_cols));
+      blocks.reserve(size_t(max_key_blocks(p, bs)));
+    });
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
+      Workspace& w = *ws;
       const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bs;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bs, n - i0);
       const int64_t kend = p.visible(i0 + rows - 1);
@@ -137,8 +150,9 @@ using namespace kernels::portable;
         }
         if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-    }
+    });
   }
+  guard.rethrow();
 }
 
 }  // namespace portable

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/omp_guard.h"
 #include "common/random.h"
 
 namespace attnbench {
@@ -43,9 +44,10 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t n = p.n, m = p.keys(), d = p.dim, len = std::max(n, m);
   const double rho = std::exp(-1.0 / 16.0), innov = std::sqrt(1 - rho * rho), noise = 0.3;
   const double norm = 1.0 / std::sqrt(1 + noise * noise);
+  OmpGuard guard;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
+    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
       RandomStream lat(p.seed, stream_id(kLatent, o, b, h)), nq(p.seed, stream_id(kNoiseQ, o, b, h)),
           nk(p.seed, stream_id(kNoiseK, o, b, h));
       std::vector<double> z(size_t(len * d));
@@ -60,7 +62,8 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
         q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
       for (int64_t i = 0; i < m * d; ++i)
         k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
-    }
+    });
+  guard.rethrow();
 }
 
 // clustered: 8 cluster centres per head shared by q and k; each token is its centre plus
@@ -68,9 +71,10 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
 void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t d = p.dim, clusters = 8;
   const double sigma = 0.5, norm = 1.0 / std::sqrt(1 + sigma * sigma);
+  OmpGuard guard;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
+    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
       RandomStream cs(p.seed, stream_id(kCenters, o, b, h)), as(p.seed, stream_id(kAssign, o, b, h));
       std::vector<double> centres(size_t(clusters * d));
       for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
@@ -85,16 +89,18 @@ void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
       };
       fill(in.q.view().head(b, h), p.n, kNoiseQ, 0);
       fill(in.k.view().head(b, h), p.keys(), kNoiseK, uint64_t(1) << 40);
-    }
+    });
+  guard.rethrow();
 }
 
 // lowrank: q and k lie in a shared random subspace of rank r = min(d, 8): x = z U with
 // z ~ N(0, I_r) and U entries N(0, 1/r), so every entry has unit variance.
 void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t d = p.dim, r = std::min<int64_t>(d, 8);
+  OmpGuard guard;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
+    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
       RandomStream us(p.seed, stream_id(kBasis, o, b, h));
       std::vector<double> u(size_t(r * d));
       for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
@@ -112,7 +118,8 @@ void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
       };
       fill(in.q.view().head(b, h), p.n, kQ);
       fill(in.k.view().head(b, h), p.keys(), kK);
-    }
+    });
+  guard.rethrow();
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <optional>
 
+#include "common/omp_guard.h"
 #include "common/random.h"
 #include "common/simd.h"
 #include "common/softmax.h"
@@ -363,16 +365,19 @@ void attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorV
   const int64_t heads = p.batch * p.heads, floats = workspace_floats(sc, features, p.dim);
   // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
   const bool per_head = heads >= omp_get_max_threads();
+  OmpGuard guard;
 #pragma omp parallel if (per_head)
   {
-    Aligned work(floats);
+    std::optional<Aligned> work;
+    guard.run([&] { work.emplace(floats); });
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < heads; ++bh) {
+    for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
       const int64_t b = bh / p.heads, h = bh % p.heads;
       attend_head(map_for_head(h), p, sc, q.head(b, h), q.stride_row, k.head(b, h), k.stride_row,
-                  v.head(b, h), v.stride_row, out.head(b, h), out.stride_row, eps, work.get());
-    }
+                  v.head(b, h), v.stride_row, out.head(b, h), out.stride_row, eps, work->get());
+    });
   }
+  guard.rethrow();
 }
 
 double attend_flops(const Problem& p, int64_t features, double query_map_flops,

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/omp_guard.h"
+
 namespace attnbench {
 
 std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
@@ -39,8 +41,9 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
                                  const SparsePattern& pattern, int64_t b, int64_t h,
                                  std::span<const int64_t> rows) {
   std::vector<double> mass(rows.size());
+  OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r) {
+  for (size_t r = 0; r < rows.size(); ++r) guard.run([&] {
     const int64_t i = rows[r];
     std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
     std::vector<uint8_t> allowed(size_t(p.keys()));
@@ -49,7 +52,8 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
     for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
     // a row with no visible key has nothing to lose: its mass is 1
     mass[r] = p.visible(i) == 0 ? 1.0 : in;
-  }
+  });
+  guard.rethrow();
   return mass;
 }
 
@@ -57,8 +61,9 @@ void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Cons
                     int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
                     const SparsePattern* pattern) {
   const int64_t d = p.dim;
+  OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r) {
+  for (size_t r = 0; r < rows.size(); ++r) guard.run([&] {
     const int64_t i = rows[r];
     std::vector<double> prob = reference_probabilities(p, q, k, b, h, i, pattern);
     double* o = out + int64_t(r) * d;
@@ -67,7 +72,8 @@ void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Cons
       const float* vj = v.row(b, h, j);
       for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
     }
-  }
+  });
+  guard.rethrow();
 }
 
 std::vector<double> reference_attention(const Problem& p, ConstTensorView q, ConstTensorView k,

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <utility>
 
@@ -62,6 +63,33 @@ std::string ParamSpec::accepted() const {
 
 namespace {
 
+// The one parser of numbers in parameter values, used both when a spec is read and when a
+// value is got, so a value accepted once can always be read back. Whole text only.
+bool parse_number(std::string_view text, int64_t& v) {
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  return ec == std::errc() && end == text.data() + text.size() && !text.empty();
+}
+// Finite and normal (or zero): a subnormal or underflowing value (1e-310) is refused, since
+// std::from_chars and strtod disagree on it and nothing in a variant means it.
+bool parse_number(std::string_view text, double& v) {
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  return ec == std::errc() && end == text.data() + text.size() && !text.empty() &&
+         std::isfinite(v) && (v == 0 || std::isnormal(v));
+}
+// "none" or integers joined by '+'.
+bool parse_number_list(std::string_view text, std::vector<int64_t>& out) {
+  out.clear();
+  if (text == "none") return true;
+  while (true) {
+    const size_t plus = text.find('+');
+    int64_t v = 0;
+    if (!parse_number(text.substr(0, plus), v)) return false;
+    out.push_back(v);
+    if (plus == std::string_view::npos) return true;
+    text.remove_prefix(plus + 1);
+  }
+}
+
 // Parses and range-checks one value; returns its canonical text.
 std::string canonical_value(const std::string& variant, const ParamSpec& ps,
                             const std::string& text) {
@@ -72,18 +100,17 @@ std::string canonical_value(const std::string& variant, const ParamSpec& ps,
   switch (ps.type) {
     case ParamType::Int: {
       int64_t v = 0;
-      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-      if (ec != std::errc() || end != text.data() + text.size() || text.empty())
-        throw bad("is not an integer");
+      if (!parse_number(text, v)) throw bad("is not an integer");
       if (double(v) < ps.min || double(v) > ps.max) throw bad("is out of range");
       return std::to_string(v);
     }
     case ParamType::Float: {
       double v = 0;
-      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-      if (ec != std::errc() || end != text.data() + text.size() || text.empty() ||
-          !std::isfinite(v))
-        throw bad("is not a finite number");
+      if (!parse_number(text, v))
+        throw bad(fmt::format("is not a finite number of magnitude 0 or at least {} (no "
+                              "subnormal or underflowing values)",
+                              std::numeric_limits<double>::min())
+                      .c_str());
       if (v < ps.min || v > ps.max) throw bad("is out of range");
       return fmt::format("{}", v);
     }
@@ -100,19 +127,9 @@ std::string canonical_value(const std::string& variant, const ParamSpec& ps,
     case ParamType::IntList: {
       if (text == "none") return text;
       std::vector<int64_t> items;
-      size_t start = 0;
-      while (true) {
-        const size_t plus = text.find('+', start);
-        const std::string item = text.substr(start, plus == std::string::npos ? plus : plus - start);
-        int64_t v = 0;
-        auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-        if (ec != std::errc() || end != item.data() + item.size() || item.empty())
-          throw bad("is not a list of integers");
+      if (!parse_number_list(text, items)) throw bad("is not a list of integers");
+      for (int64_t v : items)
         if (double(v) < ps.min || double(v) > ps.max) throw bad("has a value out of range");
-        items.push_back(v);
-        if (plus == std::string::npos) break;
-        start = plus + 1;
-      }
       std::sort(items.begin(), items.end());
       items.erase(std::unique(items.begin(), items.end()), items.end());
       return fmt::format("{}", fmt::join(items, "+"));
@@ -128,21 +145,26 @@ const std::string& ParamValues::text(const std::string& name) const {
   if (it == values.end()) throw SpecError(fmt::format("no parameter named '{}'", name));
   return it->second;
 }
-int64_t ParamValues::get_int(const std::string& name) const { return std::stoll(text(name)); }
-double ParamValues::get_float(const std::string& name) const { return std::stod(text(name)); }
+// The getters read the canonical text with the parser that accepted it.
+static SpecError unreadable(const std::string& name, const std::string& text, const char* what) {
+  return SpecError(fmt::format("parameter '{}' = '{}' is not {}", name, text, what));
+}
+int64_t ParamValues::get_int(const std::string& name) const {
+  int64_t v = 0;
+  if (!parse_number(text(name), v)) throw unreadable(name, text(name), "an integer");
+  return v;
+}
+double ParamValues::get_float(const std::string& name) const {
+  double v = 0;
+  if (!parse_number(text(name), v)) throw unreadable(name, text(name), "a normal finite number");
+  return v;
+}
 bool ParamValues::get_bool(const std::string& name) const { return text(name) == "true"; }
 const std::string& ParamValues::get_choice(const std::string& name) const { return text(name); }
 std::vector<int64_t> ParamValues::get_int_list(const std::string& name) const {
   std::vector<int64_t> out;
-  const std::string& t = text(name);
-  if (t == "none") return out;
-  size_t start = 0;
-  while (true) {
-    const size_t plus = t.find('+', start);
-    out.push_back(std::stoll(t.substr(start, plus == std::string::npos ? plus : plus - start)));
-    if (plus == std::string::npos) break;
-    start = plus + 1;
-  }
+  if (!parse_number_list(text(name), out))
+    throw unreadable(name, text(name), "a list of integers joined by '+' or none");
   return out;
 }
 

@@ -202,6 +202,7 @@ TEST(BlockSparse, DensePatternEqualsFlashAndReference) {
 }
 
 TEST(BlockSparse, MemoryFigureMatchesHeap) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   // 4096 > n: the tiles are clipped to the problem, and so is the figure
   for (int64_t bs : {16, 64, 128, 4096}) {
     Problem p;

@@ -420,6 +420,7 @@ TEST(Clustered, PatternCommandExplainsPlainHasNone) {
 }
 
 TEST(Clustered, MemoryEstimateWithinTwiceTheCountedPeak) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   for (const std::string& sp : {std::string("clustered"), std::string("clustered:topk=32"),
                                 spec(64, 10, 0, 0), spec(300, 10, 64, 16)})
     for (auto [b, h, n, m] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 8, 1024, 1536},

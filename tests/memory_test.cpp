@@ -16,6 +16,7 @@
 #include "common/registry.h"
 #include "harness/memory.h"
 #include "harness/runner.h"
+#include "test_util.h"
 
 namespace attnbench {
 namespace {
@@ -66,19 +67,23 @@ void expect_counted(const Figures& f, int64_t size = kSize) {
 }
 
 TEST(HeapHook, NewArray) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   expect_counted(measure([] { return static_cast<void*>(new char[kSize]); },
                          [](void* p) { delete[] static_cast<char*>(p); }));
 }
 
 TEST(HeapHook, Malloc) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   expect_counted(measure([] { return std::malloc(kSize); }, [](void* p) { std::free(p); }));
 }
 
 TEST(HeapHook, Calloc) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   expect_counted(measure([] { return std::calloc(kSize / 16, 16); }, [](void* p) { std::free(p); }));
 }
 
 TEST(HeapHook, PosixMemalign) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   expect_counted(measure(
       [] {
         void* p = nullptr;
@@ -93,6 +98,7 @@ TEST(HeapHook, PosixMemalign) {
 }
 
 TEST(HeapHook, AlignedAllocAndMemalign) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   expect_counted(measure([] { return std::aligned_alloc(4096, kSize); },
                          [](void* p) {
                            EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 4096, 0u);
@@ -102,6 +108,7 @@ TEST(HeapHook, AlignedAllocAndMemalign) {
 }
 
 TEST(HeapHook, ReallocGrowthShrinkAndFree) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   // grow 1 MiB -> 8 MiB: what is counted is the 8 MiB block, not both
   expect_counted(measure(
       [] {
@@ -141,6 +148,7 @@ TEST(HeapHook, ReallocGrowthShrinkAndFree) {
 }
 
 TEST(HeapHook, OtherThreadsAreCounted) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   const int64_t base = heap_reset_peak();
   std::thread t([] {
     void* p = std::malloc(kSize);
@@ -154,6 +162,7 @@ TEST(HeapHook, OtherThreadsAreCounted) {
 }
 
 TEST(HeapHook, ResetPeakReturnsCurrent) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   void* p = std::malloc(kSize);
   touch(p, kSize);
   std::free(p);
@@ -165,6 +174,7 @@ TEST(HeapHook, ResetPeakReturnsCurrent) {
 }
 
 TEST(PeakScope, ReportsPeakAboveStart) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   // a block live before the scope opens is not part of the figure
   void* before = std::malloc(2 * kSize);
   touch(before, 2 * kSize);
@@ -184,6 +194,7 @@ TEST(PeakScope, ReportsPeakAboveStart) {
 // to its MemoryManager results after the first repetition, which once put garbage in
 // max_bytes_used; the harness registers no MemoryManager.)
 TEST(PeakScope, RunOneReportsMeasuredPeaksOnly) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   auto v = make_variant("full");
   Problem p;
   p.batch = 1, p.heads = 2, p.n = 256, p.dim = 32, p.threads = 1;
@@ -226,6 +237,7 @@ Problem big_problem() {
 }
 
 TEST(MemoryEstimate, FlashWithinTwiceOfMeasured) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   auto v = make_variant("flash");
   const Problem p = big_problem();
   const double est = v->memory_estimate(p), got = measured_peak(*v, p);
@@ -235,6 +247,7 @@ TEST(MemoryEstimate, FlashWithinTwiceOfMeasured) {
 }
 
 TEST(MemoryEstimate, FullHoldsTheScoreMatrix) {
+  ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   auto v = make_variant("full");
   const Problem p = big_problem();
   const double scores = double(p.batch * p.heads * p.n * p.keys()) * 4;

@@ -25,6 +25,21 @@
 #include "common/registry.h"
 #include "common/tensor.h"
 
+// The sanitizer build (ATTNBENCH_SANITIZE=ON defines ATTNBENCH_SANITIZE for the tests) cannot
+// run two kinds of test, which skip themselves there with this macro and say why:
+// - tests of the allocation counts: the counting hook (harness/memory_hook.cpp) steps aside
+//   for AddressSanitizer's allocator and counts nothing;
+// - death tests that cap the address space (RLIMIT_AS): AddressSanitizer reserves terabytes
+//   of shadow memory up front.
+#ifdef ATTNBENCH_SANITIZE
+#define ATTNBENCH_SKIP_UNDER_SANITIZER(why) GTEST_SKIP() << "sanitizer build: " << why
+#else
+#define ATTNBENCH_SKIP_UNDER_SANITIZER(why) static_cast<void>(0)
+#endif
+/// Reason of the allocation-count tests.
+#define ATTNBENCH_NO_HEAP_COUNTS \
+  "the allocation hook steps aside for AddressSanitizer's allocator and counts nothing"
+
 namespace attnbench::test {
 
 /// A problem of B = b, H = h, n queries, m keys (0: m = n), head dimension d.

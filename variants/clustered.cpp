@@ -62,6 +62,7 @@
 #include <memory>
 #include <utility>
 
+#include "common/omp_guard.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -230,16 +231,19 @@ void lloyd_hamming(const float* q, int64_t ld, int64_t n, int64_t d, const Setti
   std::vector<float> planes(size_t(s.bits) * size_t(d + 1));
   hash_planes(seed, head, d, s.bits, planes.data(), planes.data() + d * s.bits);
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
+  OmpGuard guard;
 #pragma omp parallel if (parallel)
   {
-    std::unique_ptr<float[]> proj(new float[size_t(std::min(kBlockRows, n) * s.bits)]);
+    std::unique_ptr<float[]> proj;
+    guard.run([&] { proj.reset(new float[size_t(std::min(kBlockRows, n) * s.bits)]); });
 #pragma omp for schedule(static)
-    for (int64_t bl = 0; bl < blocks; ++bl) {
+    for (int64_t bl = 0; bl < blocks; ++bl) guard.run([&] {
       const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
       hash_block(q + i0 * ld, ld, rows, d, s.bits, planes.data(), planes.data() + d * s.bits,
                  proj.get(), codes + i0);
-    }
+    });
   }
+  guard.rethrow();
   // pass 2: initial centroids, Lloyd rounds, final assignment
   Code* centres = codes + n;
   const std::vector<int64_t> init = initial_rows(seed, head, n, c);
@@ -280,17 +284,20 @@ void lloyd_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const Settin
   const int64_t blocks = (n + kBlockEuclid - 1) / kBlockEuclid;
   auto assign_all = [&] {
     bool changed = false;
+    OmpGuard guard;
 #pragma omp parallel if (parallel) reduction(|| : changed)
     {
-      std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockEuclid, n) * c)]);
+      std::unique_ptr<float[]> sbuf;
+      guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockEuclid, n) * c)]); });
 #pragma omp for schedule(static)
-      for (int64_t bl = 0; bl < blocks; ++bl) {
+      for (int64_t bl = 0; bl < blocks; ++bl) guard.run([&] {
         const int64_t i0 = bl * kBlockEuclid, rows = std::min(kBlockEuclid, n - i0);
         changed = assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
                                 assign + i0) ||
                   changed;
-      }
+      });
     }
+    guard.rethrow();
     return changed;
   };
   for (int64_t it = 0; it < s.iterations; ++it) {
@@ -423,20 +430,26 @@ class Clustered final : public Variant {
     const float scale = p.softmax_scale();
     // with fewer tasks than threads (one or two heads), the tasks run one at a time and the
     // GEMMs use the threads
+    OmpGuard guard;
 #pragma omp parallel if (tasks >= omp_get_max_threads())
     {
       const int64_t rows_max = std::min({kChunkG, s_.clusters, n});
-      std::unique_ptr<float[]> sbuf(new float[size_t(rows_max * m)]),
-          obuf(new float[size_t(rows_max * d)]);
-      std::unique_ptr<int32_t[]> keys(new int32_t[size_t(rows_max * kk)]);
-      std::unique_ptr<float[]> mhat(new float[size_t(rows_max)]);
-      std::unique_ptr<std::pair<float, int32_t>[]> heap(new std::pair<float, int32_t>[size_t(kk)]);
-      // improved: K_T, V_T (kk x d each), member block Q (rows x d), S2 (rows x kk), O2 (rows x d)
-      const int64_t mrows = std::min(kMemberRows, n);
-      std::unique_ptr<float[]> ibuf(kk > 0 ? new float[size_t(2 * kk * d + mrows * (2 * d + kk))]
-                                           : nullptr);
+      std::unique_ptr<float[]> sbuf, obuf, mhat, ibuf;
+      std::unique_ptr<int32_t[]> keys;
+      std::unique_ptr<std::pair<float, int32_t>[]> heap;
+      guard.run([&] {
+        sbuf.reset(new float[size_t(rows_max * m)]);
+        obuf.reset(new float[size_t(rows_max * d)]);
+        keys.reset(new int32_t[size_t(rows_max * kk)]);
+        mhat.reset(new float[size_t(rows_max)]);
+        heap.reset(new std::pair<float, int32_t>[size_t(kk)]);
+        // improved: K_T, V_T (kk x d each), member block Q (rows x d), S2 (rows x kk), O2
+        // (rows x d)
+        const int64_t mrows = std::min(kMemberRows, n);
+        if (kk > 0) ibuf.reset(new float[size_t(2 * kk * d + mrows * (2 * d + kk))]);
+      });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) {
+      for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
         const int64_t bh = std::upper_bound(task_start.begin(), task_start.end(), t) -
                            task_start.begin() - 1;
         const int64_t b = bh / H, h = bh % H;
@@ -475,8 +488,9 @@ class Clustered final : public Variant {
                              o + r * d, scale, ibuf.get());
           }
         }
-      }
+      });
     }
+    guard.rethrow();
   }
 
   double flops(const Problem& p) const override {
@@ -566,18 +580,20 @@ class Clustered final : public Variant {
   void cluster_all(const Problem& p, ConstTensorView q, std::vector<Groups>& groups) const {
     const int64_t BH = p.batch * p.heads, H = p.heads;
     const bool per_head = BH >= omp_get_max_threads();
+    OmpGuard guard;
 #pragma omp parallel if (per_head)
     {
       Clusters cl;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < BH; ++bh) {
+      for (int64_t bh = 0; bh < BH; ++bh) guard.run([&] {
         const int64_t b = bh / H, h = bh % H;
         clustered::cluster_queries(q.head(b, h), q.stride_row, p.n, p.dim, s_, p.seed, h,
                                    !per_head, cl);
         clustered::group_queries(q.head(b, h), q.stride_row, p.n, p.dim, cl.assign.data(), cl.c,
                                  groups[size_t(bh)]);
-      }
+      });
     }
+    guard.rethrow();
   }
 
   // S = Q_g K^T for groups [g0, g0 + rows) of gr (rows x m).

@@ -26,6 +26,7 @@
 #include <memory>
 
 #include "common/key_split.h"
+#include "common/omp_guard.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 
@@ -48,13 +49,15 @@ class Efficient final : public Variant {
     // per task of step 1: unnormalised G (d x d), column max (d), column sum (d)
     std::unique_ptr<float[]> partial(new float[size_t(pl.tasks * part)]);
 
+    OmpGuard guard;
 #pragma omp parallel
     {
       {
-        std::unique_ptr<float[]> pbuf(new float[size_t(std::min(kChunkK, m) * d)]);
+        std::unique_ptr<float[]> pbuf;
+        guard.run([&] { pbuf.reset(new float[size_t(std::min(kChunkK, m) * d)]); });
         float* pc = pbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < pl.tasks; ++t) {
+        for (int64_t t = 0; t < pl.tasks; ++t) guard.run([&] {
           const int64_t bh = t / pl.splits, sp = t % pl.splits;
           const int64_t b = bh / H, h = bh % H;
           const int64_t j0 = pl.first_chunk(sp) * kChunkK;
@@ -83,11 +86,12 @@ class Efficient final : public Variant {
                         pc, int(d), v.row(b, h, c0), int(v.stride_row), c0 == j0 ? 0.0f : 1.0f,
                         gp, int(d));
           }
-        }
+        });
       }
       // merge the key ranges of each head: G[c, :] = sum_s e^(mx_s - top) G_s[c, :] / total
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < BH; ++bh) {
+        if (guard.failed()) continue;  // a key range is missing
         const float* first = partial.get() + bh * pl.splits * part;
         float* gd = g.get() + bh * dd;
         for (int64_t c = 0; c < d; ++c) {
@@ -108,10 +112,11 @@ class Efficient final : public Variant {
       // step 2: out = softmax_row(Q) G
       {
         const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = BH * qblocks;
-        std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockQ, n) * d)]);
+        std::unique_ptr<float[]> sbuf;
+        guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockQ, n) * d)]); });
         float* s = sbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) {
+        for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
           const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
           const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
           for (int64_t r = 0; r < rows; ++r) {
@@ -121,9 +126,10 @@ class Efficient final : public Variant {
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(d), 1.0f, s,
                       int(d), g.get() + bh * dd, int(d), 0.0f, out.row(b, h, i0),
                       int(out.stride_row));
-        }
+        });
       }
     }
+    guard.rethrow();
   }
 
   double flops(const Problem& p) const override {

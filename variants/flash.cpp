@@ -45,8 +45,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "common/attention_kernels.h"
+#include "common/omp_guard.h"
 #include "common/registry.h"
 
 namespace attnbench {
@@ -64,14 +66,16 @@ void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensor
   const int64_t qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 weights
 
+  OmpGuard guard;
 #pragma omp parallel
   {
     // per-thread tiles, allocated once per forward pass
-    AlignedBuffer buf(tl.bytes());
-    const Workspace w(tl, buf.floats());
+    std::optional<AlignedBuffer> buf;
+    guard.run([&] { buf.emplace(tl.bytes()); });
 
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
+      const Workspace w(tl, buf->floats());
       // within a head, the last query tiles first: under a causal mask they see the most keys
       const int64_t bh = t / qblocks, i0 = (qblocks - 1 - t % qblocks) * bq;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
@@ -87,8 +91,9 @@ void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensor
         }
         if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-    }
+    });
   }
+  guard.rethrow();
 }
 
 }  // namespace fast
@@ -104,12 +109,15 @@ using namespace kernels::portable;
   const int64_t qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const float scale = p.softmax_scale();
 
+  OmpGuard guard;
 #pragma omp parallel
   {
     // per-thread tiles, allocated once per forward pass
-    Workspace w(bq, bk, d);
+    std::optional<Workspace> ws;
+    guard.run([&] { ws.emplace(bq, bk, d); });
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
+      Workspace& w = *ws;
       const int64_t bh = t / qblocks, i0 = (qblocks - 1 - t % qblocks) * bq;
       const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
       // keys visible to some row of this block: the last row sees the most
@@ -124,8 +132,9 @@ using namespace kernels::portable;
         }
         if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
       }
-    }
+    });
   }
+  guard.rethrow();
 }
 
 }  // namespace portable

@@ -41,6 +41,7 @@
 #include <cstring>
 #include <memory>
 
+#include "common/omp_guard.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/softmax.h"
@@ -253,14 +254,16 @@ class Linformer final : public Variant {
       // partial sums when a head is split over key ranges (none otherwise)
       std::unique_ptr<float[]> partial(
           pl.splits > 1 ? new float[size_t(pl.tasks * B * per_bh)] : nullptr);
+      OmpGuard guard;
 #pragma omp parallel
       {
         const int64_t gen_cols = std::min(kChunk, m);
-        std::unique_ptr<float[]> gen(new float[size_t((share_ ? 1 : 2) * gen_cols * kp)]);
+        std::unique_ptr<float[]> gen;
+        guard.run([&] { gen.reset(new float[size_t((share_ ? 1 : 2) * gen_cols * kp)]); });
         float* et = gen.get();
         float* ft = share_ ? gen.get() : gen.get() + gen_cols * kp;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < pl.tasks; ++t) {
+        for (int64_t t = 0; t < pl.tasks; ++t) guard.run([&] {
           const int64_t h = t / pl.splits, s = t % pl.splits;
           const int64_t c0 = s * pl.chunks / pl.splits, c1 = (s + 1) * pl.chunks / pl.splits;
           for (int64_t c = c0; c < c1; ++c) {
@@ -280,11 +283,12 @@ class Linformer final : public Variant {
                           dst + kp * d, int(d));
             }
           }
-        }
+        });
         if (pl.splits > 1) {
           // add the partial sums of each head in split order (deterministic)
 #pragma omp for schedule(static)
           for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (guard.failed()) continue;  // a partial sum is missing
             const int64_t b = bh / H, h = bh % H;
             float* dst = proj.get() + bh * per_bh;
             std::memcpy(dst, partial.get() + ((h * pl.splits) * B + b) * per_bh,
@@ -296,16 +300,19 @@ class Linformer final : public Variant {
           }
         }
       }
+      guard.rethrow();
     }
 
     // step 2: attention of every query block over the k projected keys
     const float scale = p.softmax_scale();
     const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = B * H * qblocks;
+    OmpGuard guard;
 #pragma omp parallel
     {
-      std::unique_ptr<float[]> scores(new float[size_t(std::min(kBlockQ, n) * kp)]);
+      std::unique_ptr<float[]> scores;
+      guard.run([&] { scores.reset(new float[size_t(std::min(kBlockQ, n) * kp)]); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) {
+      for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
         const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
         const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
         const float* ek = proj.get() + bh * per_bh;
@@ -316,8 +323,9 @@ class Linformer final : public Variant {
         for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * kp, kp, scale);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kp), 1.0f,
                     s, int(kp), fv, int(d), 0.0f, out.row(b, h, i0), int(out.stride_row));
-      }
+      });
     }
+    guard.rethrow();
   }
 
   double flops(const Problem& p) const override {

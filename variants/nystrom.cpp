@@ -49,6 +49,7 @@
 #include <memory>
 
 #include "common/key_split.h"
+#include "common/omp_guard.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 
@@ -158,25 +159,28 @@ class Nystrom final : public Variant {
     const int64_t part = Ld + 2 * L;
     std::unique_ptr<float[]> partial(new float[size_t(pl.tasks * part)]);
 
+    OmpGuard guard;
 #pragma omp parallel
     {
       // step 1: landmarks
       {
-        std::unique_ptr<double[]> acc(new double[size_t(d)]);
+        std::unique_ptr<double[]> acc;
+        guard.run([&] { acc.reset(new double[size_t(d)]); });
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t bh = 0; bh < BH; ++bh) guard.run([&] {
           const int64_t b = bh / H, h = bh % H;
           segment_means(q.head(b, h), q.stride_row, n, d, L, qt.get() + bh * Ld, acc.get());
           segment_means(k.head(b, h), k.stride_row, m, d, L, kt.get() + bh * Ld, acc.get());
-        }
+        });
       }
       // step 2: softmax(s Q~ K^T) V over each task's key range, online
       {
         const int64_t cols_max = std::min(kChunkK, m);
-        std::unique_ptr<float[]> sbuf(new float[size_t(L * cols_max)]);
+        std::unique_ptr<float[]> sbuf;
+        guard.run([&] { sbuf.reset(new float[size_t(L * cols_max)]); });
         float* s = sbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < pl.tasks; ++t) {
+        for (int64_t t = 0; t < pl.tasks; ++t) guard.run([&] {
           const int64_t bh = t / pl.splits, sp = t % pl.splits;
           const int64_t b = bh / H, h = bh % H;
           const int64_t c0 = pl.first_chunk(sp), c1 = pl.first_chunk(sp + 1);
@@ -206,21 +210,26 @@ class Nystrom final : public Variant {
                         s, int(cols), v.row(b, h, j0), int(v.stride_row), c == c0 ? 0.0f : 1.0f,
                         acc, int(d));
           }
-        }
+        });
       }
     }
+    guard.rethrow();
     // step 3: merge the key ranges into B, then W = pinv(softmax(s Q~ K~^T)) B. One head per
     // thread; with fewer heads than threads, one head at a time with BLAS using the threads
     // (the L^3 iteration is the largest piece of work here when L is large).
 #pragma omp parallel if (BH >= pl.threads)
     {
       {
-        std::unique_ptr<Real[]> rbuf(new Real[size_t(5 * L * L + 2 * Ld)]);
-        std::unique_ptr<float[]> fbuf(new float[size_t(L * L)]);
-        Real *a = rbuf.get(), *z = a + L * L, *work = z + L * L, *bb = work + 3 * L * L;
-        float* af = fbuf.get();
+        std::unique_ptr<Real[]> rbuf;
+        std::unique_ptr<float[]> fbuf;
+        guard.run([&] {
+          rbuf.reset(new Real[size_t(5 * L * L + 2 * Ld)]);
+          fbuf.reset(new float[size_t(L * L)]);
+        });
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t bh = 0; bh < BH; ++bh) guard.run([&] {
+          Real *a = rbuf.get(), *z = a + L * L, *work = z + L * L, *bb = work + 3 * L * L;
+          float* af = fbuf.get();
           // B = acc / l, the key ranges combined with their running maxima
           const float* first = partial.get() + bh * pl.splits * part;
           for (int64_t r = 0; r < L; ++r) {
@@ -247,18 +256,20 @@ class Nystrom final : public Variant {
           Real* wr = bb + Ld;
           gemm_rect(L, d, z, bb, wr);
           for (int64_t i = 0; i < Ld; ++i) w[size_t(bh * Ld + i)] = float(wr[i]);
-        }
+        });
       }
     }
+    guard.rethrow();
 #pragma omp parallel
     {
       // step 4: out = softmax(s Q K~^T) W, per block of query rows
       {
         const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = BH * qblocks;
-        std::unique_ptr<float[]> sbuf(new float[size_t(std::min(kBlockQ, n) * L)]);
+        std::unique_ptr<float[]> sbuf;
+        guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockQ, n) * L)]); });
         float* s = sbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) {
+        for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
           const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
           const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(L), int(d), 1.0f,
@@ -268,9 +279,10 @@ class Nystrom final : public Variant {
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(L), 1.0f, s,
                       int(L), w.get() + bh * Ld, int(d), 0.0f, out.row(b, h, i0),
                       int(out.stride_row));
-        }
+        });
       }
     }
+    guard.rethrow();
   }
 
   double flops(const Problem& p) const override {

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "common/kernel_attention.h"
+#include "common/omp_guard.h"
 #include "common/registry.h"
 
 namespace attnbench {
@@ -56,11 +57,14 @@ class Performer final : public Variant {
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     std::vector<std::unique_ptr<ka::PerformerFeatureMap>> maps(size_t(p.heads));
+    OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
       maps[size_t(h)] = std::make_unique<ka::PerformerFeatureMap>(
           ka::performer_projection(p.seed, h, features_, p.dim, orthogonal_), features_, p.dim,
           kernel_);
+    });
+    guard.rethrow();
     ka::attend(p, q, k, v, out, 0.0f, features_,
                [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; });
   }

@@ -32,6 +32,7 @@
 #include <immintrin.h>
 #endif
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -39,8 +40,10 @@
 #include <cmath>
 #include <memory>
 #include <numeric>
+#include <optional>
 
 #include "common/error.h"
+#include "common/omp_guard.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -147,19 +150,43 @@ struct HeadBuffers {
   }
 };
 
+/// Most buckets per round (the product of the factors): bucket numbers are int32 and the
+/// counting sort keeps a counter per bucket.
+constexpr int64_t kMaxBuckets = int64_t(1) << 24;
+
+/// Throws SpecError unless every factor is 1 or even and their product is at most
+/// kMaxBuckets (checked before it can overflow).
+void check_buckets(const std::vector<int64_t>& factors) {
+  const std::string given = fmt::format("{}", fmt::join(factors, "+"));
+  int64_t product = 1;
+  for (int64_t f : factors) {
+    if (f != 1 && f % 2 != 0)
+      throw SpecError(fmt::format(
+          "reformer: parameter 'buckets' = '{}' has the factor {}; accepted: factors that are "
+          "each 1 (no hashing) or even (a factor B hashes to the argmax of [xR, -xR], R d x B/2)",
+          given, f));
+    if (f > kMaxBuckets / product)
+      throw SpecError(fmt::format(
+          "reformer: parameter 'buckets' = '{}' makes more than {} buckets per round; accepted: "
+          "factors whose product is at most {}",
+          given, kMaxBuckets, kMaxBuckets));
+    product *= f;
+  }
+}
+
 class Reformer final : public Variant {
  public:
   Reformer(std::vector<int64_t> buckets, int64_t hashes, int64_t chunk)
-      : buckets_(std::move(buckets)), hashes_(hashes), chunk_(chunk) {}
+      : buckets_(std::move(buckets)), hashes_(hashes), chunk_(chunk) {
+    check_buckets(buckets_);
+  }
 
+  /// The hashing plan; the factors were checked when the variant was made (auto_buckets
+  /// gives powers of two).
   Plan plan(const Problem& p) const {
     Plan pl;
     pl.factors = buckets_.empty() ? reformer::auto_buckets(p.n, chunk_) : buckets_;
     for (int64_t f : pl.factors) {
-      if (f != 1 && f % 2 != 0)
-        throw SpecError(fmt::format("reformer: each bucket count must be 1 (no hashing) or even "
-                                    "(a factor B hashes to the argmax of [xR, -xR], R d x B/2); "
-                                    "got {}", f));
       pl.buckets *= f;
       pl.cols += f / 2;
     }
@@ -185,11 +212,13 @@ class Reformer final : public Variant {
       std::fill(hb.bucket.begin(), hb.bucket.end(), 0);
       return;
     }
+    OmpGuard guard;
 #pragma omp parallel
     {
-      std::vector<float> proj(static_cast<size_t>(kHashRows * c));
+      std::vector<float> proj;
+      guard.run([&] { proj.resize(size_t(kHashRows * c)); });
 #pragma omp for schedule(static)
-      for (int64_t i0 = 0; i0 < n; i0 += kHashRows) {
+      for (int64_t i0 = 0; i0 < n; i0 += kHashRows) guard.run([&] {
         const int64_t rows = std::min(kHashRows, n - i0);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(c), int(d), 1.0f,
                     q.row(b, h, i0), int(q.stride_row), rot.data(), int(c), 0.0f, proj.data(),
@@ -198,8 +227,9 @@ class Reformer final : public Variant {
           for (int64_t r = 0; r < pl.hashes; ++r)
             hb.bucket[size_t(r * n + i0 + t)] =
                 int32_t(reformer::bucket_of(proj.data() + t * c + r * pl.cols, pl.factors));
-      }
+      });
     }
+    guard.rethrow();
   }
 
   /// Round r's order into hb.perm: tokens sorted by (bucket, position).
@@ -227,11 +257,14 @@ class Reformer final : public Variant {
     // time spent hashing and sorting (projections, buckets, counting sort, gathering the
     // sorted rows) and in all, summed over the threads that run heads
     double t_hash = 0, t_all = 0;
+    OmpGuard guard;
 #pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : t_hash, t_all)
     {
-      HeadBuffers hb(pl, n, d);
+      std::optional<HeadBuffers> buffers;
+      guard.run([&] { buffers.emplace(pl, n, d); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh) {
+      for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
+        HeadBuffers& hb = *buffers;
         const int64_t b = bh / p.heads, h = bh % p.heads;
         const double t0 = omp_get_wtime();
         hash(p, pl, q, b, h, hb);
@@ -260,8 +293,9 @@ class Reformer final : public Variant {
           for (int64_t x = 0; x < d; ++x) o[x] *= inv;
         }
         t_all += omp_get_wtime() - t0;
-      }
+      });
     }
+    guard.rethrow();
     hash_share_ = t_all > 0 ? t_hash / t_all : 0.0;
   }
 
@@ -361,16 +395,24 @@ class Reformer final : public Variant {
                     int64_t b, int64_t h, HeadBuffers& hb) const {
     const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
     constexpr float kSelfLogit = -1e5f;  // the HF self-mask value
+    OmpGuard guard;
 #pragma omp parallel
     {
-      TileAttention ta(ch, ch, d, 1.0f);
-      std::vector<float> o(static_cast<size_t>(ch * d)), lse(static_cast<size_t>(ch));
+      std::optional<TileAttention> tile;
+      std::vector<float> o, lse;
       // without a causal mask a chunk's only masked pairs are the tokens themselves: the
       // diagonal of its own block (the previous chunk holds other tokens)
-      std::vector<uint8_t> off_diagonal(static_cast<size_t>(ch * ch), 1);
-      for (int64_t t = 0; t < ch; ++t) off_diagonal[size_t(t * ch + t)] = 0;
+      std::vector<uint8_t> off_diagonal;
+      guard.run([&] {
+        tile.emplace(ch, ch, d, 1.0f);
+        o.resize(size_t(ch * d));
+        lse.resize(size_t(ch));
+        off_diagonal.assign(size_t(ch * ch), 1);
+        for (int64_t t = 0; t < ch; ++t) off_diagonal[size_t(t * ch + t)] = 0;
+      });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t c = 0; c < nch; ++c) {
+      for (int64_t c = 0; c < nch; ++c) guard.run([&] {
+        TileAttention& ta = *tile;
         const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
         // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
         for (float pscale = 1.0f;; pscale = kernels::safe_pscale(2 * ch)) {
@@ -415,8 +457,9 @@ class Reformer final : public Variant {
           z = z * a + w;
           mx = nm;
         }
-      }
+      });
     }
+    guard.rethrow();
   }
 
   /// mask[r * cols + c] = 1 iff key token kpos[c] is another token than qpos[r] and visible

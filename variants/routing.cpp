@@ -41,9 +41,11 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "common/error.h"
+#include "common/omp_guard.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -139,12 +141,14 @@ void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t l
   // candidates per centroid, gathered per thread then joined
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   std::vector<std::vector<std::pair<float, int32_t>>> cand(static_cast<size_t>(threads * c));
+  OmpGuard guard;
 #pragma omp parallel num_threads(threads)
   {
     auto* mine = cand.data() + omp_get_thread_num() * c;
-    std::vector<float> sc(static_cast<size_t>(4 * cp));
+    std::vector<float> sc;
+    guard.run([&] { sc.resize(size_t(4 * cp)); });
 #pragma omp for schedule(static)
-    for (int64_t t0 = 0; t0 < len; t0 += 4) {
+    for (int64_t t0 = 0; t0 < len; t0 += 4) guard.run([&] {
       const int64_t count = std::min<int64_t>(4, len - t0);
       cosines(mut.data(), cp, d, x + t0 * ldx, ldx, inv + t0, count, sc.data());
       for (int64_t t = 0; t < count; ++t) {
@@ -164,8 +168,9 @@ void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t l
           }
         }
       }
-    }
+    });
   }
+  guard.rethrow();
   std::vector<std::pair<float, int32_t>> all;
   std::vector<float> sc(static_cast<size_t>(4 * cp));
   for (int64_t u = 0; u < c; ++u) {
@@ -323,21 +328,24 @@ class RoutingVariant final : public Variant {
     // time spent routing (Lloyd steps, centroid scores, top-w selection) and in all, summed
     // over the threads that run heads
     double t_route = 0, t_all = 0;
+    OmpGuard guard;
 #pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : unrouted, t_route, t_all)
     {
-      HeadOutputs ho(p, pl);
+      std::optional<HeadOutputs> ho;
       routing::Workspace ws;
+      guard.run([&] { ho.emplace(p, pl); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh) {
+      for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
         const int64_t b = bh / p.heads, h = bh % p.heads;
         const double t0 = omp_get_wtime();
         const Routes r = routing::route(p, pl, iterations_, q, k, b, h, ws);
         t_route += omp_get_wtime() - t0;
-        attend(p, pl, r, q, k, v, b, h, ho);
-        unrouted += combine(p, pl, r, out, b, h, ho);
+        attend(p, pl, r, q, k, v, b, h, *ho);
+        unrouted += combine(p, pl, r, out, b, h, *ho);
         t_all += omp_get_wtime() - t0;
-      }
+      });
     }
+    guard.rethrow();
     unrouted_ = unrouted;
     route_share_ = t_all > 0 ? t_route / t_all : 0.0;
     rows_ = heads * p.n;
@@ -419,13 +427,21 @@ class RoutingVariant final : public Variant {
               ConstTensorView k, ConstTensorView v, int64_t b, int64_t h,
               HeadOutputs& ho) const {
     const int64_t d = p.dim, c = pl.c, wq = pl.wq, wk = pl.wk;
+    OmpGuard guard;
 #pragma omp parallel
     {
-      TileAttention ta(std::min(kTile, wq), std::min(kTile, wk), d, p.softmax_scale());
-      std::vector<float> gq(static_cast<size_t>(wq * d)), gk(static_cast<size_t>(wk * d)),
-          gv(static_cast<size_t>(wk * d)), lse(static_cast<size_t>(kTile));
+      std::optional<TileAttention> tile;
+      std::vector<float> gq, gk, gv, lse;
+      guard.run([&] {
+        tile.emplace(std::min(kTile, wq), std::min(kTile, wk), d, p.softmax_scale());
+        gq.resize(size_t(wq * d));
+        gk.resize(size_t(wk * d));
+        gv.resize(size_t(wk * d));
+        lse.resize(size_t(kTile));
+      });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t u = 0; u < c; ++u) {
+      for (int64_t u = 0; u < c; ++u) guard.run([&] {
+        TileAttention& ta = *tile;
         const int32_t* qi = r.queries.data() + u * wq;
         const int32_t* kj = r.keys.data() + u * wk;
         for (int64_t t = 0; t < wq; ++t) std::copy_n(q.row(b, h, qi[t]), d, gq.data() + t * d);
@@ -462,8 +478,9 @@ class RoutingVariant final : public Variant {
           for (int64_t rr = 0; rr < rows; ++rr)
             ho.valid[size_t(u * wq + r0 + rr)] = uint8_t(lse[size_t(rr)] > -INFINITY);
         }
-      }
+      });
     }
+    guard.rethrow();
   }
 
   /// out row i = the mean of the outputs of the clusters that selected query i and in which

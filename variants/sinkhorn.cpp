@@ -39,12 +39,14 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common/block_sparse.h"
 #include "common/error.h"
+#include "common/omp_guard.h"
 
 namespace attnbench {
 namespace {
@@ -298,14 +300,18 @@ class Sinkhorn final : public PatternVariant {
     const int64_t nb = blocks(p), bh = p.batch * p.heads;
     auto pat = std::make_unique<SinkhornPattern>(block_, p.heads, nb);
     pat->resize(p.batch);
+    OmpGuard guard;
 #pragma omp parallel if (bh > 1)
     {
-      MatchWork w(nb, p.dim);
+      std::optional<MatchWork> w;
+      guard.run([&] { w.emplace(nb, p.dim); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < bh; ++t)
-        match_head(p, q, k, t / p.heads, t % p.heads, block_, temperature_, iterations_, w,
+      for (int64_t t = 0; t < bh; ++t) guard.run([&] {
+        match_head(p, q, k, t / p.heads, t % p.heads, block_, temperature_, iterations_, *w,
                    pat->head(t / p.heads, t % p.heads));
+      });
     }
+    guard.rethrow();
     return pat;
   }
 

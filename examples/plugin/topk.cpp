@@ -26,10 +26,12 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "common/error.h"
+#include "common/omp_guard.h"
 #include "common/pattern.h"
 #include "common/registry.h"
 
@@ -87,16 +89,20 @@ class TopkPattern final : public attnbench::SparsePattern {
     const int64_t rows = p.batch * p.heads * p.n;
     start_.assign(size_t(rows) + 1, 0);
     std::vector<std::vector<int32_t>> per_row(static_cast<size_t>(rows));
+    // an exception must not leave an OpenMP region: the guard carries it out
+    attnbench::OmpGuard guard;
 #pragma omp parallel
     {
-      Scratch s(m_);
+      std::optional<Scratch> scratch;
+      guard.run([&] { scratch.emplace(m_); });
 #pragma omp for schedule(dynamic, 16)
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < rows; ++r) guard.run([&] {
         const int64_t bh = r / n_, i = r % n_;
-        const int64_t count = select_keys(p, q, k, bh / heads_, bh % heads_, i, top_k, s);
-        per_row[size_t(r)].assign(s.keys.begin(), s.keys.begin() + count);
-      }
+        const int64_t count = select_keys(p, q, k, bh / heads_, bh % heads_, i, top_k, *scratch);
+        per_row[size_t(r)].assign(scratch->keys.begin(), scratch->keys.begin() + count);
+      });
     }
+    guard.rethrow();
     for (int64_t r = 0; r < rows; ++r)
       start_[size_t(r) + 1] = start_[size_t(r)] + int64_t(per_row[size_t(r)].size());
     keys_.reserve(size_t(start_.back()));
@@ -154,17 +160,20 @@ class TopkAttention final : public attnbench::Variant {
       throw attnbench::UnsupportedError("topk indexes keys with 32-bit integers (m < 2^31)");
     const int64_t rows = p.batch * p.heads * p.n, d = p.dim;
     const float scale = p.softmax_scale();
+    attnbench::OmpGuard guard;
 #pragma omp parallel
     {
-      Scratch s(p.keys());
+      std::optional<Scratch> scratch;
+      guard.run([&] { scratch.emplace(p.keys()); });
 #pragma omp for schedule(dynamic, 16)
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < rows; ++r) guard.run([&] {
+        Scratch& s = *scratch;
         const int64_t bh = r / p.n, i = r % p.n, b = bh / p.heads, h = bh % p.heads;
         // passes 1 and 2: logits and the selected keys
         const int64_t count = select_keys(p, q, k, b, h, i, top_k_, s);
         Eigen::Map<Eigen::VectorXf> o(out.row(b, h, i), d);
         o.setZero();
-        if (count == 0) continue;  // no visible key: a zero row
+        if (count == 0) return;  // no visible key: a zero row
         // pass 3: exact softmax over the selected logits (max first, for stability)
         float max = -INFINITY;
         for (int64_t t = 0; t < count; ++t) max = std::max(max, s.logits[size_t(s.keys[size_t(t)])]);
@@ -177,8 +186,9 @@ class TopkAttention final : public attnbench::Variant {
           o += w * Eigen::Map<const Eigen::VectorXf>(v.row(b, h, j), d);
         }
         o /= sum;
-      }
+      });
     }
+    guard.rethrow();
   }
 
   double flops(const Problem& p) const override {
