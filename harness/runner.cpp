@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <regex>
+#include <cstring>
 #include <sstream>
 
 #include "common/checked.h"
@@ -51,14 +51,6 @@ class CaptureReporter : public benchmark::BenchmarkReporter {
   benchmark::JSONReporter json_;
 };
 
-// Google Benchmark's JSON, with the non-finite numbers its reporter writes as bare NaN or
-// inf (e.g. the coefficient of variation of a counter that is 0 in every repetition) turned
-// into null: JSON has no such literals, and a results file holds no figure that is not one.
-nlohmann::json parse_benchmark_json(const std::string& text) {
-  static const std::regex non_finite(R"((:\s*)-?(NaN|nan|inf|Infinity)\b)");
-  return nlohmann::json::parse(std::regex_replace(text, non_finite, "$1null"));
-}
-
 double median(std::vector<double> x) {
   std::sort(x.begin(), x.end());
   const size_t n = x.size();
@@ -87,6 +79,38 @@ int apply_threads(int threads) {
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
   return threads;
+}
+
+// Google Benchmark's JSON, with the non-finite numbers its reporter writes as bare NaN or
+// inf (e.g. the coefficient of variation of a counter that is 0 in every repetition) turned
+// into null: JSON has no such literals, and a results file holds no figure that is not one.
+nlohmann::json parse_benchmark_json(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < text.size()) out += text[++i];
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    if (c == '-' || c == 'N' || c == 'n' || c == 'i' || c == 'I') {
+      bool replaced = false;
+      for (const char* word : {"-Infinity", "Infinity", "-NaN", "NaN", "-nan", "nan", "-inf", "inf"})
+        if (text.compare(i, std::strlen(word), word) == 0) {
+          out += "null";
+          i += std::strlen(word) - 1;
+          replaced = true;
+          break;
+        }
+      if (replaced) continue;
+    }
+    out += c;
+  }
+  return nlohmann::json::parse(out);
 }
 
 double available_memory() { return double(available_memory_bytes()); }

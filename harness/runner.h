@@ -56,6 +56,10 @@ double available_memory();
 Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
             const RunOptions& opt, Tensor* output = nullptr, nlohmann::json* bench_json = nullptr);
 
+/// Parses Google Benchmark's JSON text, reading the bare NaN and inf its reporter writes for
+/// non-finite figures as null.
+nlohmann::json parse_benchmark_json(const std::string& text);
+
 /// The row as a JSON object (same fields as the CSV).
 nlohmann::ordered_json to_json(const Row& r);
 

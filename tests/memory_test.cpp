@@ -219,6 +219,22 @@ TEST(PeakScope, RunOneReportsMeasuredPeaksOnly) {
   EXPECT_EQ(iteration_runs, 4);
 }
 
+// Google Benchmark writes a counter's coefficient of variation over repetitions that are all
+// 0 as a bare NaN, which is not JSON; the harness reads it as null.
+TEST(PeakScope, BenchmarkJsonWithNonFiniteFiguresParses) {
+  const std::string text = R"({"benchmarks": [{"name": "a:inf=1", "peak_bytes": NaN,
+    "x": -nan, "y": inf, "z": -Infinity, "label": "NaN", "w": 1.5}]})";
+  auto j = parse_benchmark_json(text);
+  const auto& b = j.at("benchmarks").at(0);
+  EXPECT_EQ(b.at("name"), "a:inf=1");
+  EXPECT_TRUE(b.at("peak_bytes").is_null());
+  EXPECT_TRUE(b.at("x").is_null());
+  EXPECT_TRUE(b.at("y").is_null());
+  EXPECT_TRUE(b.at("z").is_null());
+  EXPECT_EQ(b.at("label"), "NaN");
+  EXPECT_EQ(b.at("w"), 1.5);
+}
+
 // Peak heap bytes of one forward pass beyond inputs and output (after a warm-up pass, so the
 // OpenMP team already exists).
 double measured_peak(Variant& v, const Problem& p) {
