@@ -42,6 +42,11 @@ MachineFigures measure_machine(int threads, bool quick) {
   MachineFigures mf;
   mf.cpu_model = cpu_model();
   mf.threads = threads;
+#ifdef __SANITIZE_ADDRESS__
+  // Under the sanitizers Eigen's GEMM is instrumented: square products of 4096 take minutes
+  // and the figure describes the instrumentation, not the machine.
+  quick = true;
+#endif
   omp_set_num_threads(threads);
   const std::vector<int> sizes = quick ? std::vector<int>{1536} : std::vector<int>{2048, 4096};
   for (int n : sizes) {
