@@ -41,10 +41,16 @@ class OmpGuard {
     try {
       std::forward<F>(f)();
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = std::current_exception();
-      failed_.store(true, std::memory_order_release);
+      capture();
     }
+  }
+
+  /// Keeps the exception being handled (call inside a catch (...) block in the region), for
+  /// hot loops whose body is better left out of a lambda.
+  void capture() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_) error_ = std::current_exception();
+    failed_.store(true, std::memory_order_release);
   }
 
   /// Whether some run() threw.
