@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "common/checked.h"
 #include "common/error.h"
 
 namespace attnbench {
@@ -59,7 +60,7 @@ void Problem::validate() const {
   auto product = [&](std::initializer_list<int64_t> factors, const char* what) {
     int64_t total = 1;
     for (int64_t f : factors)
-      if (__builtin_mul_overflow(total, f, &total) || total > kMaxElements)
+      if ((total = checked_mul(total, f)) < 0 || total > kMaxElements)
         throw UsageError(fmt::format("{} of B={}, H={}, n={}, m={}, d={} exceeds {} elements; "
                                      "accepted: problems whose tensors and score matrix hold at "
                                      "most 2^56 elements",
