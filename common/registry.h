@@ -79,6 +79,15 @@ struct Capabilities {
 class Variant;
 class SparsePattern;
 
+/// A float64 statement of a variant's own function, independent of its kernels: the output
+/// [B, H, n, d] (row-major) the variant should give for these inputs, drawing the same random
+/// numbers (projections, hashes) as the variant. The variant is passed for its parameters.
+using Oracle = std::function<std::vector<double>(const Variant&, const Problem&, ConstTensorView q,
+                                                 ConstTensorView k, ConstTensorView v)>;
+/// The largest relative Frobenius error ‖O − O*‖_F / ‖O*‖_F accepted against the oracle on a
+/// problem, derived from an error model of the variant's float32 arithmetic.
+using Tolerance = std::function<double(const Problem&)>;
+
 /// Everything the registry knows about a variant.
 struct VariantInfo {
   std::string name;
@@ -87,6 +96,11 @@ struct VariantInfo {
   std::vector<ParamSpec> params;
   Capabilities caps;
   std::function<std::unique_ptr<Variant>(const ParamValues&)> make;
+  /// Empty for an exact variant: its oracle is softmax attention restricted to its pattern
+  /// (reference_attention with make_pattern). An approximation must give its own.
+  Oracle oracle = {};
+  /// Empty: the default float32 error model of attention.
+  Tolerance tolerance = {};
   /// The plugin file the variant was loaded from (absolute path); empty for a built-in one.
   /// Set by the plugin loader, not by the variant.
   std::string plugin = {};
