@@ -11,9 +11,10 @@ packages=(
 )
 
 # --dev adds what the clang build, the sanitizer runs and the fuzzers need (scripts/clang_build.sh,
-# scripts/sanitize_test.sh, scripts/fuzz.sh): clang 14 with its sanitizer and libFuzzer runtimes.
+# scripts/sanitize_test.sh, scripts/fuzz.sh, scripts/format_check.sh): clang 14 with its sanitizer
+# and libFuzzer runtimes, and clang-format.
 if [ "${1:-}" = "--dev" ]; then
-  packages+=(clang libclang-rt-14-dev)
+  packages+=(clang libclang-rt-14-dev clang-format)
 fi
 
 missing=()
