@@ -1,0 +1,175 @@
+// The sweep's plan: its configurations in run order, duplicates left out, the problem fields
+// every configuration carries, and the parsing of the sweep's list options.
+#include "harness/sweep_plan.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+std::vector<std::unique_ptr<Variant>> variants(const std::vector<std::string>& specs) {
+  std::vector<std::unique_ptr<Variant>> out;
+  for (const auto& s : specs) out.push_back(make_variant(s));
+  return out;
+}
+
+SweepAxes small_axes() {
+  SweepAxes a;
+  a.seqs = {64, 128};
+  a.batches = {1, 2};
+  a.heads = {4};
+  a.dims = {16, 32};
+  a.causals = {false, true};
+  a.inputs = {"local", "gaussian"};
+  a.seed = 7;
+  a.threads = 3;
+  return a;
+}
+
+// A configuration as "spec|input|causal|d|H|B|n", the axes outermost first.
+std::string describe(const SweepConfig& c) {
+  const Problem& p = c.problem;
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}", c.variant->info().name, p.input, int(p.causal), p.dim,
+                     p.heads, p.batch, p.n);
+}
+
+TEST(SweepPlan, CrossProductInRunOrder) {
+  const SweepPlan plan = plan_sweep(variants({"full", "local"}), small_axes());
+  // 2 inputs x 2 causal x 2 dims x 1 heads x 2 batches x 2 seqs x 2 variants
+  ASSERT_EQ(plan.configs.size(), 64u);
+  EXPECT_TRUE(plan.duplicates.empty());
+  ASSERT_EQ(plan.variants.size(), 2u);
+  // innermost the variants, then n, B, H, d, causal; the inputs outermost, in the order given
+  EXPECT_EQ(describe(plan.configs[0]), "full|local|0|16|4|1|64");
+  EXPECT_EQ(describe(plan.configs[1]), "local|local|0|16|4|1|64");
+  EXPECT_EQ(describe(plan.configs[2]), "full|local|0|16|4|1|128");
+  EXPECT_EQ(describe(plan.configs[4]), "full|local|0|16|4|2|64");
+  EXPECT_EQ(describe(plan.configs[8]), "full|local|0|32|4|1|64");
+  EXPECT_EQ(describe(plan.configs[16]), "full|local|1|16|4|1|64");
+  EXPECT_EQ(describe(plan.configs[32]), "full|gaussian|0|16|4|1|64");
+  EXPECT_EQ(describe(plan.configs[63]), "local|gaussian|1|32|4|2|128");
+  // the configurations point at the plan's own variants, in the order given
+  EXPECT_EQ(plan.configs[0].variant, plan.variants[0].get());
+  EXPECT_EQ(plan.configs[1].variant, plan.variants[1].get());
+}
+
+TEST(SweepPlan, EveryProblemCarriesSeedThreadsAndSelfAttention) {
+  const SweepPlan plan = plan_sweep(variants({"full"}), small_axes());
+  ASSERT_EQ(plan.configs.size(), 32u);
+  for (const SweepConfig& c : plan.configs) {
+    EXPECT_EQ(c.problem.seed, 7u);
+    EXPECT_EQ(c.problem.threads, 3);
+    EXPECT_EQ(c.problem.keys(), c.problem.n);
+    EXPECT_EQ(c.problem.scale, 1.0);
+  }
+  EXPECT_EQ(plan.axes.threads, 3);
+}
+
+TEST(SweepPlan, DuplicatesAreLeftOutKeepingTheFirst) {
+  SweepAxes a;
+  a.seqs = {64, 128, 64};
+  a.batches = {1};
+  a.heads = {2};
+  a.dims = {16};
+  a.causals = {false};
+  a.inputs = {"gaussian"};
+  a.threads = 1;
+  // flash at its defaults and flash:block_q=64 are the same canonical spec
+  const SweepPlan plan = plan_sweep(variants({"flash", "full", "flash:block_q=64"}), a);
+  ASSERT_EQ(plan.configs.size(), 4u);
+  EXPECT_EQ(describe(plan.configs[0]), "flash|gaussian|0|16|2|1|64");
+  EXPECT_EQ(describe(plan.configs[1]), "full|gaussian|0|16|2|1|64");
+  EXPECT_EQ(describe(plan.configs[2]), "flash|gaussian|0|16|2|1|128");
+  EXPECT_EQ(describe(plan.configs[3]), "full|gaussian|0|16|2|1|128");
+  EXPECT_EQ(plan.configs[0].variant, plan.variants[0].get());
+  // the second flash at n = 64 and n = 128, then all three at the repeated n = 64
+  ASSERT_EQ(plan.duplicates.size(), 5u);
+  EXPECT_CONTAINS(plan.duplicates[0], "flash:block_q=64,block_k=256");
+  EXPECT_CONTAINS(plan.duplicates[0], "n=64");
+  EXPECT_CONTAINS(plan.duplicates[1], "n=128");
+  EXPECT_CONTAINS(plan.duplicates[2], "flash:block_q=64,block_k=256");
+  EXPECT_CONTAINS(plan.duplicates[3], "full");
+  EXPECT_CONTAINS(plan.duplicates[4], "n=64");
+}
+
+TEST(SweepPlan, AnEmptyAxisPlansNothing) {
+  SweepAxes a = small_axes();
+  a.causals.clear();
+  const SweepPlan plan = plan_sweep(variants({"full"}), a);
+  EXPECT_TRUE(plan.configs.empty());
+  EXPECT_EQ(plan.variants.size(), 1u);
+}
+
+TEST(SweepPlan, AnInvalidProblemIsAUsageError) {
+  SweepAxes a = small_axes();
+  // B x H x n x d passes the element limit of a tensor
+  a.batches = {Problem::kMaxBatchOrHeads};
+  a.heads = {Problem::kMaxBatchOrHeads};
+  a.seqs = {1 << 20};
+  const std::string msg =
+      test::error_message<UsageError>([&] { plan_sweep(variants({"full"}), a); });
+  EXPECT_CONTAINS(msg, "exceeds");
+}
+
+TEST(SweepPlan, VariantsAreEveryRegisteredOneOrTheSpecsGiven) {
+  const auto all = make_sweep_variants({});
+  const auto infos = Registry::instance().all();
+  ASSERT_EQ(all.size(), infos.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(&all[i]->info(), infos[i]);
+    EXPECT_EQ(all[i]->spec(), make_variant(infos[i]->name)->spec());  // at its defaults
+  }
+  const auto given = make_sweep_variants({"local:window=32", "full"});
+  ASSERT_EQ(given.size(), 2u);
+  EXPECT_EQ(given[0]->info().name, "local");
+  EXPECT_CONTAINS(given[0]->spec(), "window=32");
+  EXPECT_EQ(given[1]->spec(), "full");
+  EXPECT_THROW(make_sweep_variants({"full", "no_such_variant"}), SpecError);
+}
+
+TEST(SweepPlan, CausalModes) {
+  EXPECT_EQ(parse_causal_mode("off"), std::vector<bool>{false});
+  EXPECT_EQ(parse_causal_mode("on"), std::vector<bool>{true});
+  EXPECT_EQ(parse_causal_mode("both"), (std::vector<bool>{false, true}));
+  const std::string msg = test::error_message<UsageError>([] { parse_causal_mode("yes"); });
+  EXPECT_CONTAINS(msg, "'yes'");
+  EXPECT_CONTAINS(msg, "off, on, both");
+}
+
+TEST(SweepPlan, InputListKeepsTheOrderGivenAndNamesAnUnknownOne) {
+  EXPECT_EQ(parse_input_list("lowrank,gaussian"),
+            (std::vector<std::string>{"lowrank", "gaussian"}));
+  EXPECT_EQ(parse_input_list("clustered"), std::vector<std::string>{"clustered"});
+  const std::string msg =
+      test::error_message<UsageError>([] { parse_input_list("local,uniform"); });
+  EXPECT_CONTAINS(msg, "'uniform'");
+  EXPECT_CONTAINS(msg, "gaussian, local, clustered, lowrank");
+}
+
+// A variant whose FLOP count fails; never registered (sweep_work asks only for flops).
+class NoFlops final : public Variant {
+ public:
+  void forward(const Problem&, ConstTensorView, ConstTensorView, ConstTensorView,
+               TensorView) override {}
+  double flops(const Problem&) const override { throw InputError("no FLOP count"); }
+  double memory_estimate(const Problem&) const override { return 0; }
+};
+
+TEST(SweepPlan, WorkIsTheFlopsPlusAFixedCostPerRow) {
+  const SweepPlan plan = plan_sweep(variants({"full"}), small_axes());
+  const SweepConfig& c = plan.configs[0];  // B = 1, H = 4, n = m = 64, d = 16, not causal
+  // full: q k^T and p v, 4 B H n m d
+  EXPECT_DOUBLE_EQ(sweep_work(c), 4.0 * 4 * 64 * 64 * 16 + 1e8);
+  NoFlops none;
+  EXPECT_EQ(sweep_work({&none, c.problem}), 1e8);
+}
+
+}  // namespace
+}  // namespace attnbench
