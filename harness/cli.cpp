@@ -11,11 +11,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <functional>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <memory>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <utility>
 
 #include "build_info.h"
 #include "common/error.h"
@@ -27,15 +30,17 @@
 #include "harness/machine.h"
 #include "harness/results.h"
 #include "harness/runner.h"
+#include "harness/sweep_plan.h"
 
 namespace attnbench {
 
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what) {
   auto bad = [&](const std::string& why) {
-    return UsageError(fmt::format("{}: '{}' {}; accepted: a comma-separated list of positive "
-                                  "integers and ranges A..B (powers of two from A up to B), e.g. "
-                                  "256,512 or 256..16384",
-                                  what, text, why));
+    return UsageError(
+        fmt::format("{}: '{}' {}; accepted: a comma-separated list of positive "
+                    "integers and ranges A..B (powers of two from A up to B), e.g. "
+                    "256,512 or 256..16384",
+                    what, text, why));
   };
   auto number = [&](const std::string& s) -> int64_t {
     if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
@@ -48,7 +53,8 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
     }
     if (v <= 0) throw bad("has a value that is not positive");
     if (v > std::numeric_limits<int32_t>::max())
-      throw bad(fmt::format("has {}, which is larger than {}", v, std::numeric_limits<int32_t>::max()));
+      throw bad(
+          fmt::format("has {}, which is larger than {}", v, std::numeric_limits<int32_t>::max()));
     return v;
   };
   std::vector<int64_t> out;
@@ -56,7 +62,8 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
   if (text.empty()) throw bad("is empty");
   while (start <= text.size()) {
     size_t comma = text.find(',', start);
-    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    std::string item =
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     auto dots = item.find("..");
     if (dots == std::string::npos) {
       out.push_back(number(item));
@@ -104,7 +111,8 @@ struct GitState {
 
 GitState git_state() {
   GitState g;
-  g.commit = run_command(fmt::format("git -C '{}' rev-parse HEAD 2>/dev/null", ATTNBENCH_SOURCE_DIR));
+  g.commit =
+      run_command(fmt::format("git -C '{}' rev-parse HEAD 2>/dev/null", ATTNBENCH_SOURCE_DIR));
   if (g.commit.empty()) {
     g.commit = ATTNBENCH_GIT_COMMIT;
     return g;
@@ -159,8 +167,8 @@ nlohmann::ordered_json variants_json() {
   for (const VariantInfo* v : Registry::instance().all()) {
     nlohmann::ordered_json params = nlohmann::ordered_json::array();
     for (const auto& p : v->params) {
-      nlohmann::ordered_json j = {{"name", p.name}, {"type", to_string(p.type)},
-                                  {"default", p.default_value}};
+      nlohmann::ordered_json j = {
+          {"name", p.name}, {"type", to_string(p.type)}, {"default", p.default_value}};
       if (p.type == ParamType::Int || p.type == ParamType::Float || p.type == ParamType::IntList)
         j["range"] = {p.min, p.max};
       if (p.type == ParamType::Choice) j["choices"] = p.choices;
@@ -206,10 +214,12 @@ CLI::Validator int_in(int64_t lo, int64_t hi) {
         int64_t v = 0;
         const char* end = text.data() + text.size();
         auto [ptr, ec] = std::from_chars(text.data(), end, v);
-        if (ec == std::errc::result_out_of_range || (ec == std::errc() && ptr == end && (v < lo || v > hi)))
+        if (ec == std::errc::result_out_of_range ||
+            (ec == std::errc() && ptr == end && (v < lo || v > hi)))
           return fmt::format("{} is out of range; accepted: an integer in [{}, {}]", text, lo, hi);
         if (ec != std::errc() || ptr != end || text.empty())
-          return fmt::format("'{}' is not an integer; accepted: an integer in [{}, {}]", text, lo, hi);
+          return fmt::format("'{}' is not an integer; accepted: an integer in [{}, {}]", text, lo,
+                             hi);
         return "";
       },
       fmt::format("INT in [{}, {}]", lo, hi));
@@ -237,7 +247,8 @@ CLI::Validator number_in(double lo, double hi) {
         double v = 0;
         const char* end = text.data() + text.size();
         auto [ptr, ec] = std::from_chars(text.data(), end, v);
-        if (ec != std::errc() || ptr != end || text.empty() || !std::isfinite(v) || v < lo || v > hi)
+        if (ec != std::errc() || ptr != end || text.empty() || !std::isfinite(v) || v < lo ||
+            v > hi)
           return fmt::format("'{}' is not accepted; accepted: a number in [{}, {}]", text, lo, hi);
         return "";
       },
@@ -257,20 +268,32 @@ struct ProblemOptions {
   uint64_t seed = 0;
   int threads = 0, reps = 3;
   double min_time = 0.1;
+
+  /// The problem these options state (threads still unresolved).
+  Problem problem() const {
+    Problem p;
+    p.batch = batch, p.heads = heads, p.n = seq, p.m = seq_k, p.dim = dim;
+    p.causal = causal, p.input = input, p.scale = scale, p.seed = seed;
+    return p;
+  }
 };
 
 void add_timing_options(CLI::App* app, ProblemOptions& o) {
-  app->add_option("--seed", o.seed, "seed of every random choice")->capture_default_str()
+  app->add_option("--seed", o.seed, "seed of every random choice")
+      ->capture_default_str()
       ->check(seed_value());
   app->add_option("--threads", o.threads,
-                  fmt::format("threads (0 = every core; at most {} = {} x the cores)", max_threads(),
-                              kMaxThreadsPerCore))
-      ->capture_default_str()->check(int_in(0, max_threads()));
-  app->add_option("--reps", o.reps, "Google Benchmark repetitions")->capture_default_str()
+                  fmt::format("threads (0 = every core; at most {} = {} x the cores)",
+                              max_threads(), kMaxThreadsPerCore))
+      ->capture_default_str()
+      ->check(int_in(0, max_threads()));
+  app->add_option("--reps", o.reps, "Google Benchmark repetitions")
+      ->capture_default_str()
       ->check(int_in(1, 1000));
   app->add_option("--min-time", o.min_time,
                   "minimum seconds per repetition (0 = one forward pass per repetition)")
-      ->capture_default_str()->check(number_in(0.0, 3600.0));
+      ->capture_default_str()
+      ->check(number_in(0.0, 3600.0));
 }
 
 // With --inputs the file decides the sizes: a size option given beside it must agree.
@@ -280,18 +303,28 @@ void check_sizes_agree(const std::vector<CLI::Option*>& opts, const Problem& p,
     if (o->count() == 0) continue;
     const std::string name = o->get_name();
     const int64_t given = o->as<int64_t>();
-    const int64_t file = name == "--batch" ? p.batch
+    const int64_t file = name == "--batch"   ? p.batch
                          : name == "--heads" ? p.heads
                          : name == "--seq"   ? p.n
                          : name == "--seq-k" ? p.keys()
                                              : p.dim;
     if (given != file)
-      throw UsageError(fmt::format("{} {} disagrees with --inputs {}, whose tensors have {} = {} "
-                                   "(q [B, H, n, d] = {}, k and v [B, H, m, d] = {}); with --inputs "
-                                   "leave the size options out or give the file's sizes",
-                                   name, given, path, name.substr(2), file, p.q_shape().str(),
-                                   p.kv_shape().str()));
+      throw UsageError(fmt::format(
+          "{} {} disagrees with --inputs {}, whose tensors have {} = {} "
+          "(q [B, H, n, d] = {}, k and v [B, H, m, d] = {}); with --inputs "
+          "leave the size options out or give the file's sizes",
+          name, given, path, name.substr(2), file, p.q_shape().str(), p.kv_shape().str()));
   }
+}
+
+// The inputs of --inputs FILE, if given: they set *p's sizes, and the size options given
+// beside the file must agree with them.
+std::optional<Inputs> load_given_inputs(const std::string& path,
+                                        const std::vector<CLI::Option*>& size_opts, Problem* p) {
+  if (path.empty()) return std::nullopt;
+  std::optional<Inputs> given = load_inputs_npz(path, p);
+  check_sizes_agree(size_opts, *p, path);
+  return given;
 }
 
 nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int threads) {
@@ -317,29 +350,420 @@ void print_row(const Row& r) {
   fmt::print("problem      {}\n", r.problem.str());
   fmt::print("status       {}{}\n", r.status, r.message.empty() ? "" : ": " + r.message);
   if (r.status != "ok") return;
-  fmt::print("time         {:.4f} ms median, {:.4f} ms min, {:.4f} ms max over {} reps of {} "
-             "iterations\n",
-             r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
+  fmt::print(
+      "time         {:.4f} ms median, {:.4f} ms min, {:.4f} ms max over {} reps of {} "
+      "iterations\n",
+      r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
   fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's GEMM rate)\n", r.gflops,
              r.gemm_fraction * 100);
   fmt::print("memory       {} peak beyond inputs and output (estimate {})\n",
              human_bytes(r.peak_bytes), human_bytes(r.estimated_bytes));
-  fmt::print("error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
-             "rows)\n",
-             r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used,
-             r.error.rows_total);
+  fmt::print(
+      "error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
+      "rows)\n",
+      r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used, r.error.rows_total);
   if (!std::isnan(r.error.mass_mean))
-    fmt::print("mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
-               "variant's pattern\n",
-               r.error.mass_mean, r.error.mass_min);
+    fmt::print(
+        "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
+        "variant's pattern\n",
+        r.error.mass_mean, r.error.mass_min);
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
+}
+
+// ----- list -----
+
+struct ListCommand {
+  bool json = false;
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand("list", "variants with their parameters and capabilities");
+    cmd->add_flag("--json", json, "print JSON");
+    return cmd;
+  }
+
+  int run() const {
+    if (json)
+      fmt::print("{}\n", variants_json().dump(2));
+    else
+      print_list();
+    return 0;
+  }
+};
+
+// ----- run -----
+
+struct RunCommand {
+  ProblemOptions o;
+  std::string spec, inputs_path, output_path;
+  bool json = false;
+  std::vector<CLI::Option*> shape_opts;
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand("run", "one variant on one problem");
+    cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
+    shape_opts = {cmd->add_option("--batch", o.batch, "batch size B")
+                      ->capture_default_str()
+                      ->check(int_in(1, kMaxHeads)),
+                  cmd->add_option("--heads", o.heads, "heads H")
+                      ->capture_default_str()
+                      ->check(int_in(1, kMaxHeads)),
+                  cmd->add_option("--seq", o.seq, "query length n")
+                      ->capture_default_str()
+                      ->check(int_in(1, kMaxExtent)),
+                  cmd->add_option("--seq-k", o.seq_k, "key length m (default: n)")
+                      ->check(int_in(1, kMaxExtent)),
+                  cmd->add_option("--dim", o.dim, "head dimension d")
+                      ->capture_default_str()
+                      ->check(int_in(1, kMaxExtent))};
+    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
+    auto* input_opt = cmd->add_option("--input", o.input, "input distribution")
+                          ->capture_default_str()
+                          ->check(CLI::IsMember(input_distributions()));
+    auto* scale_opt = cmd->add_option("--scale", o.scale, "multiply q (and so the logits) by this")
+                          ->capture_default_str()
+                          ->check(CLI::PositiveNumber);
+    add_timing_options(cmd, o);
+    cmd->add_option("--inputs", inputs_path, ".npz with float32 q, k, v of shape [B, H, len, d]")
+        ->check(CLI::ExistingFile)
+        ->excludes(input_opt)
+        ->excludes(scale_opt);
+    cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+    cmd->add_flag("--json", json, "print the result row as JSON");
+    return cmd;
+  }
+
+  int run() const {
+    auto variant = make_variant(spec);
+    Problem p = o.problem();
+    std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
+    p.threads = apply_threads(o.threads);
+    p.validate();
+    MachineFigures mf = measure_machine(p.threads, /*quick=*/true);
+    RunOptions opt{.reps = o.reps, .min_time = o.min_time};
+    Tensor out;
+    Row row = run_one(*variant, p, given ? &*given : nullptr, mf, opt, &out);
+    if (json)
+      fmt::print("{}\n", to_json(row).dump(2));
+    else
+      print_row(row);
+    if (row.status != "ok") {
+      fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
+      return 1;
+    }
+    if (!output_path.empty()) write_npy(output_path, to_npy(out));
+    return 0;
+  }
+};
+
+// ----- sweep -----
+
+struct SweepCommand {
+  ProblemOptions o;
+  std::vector<std::string> specs;
+  std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
+              causal_mode = "off", input_list = "gaussian", out_dir;
+  bool resume = false;
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
+    cmd->add_option("--variant", specs, "variant spec (repeatable; default: every variant)");
+    cmd->add_option("--seq", seq_list, "query lengths n")->capture_default_str();
+    cmd->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
+    cmd->add_option("--heads", heads_list, "head counts")->capture_default_str();
+    cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    cmd->add_option("--causal", causal_mode, "causal mask: off, on or both")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"off", "on", "both"}));
+    cmd->add_option("--input", input_list, "input distributions, comma-separated")
+        ->capture_default_str();
+    add_timing_options(cmd, o);
+    cmd->add_option("--out", out_dir, "results directory")->required();
+    cmd->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
+    return cmd;
+  }
+
+  // The plan of the options; the variants are built first, so a bad spec fails before any
+  // work. Applies the thread count.
+  SweepPlan plan() const {
+    auto variants = make_sweep_variants(specs);
+    SweepAxes axes;
+    axes.seqs = parse_int_list(seq_list, "--seq");
+    axes.batches = parse_int_list(batch_list, "--batch");
+    axes.heads = parse_int_list(heads_list, "--heads");
+    axes.dims = parse_int_list(dim_list, "--dim");
+    axes.inputs = parse_input_list(input_list);
+    axes.causals = parse_causal_mode(causal_mode);
+    axes.seed = o.seed;
+    axes.threads = apply_threads(o.threads);
+    return plan_sweep(std::move(variants), axes);
+  }
+
+  int run(int argc, char** argv) const {
+    const SweepPlan plan = this->plan();
+    const int threads = plan.axes.threads;
+    if (!plan.duplicates.empty())
+      fmt::print(stderr,
+                 "attnbench: {} duplicate configuration{} left out (same canonical spec "
+                 "and problem as an earlier one), e.g. {}\n",
+                 plan.duplicates.size(), plan.duplicates.size() == 1 ? "" : "s",
+                 plan.duplicates.front());
+    ResultsDir results(out_dir, resume);
+    fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
+    MachineFigures mf = measure_machine(threads);
+    fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
+               mf.bandwidth_gbs);
+    auto meta = meta_json(argc, argv, mf, threads);
+    meta["rows_planned"] = plan.configs.size();
+    meta["rows_kept_from_earlier_runs"] = results.rows_kept();
+    results.write_meta(meta);
+
+    const RunOptions opt{.reps = o.reps, .min_time = o.min_time};
+    // Work left, for the ETA.
+    double total_work = 0, done_work = 0;
+    for (const auto& c : plan.configs) total_work += sweep_work(c);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::map<std::string, int> counts;
+    size_t index = 0;
+    for (const auto& c : plan.configs) {
+      ++index;
+      Row probe;
+      probe.spec = c.variant->spec();
+      probe.problem = c.problem;
+      if (resume && results.done(probe)) {
+        total_work -= sweep_work(c);
+        ++counts["kept"];
+        continue;
+      }
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
+      fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, plan.configs.size(),
+                 probe.spec, c.problem.str(), human_seconds(elapsed), human_seconds(eta));
+      const Row row = measure(c, mf, opt, results);
+      ++counts[row.status];
+      if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
+      done_work += sweep_work(c);
+    }
+    std::string summary;
+    for (auto& [k, v] : counts)
+      summary += fmt::format("{}{} {}", summary.empty() ? "" : ", ", v, k);
+    fmt::print(stderr, "attnbench: {} rows in {}/results.csv ({})\n", plan.configs.size(), out_dir,
+               summary);
+    return 0;
+  }
+
+  // Runs one configuration of the plan and appends its row to the results.
+  static Row measure(const SweepConfig& c, const MachineFigures& mf, const RunOptions& opt,
+                     ResultsDir& results) {
+    nlohmann::json bench;
+    Row row = run_one(*c.variant, c.problem, nullptr, mf, opt, nullptr, &bench);
+    results.append(row, bench);
+    return row;
+  }
+};
+
+// ----- pattern -----
+
+// The registered variants that have an attention pattern at their defaults on this problem.
+std::vector<std::string> variants_with_patterns(const Problem& p, ConstTensorView q,
+                                                ConstTensorView k) {
+  std::vector<std::string> with;
+  for (const VariantInfo* v : Registry::instance().all()) {
+    auto probe = make_variant(v->name);
+    try {
+      if (probe->make_pattern(p, q, k)) with.push_back(v->name);
+    } catch (const std::exception&) {
+    }
+  }
+  return with;
+}
+
+struct PatternCommand {
+  ProblemOptions o;
+  std::string spec, inputs_path, output_path;
+  int64_t head = 0;
+  std::vector<CLI::Option*> shape_opts;
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand("pattern", "export a variant's attention pattern for one head");
+    cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
+    shape_opts = {cmd->add_option("--seq", o.seq, "query length n")
+                      ->capture_default_str()
+                      ->check(int_in(1, kMaxExtent)),
+                  cmd->add_option("--seq-k", o.seq_k, "key length m (default: n)")
+                      ->check(int_in(1, kMaxExtent)),
+                  cmd->add_option("--dim", o.dim, "head dimension d (for data-dependent patterns)")
+                      ->capture_default_str()
+                      ->check(int_in(1, kMaxExtent))};
+    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
+    cmd->add_option("--head", head, "head index")
+        ->capture_default_str()
+        ->check(int_in(0, kMaxHeads - 1));
+    cmd->add_option("--seed", o.seed, "seed of every random choice")
+        ->capture_default_str()
+        ->check(seed_value());
+    auto* input_opt =
+        cmd->add_option("--input", o.input, "input distribution (data-dependent patterns)")
+            ->capture_default_str()
+            ->check(CLI::IsMember(input_distributions()));
+    cmd->add_option("--inputs", inputs_path, ".npz with float32 q, k, v of shape [B, H, len, d]")
+        ->check(CLI::ExistingFile)
+        ->excludes(input_opt);
+    cmd->add_option("--output", output_path, "uint8 [n, m] .npy, 1 = attended")->required();
+    return cmd;
+  }
+
+  int run() const {
+    auto variant = make_variant(spec);
+    Problem p = o.problem();
+    p.batch = 1, p.heads = head + 1;
+    std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
+    if (given && head >= p.heads)
+      throw UsageError(
+          fmt::format("--head {} is out of range: {} has {} heads", head, inputs_path, p.heads));
+    p.threads = apply_threads(0);
+    p.validate();
+    variant->check_supported(p);
+    const double bytes = double(p.n) * double(p.keys());
+    if (bytes > 0.5 * available_memory())
+      throw UsageError(
+          fmt::format("a dense {} x {} pattern needs {:.1f} GiB, more than half the "
+                      "available memory; use a smaller --seq",
+                      p.n, p.keys(), bytes / double(1 << 30)));
+    // Only head `head` is exported, so only its inputs are generated; the views show them at
+    // every head index (stride 0), so a data-dependent pattern of that head sees exactly the
+    // inputs a run of the problem gives it.
+    ConstTensorView qv, kv;
+    if (given) {
+      qv = given->q.view(), kv = given->k.view();
+    } else {
+      given = generate_head_inputs(p, 0, head);
+      qv = ConstTensorView(given->q.data(), p.q_shape());
+      kv = ConstTensorView(given->k.data(), p.kv_shape());
+      qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
+    }
+    auto pat = variant->make_pattern(p, qv, kv);
+    if (!pat) {
+      const auto with = variants_with_patterns(p, qv, kv);
+      // Any variant whose make_pattern gives one has a pattern, exact or not (reformer's
+      // buckets, routing's clusters).
+      throw UsageError(fmt::format(
+          "variant '{}' has no attention pattern (it does not restrict "
+          "softmax attention to a set of keys); variants with one at "
+          "their defaults: {}",
+          variant->spec(),
+          with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
+    }
+    NpyArray a{"|u1", {p.n, p.keys()}, {}};
+    a.data.resize(size_t(bytes));
+    for (int64_t i = 0; i < p.n; ++i)
+      pattern_row(p, *pat, 0, head, i, reinterpret_cast<uint8_t*>(a.data.data()) + i * p.keys());
+    write_npy(output_path, a);
+    double attended = 0;
+    for (char c : a.data) attended += c;
+    fmt::print(
+        stderr, "attnbench: {} pattern of head {}: {} x {}, {:.0f} pairs attended ({:.2f}%)\n",
+        variant->spec(), head, p.n, p.keys(), attended, 100.0 * attended / std::max(1.0, bytes));
+    return 0;
+  }
+};
+
+// ----- machine -----
+
+struct MachineCommand {
+  int threads = 0;
+  bool json = false;
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
+    cmd->add_option("--threads", threads,
+                    fmt::format("threads (0 = every core; at most {})", max_threads()))
+        ->check(int_in(0, max_threads()));
+    cmd->add_flag("--json", json, "print JSON");
+    return cmd;
+  }
+
+  int run() const {
+    MachineFigures mf = measure_machine(apply_threads(threads));
+    if (json) {
+      fmt::print("{}\n", to_json(mf).dump(2));
+    } else {
+      fmt::print("cpu        {}\nthreads    {}\n", mf.cpu_model, mf.threads);
+      fmt::print("GEMM       {:.1f} GFLOP/s best (OpenBLAS {:.1f}, Eigen {:.1f}; square n = {})\n",
+                 mf.gemm_gflops, mf.blas_gflops, mf.eigen_gflops, mf.gemm_size);
+      fmt::print("bandwidth  {:.1f} GB/s (triad)\n", mf.bandwidth_gbs);
+    }
+    return 0;
+  }
+};
+
+// ----- plugins, parse errors and command errors -----
+
+// The plugins of ATTNBENCH_PLUGINS, then those of --plugin: their variants are then available
+// to every command.
+void load_plugins(const std::vector<std::string>& paths) {
+  if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {
+    for (const auto& path : split_plugin_list(env)) {
+      try {
+        load_plugin(path);
+      } catch (const PluginError& e) {
+        throw PluginError(fmt::format("{} (in ATTNBENCH_PLUGINS)", e.what()));
+      }
+    }
+  }
+  for (const auto& path : paths) load_plugin(path);
+}
+
+// A command line CLI11 refused: a first word that names no command is named with the list of
+// commands; anything else is CLI11's own message (or help). Returns the exit code.
+int report_parse_error(CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
+  if (e.get_exit_code() != 0 && app.get_subcommands().empty()) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--plugin") {
+        ++i;
+        continue;
+      }
+      if (a.empty() || a[0] == '-') continue;
+      std::vector<std::string> names;
+      for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+      fmt::print(stderr,
+                 "attnbench: error: unknown command '{}'; accepted: {} (attnbench --help)\n", a,
+                 fmt::join(names, ", "));
+      return 2;
+    }
+  }
+  return app.exit(e) == 0 ? 0 : 2;
+}
+
+// What a command that ended with an exception prints and returns: 2 for bad input (usage,
+// spec, input file, plugin), 1 for what failed while running.
+int report_error(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e)) {
+    fmt::print(stderr,
+               "attnbench: error: out of memory: the problem (or the pattern of every "
+               "head up to --head) needs more memory than this machine can give; use "
+               "smaller sizes\n");
+    return 1;
+  }
+  const bool plugin = dynamic_cast<const PluginError*>(&e) != nullptr;
+  const bool unsupported = dynamic_cast<const UnsupportedError*>(&e) != nullptr;
+  const bool bad_input = plugin || dynamic_cast<const UsageError*>(&e) ||
+                         dynamic_cast<const SpecError*>(&e) || dynamic_cast<const InputError*>(&e);
+  fmt::print(stderr, "attnbench: {}: {}\n",
+             plugin        ? "plugin error"
+             : unsupported ? "unsupported"
+                           : "error",
+             e.what());
+  return bad_input ? 2 : 1;
 }
 
 }  // namespace
 
 int cli_main(int argc, char** argv) {
-  CLI::App app{"attnbench: speed, memory and error of attention variants against exact softmax "
-               "attention"};
+  CLI::App app{
+      "attnbench: speed, memory and error of attention variants against exact softmax "
+      "attention"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help for every command");
   // --plugin belongs to the top level but may also follow the subcommand.
@@ -351,355 +775,31 @@ int cli_main(int argc, char** argv) {
       ->type_name("FILE")
       ->allow_extra_args(false);  // one FILE per --plugin
 
-  // list
-  auto* list = app.add_subcommand("list", "variants with their parameters and capabilities");
-  bool list_json = false;
-  list->add_flag("--json", list_json, "print JSON");
-
-  // run
-  ProblemOptions ro;
-  std::string run_spec, inputs_path, output_path;
-  bool run_json = false;
-  auto* run = app.add_subcommand("run", "one variant on one problem");
-  run->add_option("--variant", run_spec, "variant spec, name:key=value,...")->required();
-  const std::vector<CLI::Option*> run_shape_opts = {
-      run->add_option("--batch", ro.batch, "batch size B")->capture_default_str()->check(int_in(1, kMaxHeads)),
-      run->add_option("--heads", ro.heads, "heads H")->capture_default_str()->check(int_in(1, kMaxHeads)),
-      run->add_option("--seq", ro.seq, "query length n")->capture_default_str()->check(int_in(1, kMaxExtent)),
-      run->add_option("--seq-k", ro.seq_k, "key length m (default: n)")->check(int_in(1, kMaxExtent)),
-      run->add_option("--dim", ro.dim, "head dimension d")->capture_default_str()->check(int_in(1, kMaxExtent))};
-  run->add_flag("--causal", ro.causal, "bottom-right aligned causal mask");
-  auto* input_opt = run->add_option("--input", ro.input, "input distribution")
-                        ->capture_default_str()
-                        ->check(CLI::IsMember(input_distributions()));
-  auto* scale_opt = run->add_option("--scale", ro.scale, "multiply q (and so the logits) by this")
-                        ->capture_default_str()
-                        ->check(CLI::PositiveNumber);
-  add_timing_options(run, ro);
-  run->add_option("--inputs", inputs_path, ".npz with float32 q, k, v of shape [B, H, len, d]")
-      ->check(CLI::ExistingFile)
-      ->excludes(input_opt)
-      ->excludes(scale_opt);
-  run->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
-  run->add_flag("--json", run_json, "print the result row as JSON");
-
-  // sweep
-  ProblemOptions so;
-  std::vector<std::string> sweep_specs;
-  std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
-              causal_mode = "off", input_list = "gaussian", out_dir;
-  bool resume = false;
-  auto* sweep = app.add_subcommand("sweep", "the cross product of variants and problems");
-  sweep->add_option("--variant", sweep_specs, "variant spec (repeatable; default: every variant)");
-  sweep->add_option("--seq", seq_list, "query lengths n")->capture_default_str();
-  sweep->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
-  sweep->add_option("--heads", heads_list, "head counts")->capture_default_str();
-  sweep->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
-  sweep->add_option("--causal", causal_mode, "causal mask: off, on or both")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"off", "on", "both"}));
-  sweep->add_option("--input", input_list, "input distributions, comma-separated")
-      ->capture_default_str();
-  add_timing_options(sweep, so);
-  sweep->add_option("--out", out_dir, "results directory")->required();
-  sweep->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
-
-  // pattern
-  ProblemOptions po;
-  std::string pattern_spec, pattern_inputs, pattern_output;
-  int64_t pattern_head = 0;
-  auto* pattern = app.add_subcommand("pattern", "export a variant's attention pattern for one head");
-  pattern->add_option("--variant", pattern_spec, "variant spec, name:key=value,...")->required();
-  const std::vector<CLI::Option*> pattern_shape_opts = {
-      pattern->add_option("--seq", po.seq, "query length n")->capture_default_str()->check(int_in(1, kMaxExtent)),
-      pattern->add_option("--seq-k", po.seq_k, "key length m (default: n)")->check(int_in(1, kMaxExtent)),
-      pattern->add_option("--dim", po.dim, "head dimension d (for data-dependent patterns)")
-          ->capture_default_str()->check(int_in(1, kMaxExtent))};
-  pattern->add_flag("--causal", po.causal, "bottom-right aligned causal mask");
-  pattern->add_option("--head", pattern_head, "head index")->capture_default_str()
-      ->check(int_in(0, kMaxHeads - 1));
-  pattern->add_option("--seed", po.seed, "seed of every random choice")->capture_default_str()
-      ->check(seed_value());
-  auto* pinput_opt = pattern->add_option("--input", po.input, "input distribution (data-dependent patterns)")
-      ->capture_default_str()->check(CLI::IsMember(input_distributions()));
-  pattern->add_option("--inputs", pattern_inputs, ".npz with float32 q, k, v of shape [B, H, len, d]")
-      ->check(CLI::ExistingFile)->excludes(pinput_opt);
-  pattern->add_option("--output", pattern_output, "uint8 [n, m] .npy, 1 = attended")->required();
-
-  // machine
-  auto* machine = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
-  int machine_threads = 0;
-  bool machine_json = false;
-  machine->add_option("--threads", machine_threads,
-                      fmt::format("threads (0 = every core; at most {})", max_threads()))
-      ->check(int_in(0, max_threads()));
-  machine->add_flag("--json", machine_json, "print JSON");
+  // The commands, in the order of the help.
+  ListCommand list;
+  RunCommand run;
+  SweepCommand sweep;
+  PatternCommand pattern;
+  MachineCommand machine;
+  std::vector<std::pair<const CLI::App*, std::function<int()>>> commands;
+  commands.emplace_back(list.add(app), [&] { return list.run(); });
+  commands.emplace_back(run.add(app), [&] { return run.run(); });
+  commands.emplace_back(sweep.add(app), [&] { return sweep.run(argc, argv); });
+  commands.emplace_back(pattern.add(app), [&] { return pattern.run(); });
+  commands.emplace_back(machine.add(app), [&] { return machine.run(); });
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // A first word that names no command: say which word, and what the commands are.
-    if (e.get_exit_code() != 0 && app.get_subcommands().empty()) {
-      for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a == "--plugin") {
-          ++i;
-          continue;
-        }
-        if (a.empty() || a[0] == '-') continue;
-        std::vector<std::string> names;
-        for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
-        fmt::print(stderr, "attnbench: error: unknown command '{}'; accepted: {} (attnbench --help)\n",
-                   a, fmt::join(names, ", "));
-        return 2;
-      }
-    }
-    return app.exit(e) == 0 ? 0 : 2;
+    return report_parse_error(app, e, argc, argv);
   }
 
   try {
-    // Plugins first: their variants are then available to every command.
-    if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {
-      for (const auto& path : split_plugin_list(env)) {
-        try {
-          load_plugin(path);
-        } catch (const PluginError& e) {
-          throw PluginError(fmt::format("{} (in ATTNBENCH_PLUGINS)", e.what()));
-        }
-      }
-    }
-    for (const auto& path : plugin_paths) load_plugin(path);
-
-    if (*list) {
-      if (list_json) fmt::print("{}\n", variants_json().dump(2));
-      else print_list();
-      return 0;
-    }
-    if (*machine) {
-      int threads = apply_threads(machine_threads);
-      MachineFigures mf = measure_machine(threads);
-      if (machine_json) {
-        fmt::print("{}\n", to_json(mf).dump(2));
-      } else {
-        fmt::print("cpu        {}\nthreads    {}\n", mf.cpu_model, mf.threads);
-        fmt::print("GEMM       {:.1f} GFLOP/s best (OpenBLAS {:.1f}, Eigen {:.1f}; square n = {})\n",
-                   mf.gemm_gflops, mf.blas_gflops, mf.eigen_gflops, mf.gemm_size);
-        fmt::print("bandwidth  {:.1f} GB/s (triad)\n", mf.bandwidth_gbs);
-      }
-      return 0;
-    }
-    if (*pattern) {
-      auto variant = make_variant(pattern_spec);
-      Problem p;
-      p.batch = 1, p.heads = pattern_head + 1, p.n = po.seq, p.m = po.seq_k, p.dim = po.dim;
-      p.causal = po.causal, p.input = po.input, p.seed = po.seed;
-      std::optional<Inputs> given;
-      if (!pattern_inputs.empty()) {
-        given = load_inputs_npz(pattern_inputs, &p);
-        check_sizes_agree(pattern_shape_opts, p, pattern_inputs);
-        if (pattern_head >= p.heads)
-          throw UsageError(fmt::format("--head {} is out of range: {} has {} heads", pattern_head,
-                                       pattern_inputs, p.heads));
-      }
-      p.threads = apply_threads(0);
-      p.validate();
-      variant->check_supported(p);
-      const double bytes = double(p.n) * double(p.keys());
-      if (bytes > 0.5 * available_memory())
-        throw UsageError(fmt::format("a dense {} x {} pattern needs {:.1f} GiB, more than half the "
-                                     "available memory; use a smaller --seq",
-                                     p.n, p.keys(), bytes / double(1 << 30)));
-      // Only head `pattern_head` is exported, so only its inputs are generated; the views
-      // show them at every head index (stride 0), so a data-dependent pattern of that head
-      // sees exactly the inputs a run of the problem gives it.
-      ConstTensorView qv, kv;
-      if (given) {
-        qv = given->q.view(), kv = given->k.view();
-      } else {
-        given = generate_head_inputs(p, 0, pattern_head);
-        qv = ConstTensorView(given->q.data(), p.q_shape());
-        kv = ConstTensorView(given->k.data(), p.kv_shape());
-        qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
-      }
-      auto pat = variant->make_pattern(p, qv, kv);
-      if (!pat) {
-        std::vector<std::string> with;
-        for (const VariantInfo* v : Registry::instance().all()) {
-          auto probe = make_variant(v->name);
-          try {
-            if (probe->make_pattern(p, qv, kv)) with.push_back(v->name);
-          } catch (const std::exception&) {
-          }
-        }
-        throw UsageError(fmt::format("variant '{}' has no attention pattern (it does not restrict "
-                                     "exact softmax attention to a set of keys); variants with one at their defaults: {}",
-                                     variant->spec(),
-                                     with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
-      }
-      NpyArray a{"|u1", {p.n, p.keys()}, {}};
-      a.data.resize(size_t(bytes));
-      for (int64_t i = 0; i < p.n; ++i)
-        pattern_row(p, *pat, 0, pattern_head, i,
-                    reinterpret_cast<uint8_t*>(a.data.data()) + i * p.keys());
-      write_npy(pattern_output, a);
-      double attended = 0;
-      for (char c : a.data) attended += c;
-      fmt::print(stderr, "attnbench: {} pattern of head {}: {} x {}, {:.0f} pairs attended ({:.2f}%)\n",
-                 variant->spec(), pattern_head, p.n, p.keys(), attended,
-                 100.0 * attended / std::max(1.0, bytes));
-      return 0;
-    }
-    if (*run) {
-      auto variant = make_variant(run_spec);
-      Problem p;
-      p.batch = ro.batch, p.heads = ro.heads, p.n = ro.seq, p.m = ro.seq_k, p.dim = ro.dim;
-      p.causal = ro.causal, p.input = ro.input, p.scale = ro.scale, p.seed = ro.seed;
-      std::optional<Inputs> given;
-      if (!inputs_path.empty()) {
-        given = load_inputs_npz(inputs_path, &p);
-        check_sizes_agree(run_shape_opts, p, inputs_path);
-      }
-      p.threads = apply_threads(ro.threads);
-      p.validate();
-      MachineFigures mf = measure_machine(p.threads, /*quick=*/true);
-      RunOptions opt{.reps = ro.reps, .min_time = ro.min_time};
-      Tensor out;
-      Row row = run_one(*variant, p, given ? &*given : nullptr, mf, opt, &out);
-      if (run_json) fmt::print("{}\n", to_json(row).dump(2));
-      else print_row(row);
-      if (row.status != "ok") {
-        fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
-        return 1;
-      }
-      if (!output_path.empty()) write_npy(output_path, to_npy(out));
-      return 0;
-    }
-    if (*sweep) {
-      // Build every variant first so a bad spec fails before any work.
-      std::vector<std::unique_ptr<Variant>> variants;
-      if (sweep_specs.empty())
-        for (const VariantInfo* v : Registry::instance().all()) variants.push_back(make_variant(v->name));
-      for (const auto& s : sweep_specs) variants.push_back(make_variant(s));
-      auto seqs = parse_int_list(seq_list, "--seq"), batches = parse_int_list(batch_list, "--batch"),
-           heads = parse_int_list(heads_list, "--heads"), dims = parse_int_list(dim_list, "--dim");
-      std::vector<std::string> inputs;
-      for (auto& s : split_csv_line(input_list)) {
-        const auto& names = input_distributions();
-        if (std::find(names.begin(), names.end(), s) == names.end())
-          throw UsageError(fmt::format("--input: unknown distribution '{}'; accepted: {}", s,
-                                       fmt::join(names, ", ")));
-        inputs.push_back(s);
-      }
-      std::vector<bool> causals = causal_mode == "off" ? std::vector<bool>{false}
-                                  : causal_mode == "on" ? std::vector<bool>{true}
-                                                        : std::vector<bool>{false, true};
-      const int threads = apply_threads(so.threads);
-      struct Config { Variant* v; Problem p; };
-      std::vector<Config> configs;
-      // Two specs that name the same canonical variant (flash and flash:block_q=64), or a
-      // length listed twice, would measure one configuration twice: keep the first.
-      std::set<std::string> seen;
-      std::vector<std::string> duplicates;
-      for (auto& in : inputs)
-        for (bool c : causals)
-          for (auto d : dims)
-            for (auto h : heads)
-              for (auto b : batches)
-                for (auto n : seqs)
-                  for (auto& v : variants) {
-                    Problem p;
-                    p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.input = in;
-                    p.seed = so.seed, p.threads = threads;
-                    p.validate();
-                    Row key;
-                    key.spec = v->spec(), key.problem = p;
-                    if (!seen.insert(row_key(key)).second) {
-                      duplicates.push_back(fmt::format("{} {}", key.spec, p.str()));
-                      continue;
-                    }
-                    configs.push_back({v.get(), p});
-                  }
-      if (!duplicates.empty())
-        fmt::print(stderr, "attnbench: {} duplicate configuration{} left out (same canonical spec "
-                           "and problem as an earlier one), e.g. {}\n",
-                   duplicates.size(), duplicates.size() == 1 ? "" : "s", duplicates.front());
-      ResultsDir results(out_dir, resume);
-      fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
-      MachineFigures mf = measure_machine(threads);
-      fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
-                 mf.bandwidth_gbs);
-      auto meta = meta_json(argc, argv, mf, threads);
-      meta["rows_planned"] = configs.size();
-      meta["rows_kept_from_earlier_runs"] = results.rows_kept();
-      results.write_meta(meta);
-
-      RunOptions opt{.reps = so.reps, .min_time = so.min_time};
-      double total_work = 0, done_work = 0;
-      // Work left, for the ETA: FLOPs plus a fixed cost per row (an estimate that fails
-      // counts as the fixed cost; run_one reports the failure in the row).
-      auto work = [](const Config& c) {
-        double f = 0;
-        try {
-          f = c.v->flops(c.p);
-        } catch (const std::exception&) {
-        }
-        return (std::isfinite(f) && f > 0 ? f : 0) + 1e8;
-      };
-      for (auto& c : configs) total_work += work(c);
-      auto t0 = std::chrono::steady_clock::now();
-      std::map<std::string, int> counts;
-      size_t index = 0;
-      for (auto& c : configs) {
-        ++index;
-        Row probe;
-        probe.spec = c.v->spec();
-        probe.problem = c.p;
-        if (resume && results.done(probe)) {
-          total_work -= work(c);
-          ++counts["kept"];
-          continue;
-        }
-        const double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
-        fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, configs.size(),
-                   probe.spec, c.p.str(), human_seconds(elapsed), human_seconds(eta));
-        nlohmann::json bench;
-        Row row = run_one(*c.v, c.p, nullptr, mf, opt, nullptr, &bench);
-        results.append(row, bench);
-        ++counts[row.status];
-        if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
-        done_work += work(c);
-      }
-      std::string summary;
-      for (auto& [k, v] : counts) summary += fmt::format("{}{} {}", summary.empty() ? "" : ", ", v, k);
-      fmt::print(stderr, "attnbench: {} rows in {}/results.csv ({})\n", configs.size(), out_dir,
-                 summary);
-      return 0;
-    }
-  } catch (const UsageError& e) {
-    fmt::print(stderr, "attnbench: error: {}\n", e.what());
-    return 2;
-  } catch (const PluginError& e) {
-    fmt::print(stderr, "attnbench: plugin error: {}\n", e.what());
-    return 2;
-  } catch (const SpecError& e) {
-    fmt::print(stderr, "attnbench: error: {}\n", e.what());
-    return 2;
-  } catch (const InputError& e) {
-    fmt::print(stderr, "attnbench: error: {}\n", e.what());
-    return 2;
-  } catch (const UnsupportedError& e) {
-    fmt::print(stderr, "attnbench: unsupported: {}\n", e.what());
-    return 1;
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "attnbench: error: out of memory: the problem (or the pattern of every "
-                       "head up to --head) needs more memory than this machine can give; use "
-                       "smaller sizes\n");
-    return 1;
+    load_plugins(plugin_paths);
+    for (const auto& [cmd, command] : commands)
+      if (*cmd) return command();
   } catch (const std::exception& e) {
-    fmt::print(stderr, "attnbench: error: {}\n", e.what());
-    return 1;
+    return report_error(e);
   }
   return 0;
 }

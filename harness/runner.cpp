@@ -118,10 +118,12 @@ double available_memory() { return double(available_memory_bytes()); }
 Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
             const RunOptions& opt, Tensor* output, nlohmann::json* bench_json) {
   Row row;
-  row.spec = variant.spec();
-  row.variant = variant.info().name;
   row.problem = p;
+  // One try around everything a variant or the problem can throw from, estimates and the
+  // memory guard included: a failure is the row's status, never an exception.
   try {
+    row.spec = variant.spec();
+    row.variant = variant.info().name;
     if (!(opt.min_time >= 0 && opt.min_time <= 3600) || opt.reps < 1)
       throw UsageError(fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
                                    "and min_time in [0, 3600]",
@@ -130,28 +132,20 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     variant.check_supported(p);
     row.flops = variant.flops(p);
     row.estimated_bytes = variant.memory_estimate(p);
-  } catch (const UnsupportedError& e) {
-    row.status = "unsupported";
-    row.message = e.what();
-    return row;
-  } catch (const std::exception& e) {
-    row.status = "error";
-    row.message = e.what();
-    return row;
-  }
-  // Refuse what cannot fit rather than meet the OOM killer.
-  const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4;
-  const double need = row.estimated_bytes + (given ? 0 : io_bytes) +
-                      error_memory_estimate(p, opt.exact_limit);
-  const double limit = opt.memory_limit > 0 ? opt.memory_limit : 0.8 * available_memory();
-  if (need > limit) {
-    row.status = "skipped";
-    row.message = fmt::format("needs about {} (inputs, output and the variant's estimate of {}), "
-                              "more than the {} allowed",
-                              gib(need), gib(row.estimated_bytes), gib(limit));
-    return row;
-  }
-  try {
+    // Refuse what cannot fit rather than meet the OOM killer.
+    const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4;
+    const double need =
+        row.estimated_bytes + (given ? 0 : io_bytes) + error_memory_estimate(p, opt.exact_limit);
+    const double limit = opt.memory_limit > 0 ? opt.memory_limit : 0.8 * available_memory();
+    if (need > limit) {
+      row.status = "skipped";
+      row.message = fmt::format(
+          "needs about {} (inputs, output and the variant's estimate of {}), "
+          "more than the {} allowed",
+          gib(need), gib(row.estimated_bytes), gib(limit));
+      return row;
+    }
+
     Inputs generated;
     if (!given) generated = generate_inputs(p);
     const Inputs& in = given ? *given : generated;

@@ -1,0 +1,83 @@
+#include "harness/sweep_plan.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "harness/results.h"
+
+namespace attnbench {
+
+std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs) {
+  std::vector<std::unique_ptr<Variant>> variants;
+  if (specs.empty())
+    for (const VariantInfo* v : Registry::instance().all())
+      variants.push_back(make_variant(v->name));
+  for (const auto& s : specs) variants.push_back(make_variant(s));
+  return variants;
+}
+
+SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes) {
+  SweepPlan plan;
+  plan.axes = axes;
+  plan.variants = std::move(variants);
+  // Two specs that name the same canonical variant, or a value listed twice, would measure
+  // one configuration twice: keep the first.
+  std::set<std::string> seen;
+  for (const auto& in : axes.inputs)
+    for (bool c : axes.causals)
+      for (auto d : axes.dims)
+        for (auto h : axes.heads)
+          for (auto b : axes.batches)
+            for (auto n : axes.seqs)
+              for (const auto& v : plan.variants) {
+                Problem p;
+                p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.input = in;
+                p.seed = axes.seed, p.threads = axes.threads;
+                p.validate();
+                Row key;
+                key.spec = v->spec(), key.problem = p;
+                if (!seen.insert(row_key(key)).second) {
+                  plan.duplicates.push_back(fmt::format("{} {}", key.spec, p.str()));
+                  continue;
+                }
+                plan.configs.push_back({v.get(), p});
+              }
+  return plan;
+}
+
+std::vector<bool> parse_causal_mode(const std::string& mode) {
+  if (mode == "off") return {false};
+  if (mode == "on") return {true};
+  if (mode == "both") return {false, true};
+  throw UsageError(fmt::format("--causal: unknown mode '{}'; accepted: off, on, both", mode));
+}
+
+std::vector<std::string> parse_input_list(const std::string& text) {
+  const auto& names = input_distributions();
+  std::vector<std::string> inputs;
+  for (auto& s : split_csv_line(text)) {
+    if (std::find(names.begin(), names.end(), s) == names.end())
+      throw UsageError(fmt::format("--input: unknown distribution '{}'; accepted: {}", s,
+                                   fmt::join(names, ", ")));
+    inputs.push_back(s);
+  }
+  return inputs;
+}
+
+double sweep_work(const SweepConfig& config) {
+  // An estimate that fails counts as the fixed cost; run_one reports the failure in the row.
+  double f = 0;
+  try {
+    f = config.variant->flops(config.problem);
+  } catch (const std::exception&) {
+  }
+  return (std::isfinite(f) && f > 0 ? f : 0) + 1e8;
+}
+
+}  // namespace attnbench

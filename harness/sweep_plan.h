@@ -1,0 +1,61 @@
+// The configurations a sweep runs: the cross product of its variants and problem axes, in run
+// order, with duplicates left out. Plain data, no I/O: the sweep command builds a plan, then
+// runs its configurations one by one.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/problem.h"
+#include "common/registry.h"
+
+namespace attnbench {
+
+/// The problem axes of a sweep, parsed from the command line (an empty list plans nothing).
+struct SweepAxes {
+  std::vector<int64_t> seqs;  ///< query lengths n (m = n)
+  std::vector<int64_t> batches, heads, dims;
+  std::vector<bool> causals;
+  std::vector<std::string> inputs;  ///< input distributions
+  uint64_t seed = 0;
+  int threads = 1;  ///< resolved thread count (never 0)
+};
+
+/// One configuration of a sweep: a variant on a problem.
+struct SweepConfig {
+  Variant* variant = nullptr;  ///< owned by the plan
+  Problem problem;
+};
+
+/// The configurations of a sweep in run order.
+struct SweepPlan {
+  SweepAxes axes;                                  ///< what the plan was built from
+  std::vector<std::unique_ptr<Variant>> variants;  ///< as given, each owned here
+  std::vector<SweepConfig> configs;                ///< what the sweep runs, in order
+  /// "spec problem" of each configuration left out because an earlier one has the same
+  /// canonical spec and problem (flash and flash:block_q=64, or a length listed twice).
+  std::vector<std::string> duplicates;
+};
+
+/// The variants of a sweep: one per spec, or every registered variant at its defaults when
+/// `specs` is empty. Throws SpecError for a bad spec (before any work is planned).
+std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
+
+/// Expands variants x axes into the plan. Order, outermost first: inputs, causal, dims, heads,
+/// batches, seqs, variants. Throws UsageError for a problem that fails Problem::validate.
+SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
+
+/// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.
+std::vector<bool> parse_causal_mode(const std::string& mode);
+
+/// --input of the sweep: comma-separated input distribution names, in the order given.
+/// Throws UsageError naming an unknown one and the accepted names.
+std::vector<std::string> parse_input_list(const std::string& text);
+
+/// The work of a configuration, for the sweep's ETA: its FLOPs (0 if the variant cannot
+/// estimate them) plus a fixed cost per row.
+double sweep_work(const SweepConfig& config);
+
+}  // namespace attnbench
