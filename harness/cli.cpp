@@ -25,6 +25,7 @@
 #include "common/plugin.h"
 #include "common/registry.h"
 #include "harness/machine.h"
+#include "harness/patterns.h"
 #include "harness/results.h"
 #include "harness/runner.h"
 
@@ -509,25 +510,15 @@ int cli_main(int argc, char** argv) {
         throw UsageError(fmt::format("a dense {} x {} pattern needs {:.1f} GiB, more than half the "
                                      "available memory; use a smaller --seq",
                                      p.n, p.keys(), bytes / double(1 << 30)));
-      // Only head `pattern_head` is exported, so only its inputs are generated; the views
-      // show them at every head index (stride 0), so a data-dependent pattern of that head
-      // sees exactly the inputs a run of the problem gives it.
-      ConstTensorView qv, kv;
-      if (given) {
-        qv = given->q.view(), kv = given->k.view();
-      } else {
-        given = generate_head_inputs(p, 0, pattern_head);
-        qv = ConstTensorView(given->q.data(), p.q_shape());
-        kv = ConstTensorView(given->k.data(), p.kv_shape());
-        qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
-      }
-      auto pat = variant->make_pattern(p, qv, kv);
+      // Only head `pattern_head` is exported, so only its inputs are generated.
+      const Inputs* from = given ? &*given : nullptr;
+      auto pat = head_pattern(*variant, p, pattern_head, from);
       if (!pat) {
         std::vector<std::string> with;
         for (const VariantInfo* v : Registry::instance().all()) {
           auto probe = make_variant(v->name);
           try {
-            if (probe->make_pattern(p, qv, kv)) with.push_back(v->name);
+            if (head_pattern(*probe, p, pattern_head, from)) with.push_back(v->name);
           } catch (const std::exception&) {
           }
         }
@@ -536,11 +527,7 @@ int cli_main(int argc, char** argv) {
                                      variant->spec(),
                                      with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
       }
-      NpyArray a{"|u1", {p.n, p.keys()}, {}};
-      a.data.resize(size_t(bytes));
-      for (int64_t i = 0; i < p.n; ++i)
-        pattern_row(p, *pat, 0, pattern_head, i,
-                    reinterpret_cast<uint8_t*>(a.data.data()) + i * p.keys());
+      const NpyArray a = pattern_array(p, *pat, 0, pattern_head);
       write_npy(pattern_output, a);
       double attended = 0;
       for (char c : a.data) attended += c;
@@ -624,6 +611,8 @@ int cli_main(int argc, char** argv) {
                            "and problem as an earlier one), e.g. {}\n",
                    duplicates.size(), duplicates.size() == 1 ? "" : "s", duplicates.front());
       ResultsDir results(out_dir, resume);
+      PatternStore patterns(out_dir, resume);
+      for (auto& c : configs) patterns.plan(c.v->spec(), c.p);
       fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
       MachineFigures mf = measure_machine(threads);
       fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
@@ -657,6 +646,7 @@ int cli_main(int argc, char** argv) {
         if (resume && results.done(probe)) {
           total_work -= work(c);
           ++counts["kept"];
+          patterns.row_done(*c.v, c.p, results.status(probe));
           continue;
         }
         const double elapsed =
@@ -667,6 +657,7 @@ int cli_main(int argc, char** argv) {
         nlohmann::json bench;
         Row row = run_one(*c.v, c.p, nullptr, mf, opt, nullptr, &bench);
         results.append(row, bench);
+        patterns.row_done(*c.v, c.p, row.status);
         ++counts[row.status];
         if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
         done_work += work(c);
