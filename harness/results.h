@@ -50,7 +50,7 @@ class ResultsDir {
   std::string dir_;
   std::ofstream csv_;
   std::map<std::string, std::string> done_;  // row_key -> status
-  nlohmann::json bench_;  // {"context": ..., "benchmarks": [...]}
+  nlohmann::json bench_;                     // {"context": ..., "benchmarks": [...]}
 };
 
 }  // namespace attnbench
