@@ -70,7 +70,8 @@ printf '#!/bin/sh\ntouch "%s/binary-was-run"\nexit 1\n' "$tmp" >"$repo/build/att
 chmod +x "$repo/build/attnbench"
 cp "$repo/build/attnbench" "$tmp/fakebin/attnbench"
 plot() { PATH="$tmp/fakebin:/usr/bin:/bin" "$py" "$repo/scripts/plot.py" "$@"; }
-plot "$tmp/a" 2>"$tmp/plot.err" || { cat "$tmp/plot.err" >&2; fail "plot.py failed on a real sweep"; }
+plot "$tmp/a" 2>"$tmp/plot.err" ||
+  { cat "$tmp/plot.err" >&2; fail "plot.py failed on a real sweep"; }
 [ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
 for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover patterns; do
   png="$tmp/a/plots/$name.png"
@@ -138,7 +139,8 @@ grep -q "no stored pattern has n=128 (stored lengths: 512)" "$tmp/len.err" ||
 [ ! -e "$tmp/a/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
 # --attnbench of earlier command lines is accepted and said to be unused
 plot "$tmp/a" --attnbench "$bin" 2>"$tmp/opt.err" || fail "plot.py failed with --attnbench"
-grep -q "attnbench is not used" "$tmp/opt.err" || fail "no stderr message that --attnbench is unused"
+grep -q "attnbench is not used" "$tmp/opt.err" ||
+  fail "no stderr message that --attnbench is unused"
 
 # Results without stored patterns (an older sweep): the gallery is missing, the report and
 # stderr say why, and every other figure is drawn.

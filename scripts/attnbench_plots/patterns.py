@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from attnbench_results import KEY_COLUMNS, ResultsError
+from attnbench_results import KEY_COLUMNS, ResultsError, read_csv
 
 from .style import causal_name, code, fmt_n, md_table, remove, warn
 
@@ -31,24 +31,16 @@ def load_index(directory):
     path = index_path(directory)
     if not os.path.isfile(path):
         return None
-    try:
-        idx = pd.read_csv(path, dtype={"spec": str, "input": str, "file": str, "message": str},
-                          keep_default_na=False)
-    except pd.errors.EmptyDataError:
-        raise ResultsError(f"'{path}' is empty; expected a header line and one line per stored "
-                           f"pattern") from None
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResultsError(f"'{path}' is not a readable CSV file ({first})") from None
-    missing = [c for c in INDEX_COLUMNS if c not in idx.columns]
-    if missing:
-        raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected "
-                           f"{', '.join(INDEX_COLUMNS)}")
+    idx = read_csv(path, ["spec", "input", "file", "message"], INDEX_COLUMNS,
+                   "a header line and one line per variant spec and causal setting")
+    idx["file"] = idx["file"].fillna("")
+    idx["message"] = idx["message"].fillna("")
     for c in INDEX_NUMERIC:
         idx[c] = pd.to_numeric(idx[c], errors="coerce")
         if idx[c].isna().any():
             line = int(idx[c].isna().idxmax()) + 2
-            raise ResultsError(f"'{path}' line {line}: column {c} is not a number")
+            raise ResultsError(f"'{path}' line {line}: column {c} is not a number; expected "
+                               f"the problem's {c} as results.csv writes it")
     for c in INDEX_NUMERIC:
         if c != "scale":
             idx[c] = idx[c].astype(int)
