@@ -1,11 +1,10 @@
 // Tests of the hashing and routing variants: reformer (LSH attention) and routing (k-means
-// routing). Each is checked against a plainly written double-precision implementation of its
-// definition (variants/reformer.h exposes the rotations so the oracle hashes the same way),
-// against full attention in its degenerate settings, and for the effect of more effort.
+// routing). Each is checked against its float64 oracle (variants/reformer.h, variants/routing.h:
+// the variant's definition in double on its own buckets or routes), against full attention in
+// its degenerate settings, and for the effect of more effort.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -107,76 +106,6 @@ std::vector<double> shared_full(const Problem& p, const Inputs& in) {
   return out;
 }
 
-/// The reformer definition, written plainly: per round, buckets from the rotations, a stable
-/// sort, chunks attending themselves and the previous chunk, rounds combined by their
-/// log-sum-exp. Also returns the keys each row attends (with a non-zero weight).
-struct ReformerOracle {
-  std::vector<double> out;
-  std::vector<std::vector<std::set<int64_t>>> keys;  // [b * H + h][i]
-};
-
-ReformerOracle reformer_oracle(const Problem& p, const Inputs& in, std::vector<int64_t> factors,
-                               int64_t hashes, int64_t chunk) {
-  if (factors.empty()) factors = reformer::auto_buckets(p.n, chunk);
-  chunk = std::min(chunk, p.n);
-  const int64_t n = p.n, d = p.dim, nch = (n + chunk - 1) / chunk;
-  int64_t cols = 0;
-  for (int64_t f : factors) cols += f / 2;
-  ConstTensorView q = in.q.view(), v = in.v.view();
-  ReformerOracle o;
-  o.out.assign(size_t(p.q_shape().numel()), 0.0);
-  o.keys.resize(size_t(p.batch * p.heads));
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      auto& keys = o.keys[size_t(b * p.heads + h)];
-      keys.assign(size_t(n), {});
-      std::vector<std::vector<double>> outs(size_t(hashes), std::vector<double>(size_t(n * d)));
-      std::vector<std::vector<double>> lses(size_t(hashes), std::vector<double>(static_cast<size_t>(n)));
-      for (int64_t r = 0; r < hashes; ++r) {
-        const auto rot = reformer::rotations(p.seed, h, r, d, factors);
-        std::vector<int64_t> bucket(static_cast<size_t>(n));
-        for (int64_t i = 0; i < n; ++i) {
-          std::vector<float> proj(size_t(std::max<int64_t>(cols, 1)));
-          for (int64_t c = 0; c < cols; ++c) {
-            double s = 0;
-            for (int64_t x = 0; x < d; ++x) s += double(q.row(b, h, i)[x]) * rot[size_t(x * cols + c)];
-            proj[size_t(c)] = float(s);
-          }
-          bucket[size_t(i)] = reformer::bucket_of(proj.data(), factors);
-        }
-        std::vector<int64_t> order(static_cast<size_t>(n));
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t a, int64_t c) { return bucket[size_t(a)] < bucket[size_t(c)]; });
-        for (int64_t s = 0; s < n; ++s) {
-          const int64_t c = s / chunk, i = order[size_t(s)];
-          std::vector<int64_t> window;
-          std::vector<int64_t> chunks = {c};
-          if (nch > 1) chunks.push_back((c + nch - 1) % nch);
-          for (int64_t cc : chunks)
-            for (int64_t t = cc * chunk; t < std::min(n, (cc + 1) * chunk); ++t)
-              window.push_back(order[size_t(t)]);
-          shared_row(p, q, v, b, h, i, window, outs[size_t(r)].data() + i * d,
-                     &lses[size_t(r)][size_t(i)]);
-          for (int64_t j : window)
-            if (j != i && j < p.visible(i)) keys[size_t(i)].insert(j);
-        }
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        if (keys[size_t(i)].empty()) keys[size_t(i)].insert(i);
-        double mx = -INFINITY, z = 0;
-        for (int64_t r = 0; r < hashes; ++r) mx = std::max(mx, lses[size_t(r)][size_t(i)]);
-        for (int64_t r = 0; r < hashes; ++r) z += std::exp(lses[size_t(r)][size_t(i)] - mx);
-        double* dst = o.out.data() + ((b * p.heads + h) * n + i) * d;
-        for (int64_t r = 0; r < hashes; ++r) {
-          const double w = std::exp(lses[size_t(r)][size_t(i)] - mx) / z;
-          for (int64_t x = 0; x < d; ++x) dst[x] += w * outs[size_t(r)][size_t(i * d + x)];
-        }
-      }
-    }
-  return o;
-}
-
 TEST(Reformer, MatchesItsDefinition) {
   struct Case {
     int64_t n, d;
@@ -205,8 +134,10 @@ TEST(Reformer, MatchesItsDefinition) {
                              std::to_string(c.hashes) + ",chunk=" + std::to_string(c.chunk);
     SCOPED_TRACE(spec + " " + p.str());
     const Tensor out = test::run(spec, p, in);
-    const ReformerOracle o = reformer_oracle(p, in, c.factors, c.hashes, c.chunk);
-    EXPECT_LT(test::rel_fro_error(out.data(), o.out), 2e-5);
+    std::vector<std::vector<int64_t>> attended;
+    const std::vector<double> want = reformer::oracle(
+        p, reformer::plan(p, c.factors, c.hashes, c.chunk), in.q.view(), in.v.view(), &attended);
+    EXPECT_LT(test::rel_fro_error(out.data(), want), 2e-5);
 
     // the exported pattern is the set of keys each row attends
     auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
@@ -217,8 +148,9 @@ TEST(Reformer, MatchesItsDefinition) {
       for (int64_t h = 0; h < p.heads; ++h)
         for (int64_t i = 0; i < p.n; ++i) {
           pattern_row(p, *pat, b, h, i, row.data());
-          const auto& want = o.keys[size_t(b * p.heads + h)][size_t(i)];
-          for (int64_t j = 0; j < p.n; ++j) wrong += row[size_t(j)] != uint8_t(want.count(j));
+          const auto& keys = attended[size_t((b * p.heads + h) * p.n + i)];
+          for (int64_t j = 0; j < p.n; ++j)
+            wrong += row[size_t(j)] != uint8_t(std::binary_search(keys.begin(), keys.end(), j));
         }
     EXPECT_EQ(wrong, 0) << "pattern entries that differ from the keys the definition attends";
   }
@@ -307,54 +239,6 @@ TEST(Reformer, RefusesCrossAttentionAndOddBuckets) {
 
 // ----- routing -----
 
-/// The routing variant's formula on given routes, in double: each cluster's queries attend its
-/// keys with an exact softmax (causal rule by position); a query averages the clusters that
-/// selected it and in which it saw a key, and is 0 if none. Counts such unrouted rows.
-std::vector<double> routing_oracle(const Problem& p, const Inputs& in, int64_t clusters,
-                                   int64_t window, int64_t iterations, int64_t sample,
-                                   int64_t* unrouted) {
-  const routing::Sizes sz = routing::sizes(p, clusters, window, sample);
-  const int64_t n = p.n, d = p.dim;
-  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
-  *unrouted = 0;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      const routing::Routes r = routing::route(p, sz, iterations, in.q.view(), in.k.view(), b, h);
-      std::vector<double> sum(static_cast<size_t>(n * d), 0.0);
-      std::vector<int64_t> used(static_cast<size_t>(n), 0);
-      for (int64_t u = 0; u < sz.c; ++u)
-        for (int64_t t = 0; t < sz.wq; ++t) {
-          const int64_t i = r.queries[size_t(u * sz.wq + t)];
-          std::vector<double> l;
-          std::vector<int64_t> js;
-          for (int64_t e = 0; e < sz.wk; ++e) {
-            const int64_t j = r.keys[size_t(u * sz.wk + e)];
-            if (j >= p.visible(i)) continue;
-            double dot = 0;
-            for (int64_t x = 0; x < d; ++x)
-              dot += double(in.q.view().row(b, h, i)[x]) * double(in.k.view().row(b, h, j)[x]);
-            l.push_back(dot / std::sqrt(double(d)));
-            js.push_back(j);
-          }
-          if (js.empty()) continue;
-          const double mx = *std::max_element(l.begin(), l.end());
-          double z = 0;
-          for (double& x : l) z += (x = std::exp(x - mx));
-          for (size_t e = 0; e < js.size(); ++e)
-            for (int64_t x = 0; x < d; ++x)
-              sum[size_t(i * d + x)] += l[e] / z * double(in.v.view().row(b, h, js[e])[x]);
-          ++used[size_t(i)];
-        }
-      for (int64_t i = 0; i < n; ++i) {
-        if (used[size_t(i)] == 0 && p.visible(i) > 0) ++*unrouted;
-        for (int64_t x = 0; x < d; ++x)
-          out[size_t(((b * p.heads + h) * n + i) * d + x)] =
-              used[size_t(i)] ? sum[size_t(i * d + x)] / double(used[size_t(i)]) : 0.0;
-      }
-    }
-  return out;
-}
-
 TEST(Routing, MatchesItsFormulaOnItsRoutes) {
   struct Case {
     int64_t n, m, d;
@@ -377,7 +261,9 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
     Tensor out(p.q_shape());
     v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
     int64_t unrouted = 0;
-    const auto want = routing_oracle(p, in, c.clusters, c.window, c.iterations, c.sample, &unrouted);
+    const auto want =
+        routing::oracle(p, routing::sizes(p, c.clusters, c.window, c.sample), c.iterations,
+                        in.q.view(), in.k.view(), in.v.view(), &unrouted);
     EXPECT_LT(test::rel_fro_error(out.data(), want), 1e-5);
     // the notes report the rows left without keys
     EXPECT_CONTAINS(v->notes(), fmt::format("{} of {} query rows", unrouted,
