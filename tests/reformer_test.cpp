@@ -1,11 +1,9 @@
-// Tests of the reformer variant (LSH attention): checked against a plainly written
-// double-precision implementation of its definition (variants/reformer.h exposes the
-// rotations so the oracle hashes the same way), against full attention in its degenerate
-// settings, and for the effect of more hash rounds.
+// Tests of the reformer variant (LSH attention): checked against its float64 oracle
+// (variants/reformer.h: the variant's definition in double on its own buckets), against full
+// attention in its degenerate settings, and for the effect of more hash rounds.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -105,76 +103,6 @@ std::vector<double> shared_full(const Problem& p, const Inputs& in) {
   return out;
 }
 
-/// The reformer definition, written plainly: per round, buckets from the rotations, a stable
-/// sort, chunks attending themselves and the previous chunk, rounds combined by their
-/// log-sum-exp. Also returns the keys each row attends (with a non-zero weight).
-struct ReformerOracle {
-  std::vector<double> out;
-  std::vector<std::vector<std::set<int64_t>>> keys;  // [b * H + h][i]
-};
-
-ReformerOracle reformer_oracle(const Problem& p, const Inputs& in, std::vector<int64_t> factors,
-                               int64_t hashes, int64_t chunk) {
-  if (factors.empty()) factors = reformer::auto_buckets(p.n, chunk);
-  chunk = std::min(chunk, p.n);
-  const int64_t n = p.n, d = p.dim, nch = (n + chunk - 1) / chunk;
-  int64_t cols = 0;
-  for (int64_t f : factors) cols += f / 2;
-  ConstTensorView q = in.q.view(), v = in.v.view();
-  ReformerOracle o;
-  o.out.assign(size_t(p.q_shape().numel()), 0.0);
-  o.keys.resize(size_t(p.batch * p.heads));
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      auto& keys = o.keys[size_t(b * p.heads + h)];
-      keys.assign(size_t(n), {});
-      std::vector<std::vector<double>> outs(size_t(hashes), std::vector<double>(size_t(n * d)));
-      std::vector<std::vector<double>> lses(size_t(hashes), std::vector<double>(static_cast<size_t>(n)));
-      for (int64_t r = 0; r < hashes; ++r) {
-        const auto rot = reformer::rotations(p.seed, h, r, d, factors);
-        std::vector<int64_t> bucket(static_cast<size_t>(n));
-        for (int64_t i = 0; i < n; ++i) {
-          std::vector<float> proj(size_t(std::max<int64_t>(cols, 1)));
-          for (int64_t c = 0; c < cols; ++c) {
-            double s = 0;
-            for (int64_t x = 0; x < d; ++x) s += double(q.row(b, h, i)[x]) * rot[size_t(x * cols + c)];
-            proj[size_t(c)] = float(s);
-          }
-          bucket[size_t(i)] = reformer::bucket_of(proj.data(), factors);
-        }
-        std::vector<int64_t> order(static_cast<size_t>(n));
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t a, int64_t c) { return bucket[size_t(a)] < bucket[size_t(c)]; });
-        for (int64_t s = 0; s < n; ++s) {
-          const int64_t c = s / chunk, i = order[size_t(s)];
-          std::vector<int64_t> window;
-          std::vector<int64_t> chunks = {c};
-          if (nch > 1) chunks.push_back((c + nch - 1) % nch);
-          for (int64_t cc : chunks)
-            for (int64_t t = cc * chunk; t < std::min(n, (cc + 1) * chunk); ++t)
-              window.push_back(order[size_t(t)]);
-          shared_row(p, q, v, b, h, i, window, outs[size_t(r)].data() + i * d,
-                     &lses[size_t(r)][size_t(i)]);
-          for (int64_t j : window)
-            if (j != i && j < p.visible(i)) keys[size_t(i)].insert(j);
-        }
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        if (keys[size_t(i)].empty()) keys[size_t(i)].insert(i);
-        double mx = -INFINITY, z = 0;
-        for (int64_t r = 0; r < hashes; ++r) mx = std::max(mx, lses[size_t(r)][size_t(i)]);
-        for (int64_t r = 0; r < hashes; ++r) z += std::exp(lses[size_t(r)][size_t(i)] - mx);
-        double* dst = o.out.data() + ((b * p.heads + h) * n + i) * d;
-        for (int64_t r = 0; r < hashes; ++r) {
-          const double w = std::exp(lses[size_t(r)][size_t(i)] - mx) / z;
-          for (int64_t x = 0; x < d; ++x) dst[x] += w * outs[size_t(r)][size_t(i * d + x)];
-        }
-      }
-    }
-  return o;
-}
-
 TEST(Reformer, MatchesItsDefinition) {
   struct Case {
     int64_t n, d;
@@ -203,8 +131,10 @@ TEST(Reformer, MatchesItsDefinition) {
                              std::to_string(c.hashes) + ",chunk=" + std::to_string(c.chunk);
     SCOPED_TRACE(spec + " " + p.str());
     const Tensor out = test::run(spec, p, in);
-    const ReformerOracle o = reformer_oracle(p, in, c.factors, c.hashes, c.chunk);
-    EXPECT_LT(test::rel_fro_error(out.data(), o.out), 2e-5);
+    std::vector<std::vector<int64_t>> attended;
+    const std::vector<double> want = reformer::oracle(
+        p, reformer::plan(p, c.factors, c.hashes, c.chunk), in.q.view(), in.v.view(), &attended);
+    EXPECT_LT(test::rel_fro_error(out.data(), want), 2e-5);
 
     // the exported pattern is the set of keys each row attends
     auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
@@ -215,8 +145,9 @@ TEST(Reformer, MatchesItsDefinition) {
       for (int64_t h = 0; h < p.heads; ++h)
         for (int64_t i = 0; i < p.n; ++i) {
           pattern_row(p, *pat, b, h, i, row.data());
-          const auto& want = o.keys[size_t(b * p.heads + h)][size_t(i)];
-          for (int64_t j = 0; j < p.n; ++j) wrong += row[size_t(j)] != uint8_t(want.count(j));
+          const auto& keys = attended[size_t((b * p.heads + h) * p.n + i)];
+          for (int64_t j = 0; j < p.n; ++j)
+            wrong += row[size_t(j)] != uint8_t(std::binary_search(keys.begin(), keys.end(), j));
         }
     EXPECT_EQ(wrong, 0) << "pattern entries that differ from the keys the definition attends";
   }

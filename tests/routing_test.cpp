@@ -1,10 +1,9 @@
-// Tests of the routing variant (k-means routing): checked against a plainly written
-// double-precision implementation of its formula on its own routes, against full attention
-// with one cluster, and for causality and the seed.
+// Tests of the routing variant (k-means routing): checked against its float64 oracle
+// (variants/routing.h: the variant's formula in double on its own routes), against full
+// attention with one cluster, and for causality and the seed.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -53,53 +52,6 @@ void expect_later_values_never_reach_earlier_rows(const std::string& spec, Probl
               << spec << ": row " << i << " changed with later values";
 }
 
-/// The routing variant's formula on given routes, in double: each cluster's queries attend its
-/// keys with an exact softmax (causal rule by position); a query averages the clusters that
-/// selected it and in which it saw a key, and is 0 if none. Counts such unrouted rows.
-std::vector<double> routing_oracle(const Problem& p, const Inputs& in, int64_t clusters,
-                                   int64_t window, int64_t iterations, int64_t sample,
-                                   int64_t* unrouted) {
-  const routing::Sizes sz = routing::sizes(p, clusters, window, sample);
-  const int64_t n = p.n, d = p.dim;
-  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
-  *unrouted = 0;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      const routing::Routes r = routing::route(p, sz, iterations, in.q.view(), in.k.view(), b, h);
-      std::vector<double> sum(static_cast<size_t>(n * d), 0.0);
-      std::vector<int64_t> used(static_cast<size_t>(n), 0);
-      for (int64_t u = 0; u < sz.c; ++u)
-        for (int64_t t = 0; t < sz.wq; ++t) {
-          const int64_t i = r.queries[size_t(u * sz.wq + t)];
-          std::vector<double> l;
-          std::vector<int64_t> js;
-          for (int64_t e = 0; e < sz.wk; ++e) {
-            const int64_t j = r.keys[size_t(u * sz.wk + e)];
-            if (j >= p.visible(i)) continue;
-            double dot = 0;
-            for (int64_t x = 0; x < d; ++x)
-              dot += double(in.q.view().row(b, h, i)[x]) * double(in.k.view().row(b, h, j)[x]);
-            l.push_back(dot / std::sqrt(double(d)));
-            js.push_back(j);
-          }
-          if (js.empty()) continue;
-          const double mx = *std::max_element(l.begin(), l.end());
-          double z = 0;
-          for (double& x : l) z += (x = std::exp(x - mx));
-          for (size_t e = 0; e < js.size(); ++e)
-            for (int64_t x = 0; x < d; ++x)
-              sum[size_t(i * d + x)] += l[e] / z * double(in.v.view().row(b, h, js[e])[x]);
-          ++used[size_t(i)];
-        }
-      for (int64_t i = 0; i < n; ++i) {
-        if (used[size_t(i)] == 0 && p.visible(i) > 0) ++*unrouted;
-        for (int64_t x = 0; x < d; ++x)
-          out[size_t(((b * p.heads + h) * n + i) * d + x)] =
-              used[size_t(i)] ? sum[size_t(i * d + x)] / double(used[size_t(i)]) : 0.0;
-      }
-    }
-  return out;
-}
 
 TEST(Routing, MatchesItsFormulaOnItsRoutes) {
   struct Case {
@@ -123,7 +75,9 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
     Tensor out(p.q_shape());
     v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
     int64_t unrouted = 0;
-    const auto want = routing_oracle(p, in, c.clusters, c.window, c.iterations, c.sample, &unrouted);
+    const auto want =
+        routing::oracle(p, routing::sizes(p, c.clusters, c.window, c.sample), c.iterations,
+                        in.q.view(), in.k.view(), in.v.view(), &unrouted);
     EXPECT_LT(test::rel_fro_error(out.data(), want), 1e-5);
     // the notes report the rows left without keys
     EXPECT_CONTAINS(v->notes(), fmt::format("{} of {} query rows", unrouted,

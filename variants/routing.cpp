@@ -301,6 +301,58 @@ Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorV
   return r;
 }
 
+std::vector<double> oracle(const Problem& p, const Sizes& sz, int64_t iterations, ConstTensorView q,
+                           ConstTensorView k, ConstTensorView v, int64_t* unrouted) {
+  const int64_t n = p.n, d = p.dim;
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
+  int64_t missing = 0;
+  std::vector<double> sum(static_cast<size_t>(n * d)), logit;
+  std::vector<int64_t> used(static_cast<size_t>(n)), seen;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const Routes r = route(p, sz, iterations, q, k, b, h);
+      std::fill(sum.begin(), sum.end(), 0.0);
+      std::fill(used.begin(), used.end(), 0);
+      for (int64_t u = 0; u < sz.c; ++u)
+        for (int64_t t = 0; t < sz.wq; ++t) {
+          const int64_t i = r.queries[size_t(u * sz.wq + t)];
+          const float* qi = q.row(b, h, i);
+          logit.clear();
+          seen.clear();
+          for (int64_t e = 0; e < sz.wk; ++e) {
+            const int64_t j = r.keys[size_t(u * sz.wk + e)];
+            if (j >= p.visible(i)) continue;
+            const float* kj = k.row(b, h, j);
+            double dot = 0;
+            for (int64_t x = 0; x < d; ++x) dot += double(qi[x]) * double(kj[x]);
+            logit.push_back(scale * dot);
+            seen.push_back(j);
+          }
+          if (seen.empty()) continue;
+          const double mx = *std::max_element(logit.begin(), logit.end());
+          double z = 0;
+          for (double& l : logit) z += (l = std::exp(l - mx));
+          for (size_t e = 0; e < seen.size(); ++e) {
+            const float* vj = v.row(b, h, seen[e]);
+            for (int64_t x = 0; x < d; ++x) sum[size_t(i * d + x)] += logit[e] / z * double(vj[x]);
+          }
+          ++used[size_t(i)];
+        }
+      double* o = out.data() + (b * p.heads + h) * n * d;
+      for (int64_t i = 0; i < n; ++i) {
+        if (used[size_t(i)] == 0) {
+          missing += p.visible(i) > 0;
+          continue;
+        }
+        for (int64_t x = 0; x < d; ++x)
+          o[i * d + x] = sum[size_t(i * d + x)] / double(used[size_t(i)]);
+      }
+    }
+  if (unrouted != nullptr) *unrouted = missing;
+  return out;
+}
+
 }  // namespace routing
 
 namespace {
@@ -538,10 +590,22 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("sample", 4096, 0, int64_t(1) << 30,
                                   "tokens the Lloyd steps run on (0: all n + m)")},
         .caps = {.causal = true, .cross = true, .exact = false},
-        .make = [](const ParamValues& pv) {
-          return std::make_unique<RoutingVariant>(pv.get_int("clusters"), pv.get_int("window"),
-                                                  pv.get_int("iterations"), pv.get_int("sample"));
-        }});
+        .make =
+            [](const ParamValues& pv) {
+              return std::make_unique<RoutingVariant>(pv.get_int("clusters"), pv.get_int("window"),
+                                                      pv.get_int("iterations"),
+                                                      pv.get_int("sample"));
+            },
+        // exact attention inside each cluster and a mean over at most c clusters: the float32
+        // error chain of plain attention, so the default tolerance
+        .oracle =
+            [](const Variant& var, const Problem& p, ConstTensorView q, ConstTensorView k,
+               ConstTensorView v) {
+              const ParamValues& pv = var.params();
+              const Sizes sz = routing::sizes(p, pv.get_int("clusters"), pv.get_int("window"),
+                                              pv.get_int("sample"));
+              return routing::oracle(p, sz, pv.get_int("iterations"), q, k, v);
+            }});
 
 }  // namespace
 }  // namespace attnbench
