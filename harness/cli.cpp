@@ -369,6 +369,15 @@ void print_row(const Row& r) {
         "variant's pattern\n",
         r.error.mass_mean, r.error.mass_min);
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
+  if (!r.phases.empty()) {
+    double total = 0;
+    for (const auto& [name, s] : r.phases) total += s;
+    std::string text;
+    for (const auto& [name, s] : r.phases)
+      text += fmt::format("{}{} {:.4f} ms ({:.0f}%)", text.empty() ? "" : ", ", name, s * 1e3,
+                          total > 0 ? 100.0 * s / total : 0.0);
+    fmt::print("phases       {} per pass, summed over threads\n", text);
+  }
 }
 
 // ----- list -----

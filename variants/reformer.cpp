@@ -45,6 +45,7 @@
 
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/phase.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -343,11 +344,10 @@ class Reformer final : public Variant {
                TensorView out) override {
     const Plan pl = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
-    // time spent hashing and sorting (projections, buckets, counting sort, gathering the
-    // sorted rows) and in all, summed over the threads that run heads
-    double t_hash = 0, t_all = 0;
+    // phases (common/phase.h): "hash" is hashing and sorting (projections, buckets, counting
+    // sort, gathering the sorted rows), "attend" the rest of a head's work
     OmpGuard guard;
-#pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : t_hash, t_all)
+#pragma omp parallel if (by_head(p, omp_get_max_threads()))
     {
       std::optional<HeadBuffers> buffers;
       guard.run([&] { buffers.emplace(pl, n, d); });
@@ -355,42 +355,42 @@ class Reformer final : public Variant {
       for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
         HeadBuffers& hb = *buffers;
         const int64_t b = bh / p.heads, h = bh % p.heads;
-        const double t0 = omp_get_wtime();
-        hash(p, pl, q, b, h, hb);
-        t_hash += omp_get_wtime() - t0;
+        {
+          Phase ph("hash");
+          hash(p, pl, q, b, h, hb);
+        }
+        {
+          Phase ph("attend");
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          const float* qi = q.row(b, h, i);
-          double ss = 0;
-          for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
-          hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
-          hb.mx[size_t(i)] = -INFINITY;
-          hb.z[size_t(i)] = 0.0f;
-          std::fill_n(out.row(b, h, i), d, 0.0f);
+          for (int64_t i = 0; i < n; ++i) {
+            const float* qi = q.row(b, h, i);
+            double ss = 0;
+            for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
+            hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
+            hb.mx[size_t(i)] = -INFINITY;
+            hb.z[size_t(i)] = 0.0f;
+            std::fill_n(out.row(b, h, i), d, 0.0f);
+          }
         }
         for (int64_t r = 0; r < pl.hashes; ++r) {
-          const double t1 = omp_get_wtime();
-          sort_round(p, pl, r, hb);
-          gather(p, q, v, b, h, hb);
-          t_hash += omp_get_wtime() - t1;
+          {
+            Phase ph("hash");
+            sort_round(p, pl, r, hb);
+            gather(p, q, v, b, h, hb);
+          }
+          Phase ph("attend");
           attend_round(p, pl, v, out, b, h, hb);
         }
+        Phase ph("attend");
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
           float* o = out.row(b, h, i);
           const float inv = 1.0f / hb.z[size_t(i)];
           for (int64_t x = 0; x < d; ++x) o[x] *= inv;
         }
-        t_all += omp_get_wtime() - t0;
       });
     }
     guard.rethrow();
-    hash_share_ = t_all > 0 ? t_hash / t_all : 0.0;
-  }
-
-  std::string notes() const override {
-    return fmt::format("hashing and sorting took {:.0f}% of the forward time",
-                       100.0 * hash_share_);
   }
 
   double flops(const Problem& p) const override {
@@ -574,7 +574,6 @@ class Reformer final : public Variant {
 
   std::vector<int64_t> buckets_;
   int64_t hashes_, chunk_;
-  double hash_share_ = 0;  // of the last forward
 };
 
 ATTNBENCH_REGISTER_VARIANT(

@@ -46,6 +46,7 @@
 
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/phase.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -377,11 +378,10 @@ class RoutingVariant final : public Variant {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
     const int64_t heads = p.batch * p.heads;
     int64_t unrouted = 0;
-    // time spent routing (Lloyd steps, centroid scores, top-w selection) and in all, summed
-    // over the threads that run heads
-    double t_route = 0, t_all = 0;
+    // phases (common/phase.h): "route" is routing (Lloyd steps, centroid scores, top-w
+    // selection), "attend" the attention within the clusters and the combination
     OmpGuard guard;
-#pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : unrouted, t_route, t_all)
+#pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : unrouted)
     {
       std::optional<HeadOutputs> ho;
       routing::Workspace ws;
@@ -389,26 +389,25 @@ class RoutingVariant final : public Variant {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
         const int64_t b = bh / p.heads, h = bh % p.heads;
-        const double t0 = omp_get_wtime();
-        const Routes r = routing::route(p, pl, iterations_, q, k, b, h, ws);
-        t_route += omp_get_wtime() - t0;
+        const Routes r = [&] {
+          Phase ph("route");
+          return routing::route(p, pl, iterations_, q, k, b, h, ws);
+        }();
+        Phase ph("attend");
         attend(p, pl, r, q, k, v, b, h, *ho);
         unrouted += combine(p, pl, r, out, b, h, *ho);
-        t_all += omp_get_wtime() - t0;
       });
     }
     guard.rethrow();
     unrouted_ = unrouted;
-    route_share_ = t_all > 0 ? t_route / t_all : 0.0;
     rows_ = heads * p.n;
   }
 
   std::string notes() const override {
     if (rows_ == 0) return "";
     return fmt::format("{} of {} query rows ({:.2f}%) routed to no cluster holding a key they "
-                       "may see: their output is 0; routing took {:.0f}% of the forward time",
-                       unrouted_, rows_, 100.0 * double(unrouted_) / double(rows_),
-                       100.0 * route_share_);
+                       "may see: their output is 0",
+                       unrouted_, rows_, 100.0 * double(unrouted_) / double(rows_));
   }
 
   double flops(const Problem& p) const override {
@@ -571,7 +570,6 @@ class RoutingVariant final : public Variant {
 
   int64_t clusters_, window_, iterations_, sample_;
   int64_t unrouted_ = 0, rows_ = 0;  // of the last forward
-  double route_share_ = 0;
 };
 
 ATTNBENCH_REGISTER_VARIANT(
