@@ -120,9 +120,12 @@ class Variant {
   virtual double flops(const Problem& p) const = 0;
   /// Working bytes allocated by one forward pass beyond inputs and output.
   virtual double memory_estimate(const Problem& p) const = 0;
-  /// For variants that compute exact softmax attention restricted to a pattern: the pattern
-  /// they use on this problem (q and k matter only to data-dependent patterns and may be
-  /// empty views for the others). nullptr for every other variant.
+  /// For variants that attend, per query, a subset of the keys: that subset on this problem
+  /// (the fixed patterns of local, bigbird, ...; the buckets, routes or sorted blocks that
+  /// reformer, routing, sinkhorn and clustered:topk choose from q and k). q and k matter only
+  /// to data-dependent patterns and may be empty views for the others (a data-dependent
+  /// variant then returns nullptr). nullptr for variants that attend every key (full, flash)
+  /// or none directly (low-rank and kernel approximations).
   virtual std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
                                                       ConstTensorView k) const;
   /// What the last forward pass did that its numbers alone do not show (e.g. rows a routing

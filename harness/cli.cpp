@@ -28,6 +28,7 @@
 #include "common/plugin.h"
 #include "common/registry.h"
 #include "harness/machine.h"
+#include "harness/patterns.h"
 #include "harness/results.h"
 #include "harness/runner.h"
 #include "harness/sweep_plan.h"
@@ -368,6 +369,15 @@ void print_row(const Row& r) {
         "variant's pattern\n",
         r.error.mass_mean, r.error.mass_min);
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
+  if (!r.phases.empty()) {
+    double total = 0;
+    for (const auto& [name, s] : r.phases) total += s;
+    std::string text;
+    for (const auto& [name, s] : r.phases)
+      text += fmt::format("{}{} {:.4f} ms ({:.0f}%)", text.empty() ? "" : ", ", name, s * 1e3,
+                          total > 0 ? 100.0 * s / total : 0.0);
+    fmt::print("phases       {} per pass, summed over threads\n", text);
+  }
 }
 
 // ----- list -----
@@ -508,6 +518,8 @@ struct SweepCommand {
                  plan.duplicates.size(), plan.duplicates.size() == 1 ? "" : "s",
                  plan.duplicates.front());
     ResultsDir results(out_dir, resume);
+    PatternStore patterns(out_dir, resume);
+    for (const auto& c : plan.configs) patterns.plan(c.variant->spec(), c.problem);
     fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
     MachineFigures mf = measure_machine(threads);
     fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
@@ -532,6 +544,7 @@ struct SweepCommand {
       if (resume && results.done(probe)) {
         total_work -= sweep_work(c);
         ++counts["kept"];
+        patterns.row_done(*c.variant, c.problem, results.status(probe));
         continue;
       }
       const double elapsed =
@@ -540,6 +553,7 @@ struct SweepCommand {
       fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, plan.configs.size(),
                  probe.spec, c.problem.str(), human_seconds(elapsed), human_seconds(eta));
       const Row row = measure(c, mf, opt, results);
+      patterns.row_done(*c.variant, c.problem, row.status);
       ++counts[row.status];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
       done_work += sweep_work(c);
@@ -565,13 +579,13 @@ struct SweepCommand {
 // ----- pattern -----
 
 // The registered variants that have an attention pattern at their defaults on this problem.
-std::vector<std::string> variants_with_patterns(const Problem& p, ConstTensorView q,
-                                                ConstTensorView k) {
+std::vector<std::string> variants_with_patterns(const Problem& p, int64_t head,
+                                                const Inputs* given) {
   std::vector<std::string> with;
   for (const VariantInfo* v : Registry::instance().all()) {
     auto probe = make_variant(v->name);
     try {
-      if (probe->make_pattern(p, q, k)) with.push_back(v->name);
+      if (head_pattern(*probe, p, head, given)) with.push_back(v->name);
     } catch (const std::exception&) {
     }
   }
@@ -630,21 +644,11 @@ struct PatternCommand {
           fmt::format("a dense {} x {} pattern needs {:.1f} GiB, more than half the "
                       "available memory; use a smaller --seq",
                       p.n, p.keys(), bytes / double(1 << 30)));
-    // Only head `head` is exported, so only its inputs are generated; the views show them at
-    // every head index (stride 0), so a data-dependent pattern of that head sees exactly the
-    // inputs a run of the problem gives it.
-    ConstTensorView qv, kv;
-    if (given) {
-      qv = given->q.view(), kv = given->k.view();
-    } else {
-      given = generate_head_inputs(p, 0, head);
-      qv = ConstTensorView(given->q.data(), p.q_shape());
-      kv = ConstTensorView(given->k.data(), p.kv_shape());
-      qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
-    }
-    auto pat = variant->make_pattern(p, qv, kv);
+    // Only head `head` is exported, so only its inputs are generated.
+    const Inputs* from = given ? &*given : nullptr;
+    auto pat = head_pattern(*variant, p, head, from);
     if (!pat) {
-      const auto with = variants_with_patterns(p, qv, kv);
+      const auto with = variants_with_patterns(p, head, from);
       // Any variant whose make_pattern gives one has a pattern, exact or not (reformer's
       // buckets, routing's clusters).
       throw UsageError(fmt::format(
@@ -654,10 +658,7 @@ struct PatternCommand {
           variant->spec(),
           with.empty() ? std::string("none") : fmt::format("{}", fmt::join(with, ", "))));
     }
-    NpyArray a{"|u1", {p.n, p.keys()}, {}};
-    a.data.resize(size_t(bytes));
-    for (int64_t i = 0; i < p.n; ++i)
-      pattern_row(p, *pat, 0, head, i, reinterpret_cast<uint8_t*>(a.data.data()) + i * p.keys());
+    const NpyArray a = pattern_array(p, *pat, 0, head);
     write_npy(output_path, a);
     double attended = 0;
     for (char c : a.data) attended += c;

@@ -25,16 +25,6 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-std::string quote(const std::string& s) {
-  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"') out += '"';
-    out += c;
-  }
-  return out + "\"";
-}
-
 const std::vector<std::string> kKeyColumns = {"spec", "batch", "heads", "n", "m", "dim", "causal",
                                               "input", "scale", "seed", "threads"};
 
@@ -92,6 +82,16 @@ void require_regular_file(const fs::path& path) {
 
 }  // namespace
 
+std::string csv_quote(const std::string& s) {
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
+
 const std::vector<std::string>& csv_columns() {
   static const std::vector<std::string> cols = [] {
     std::vector<std::string> c;
@@ -109,7 +109,7 @@ std::string csv_line(const Row& row) {
   for (const auto& [key, value] : fields.items()) {
     if (!first) line += ',';
     first = false;
-    line += quote(field_text(value));
+    line += csv_quote(field_text(value));
   }
   return line;
 }
@@ -134,11 +134,20 @@ std::vector<std::string> split_csv_line(const std::string& line) {
   return out;
 }
 
-std::string row_key(const Row& row) {
+const std::vector<std::string>& key_columns() { return kKeyColumns; }
+
+std::vector<std::string> key_fields(const Row& row) {
   auto j = to_json(row);
   std::vector<std::string> f;
   for (const auto& c : kKeyColumns) f.push_back(field_text(j[c]));
-  return join_key(f);
+  return f;
+}
+
+std::string row_key(const Row& row) { return join_key(key_fields(row)); }
+
+std::string ResultsDir::status(const Row& row) const {
+  auto it = done_.find(row_key(row));
+  return it == done_.end() ? std::string() : it->second;
 }
 
 ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
@@ -175,6 +184,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     std::vector<size_t> idx;
     for (const auto& c : kKeyColumns)
       idx.push_back(size_t(std::find(header.begin(), header.end(), c) - header.begin()));
+    const size_t status_idx =
+        size_t(std::find(header.begin(), header.end(), "status") - header.begin());
     // A complete line that cannot stand for a finished row (hand-edited, or written by
     // something else) is reported, moved to results.malformed.csv and its configuration runs
     // again; every other line is kept as it is.
@@ -195,7 +206,7 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       kept += line + '\n';
       std::vector<std::string> key;
       for (size_t i : idx) key.push_back(f[i]);
-      done_.insert(join_key(key));
+      done_[join_key(key)] = f[status_idx];
     }
     in.close();
     if (n_rejected > 0) {
@@ -244,7 +255,7 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
 void ResultsDir::append(const Row& row, const nlohmann::json& bench) {
   csv_ << csv_line(row) << '\n' << std::flush;
   if (!csv_) throw std::runtime_error(fmt::format("cannot append to '{}'", (fs::path(dir_) / "results.csv").string()));
-  done_.insert(row_key(row));
+  done_[row_key(row)] = row.status;
   if (bench.is_object() && bench.contains("benchmarks") && bench["benchmarks"].is_array()) {
     if (bench_["context"].is_null() && bench.contains("context")) bench_["context"] = bench["context"];
     for (const auto& b : bench["benchmarks"]) bench_["benchmarks"].push_back(b);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -15,10 +16,16 @@ namespace attnbench {
 
 /// The results.csv columns, in order.
 const std::vector<std::string>& csv_columns();
+/// A CSV field, quoted (RFC 4180) if it holds a comma, quote or line break.
+std::string csv_quote(const std::string& s);
 /// One CSV line (no newline) for a row, fields quoted where needed.
 std::string csv_line(const Row& row);
 /// Splits one CSV line into fields (RFC 4180 quoting).
 std::vector<std::string> split_csv_line(const std::string& line);
+/// The results.csv columns that identify a row's configuration: spec and every problem field.
+const std::vector<std::string>& key_columns();
+/// The values of key_columns() for a row, as results.csv writes them.
+std::vector<std::string> key_fields(const Row& row);
 /// Key identifying a row's configuration: spec and every problem field.
 std::string row_key(const Row& row);
 
@@ -29,6 +36,8 @@ class ResultsDir {
   ResultsDir(const std::string& dir, bool resume);
 
   bool done(const Row& row) const { return done_.count(row_key(row)) > 0; }
+  /// Status of a finished row (kept or appended); "" if the row is not done.
+  std::string status(const Row& row) const;
   size_t rows_kept() const { return done_.size(); }
   /// Appends a row to results.csv (flushed at once) and its runs to benchmark.json.
   void append(const Row& row, const nlohmann::json& bench);
@@ -40,8 +49,8 @@ class ResultsDir {
 
   std::string dir_;
   std::ofstream csv_;
-  std::set<std::string> done_;
-  nlohmann::json bench_;  // {"context": ..., "benchmarks": [...]}
+  std::map<std::string, std::string> done_;  // row_key -> status
+  nlohmann::json bench_;                     // {"context": ..., "benchmarks": [...]}
 };
 
 }  // namespace attnbench

@@ -7,13 +7,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <cstring>
+#include <fstream>
+#include <mutex>
 #include <sstream>
+#include <stdexcept>
 
 #include "common/checked.h"
 #include "common/error.h"
 #include "common/pattern.h"
+#include "common/phase.h"
 #include "harness/memory.h"
 
 extern "C" void openblas_set_num_threads(int);
@@ -63,6 +66,59 @@ int64_t first_non_finite(const Tensor& t) {
     if (!std::isfinite(t.data()[i])) return i;
   return -1;
 }
+
+// Sums the wall time of each phase the variant marks, over every thread that runs one. It
+// never allocates (the timed passes' heap peak is measured around it): up to kSlots names.
+class PhaseTimes final : public PhaseSink {
+ public:
+  static constexpr size_t kSlots = 16;
+
+  double begin(const char*) override { return omp_get_wtime(); }
+  void end(const char* name, double mark) override {
+    const double seconds = omp_get_wtime() - mark;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < kSlots; ++i) {
+      if (names_[i] == nullptr) names_[i] = name;
+      if (std::strcmp(names_[i], name) == 0) {
+        seconds_[i] += seconds;
+        return;
+      }
+    }
+    overflow_ = name;
+  }
+  /// Throws std::runtime_error if the variant marked more than kSlots phase names.
+  void check() const {
+    if (overflow_)
+      throw std::runtime_error(fmt::format(
+          "the variant marks more than {} phase names (the last: '{}'); at most {} are accepted",
+          kSlots, overflow_, kSlots));
+  }
+  /// The sums, each divided by `passes`.
+  std::map<std::string, double> per_pass(int64_t passes) const {
+    std::map<std::string, double> out;
+    for (size_t i = 0; i < kSlots && names_[i]; ++i)
+      out[names_[i]] = passes > 0 ? seconds_[i] / double(passes) : 0.0;
+    return out;
+  }
+
+ private:
+  std::mutex mutex_;
+  const char* names_[kSlots] = {};
+  double seconds_[kSlots] = {};
+  const char* overflow_ = nullptr;
+};
+
+// Installs a phase sink for a scope and restores the previous one.
+class InstallPhaseSink {
+ public:
+  explicit InstallPhaseSink(PhaseSink* sink) : previous_(set_phase_sink(sink)) {}
+  ~InstallPhaseSink() { set_phase_sink(previous_); }
+  InstallPhaseSink(const InstallPhaseSink&) = delete;
+  InstallPhaseSink& operator=(const InstallPhaseSink&) = delete;
+
+ private:
+  PhaseSink* previous_;
+};
 
 std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / double(1 << 30)); }
 
@@ -168,12 +224,18 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     // `peak_bytes` counter; the row keeps the largest.
     const std::string name = fmt::format("{}/{}", row.spec, p.str());
     double peak = 0;
+    PhaseTimes phase_times;  // of every timed pass
+    int64_t passes = 0;
     auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
       PeakScope scope;
-      for (auto _ : st) {
-        variant.forward(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-        benchmark::ClobberMemory();
+      {
+        InstallPhaseSink sink(&phase_times);
+        for (auto _ : st) {
+          variant.forward(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+          benchmark::ClobberMemory();
+        }
       }
+      passes += int64_t(st.iterations());
       const double run_peak = double(scope.peak_bytes());
       peak = std::max(peak, run_peak);
       st.counters["FLOPS"] = benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -209,6 +271,8 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
     row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
     row.notes = variant.notes();  // of the last timed pass
+    phase_times.check();
+    row.phases = phase_times.per_pass(passes);
     if (output) *output = std::move(out);
   } catch (const UnsupportedError& e) {
     row.status = "unsupported";
@@ -221,6 +285,13 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.message = e.what();
   }
   return row;
+}
+
+std::string phases_text(const std::map<std::string, double>& phases) {
+  if (phases.empty()) return "";
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& [name, seconds] : phases) j[name] = seconds;
+  return j.dump();
 }
 
 nlohmann::ordered_json to_json(const Row& r) {
@@ -259,7 +330,8 @@ nlohmann::ordered_json to_json(const Row& r) {
           {"error_rows_total", r.error.rows_total},
           {"mass_mean", num(r.error.mass_mean)},
           {"mass_min", num(r.error.mass_min)},
-          {"notes", r.notes}};
+          {"notes", r.notes},
+          {"phases", phases_text(r.phases)}};
 }
 
 }  // namespace attnbench

@@ -2,6 +2,7 @@
 // and timing and peak memory through Google Benchmark.
 #pragma once
 
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -34,6 +35,9 @@ struct Row {
   double peak_bytes = NAN, estimated_bytes = NAN;
   ErrorStats error{NAN, NAN, NAN, 0, 0, NAN, NAN};
   std::string notes;  ///< the variant's notes() after the last timed pass
+  /// Seconds per timed pass in each phase the variant marks (common/phase.h), summed over
+  /// the threads that ran it; the mean over every timed pass. Empty if it marks none.
+  std::map<std::string, double> phases;
 };
 
 /// Threads per core a run may ask for: more only measures the scheduler, and far more makes
@@ -59,6 +63,9 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
 /// Parses Google Benchmark's JSON text, reading the bare NaN and inf its reporter writes for
 /// non-finite figures as null.
 nlohmann::json parse_benchmark_json(const std::string& text);
+
+/// The `phases` column: a JSON object of phase name to seconds, or "" when there are none.
+std::string phases_text(const std::map<std::string, double>& phases);
 
 /// The row as a JSON object (same fields as the CSV).
 nlohmann::ordered_json to_json(const Row& r);

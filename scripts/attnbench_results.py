@@ -46,19 +46,8 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    try:
-        df = pd.read_csv(path, dtype={"spec": str, "input": str, "status": str, "message": str},
-                         keep_default_na=False, na_values=[""])
-    except pd.errors.EmptyDataError:
-        raise ResultsError(f"'{path}' is empty; expected a header line and one row per "
-                           f"(variant, problem)") from None
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResultsError(f"'{path}' is not a readable CSV file ({first})") from None
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
-    if missing:
-        raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "
-                           f"columns attnbench writes, including {', '.join(REQUIRED_COLUMNS)}")
+    df = read_csv(path, ["spec", "input", "status", "message"], REQUIRED_COLUMNS,
+                  "a header line and one row per (variant, problem)")
     if len(df) == 0:
         raise ResultsError(f"'{path}' has a header but no rows; expected one row per "
                            f"(variant, problem) from a sweep")
@@ -88,6 +77,25 @@ def load_results(directory, need_ok=True):
     df["reps"] = df["reps"].fillna(0).astype(int)
     df["input"] = df["input"].fillna("")
     df["spec"] = df["spec"].fillna("")
+    return df
+
+
+def read_csv(path, text_columns, required, contents):
+    """Reads a CSV file attnbench wrote (text_columns as strings, empty fields as NaN) and
+    checks it has every `required` column; `contents` says what the file should hold. Raises
+    ResultsError for an empty or unreadable file or a missing column."""
+    try:
+        df = pd.read_csv(path, dtype={c: str for c in text_columns}, keep_default_na=False,
+                         na_values=[""])
+    except pd.errors.EmptyDataError:
+        raise ResultsError(f"'{path}' is empty; expected {contents}") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResultsError(f"'{path}' is not a readable CSV file ({first})") from None
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "
+                           f"columns attnbench writes, including {', '.join(required)}")
     return df
 
 

@@ -22,4 +22,4 @@ if [ $# -eq 0 ]; then
 else
   ./build/attnbench sweep --out "$out" "$@"
 fi
-/usr/bin/python3 scripts/plot.py "$out" --attnbench ./build/attnbench
+/usr/bin/python3 scripts/plot.py "$out"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Two real short sweeps; scripts/plot.py on the first must write every figure and a report with
-# every section, scripts/compare.py on both must join, flag and list rows; and both scripts
-# must refuse unusable results directories with one line on stderr and exit code 2.
+# Two real short sweeps. The first must store its patterns (patterns/index.csv and the .npy
+# files, the masks `attnbench pattern` exports); scripts/plot.py on it must write every figure
+# and a report with every section without running any attnbench binary, drawing the pattern
+# gallery from the stored files (and saying so when there are none); scripts/compare.py on both
+# must join, flag and list rows; and both scripts must refuse unusable results directories
+# with one line on stderr and exit code 2.
 set -euo pipefail
 bin=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,9 +18,61 @@ common=(--seq 128,256,512 --causal both --heads 2 --dim 32 --reps 2 --min-time 0
   --variant linear "${common[@]}" 2>/dev/null
 "$bin" sweep --out "$tmp/b" --variant full --variant flash "${common[@]}" 2>/dev/null
 
+# --- the patterns the sweep stored ------------------------------------------------------------
+# One per (spec, causal) at the measured length nearest 1024 (512 here): local's two files, the
+# others listed as having no pattern; each file is what `attnbench pattern` exports.
+index="$tmp/a/patterns/index.csv"
+[ -s "$index" ] || fail "the sweep wrote no $index"
+"$py" - "$tmp/a" "$bin" "$tmp" <<'EOF'
+import csv, os, subprocess, sys
+import numpy as np
+out, binary, tmp = sys.argv[1:]
+def fail(msg):
+    sys.exit(f"plot_test: {msg}")
+rows = list(csv.DictReader(open(os.path.join(out, "patterns", "index.csv"))))
+results = {tuple(r[c] for c in ("spec", "n", "causal", "input")): r
+           for r in csv.DictReader(open(os.path.join(out, "results.csv")))}
+groups = sorted((r["spec"], r["causal"]) for r in rows)
+specs = ["flash:block_q=64,block_k=256", "full", "linear:eps=1e-06", "local:window=32,block=64"]
+if groups != sorted((s, c) for s in specs for c in "01"):
+    fail(f"index.csv does not hold one entry per spec and causal setting: {groups}")
+files = sorted(f for f in os.listdir(os.path.join(out, "patterns")) if f.endswith(".npy"))
+if files != sorted(r["file"] for r in rows if r["file"]) or len(files) != 2:
+    fail(f"the .npy files {files} are not local's two, the ones index.csv lists")
+for r in rows:
+    if r["n"] != "512" or r["input"] != "gaussian":
+        fail(f"a stored pattern is not at n=512 with gaussian inputs: {r}")
+    row = results.get((r["spec"], r["n"], r["causal"], r["input"]))
+    if row is None or row["status"] != "ok":
+        fail(f"index.csv names a row that is not an ok row of results.csv: {r}")
+    if not r["spec"].startswith("local"):
+        if r["file"] or r["message"] != "no attention pattern":
+            fail(f"{r['spec']} is not listed as having no attention pattern: {r}")
+        continue
+    ref = os.path.join(tmp, "ref.npy")
+    cmd = [binary, "pattern", "--variant", r["spec"], "--seq", r["n"], "--dim", r["dim"],
+           "--seed", r["seed"], "--input", r["input"], "--output", ref]
+    if r["causal"] == "1":
+        cmd.append("--causal")
+    subprocess.run(cmd, check=True, capture_output=True)
+    stored = np.load(os.path.join(out, "patterns", r["file"]))
+    if stored.dtype != np.uint8 or not np.array_equal(stored, np.load(ref)):
+        fail(f"{r['file']} differs from `attnbench pattern` on the same problem")
+EOF
+
 # --- plot.py -----------------------------------------------------------------------------------
-"$py" "$root/scripts/plot.py" "$tmp/a" --attnbench "$bin" --pattern-n 128 2>"$tmp/plot.err" ||
+# plot.py runs no binary: it runs from a copy of scripts/ whose repository has a build/attnbench
+# that records any call, with the same stand-in first on PATH.
+repo="$tmp/repo"
+mkdir -p "$repo/build" "$tmp/fakebin"
+cp -r "$root/scripts" "$repo/scripts"
+printf '#!/bin/sh\ntouch "%s/binary-was-run"\nexit 1\n' "$tmp" >"$repo/build/attnbench"
+chmod +x "$repo/build/attnbench"
+cp "$repo/build/attnbench" "$tmp/fakebin/attnbench"
+plot() { PATH="$tmp/fakebin:/usr/bin:/bin" "$py" "$repo/scripts/plot.py" "$@"; }
+plot "$tmp/a" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on a real sweep"; }
+[ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
 for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover patterns; do
   png="$tmp/a/plots/$name.png"
   [ -s "$png" ] || fail "$png is missing or empty"
@@ -42,8 +97,8 @@ for spec in full "flash:block_q=64,block_k=256" "local:window=32,block=64" "line
 done
 grep -q "no attention pattern.*\`linear:eps=1e-06\`" "$report" ||
   fail "report.md does not say that linear has no attention pattern"
-grep -q "^One head (head 0) of each pattern variant at n = 128" "$report" ||
-  fail "report.md does not describe the pattern gallery"
+grep -q "^One head (head 0) of each pattern variant at n = 512, as the sweep measured it" \
+  "$report" || fail "report.md does not describe the pattern gallery"
 grep -q "no attention pattern.*local:window" "$report" "$tmp/plot.err" &&
   fail "local is said to have no attention pattern"
 grep -q "no attention pattern.*linear" "$tmp/plot.err" ||
@@ -52,13 +107,55 @@ grep -q "no attention pattern.*linear" "$tmp/plot.err" ||
 grep -qE '^\| `full` \| — \| — \| — \| — \|' "$report" ||
   fail "the efficiency table does not show '—' for full at lengths that were not measured"
 
-# Without the binary the gallery is missing, and the report and stderr say why.
-"$py" "$root/scripts/plot.py" "$tmp/a" --attnbench "$tmp/no-such-attnbench" 2>"$tmp/nobin.err" ||
-  fail "plot.py failed without the attnbench binary"
-grep -q "no attnbench binary" "$tmp/nobin.err" || fail "no stderr message about the missing binary"
-grep -q "No pattern gallery: no attnbench binary" "$report" ||
+# The gallery is drawn from the stored files: another mask in one of them changes the figure,
+# and the same files draw the same figure.
+before=$(md5sum <"$tmp/a/plots/patterns.png")
+local_file=$(grep '^"local' "$index" | head -1 | awk -F, '{print $(NF-1)}')
+[ -s "$tmp/a/patterns/$local_file" ] || fail "cannot find local's pattern file in $index"
+cp "$tmp/a/patterns/$local_file" "$tmp/saved.npy"
+"$py" -c 'import numpy as np, sys; np.save(sys.argv[1], np.ones_like(np.load(sys.argv[1])))' \
+  "$tmp/a/patterns/$local_file"
+plot "$tmp/a" 2>/dev/null || fail "plot.py failed on a changed pattern file"
+[ "$(md5sum <"$tmp/a/plots/patterns.png")" != "$before" ] ||
+  fail "patterns.png did not change with the stored pattern"
+cp "$tmp/saved.npy" "$tmp/a/patterns/$local_file"
+plot "$tmp/a" 2>/dev/null || fail "plot.py failed"
+[ "$(md5sum <"$tmp/a/plots/patterns.png")" = "$before" ] ||
+  fail "patterns.png differs when drawn twice from the same files"
+
+# A stored file that is not its row's uint8 [n, m] mask is named; the rest is drawn.
+"$py" -c 'import numpy as np, sys; np.save(sys.argv[1], np.ones((3, 3)))' \
+  "$tmp/a/patterns/$local_file"
+plot "$tmp/a" 2>"$tmp/bad.err" || fail "plot.py failed on an unusable pattern file"
+grep -q "stored pattern of local:window=32,block=64 .*is unusable.*$local_file" "$tmp/bad.err" ||
+  fail "no stderr message naming the unusable pattern file: $(cat "$tmp/bad.err")"
+[ -s "$tmp/a/plots/patterns.png" ] || fail "the other stored pattern was not drawn"
+cp "$tmp/saved.npy" "$tmp/a/patterns/$local_file"
+
+# --pattern-n picks among the stored lengths, and says which there are.
+plot "$tmp/a" --pattern-n 128 2>"$tmp/len.err" || fail "plot.py failed with --pattern-n 128"
+grep -q "no stored pattern has n=128 (stored lengths: 512)" "$tmp/len.err" ||
+  fail "no stderr message about --pattern-n 128: $(cat "$tmp/len.err")"
+[ ! -e "$tmp/a/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
+# --attnbench of earlier command lines is accepted and said to be unused
+plot "$tmp/a" --attnbench "$bin" 2>"$tmp/opt.err" || fail "plot.py failed with --attnbench"
+grep -q "attnbench is not used" "$tmp/opt.err" ||
+  fail "no stderr message that --attnbench is unused"
+
+# Results without stored patterns (an older sweep): the gallery is missing, the report and
+# stderr say why, and every other figure is drawn.
+mv "$tmp/a/patterns" "$tmp/a-patterns"
+plot "$tmp/a" 2>"$tmp/nopat.err" || fail "plot.py failed on results without patterns"
+grep -q "patterns/index.csv does not exist" "$tmp/nopat.err" ||
+  fail "no stderr message about the missing patterns"
+grep -q "No pattern gallery: these results hold no stored patterns" "$report" ||
   fail "report.md does not say the pattern gallery is missing"
 [ ! -e "$tmp/a/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
+for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover; do
+  [ -s "$tmp/a/plots/$name.png" ] || fail "$name.png is missing for results without patterns"
+done
+mv "$tmp/a-patterns" "$tmp/a/patterns"
+[ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
 
 # --- compare.py --------------------------------------------------------------------------------
 "$py" "$root/scripts/compare.py" "$tmp/a" "$tmp/b" >"$tmp/cmp.txt" || fail "compare.py failed"

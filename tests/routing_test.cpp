@@ -1,11 +1,9 @@
-// Tests of the hashing and routing variants: reformer (LSH attention) and routing (k-means
-// routing). Each is checked against a plainly written double-precision implementation of its
-// definition (variants/reformer.h exposes the rotations so the oracle hashes the same way),
-// against full attention in its degenerate settings, and for the effect of more effort.
+// Tests of the routing variant (k-means routing): checked against its float64 oracle
+// (variants/routing.h: the variant's formula in double on its own routes), against full
+// attention with one cluster, and for causality and the seed.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -17,7 +15,6 @@
 #include "common/reference.h"
 #include "common/registry.h"
 #include "tests/test_util.h"
-#include "variants/reformer.h"
 #include "variants/routing.h"
 
 namespace attnbench {
@@ -55,305 +52,6 @@ void expect_later_values_never_reach_earlier_rows(const std::string& spec, Probl
               << spec << ": row " << i << " changed with later values";
 }
 
-// ----- reformer -----
-
-/// Shared-QK logit of query i and key j: q_i . q_j / |q_j| in double.
-double shared_logit(const Problem& p, ConstTensorView q, int64_t b, int64_t h, int64_t i,
-                    int64_t j) {
-  const float* qi = q.row(b, h, i);
-  const float* qj = q.row(b, h, j);
-  double dot = 0, nn = 0;
-  for (int64_t x = 0; x < p.dim; ++x) {
-    dot += double(qi[x]) * double(qj[x]);
-    nn += double(qj[x]) * double(qj[x]);
-  }
-  return nn > 0 ? dot / std::sqrt(nn) : 0.0;
-}
-
-/// Softmax of row i over `keys` under the shared-QK rule (itself only if nothing else is
-/// visible, at logit -1e5): output row and log-sum-exp.
-void shared_row(const Problem& p, ConstTensorView q, ConstTensorView v, int64_t b, int64_t h,
-                int64_t i, const std::vector<int64_t>& keys, double* out, double* lse) {
-  std::vector<int64_t> use;
-  for (int64_t j : keys)
-    if (j != i && j < p.visible(i)) use.push_back(j);
-  std::fill(out, out + p.dim, 0.0);
-  if (use.empty()) {
-    for (int64_t x = 0; x < p.dim; ++x) out[x] = v.row(b, h, i)[x];
-    *lse = -1e5;
-    return;
-  }
-  std::vector<double> l(use.size());
-  double mx = -INFINITY;
-  for (size_t t = 0; t < use.size(); ++t) mx = std::max(mx, l[t] = shared_logit(p, q, b, h, i, use[t]));
-  double sum = 0;
-  for (size_t t = 0; t < use.size(); ++t) sum += (l[t] = std::exp(l[t] - mx));
-  for (size_t t = 0; t < use.size(); ++t)
-    for (int64_t x = 0; x < p.dim; ++x) out[x] += l[t] / sum * v.row(b, h, use[t])[x];
-  *lse = mx + std::log(sum);
-}
-
-/// Shared-QK full attention (every visible key but itself), [B, H, n, d] in double.
-std::vector<double> shared_full(const Problem& p, const Inputs& in) {
-  std::vector<double> out(size_t(p.q_shape().numel()));
-  std::vector<int64_t> all(static_cast<size_t>(p.n));
-  std::iota(all.begin(), all.end(), 0);
-  double lse;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t i = 0; i < p.n; ++i)
-        shared_row(p, in.q.view(), in.v.view(), b, h, i, all,
-                   out.data() + ((b * p.heads + h) * p.n + i) * p.dim, &lse);
-  return out;
-}
-
-/// The reformer definition, written plainly: per round, buckets from the rotations, a stable
-/// sort, chunks attending themselves and the previous chunk, rounds combined by their
-/// log-sum-exp. Also returns the keys each row attends (with a non-zero weight).
-struct ReformerOracle {
-  std::vector<double> out;
-  std::vector<std::vector<std::set<int64_t>>> keys;  // [b * H + h][i]
-};
-
-ReformerOracle reformer_oracle(const Problem& p, const Inputs& in, std::vector<int64_t> factors,
-                               int64_t hashes, int64_t chunk) {
-  if (factors.empty()) factors = reformer::auto_buckets(p.n, chunk);
-  chunk = std::min(chunk, p.n);
-  const int64_t n = p.n, d = p.dim, nch = (n + chunk - 1) / chunk;
-  int64_t cols = 0;
-  for (int64_t f : factors) cols += f / 2;
-  ConstTensorView q = in.q.view(), v = in.v.view();
-  ReformerOracle o;
-  o.out.assign(size_t(p.q_shape().numel()), 0.0);
-  o.keys.resize(size_t(p.batch * p.heads));
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      auto& keys = o.keys[size_t(b * p.heads + h)];
-      keys.assign(size_t(n), {});
-      std::vector<std::vector<double>> outs(size_t(hashes), std::vector<double>(size_t(n * d)));
-      std::vector<std::vector<double>> lses(size_t(hashes), std::vector<double>(static_cast<size_t>(n)));
-      for (int64_t r = 0; r < hashes; ++r) {
-        const auto rot = reformer::rotations(p.seed, h, r, d, factors);
-        std::vector<int64_t> bucket(static_cast<size_t>(n));
-        for (int64_t i = 0; i < n; ++i) {
-          std::vector<float> proj(size_t(std::max<int64_t>(cols, 1)));
-          for (int64_t c = 0; c < cols; ++c) {
-            double s = 0;
-            for (int64_t x = 0; x < d; ++x) s += double(q.row(b, h, i)[x]) * rot[size_t(x * cols + c)];
-            proj[size_t(c)] = float(s);
-          }
-          bucket[size_t(i)] = reformer::bucket_of(proj.data(), factors);
-        }
-        std::vector<int64_t> order(static_cast<size_t>(n));
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t a, int64_t c) { return bucket[size_t(a)] < bucket[size_t(c)]; });
-        for (int64_t s = 0; s < n; ++s) {
-          const int64_t c = s / chunk, i = order[size_t(s)];
-          std::vector<int64_t> window;
-          std::vector<int64_t> chunks = {c};
-          if (nch > 1) chunks.push_back((c + nch - 1) % nch);
-          for (int64_t cc : chunks)
-            for (int64_t t = cc * chunk; t < std::min(n, (cc + 1) * chunk); ++t)
-              window.push_back(order[size_t(t)]);
-          shared_row(p, q, v, b, h, i, window, outs[size_t(r)].data() + i * d,
-                     &lses[size_t(r)][size_t(i)]);
-          for (int64_t j : window)
-            if (j != i && j < p.visible(i)) keys[size_t(i)].insert(j);
-        }
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        if (keys[size_t(i)].empty()) keys[size_t(i)].insert(i);
-        double mx = -INFINITY, z = 0;
-        for (int64_t r = 0; r < hashes; ++r) mx = std::max(mx, lses[size_t(r)][size_t(i)]);
-        for (int64_t r = 0; r < hashes; ++r) z += std::exp(lses[size_t(r)][size_t(i)] - mx);
-        double* dst = o.out.data() + ((b * p.heads + h) * n + i) * d;
-        for (int64_t r = 0; r < hashes; ++r) {
-          const double w = std::exp(lses[size_t(r)][size_t(i)] - mx) / z;
-          for (int64_t x = 0; x < d; ++x) dst[x] += w * outs[size_t(r)][size_t(i * d + x)];
-        }
-      }
-    }
-  return o;
-}
-
-TEST(Reformer, MatchesItsDefinition) {
-  struct Case {
-    int64_t n, d;
-    bool causal;
-    std::vector<int64_t> factors;  // empty: automatic
-    int64_t hashes, chunk;
-  };
-  const std::vector<Case> cases = {
-      {100, 17, false, {}, 3, 16},      {100, 17, true, {}, 3, 16},
-      {77, 64, false, {4, 8}, 2, 8},    {77, 64, true, {4, 8}, 2, 8},
-      {130, 1, false, {6}, 2, 32},      {33, 5, true, {2}, 1, 64},
-      {257, 32, true, {}, 4, 64},
-  };
-  for (const Case& c : cases) {
-    const Problem p = make_problem(c.n, c.d, c.causal);
-    const Inputs in = generate_inputs(p);
-    std::string buckets = "none";
-    if (!c.factors.empty()) {
-      buckets.clear();
-      for (int64_t f : c.factors) {
-        if (!buckets.empty()) buckets += '+';
-        buckets += std::to_string(f);
-      }
-    }
-    const std::string spec = "reformer:buckets=" + buckets + ",hashes=" +
-                             std::to_string(c.hashes) + ",chunk=" + std::to_string(c.chunk);
-    SCOPED_TRACE(spec + " " + p.str());
-    const Tensor out = test::run(spec, p, in);
-    const ReformerOracle o = reformer_oracle(p, in, c.factors, c.hashes, c.chunk);
-    EXPECT_LT(test::rel_fro_error(out.data(), o.out), 2e-5);
-
-    // the exported pattern is the set of keys each row attends
-    auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
-    ASSERT_NE(pat, nullptr);
-    std::vector<uint8_t> row(static_cast<size_t>(p.n));
-    int64_t wrong = 0;
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t h = 0; h < p.heads; ++h)
-        for (int64_t i = 0; i < p.n; ++i) {
-          pattern_row(p, *pat, b, h, i, row.data());
-          const auto& want = o.keys[size_t(b * p.heads + h)][size_t(i)];
-          for (int64_t j = 0; j < p.n; ++j) wrong += row[size_t(j)] != uint8_t(want.count(j));
-        }
-    EXPECT_EQ(wrong, 0) << "pattern entries that differ from the keys the definition attends";
-  }
-}
-
-TEST(Reformer, OneBucketOneChunkIsSharedQkFullAttention) {
-  for (bool causal : {false, true})
-    for (int64_t n : {1, 2, 37, 200})
-      for (int64_t d : {1, 17, 64}) {
-        const Problem p = make_problem(n, d, causal);
-        const Inputs in = generate_inputs(p);
-        SCOPED_TRACE(p.str());
-        const Tensor out = test::run("reformer:buckets=1,hashes=3,chunk=4096", p, in);
-        EXPECT_LT(test::rel_fro_error(out.data(), shared_full(p, in)), 1e-5);
-      }
-}
-
-TEST(Reformer, MoreHashesMoreMassLessError) {
-  // clustered tokens: LSH buckets follow the clusters, and each round adds keys
-  const Problem p = make_problem(1024, 64, false, "clustered", 1, 2);
-  const Inputs in = generate_inputs(p);
-  const std::vector<double> exact = shared_full(p, in);
-  double last_error = INFINITY, last_mass = 0;
-  for (int64_t hashes : {1, 2, 4, 8}) {
-    const std::string spec = "reformer:chunk=32,hashes=" + std::to_string(hashes);
-    SCOPED_TRACE(spec);
-    const Tensor out = test::run(spec, p, in);
-    const double error = test::rel_fro_error(out.data(), exact);
-    // mass: share of each row's exact shared-QK softmax inside the keys it attends
-    auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
-    std::vector<uint8_t> row(static_cast<size_t>(p.n));
-    double mass = 0;
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t i = 0; i < p.n; i += 7) {
-        pattern_row(p, *pat, 0, h, i, row.data());
-        double mx = -INFINITY, in_sum = 0, all = 0;
-        std::vector<double> l(size_t(p.n), -INFINITY);
-        for (int64_t j = 0; j < p.n; ++j)
-          if (j != i) mx = std::max(mx, l[size_t(j)] = shared_logit(p, in.q.view(), 0, h, i, j));
-        for (int64_t j = 0; j < p.n; ++j) {
-          const double e = j == i ? 0.0 : std::exp(l[size_t(j)] - mx);
-          all += e;
-          if (row[size_t(j)]) in_sum += e;
-        }
-        mass += in_sum / all;
-      }
-    EXPECT_GT(mass, last_mass);
-    EXPECT_LT(error, 0.9 * last_error);
-    last_error = error;
-    last_mass = mass;
-  }
-}
-
-TEST(Reformer, CausalValuesOfLaterTokensNeverReachEarlierRows) {
-  const Problem p = make_problem(150, 16, true);
-  expect_later_values_never_reach_earlier_rows("reformer:chunk=16", p, 90);
-  const Inputs in = generate_inputs(p);
-  const Tensor before = test::run("reformer:chunk=16", p, in);
-  // the first token sees only itself
-  EXPECT_EQ(before.view().row(0, 0, 0)[0], in.v.view().row(0, 0, 0)[0]);
-}
-
-TEST(Reformer, SeedChoosesTheRotations) {
-  Problem p = make_problem(256, 32, false, "gaussian", 1, 2);
-  const Inputs in = generate_inputs(p);
-  const Tensor a = test::run("reformer:chunk=16", p, in);
-  Problem p2 = p;
-  p2.seed = p.seed + 1;  // same inputs, other rotations
-  const Tensor b = test::run("reformer:chunk=16", p2, in);
-  double diff = 0;
-  for (int64_t t = 0; t < p.q_shape().numel(); ++t) diff += std::fabs(a.data()[t] - b.data()[t]);
-  EXPECT_GT(diff, 0.0);
-}
-
-TEST(Reformer, RefusesCrossAttentionAndOddBuckets) {
-  Problem p = make_problem(64, 16, false);
-  p.m = 80;
-  const Inputs in = generate_inputs(p);
-  EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { test::run("reformer", p, in); }),
-                  "m != n");
-  const Problem q = make_problem(64, 16, false);
-  const Inputs qin = generate_inputs(q);
-  EXPECT_CONTAINS(test::error_message<SpecError>([&] { test::run("reformer:buckets=3", q, qin); }),
-                  "even");
-}
-
-// ----- routing -----
-
-/// The routing variant's formula on given routes, in double: each cluster's queries attend its
-/// keys with an exact softmax (causal rule by position); a query averages the clusters that
-/// selected it and in which it saw a key, and is 0 if none. Counts such unrouted rows.
-std::vector<double> routing_oracle(const Problem& p, const Inputs& in, int64_t clusters,
-                                   int64_t window, int64_t iterations, int64_t sample,
-                                   int64_t* unrouted) {
-  const routing::Sizes sz = routing::sizes(p, clusters, window, sample);
-  const int64_t n = p.n, d = p.dim;
-  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
-  *unrouted = 0;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      const routing::Routes r = routing::route(p, sz, iterations, in.q.view(), in.k.view(), b, h);
-      std::vector<double> sum(static_cast<size_t>(n * d), 0.0);
-      std::vector<int64_t> used(static_cast<size_t>(n), 0);
-      for (int64_t u = 0; u < sz.c; ++u)
-        for (int64_t t = 0; t < sz.wq; ++t) {
-          const int64_t i = r.queries[size_t(u * sz.wq + t)];
-          std::vector<double> l;
-          std::vector<int64_t> js;
-          for (int64_t e = 0; e < sz.wk; ++e) {
-            const int64_t j = r.keys[size_t(u * sz.wk + e)];
-            if (j >= p.visible(i)) continue;
-            double dot = 0;
-            for (int64_t x = 0; x < d; ++x)
-              dot += double(in.q.view().row(b, h, i)[x]) * double(in.k.view().row(b, h, j)[x]);
-            l.push_back(dot / std::sqrt(double(d)));
-            js.push_back(j);
-          }
-          if (js.empty()) continue;
-          const double mx = *std::max_element(l.begin(), l.end());
-          double z = 0;
-          for (double& x : l) z += (x = std::exp(x - mx));
-          for (size_t e = 0; e < js.size(); ++e)
-            for (int64_t x = 0; x < d; ++x)
-              sum[size_t(i * d + x)] += l[e] / z * double(in.v.view().row(b, h, js[e])[x]);
-          ++used[size_t(i)];
-        }
-      for (int64_t i = 0; i < n; ++i) {
-        if (used[size_t(i)] == 0 && p.visible(i) > 0) ++*unrouted;
-        for (int64_t x = 0; x < d; ++x)
-          out[size_t(((b * p.heads + h) * n + i) * d + x)] =
-              used[size_t(i)] ? sum[size_t(i * d + x)] / double(used[size_t(i)]) : 0.0;
-      }
-    }
-  return out;
-}
 
 TEST(Routing, MatchesItsFormulaOnItsRoutes) {
   struct Case {
@@ -377,7 +75,9 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
     Tensor out(p.q_shape());
     v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
     int64_t unrouted = 0;
-    const auto want = routing_oracle(p, in, c.clusters, c.window, c.iterations, c.sample, &unrouted);
+    const auto want =
+        routing::oracle(p, routing::sizes(p, c.clusters, c.window, c.sample), c.iterations,
+                        in.q.view(), in.k.view(), in.v.view(), &unrouted);
     EXPECT_LT(test::rel_fro_error(out.data(), want), 1e-5);
     // the notes report the rows left without keys
     EXPECT_CONTAINS(v->notes(), fmt::format("{} of {} query rows", unrouted,

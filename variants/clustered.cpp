@@ -411,6 +411,20 @@ void top_keys(const float* s, int64_t m, int64_t kk, std::pair<float, int32_t>* 
   std::sort(keys, keys + kk);
 }
 
+// S = Q_g K^T for groups [g0, g0 + rows) of gr (rows x m).
+void scores(const Groups& gr, int64_t g0, int64_t rows, int64_t d, int64_t m, const float* k,
+            int64_t ldk, float* s) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(m), int(d), 1.0f,
+              gr.means.data() + g0 * d, int(d), k, int(ldk), 0.0f, s, int(m));
+}
+
+// The clustering settings of a variant's parameters.
+Settings settings(const ParamValues& pv) {
+  return Settings{.clusters = pv.get_int("clusters"),
+                  .iterations = pv.get_int("iterations"),
+                  .bits = int(pv.get_int("bits"))};
+}
+
 class Clustered final : public Variant {
  public:
   Clustered(Settings s, int64_t topk) : s_(s), topk_(topk) {}
@@ -549,26 +563,20 @@ class Clustered final : public Variant {
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
                                               ConstTensorView k) const override {
     if (topk_ == 0) return nullptr;
-    const int64_t n = p.n, m = p.keys(), d = p.dim, kk = std::min(topk_, m);
+    const int64_t m = p.keys(), d = p.dim, kk = std::min(topk_, m);
     std::vector<Groups> groups(size_t(p.batch * p.heads));
     cluster_all(p, q, groups);
     auto pat = std::make_unique<GroupPattern>(p);
-    std::vector<float> s(size_t(std::min({kChunkG, s_.clusters, n}) * m));
-    std::vector<std::pair<float, int32_t>> heap(static_cast<size_t>(kk));
-    std::vector<int32_t> keys(static_cast<size_t>(kk));
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t h = 0; h < p.heads; ++h) {
         const Groups& gr = groups[size_t(b * p.heads + h)];
+        const std::vector<int32_t> keys =
+            clustered::group_top_keys(gr, k.head(b, h), k.stride_row, m, d, kk);
         pat->begin_head();
-        for (int64_t g0 = 0; g0 < gr.size(); g0 += kChunkG) {
-          const int64_t rows = std::min(kChunkG, gr.size() - g0);
-          scores(gr, g0, rows, d, m, k.head(b, h), k.stride_row, s.data());
-          for (int64_t r = 0; r < rows; ++r) {
-            top_keys(s.data() + r * m, m, kk, heap.data(), keys.data());
-            const int32_t id = pat->add_group(keys.data(), kk);
-            for (int64_t e = gr.start[size_t(g0 + r)]; e < gr.start[size_t(g0 + r) + 1]; ++e)
-              pat->add_membership(gr.members[size_t(e)], id);
-          }
+        for (int64_t g = 0; g < gr.size(); ++g) {
+          const int32_t id = pat->add_group(keys.data() + g * kk, kk);
+          for (int64_t e = gr.start[size_t(g)]; e < gr.start[size_t(g) + 1]; ++e)
+            pat->add_membership(gr.members[size_t(e)], id);
         }
         pat->finish_head();
       }
@@ -594,13 +602,6 @@ class Clustered final : public Variant {
       });
     }
     guard.rethrow();
-  }
-
-  // S = Q_g K^T for groups [g0, g0 + rows) of gr (rows x m).
-  static void scores(const Groups& gr, int64_t g0, int64_t rows, int64_t d, int64_t m,
-                     const float* k, int64_t ldk, float* s) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(m), int(d), 1.0f,
-                gr.means.data() + g0 * d, int(d), k, int(ldk), 0.0f, s, int(m));
   }
 
   // The improved part for the `count` members of one group: out_i = resid +
@@ -644,6 +645,101 @@ class Clustered final : public Variant {
   int64_t topk_;
 };
 
+}  // namespace
+
+namespace clustered {
+
+std::vector<int32_t> group_top_keys(const Groups& gr, const float* k, int64_t ldk, int64_t m,
+                                    int64_t d, int64_t kk) {
+  std::vector<int32_t> keys(size_t(gr.size() * kk));
+  if (kk == 0) return keys;
+  const int64_t chunk = std::min(kChunkG, gr.size());
+  std::vector<float> s(size_t(chunk * m));
+  std::vector<std::pair<float, int32_t>> heap(static_cast<size_t>(kk));
+  for (int64_t g0 = 0; g0 < gr.size(); g0 += kChunkG) {
+    const int64_t rows = std::min(kChunkG, gr.size() - g0);
+    scores(gr, g0, rows, d, m, k, ldk, s.data());
+    for (int64_t r = 0; r < rows; ++r)
+      top_keys(s.data() + r * m, m, kk, heap.data(), keys.data() + (g0 + r) * kk);
+  }
+  return keys;
+}
+
+std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
+                           ConstTensorView k, ConstTensorView v) {
+  const int64_t n = p.n, m = p.keys(), d = p.dim, kk = std::min(topk, m);
+  const double scale = 1.0 / std::sqrt(double(d));
+  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
+  Clusters cl;
+  Groups gr;
+  std::vector<double> centre(static_cast<size_t>(d)), a(static_cast<size_t>(m)),
+      rest(static_cast<size_t>(d)), w(static_cast<size_t>(kk));
+  std::vector<uint8_t> in_top(static_cast<size_t>(m));
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      cluster_queries(q.head(b, h), q.stride_row, n, d, s, p.seed, h, false, cl);
+      group_queries(q.head(b, h), q.stride_row, n, d, cl.assign.data(), cl.c, gr);
+      const std::vector<int32_t> top = group_top_keys(gr, k.head(b, h), k.stride_row, m, d, kk);
+      double* o = out.data() + (b * p.heads + h) * n * d;
+      for (int64_t g = 0; g < gr.size(); ++g) {
+        const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
+        const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
+        // the centroid query: the mean of the members
+        std::fill(centre.begin(), centre.end(), 0.0);
+        for (int64_t e = 0; e < count; ++e)
+          for (int64_t x = 0; x < d; ++x) centre[size_t(x)] += double(q.row(b, h, mem[e])[x]);
+        for (double& x : centre) x /= double(count);
+        // A = softmax(s Q_g K^T) over all m keys
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < m; ++j) {
+          double dot = 0;
+          for (int64_t x = 0; x < d; ++x) dot += centre[size_t(x)] * double(k.row(b, h, j)[x]);
+          mx = std::max(mx, a[size_t(j)] = scale * dot);
+        }
+        double z = 0;
+        for (double& x : a) z += (x = std::exp(x - mx));
+        for (double& x : a) x /= z;
+        // the centroid's mass on its top keys, and its attention to the others
+        std::fill(in_top.begin(), in_top.end(), 0);
+        double mhat = 0;
+        for (int64_t e = 0; e < kk; ++e) {
+          const int32_t j = top[size_t(g * kk + e)];
+          in_top[size_t(j)] = 1;
+          mhat += a[size_t(j)];
+        }
+        std::fill(rest.begin(), rest.end(), 0.0);
+        for (int64_t j = 0; j < m; ++j)
+          if (!in_top[size_t(j)])
+            for (int64_t x = 0; x < d; ++x)
+              rest[size_t(x)] += a[size_t(j)] * double(v.row(b, h, j)[x]);
+        // member i: rest + mhat softmax_{j in T}(s q_i . k_j) V_T
+        for (int64_t e = 0; e < count; ++e) {
+          const int64_t i = mem[e];
+          double* row = o + i * d;
+          std::copy(rest.begin(), rest.end(), row);
+          if (kk == 0) continue;
+          double wmax = -INFINITY, wsum = 0;
+          for (int64_t t = 0; t < kk; ++t) {
+            const float* kj = k.row(b, h, top[size_t(g * kk + t)]);
+            double dot = 0;
+            for (int64_t x = 0; x < d; ++x) dot += double(q.row(b, h, i)[x]) * double(kj[x]);
+            wmax = std::max(wmax, w[size_t(t)] = scale * dot);
+          }
+          for (double& x : w) wsum += (x = std::exp(x - wmax));
+          for (int64_t t = 0; t < kk; ++t) {
+            const float* vj = v.row(b, h, top[size_t(g * kk + t)]);
+            for (int64_t x = 0; x < d; ++x) row[x] += mhat * w[size_t(t)] / wsum * double(vj[x]);
+          }
+        }
+      }
+    }
+  return out;
+}
+
+}  // namespace clustered
+
+namespace {
+
 ATTNBENCH_REGISTER_VARIANT(
     clustered,
     VariantInfo{
@@ -665,13 +761,16 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "paper uses 32; `attnbench pattern` exports them); 0 = plain "
                                   "clustered attention, which has no sparse pattern")},
         .caps = {.causal = false, .cross = true, .exact = false},
-        .make = [](const ParamValues& pv) {
-          return std::make_unique<Clustered>(
-              Settings{.clusters = pv.get_int("clusters"),
-                       .iterations = pv.get_int("iterations"),
-                       .bits = int(pv.get_int("bits"))},
-              pv.get_int("topk"));
-        }});
+        .make =
+            [](const ParamValues& pv) {
+              return std::make_unique<Clustered>(settings(pv), pv.get_int("topk"));
+            },
+        .oracle =
+            [](const Variant& var, const Problem& p, ConstTensorView q, ConstTensorView k,
+               ConstTensorView v) {
+              return clustered::oracle(p, settings(var.params()), var.params().get_int("topk"), q,
+                                       k, v);
+            }});
 
 }  // namespace
 }  // namespace attnbench

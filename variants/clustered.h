@@ -1,10 +1,14 @@
-// The query clustering of the clustered variant (variants/clustered.cpp), exposed so that tests
-// can check the clustering itself and rebuild the attention from the variant's own assignment.
+// The query clustering of the clustered variant (variants/clustered.cpp) and its float64
+// oracle, exposed so that tests can check the clustering itself and rebuild the attention from
+// the variant's own assignment.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "common/problem.h"
+#include "common/tensor.h"
 
 namespace attnbench::clustered {
 
@@ -68,5 +72,20 @@ struct Groups {
 };
 void group_queries(const float* q, int64_t ld, int64_t n, int64_t d, const int32_t* assign,
                    int64_t c, Groups& out);
+
+/// The improved variant's top keys T_g of every group g of gr: the kk keys with the largest
+/// float32 scores Q_g . k_j (the GEMM forward() computes, ties to the lower index), ascending,
+/// at [g kk, (g + 1) kk). k: m rows of d values, ldk apart.
+std::vector<int32_t> group_top_keys(const Groups& gr, const float* k, int64_t ldk, int64_t m,
+                                    int64_t d, int64_t kk);
+
+/// The variant's function in double (the formulas of variants/clustered.cpp), on the clusters
+/// cluster_queries() gives and the top keys group_top_keys() picks: both are discrete choices
+/// made from float32 arithmetic (hash codes, distances, centroid scores) where a double
+/// recomputation could flip a near tie, so the oracle takes them as the variant makes them and
+/// computes everything else (centroid means, both softmaxes, the centroid's mass on its top
+/// keys, the outputs) in double. Returns [B, H, n, d].
+std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
+                           ConstTensorView k, ConstTensorView v);
 
 }  // namespace attnbench::clustered

@@ -23,8 +23,9 @@
 // Defaults: chunk 64 (HF), hashes 4 (the paper uses 1-8; HF's default is 1), buckets from
 // reformer::auto_buckets (HF's rule: about 2 n / chunk, factorised once large).
 // Self-attention only (m = n): the keys are the queries. Causal supported.
-// Time O(hashes n (2 chunk d + d C + log... )) = O(hashes n chunk d + hashes n d C); memory
-// O(n (3 d + hashes C)) for one head at a time plus per-thread tiles.
+// Time O(hashes (n (chunk + C) d + buckets)): per round the projections (n d C), a counting
+// sort (n + buckets) and the chunks (2 n chunk d); memory O(n (3 d + hashes C)) for one head at
+// a time plus per-thread tiles.
 #include "variants/reformer.h"
 
 #include <cblas.h>
@@ -44,6 +45,7 @@
 
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/phase.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -113,20 +115,147 @@ int64_t bucket_of(const float* proj, const std::vector<int64_t>& factors) {
   return bucket;
 }
 
+Plan plan(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk) {
+  Plan pl;
+  pl.factors = buckets.empty() ? auto_buckets(p.n, chunk) : buckets;
+  for (int64_t f : pl.factors) {
+    pl.buckets *= f;
+    pl.cols += f / 2;
+  }
+  pl.chunk = std::min(chunk, p.n);
+  pl.hashes = hashes;
+  pl.chunks = (p.n + pl.chunk - 1) / pl.chunk;
+  return pl;
+}
+
+constexpr int64_t kHashRows = 256;  // rows projected per GEMM when hashing
+
+void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int64_t ld, int64_t n,
+               int64_t d, int32_t* bucket) {
+  const int64_t c = pl.hashes * pl.cols;
+  if (c == 0) {  // one bucket: nothing to hash
+    std::fill(bucket, bucket + pl.hashes * n, 0);
+    return;
+  }
+  std::vector<float> rot(static_cast<size_t>(d * c));
+  for (int64_t r = 0; r < pl.hashes; ++r) {
+    const auto part = rotations(seed, head, r, d, pl.factors);
+    for (int64_t x = 0; x < d; ++x)
+      std::copy_n(part.begin() + x * pl.cols, pl.cols, rot.begin() + x * c + r * pl.cols);
+  }
+  OmpGuard guard;
+#pragma omp parallel
+  {
+    std::vector<float> proj;
+    guard.run([&] { proj.resize(size_t(kHashRows * c)); });
+#pragma omp for schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += kHashRows)
+      guard.run([&] {
+        const int64_t rows = std::min(kHashRows, n - i0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(c), int(d), 1.0f,
+                    q + i0 * ld, int(ld), rot.data(), int(c), 0.0f, proj.data(), int(c));
+        for (int64_t t = 0; t < rows; ++t)
+          for (int64_t r = 0; r < pl.hashes; ++r)
+            bucket[r * n + i0 + t] =
+                int32_t(bucket_of(proj.data() + t * c + r * pl.cols, pl.factors));
+      });
+  }
+  guard.rethrow();
+}
+
+std::vector<double> oracle(const Problem& p, const Plan& pl, ConstTensorView q, ConstTensorView v,
+                           std::vector<std::vector<int64_t>>* attended) {
+  constexpr double kSelfLogit = -1e5;
+  const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks, R = pl.hashes;
+  std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
+  if (attended != nullptr) attended->assign(size_t(p.batch * p.heads * n), {});
+  std::vector<int32_t> bucket(static_cast<size_t>(R * n));
+  std::vector<int64_t> order(static_cast<size_t>(n)), window, seen;
+  std::vector<double> inv_norm(static_cast<size_t>(n)), logit;
+  // per round: the output row of every token (n x d) and its log-sum-exp (n)
+  std::vector<double> o_round(static_cast<size_t>(R * n * d)), lse(static_cast<size_t>(R * n));
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      hash_rows(pl, p.seed, h, q.row(b, h, 0), q.stride_row, n, d, bucket.data());
+      for (int64_t j = 0; j < n; ++j) {
+        double nn = 0;
+        for (int64_t x = 0; x < d; ++x) nn += double(q.row(b, h, j)[x]) * double(q.row(b, h, j)[x]);
+        inv_norm[size_t(j)] = nn > 0 ? 1.0 / std::sqrt(nn) : 0.0;
+      }
+      std::vector<int64_t>* keys =
+          attended != nullptr ? attended->data() + (b * p.heads + h) * n : nullptr;
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t* bk = bucket.data() + r * n;
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t x, int64_t y) { return bk[x] < bk[y]; });
+        for (int64_t s = 0; s < n; ++s) {
+          const int64_t c = s / ch, i = order[size_t(s)];
+          window.clear();
+          for (int64_t cc : {c, nch > 1 ? (c + nch - 1) % nch : int64_t(-1)}) {
+            if (cc < 0) continue;
+            for (int64_t t = cc * ch; t < std::min(n, (cc + 1) * ch); ++t)
+              window.push_back(order[size_t(t)]);
+          }
+          seen.clear();
+          for (int64_t j : window)
+            if (j != i && j < p.visible(i)) seen.push_back(j);
+          double* o = o_round.data() + (r * n + i) * d;
+          double& l = lse[size_t(r * n + i)];
+          const float* qi = q.row(b, h, i);
+          if (seen.empty()) {  // nothing but itself: its own value at the self logit
+            for (int64_t x = 0; x < d; ++x) o[x] = double(v.row(b, h, i)[x]);
+            l = kSelfLogit;
+            continue;
+          }
+          logit.assign(seen.size(), 0.0);
+          for (size_t e = 0; e < seen.size(); ++e) {
+            const float* qj = q.row(b, h, seen[e]);
+            double dot = 0;
+            for (int64_t x = 0; x < d; ++x) dot += double(qi[x]) * double(qj[x]);
+            logit[e] = dot * inv_norm[size_t(seen[e])];
+          }
+          const double mx = *std::max_element(logit.begin(), logit.end());
+          double z = 0;
+          for (double& w : logit) z += (w = std::exp(w - mx));
+          std::fill(o, o + d, 0.0);
+          for (size_t e = 0; e < seen.size(); ++e) {
+            const float* vj = v.row(b, h, seen[e]);
+            for (int64_t x = 0; x < d; ++x) o[x] += logit[e] / z * double(vj[x]);
+          }
+          l = mx + std::log(z);
+          if (keys != nullptr) keys[i].insert(keys[i].end(), seen.begin(), seen.end());
+        }
+      }
+      // rounds weighted by softmax_r(lse_r)
+      double* dst = out.data() + (b * p.heads + h) * n * d;
+      for (int64_t i = 0; i < n; ++i) {
+        double mx = -INFINITY, z = 0;
+        for (int64_t r = 0; r < R; ++r) mx = std::max(mx, lse[size_t(r * n + i)]);
+        for (int64_t r = 0; r < R; ++r) z += std::exp(lse[size_t(r * n + i)] - mx);
+        for (int64_t r = 0; r < R; ++r) {
+          const double w = std::exp(lse[size_t(r * n + i)] - mx) / z;
+          const double* o = o_round.data() + (r * n + i) * d;
+          for (int64_t x = 0; x < d; ++x) dst[i * d + x] += w * o[x];
+        }
+        if (keys != nullptr) {
+          std::sort(keys[i].begin(), keys[i].end());
+          keys[i].erase(std::unique(keys[i].begin(), keys[i].end()), keys[i].end());
+          if (keys[i].empty()) keys[i].push_back(i);
+        }
+      }
+    }
+  return out;
+}
+
 }  // namespace reformer
 
 namespace {
 
-/// The hashing plan of one problem.
-struct Plan {
-  std::vector<int64_t> factors;
-  int64_t buckets = 1;  // product of the factors
-  int64_t cols = 0;     // rotation columns per round
-  int64_t chunk = 0, hashes = 0, chunks = 0;
-};
+using reformer::kHashRows;
+using reformer::Plan;
 
 /// Working buffers of one head (reused head after head).
-constexpr int64_t kHashRows = 256;  // rows projected per GEMM when hashing
 
 struct HeadBuffers {
   std::vector<int32_t> bucket;  // hashes x n: bucket of token i in round r at r n + i
@@ -183,53 +312,14 @@ class Reformer final : public Variant {
 
   /// The hashing plan; the factors were checked when the variant was made (auto_buckets
   /// gives powers of two).
-  Plan plan(const Problem& p) const {
-    Plan pl;
-    pl.factors = buckets_.empty() ? reformer::auto_buckets(p.n, chunk_) : buckets_;
-    for (int64_t f : pl.factors) {
-      pl.buckets *= f;
-      pl.cols += f / 2;
-    }
-    pl.chunk = std::min(chunk_, p.n);
-    pl.hashes = hashes_;
-    pl.chunks = (p.n + pl.chunk - 1) / pl.chunk;
-    return pl;
-  }
+  Plan plan(const Problem& p) const { return reformer::plan(p, buckets_, hashes_, chunk_); }
 
   /// Buckets of every token of head (b, h) in every round (hb.bucket): the projections
   /// q R_r of all rounds come from one GEMM per block of kHashRows rows, and each block is
   /// hashed while it is in cache (the n x hashes C projections are never stored whole).
   void hash(const Problem& p, const Plan& pl, ConstTensorView q, int64_t b, int64_t h,
             HeadBuffers& hb) const {
-    const int64_t n = p.n, d = p.dim, c = pl.hashes * pl.cols;
-    std::vector<float> rot(static_cast<size_t>(d * c));
-    for (int64_t r = 0; r < pl.hashes; ++r) {
-      const auto part = reformer::rotations(p.seed, h, r, d, pl.factors);
-      for (int64_t x = 0; x < d; ++x)
-        std::copy_n(part.begin() + x * pl.cols, pl.cols, rot.begin() + x * c + r * pl.cols);
-    }
-    if (c == 0) {  // one bucket: nothing to hash
-      std::fill(hb.bucket.begin(), hb.bucket.end(), 0);
-      return;
-    }
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::vector<float> proj;
-      guard.run([&] { proj.resize(size_t(kHashRows * c)); });
-#pragma omp for schedule(static)
-      for (int64_t i0 = 0; i0 < n; i0 += kHashRows) guard.run([&] {
-        const int64_t rows = std::min(kHashRows, n - i0);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(c), int(d), 1.0f,
-                    q.row(b, h, i0), int(q.stride_row), rot.data(), int(c), 0.0f, proj.data(),
-                    int(c));
-        for (int64_t t = 0; t < rows; ++t)
-          for (int64_t r = 0; r < pl.hashes; ++r)
-            hb.bucket[size_t(r * n + i0 + t)] =
-                int32_t(reformer::bucket_of(proj.data() + t * c + r * pl.cols, pl.factors));
-      });
-    }
-    guard.rethrow();
+    reformer::hash_rows(pl, p.seed, h, q.row(b, h, 0), q.stride_row, p.n, p.dim, hb.bucket.data());
   }
 
   /// Round r's order into hb.perm: tokens sorted by (bucket, position).
@@ -254,11 +344,10 @@ class Reformer final : public Variant {
                TensorView out) override {
     const Plan pl = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
-    // time spent hashing and sorting (projections, buckets, counting sort, gathering the
-    // sorted rows) and in all, summed over the threads that run heads
-    double t_hash = 0, t_all = 0;
+    // phases (common/phase.h): "hash" is hashing and sorting (projections, buckets, counting
+    // sort, gathering the sorted rows), "attend" the rest of a head's work
     OmpGuard guard;
-#pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : t_hash, t_all)
+#pragma omp parallel if (by_head(p, omp_get_max_threads()))
     {
       std::optional<HeadBuffers> buffers;
       guard.run([&] { buffers.emplace(pl, n, d); });
@@ -266,42 +355,42 @@ class Reformer final : public Variant {
       for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
         HeadBuffers& hb = *buffers;
         const int64_t b = bh / p.heads, h = bh % p.heads;
-        const double t0 = omp_get_wtime();
-        hash(p, pl, q, b, h, hb);
-        t_hash += omp_get_wtime() - t0;
+        {
+          Phase ph("hash");
+          hash(p, pl, q, b, h, hb);
+        }
+        {
+          Phase ph("attend");
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          const float* qi = q.row(b, h, i);
-          double ss = 0;
-          for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
-          hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
-          hb.mx[size_t(i)] = -INFINITY;
-          hb.z[size_t(i)] = 0.0f;
-          std::fill_n(out.row(b, h, i), d, 0.0f);
+          for (int64_t i = 0; i < n; ++i) {
+            const float* qi = q.row(b, h, i);
+            double ss = 0;
+            for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
+            hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
+            hb.mx[size_t(i)] = -INFINITY;
+            hb.z[size_t(i)] = 0.0f;
+            std::fill_n(out.row(b, h, i), d, 0.0f);
+          }
         }
         for (int64_t r = 0; r < pl.hashes; ++r) {
-          const double t1 = omp_get_wtime();
-          sort_round(p, pl, r, hb);
-          gather(p, q, v, b, h, hb);
-          t_hash += omp_get_wtime() - t1;
+          {
+            Phase ph("hash");
+            sort_round(p, pl, r, hb);
+            gather(p, q, v, b, h, hb);
+          }
+          Phase ph("attend");
           attend_round(p, pl, v, out, b, h, hb);
         }
+        Phase ph("attend");
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
           float* o = out.row(b, h, i);
           const float inv = 1.0f / hb.z[size_t(i)];
           for (int64_t x = 0; x < d; ++x) o[x] *= inv;
         }
-        t_all += omp_get_wtime() - t0;
       });
     }
     guard.rethrow();
-    hash_share_ = t_all > 0 ? t_hash / t_all : 0.0;
-  }
-
-  std::string notes() const override {
-    return fmt::format("hashing and sorting took {:.0f}% of the forward time",
-                       100.0 * hash_share_);
   }
 
   double flops(const Problem& p) const override {
@@ -485,7 +574,6 @@ class Reformer final : public Variant {
 
   std::vector<int64_t> buckets_;
   int64_t hashes_, chunk_;
-  double hash_share_ = 0;  // of the last forward
 };
 
 ATTNBENCH_REGISTER_VARIANT(
@@ -495,18 +583,29 @@ ATTNBENCH_REGISTER_VARIANT(
         .summary = "LSH attention, shared QK: hash rounds, sort, chunk + previous chunk, "
                    "rounds combined by log-sum-exp (Reformer)",
         .complexity = "time O(hashes n (chunk + C) d + hashes n), memory O(n (d + hashes C))",
-        .params = {ParamSpec::IntList("buckets", "none", 1, int64_t(1) << 24,
-                                      "buckets per round, or factors 'B1+B2' hashed separately "
-                                      "(each 1 or even); none: about 2n/chunk, factorised when large"),
+        .params = {ParamSpec::IntList(
+                       "buckets", "none", 1, int64_t(1) << 24,
+                       "buckets per round, or factors 'B1+B2' hashed separately "
+                       "(each 1 or even); none: about 2n/chunk, factorised when large"),
                    ParamSpec::Int("hashes", 4, 1, 64, "hash rounds"),
                    ParamSpec::Int("chunk", 64, 1, 4096,
                                   "chunk length of the sorted sequence (attends itself and the "
                                   "previous chunk)")},
         .caps = {.causal = true, .cross = false, .exact = false},
-        .make = [](const ParamValues& pv) {
-          return std::make_unique<Reformer>(pv.get_int_list("buckets"), pv.get_int("hashes"),
-                                            pv.get_int("chunk"));
-        }});
+        .make =
+            [](const ParamValues& pv) {
+              return std::make_unique<Reformer>(pv.get_int_list("buckets"), pv.get_int("hashes"),
+                                                pv.get_int("chunk"));
+            },
+        .oracle =
+            [](const Variant& var, const Problem& p, ConstTensorView q, ConstTensorView,
+               ConstTensorView v) {
+              const ParamValues& pv = var.params();
+              return reformer::oracle(p,
+                                      reformer::plan(p, pv.get_int_list("buckets"),
+                                                     pv.get_int("hashes"), pv.get_int("chunk")),
+                                      q, v);
+            }});
 
 }  // namespace
 }  // namespace attnbench

@@ -1,9 +1,12 @@
-// The hashing step of the reformer variant (variants/reformer.cpp), exposed so that tests can
-// rebuild its buckets exactly instead of duplicating the recipe.
+// The hashing step of the reformer variant (variants/reformer.cpp) and its float64 oracle,
+// exposed so that tests can rebuild its buckets exactly instead of duplicating the recipe.
 #pragma once
 
 #include <cstdint>
 #include <vector>
+
+#include "common/problem.h"
+#include "common/tensor.h"
 
 namespace attnbench::reformer {
 
@@ -22,5 +25,38 @@ std::vector<float> rotations(uint64_t seed, int64_t head, int64_t round, int64_t
 /// [xR_f, -xR_f] (first maximum wins, the positive half first), combined as
 /// sum_f idx_f prod_{g < f} factor_g.
 int64_t bucket_of(const float* proj, const std::vector<int64_t>& factors);
+
+/// The hashing plan of one problem.
+struct Plan {
+  std::vector<int64_t> factors;  ///< bucket factors of a round
+  int64_t buckets = 1;           ///< product of the factors
+  int64_t cols = 0;              ///< rotation columns per round (sum of factors / 2)
+  int64_t chunk = 0;             ///< chunk length, min(chunk, n)
+  int64_t hashes = 0;            ///< rounds
+  int64_t chunks = 0;            ///< ceil(n / chunk)
+};
+
+/// The plan of problem p for the variant's parameters (`buckets` empty: auto_buckets).
+Plan plan(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk);
+
+/// Buckets of the n rows of q (d values each, rows ld apart) of head `head` in every round:
+/// bucket[r n + i] = bucket_of(q_i R_r) with R_r = rotations(seed, head, r, ...). The
+/// projections of all rounds come from one float32 GEMM per block of rows, spread over the
+/// OpenMP threads when called outside a parallel region (the result does not depend on their
+/// number).
+void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int64_t ld, int64_t n,
+               int64_t d, int32_t* bucket);
+
+/// The variant's function in double, on the buckets hash_rows() gives (the buckets are the
+/// variant's discrete choice, an argmax of float32 projections: recomputed in double a
+/// near-tied argmax could flip, so the oracle takes them as the variant makes them). Per head
+/// and round: tokens stably sorted by bucket, chunks of `chunk` sorted tokens attending
+/// themselves and the previous chunk with logits q_i . q_j / |q_j| (a zero q_j gives 0), a
+/// token never attending itself unless nothing else is visible to it (then its own value at
+/// logit -1e5), causal keys at later positions hidden; the rounds combined with weights
+/// softmax_r(lse_r). Returns [B, H, n, d]. `attended`, if given, receives for every row
+/// ((b H + h) n + i) the keys it attends in some round, ascending (itself alone if none).
+std::vector<double> oracle(const Problem& p, const Plan& pl, ConstTensorView q, ConstTensorView v,
+                           std::vector<std::vector<int64_t>>* attended = nullptr);
 
 }  // namespace attnbench::reformer

@@ -1,5 +1,5 @@
-// The routing step of the routing variant (variants/routing.cpp), exposed so that tests can
-// check the selection and compute the variant's formula on the same routes.
+// The routing step of the routing variant (variants/routing.cpp) and its float64 oracle,
+// exposed so that tests can check the selection and the formula on the same routes.
 #pragma once
 
 #include <cstdint>
@@ -40,5 +40,16 @@ Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTens
              ConstTensorView k, int64_t b, int64_t h, Workspace& ws);
 Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTensorView q,
              ConstTensorView k, int64_t b, int64_t h);
+
+/// The variant's function in double, on the routes route() chooses for each head (the routes
+/// are the variant's discrete choice, computed in float32: recomputing them in double could
+/// flip a near-tied selection, so the oracle takes them as the variant makes them). Every
+/// selected query of cluster u attends the keys u selected with an exact softmax (scale
+/// 1/sqrt(d), causal rule by position); a query gets the mean over the clusters that selected
+/// it and in which it saw a key, and 0 if there is none. Returns [B, H, n, d]; `unrouted`, if
+/// given, receives the number of such rows that see some key (the count notes() reports).
+std::vector<double> oracle(const Problem& p, const Sizes& sizes, int64_t iterations,
+                           ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                           int64_t* unrouted = nullptr);
 
 }  // namespace attnbench::routing

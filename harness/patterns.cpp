@@ -1,0 +1,222 @@
+#include "harness/patterns.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+#include "harness/results.h"
+
+namespace fs = std::filesystem;
+
+namespace attnbench {
+
+namespace {
+
+Row key_row(const std::string& spec, const Problem& p) {
+  Row r;
+  r.spec = spec;
+  r.problem = p;
+  return r;
+}
+
+// (spec, causal): the unit of which a directory holds one stored pattern.
+std::string group_of(const std::string& spec, const std::string& causal) {
+  return spec + '\x1f' + causal;
+}
+
+std::string group_of(const std::string& spec, const Problem& p) {
+  return group_of(spec, p.causal ? "1" : "0");
+}
+
+// How far n is from the pattern length, as a ratio: |log2(n / kPatternLength)|.
+double distance(int64_t n) { return std::abs(std::log2(double(n) / double(kPatternLength))); }
+
+// Column of `causal` in index.csv.
+size_t causal_column() {
+  const auto& cols = PatternStore::index_columns();
+  return size_t(std::find(cols.begin(), cols.end(), "causal") - cols.begin());
+}
+
+std::string csv_join(const std::vector<std::string>& fields) {
+  std::string line;
+  for (size_t i = 0; i < fields.size(); ++i) {
+    if (i) line += ',';
+    line += csv_quote(fields[i]);
+  }
+  return line;
+}
+
+}  // namespace
+
+std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, int64_t head,
+                                            const Inputs* given) {
+  if (given) return v.make_pattern(p, given->q.view(), given->k.view());
+  const Inputs in = generate_head_inputs(p, 0, head);
+  ConstTensorView qv(in.q.data(), p.q_shape()), kv(in.k.data(), p.kv_shape());
+  qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
+  return v.make_pattern(p, qv, kv);
+}
+
+NpyArray pattern_array(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h) {
+  const int64_t m = p.keys();
+  NpyArray a{"|u1", {p.n, m}, {}};
+  a.data.resize(size_t(p.n) * size_t(m));
+  for (int64_t i = 0; i < p.n; ++i)
+    pattern_row(p, pat, b, h, i, reinterpret_cast<uint8_t*>(a.data.data()) + i * m);
+  return a;
+}
+
+std::string pattern_file_name(const std::string& spec, const Problem& p) {
+  std::string name;
+  for (char c : spec) {
+    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '=' || c == '.' || c == '-';
+    name += keep ? c : '_';
+  }
+  // FNV-1a (64 bit) of the results.csv key: two specs or problems that read alike above
+  // still get different names.
+  uint64_t hash = 0xcbf29ce484222325ULL;
+  for (unsigned char c : row_key(key_row(spec, p))) {
+    hash ^= c;
+    hash *= 0x100000001b3ULL;
+  }
+  return fmt::format("{}-n{}-m{}-{}-{:016x}.npy", name, p.n, p.keys(),
+                     p.causal ? "causal" : "noncausal", hash);
+}
+
+const std::vector<std::string>& PatternStore::index_columns() {
+  static const std::vector<std::string> cols = [] {
+    std::vector<std::string> c = key_columns();
+    c.push_back("file");
+    c.push_back("message");
+    return c;
+  }();
+  return cols;
+}
+
+PatternStore::PatternStore(const std::string& results_dir, bool resume)
+    : dir_((fs::path(results_dir) / "patterns").string()) {
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) throw UsageError(fmt::format("cannot create '{}': {}", dir_, ec.message()));
+  const fs::path index = fs::path(dir_) / "index.csv";
+  if (!resume) {
+    // The patterns of an earlier sweep belong to rows that results.csv no longer holds.
+    for (const auto& entry : fs::directory_iterator(dir_))
+      if (entry.is_regular_file() && entry.path().extension() == ".npy") fs::remove(entry.path());
+    fs::remove(index);
+  } else if (fs::exists(index)) {
+    std::ifstream in(index);
+    std::string line;
+    std::getline(in, line);
+    if (split_csv_line(line) != index_columns())
+      throw UsageError(
+          fmt::format("cannot resume: '{}' has different columns than this version "
+                      "of attnbench writes; use a new --out directory",
+                      index.string()));
+    const size_t file_col = index_columns().size() - 2;
+    int64_t line_no = 1;
+    while (std::getline(in, line)) {
+      ++line_no;
+      if (line.empty()) continue;
+      Entry e{split_csv_line(line)};
+      if (e.fields.size() != index_columns().size()) {
+        fmt::print(stderr,
+                   "attnbench: warning: {} line {} has {} fields where the header has {}; "
+                   "it is dropped and its pattern stored again\n",
+                   index.string(), line_no, e.fields.size(), index_columns().size());
+        continue;
+      }
+      const std::string& file = e.fields[file_col];
+      if (!file.empty() && !fs::is_regular_file(fs::path(dir_) / file)) {
+        fmt::print(stderr,
+                   "attnbench: warning: {} line {} names {}, which does not exist; its "
+                   "pattern is stored again\n",
+                   index.string(), line_no, file);
+        continue;
+      }
+      const std::string g = group_of(e.fields.front(), e.fields[causal_column()]);
+      if (entries_.count(g)) continue;  // one pattern per spec and causal setting
+      entries_[g] = e;
+      order_.push_back(g);
+    }
+  }
+  write_index();
+}
+
+void PatternStore::plan(const std::string& spec, const Problem& p) {
+  planned_.emplace_back(spec, p);
+  picked_ = false;
+}
+
+void PatternStore::pick() {
+  picked_ = true;
+  chosen_.clear();
+  std::map<std::string, std::vector<size_t>> groups;
+  for (size_t i = 0; i < planned_.size(); ++i)
+    groups[group_of(planned_[i].first, planned_[i].second)].push_back(i);
+  for (const auto& [g, idx] : groups) {
+    std::string input = planned_[idx.front()].second.input;
+    for (size_t i : idx)
+      if (planned_[i].second.input == "gaussian") input = "gaussian";
+    const Problem* best = nullptr;
+    for (size_t i : idx) {
+      const Problem& p = planned_[i].second;
+      if (p.input != input || double(p.n) * double(p.keys()) > kMaxPatternPairs) continue;
+      if (!best || distance(p.n) < distance(best->n) ||
+          (distance(p.n) == distance(best->n) && p.n < best->n))
+        best = &p;
+    }
+    if (best) chosen_[g] = row_key(key_row(planned_[idx.front()].first, *best));
+  }
+}
+
+void PatternStore::row_done(const Variant& v, const Problem& p, const std::string& status) {
+  if (!picked_) pick();
+  const std::string spec = v.spec(), g = group_of(spec, p);
+  const Row key = key_row(spec, p);
+  auto it = chosen_.find(g);
+  if (it == chosen_.end() || it->second != row_key(key) || entries_.count(g) || status != "ok")
+    return;
+  try {
+    Entry e{key_fields(key)};
+    auto pat = head_pattern(v, p, 0, nullptr);
+    if (pat) {
+      const std::string file = pattern_file_name(spec, p);
+      write_npy((fs::path(dir_) / file).string(), pattern_array(p, *pat, 0, 0));
+      e.fields.insert(e.fields.end(), {file, ""});
+    } else {
+      e.fields.insert(e.fields.end(), {"", "no attention pattern"});
+    }
+    add(e);
+  } catch (const std::exception& ex) {
+    fmt::print(stderr, "attnbench: warning: the pattern of {} {} is not stored: {}\n", spec,
+               p.str(), ex.what());
+  }
+}
+
+void PatternStore::add(const Entry& e) {
+  const std::string g = group_of(e.fields.front(), e.fields[causal_column()]);
+  entries_[g] = e;
+  order_.push_back(g);
+  write_index();
+}
+
+void PatternStore::write_index() const {
+  // write then rename, so an interrupted sweep never leaves a torn index
+  const fs::path path = fs::path(dir_) / "index.csv", tmp = fs::path(dir_) / "index.csv.tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << csv_join(index_columns()) << '\n';
+    for (const auto& g : order_) out << csv_join(entries_.at(g).fields) << '\n';
+    if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+  }
+  fs::rename(tmp, path);
+}
+
+}  // namespace attnbench

@@ -1,0 +1,14 @@
+"""Figures and the markdown report of an attnbench results directory, one module per figure
+family so that new families (training, decode) join without growing one file:
+
+  style        colours and markers per variant spec, axes, legend and markdown helpers
+  context      the results being drawn, their panels, and the report being written
+  time_memory  time and peak memory against n, and the efficiency table relative to full
+  error        error against n, and speed against error with the Pareto frontier
+  crossover    time relative to flash and full, and the crossover lengths
+  patterns     the attention-pattern gallery from the patterns the sweep stored
+  report       report.md: the run header, every section in order, the rows not drawn
+
+Everything is read from the results directory (results.csv, meta.json, patterns/); no
+attnbench binary is run. scripts/plot.py is the command line.
+"""

@@ -1,0 +1,109 @@
+"""What every figure family reads: the results, how they split into panels, the input the
+timed figures use, and the report being written (markdown and the notes said on stderr)."""
+
+import math
+import os
+
+import numpy as np
+
+from attnbench_results import ResultsError, spec_order
+
+from .style import Styles, causal_name, code, fmt_n, md_table, num, warn
+
+
+class Layout:
+    """How rows are split into panels.
+
+    A configuration is the tuple of problem columns other than n, m, causal and input: always
+    dim and heads, plus batch, scale, seed or threads when the results hold several values of
+    them. Columns with one value are shown once, in the figure title.
+    """
+
+    def __init__(self, df):
+        self.cols = ["dim", "heads"] + [c for c in ["batch", "scale", "seed", "threads"]
+                                        if df[c].nunique() > 1]
+        self.fixed = [c for c in ["batch", "scale", "seed", "threads"] if c not in self.cols]
+        self.configs = sorted({tuple(r) for r in df[self.cols].itertuples(index=False)})
+        self.causals = sorted(df["causal"].unique())
+        self.inputs = list(dict.fromkeys(df["input"]))
+        self.fixed_values = {c: df[c].iloc[0] for c in self.fixed}
+
+    SHORT = {"dim": "d", "heads": "H", "batch": "B", "scale": "scale", "seed": "seed",
+             "threads": "threads"}
+
+    def config_label(self, config):
+        return ", ".join(f"{self.SHORT[c]}={num(v)}" for c, v in zip(self.cols, config))
+
+    def fixed_label(self):
+        return ", ".join(f"{self.SHORT[c]}={num(v)}" for c, v in self.fixed_values.items())
+
+    def select(self, df, config, causal=None, input_=None):
+        mask = np.ones(len(df), dtype=bool)
+        for c, v in zip(self.cols, config):
+            mask &= (df[c] == v).to_numpy()
+        if causal is not None:
+            mask &= (df["causal"] == causal).to_numpy()
+        if input_ is not None:
+            mask &= (df["input"] == input_).to_numpy()
+        return df[mask]
+
+
+class Context:
+    """The results directory being drawn and the report being written."""
+
+    def __init__(self, args, df, meta):
+        self.args = args
+        self.dir = args.dir
+        self.plots = os.path.join(self.dir, "plots")
+        self.df = df
+        self.meta = meta
+        self.ok = df[df["status"] == "ok"].copy()
+        self.styles = Styles(spec_order(df))
+        self.layout = Layout(self.ok)
+        inputs = self.layout.inputs
+        if args.input is not None:
+            if args.input not in inputs:
+                raise ResultsError(f"--input {args.input}: no ok row has that input; present: "
+                                   f"{', '.join(inputs)}")
+            self.input = args.input
+        else:
+            self.input = "gaussian" if "gaussian" in inputs else inputs[0]
+        self.timed = self.ok[self.ok["input"] == self.input]
+        self.md = []
+        self.problems = []  # what the report could not show, also said on stderr
+
+    def note(self, text):
+        warn(text)
+        self.problems.append(text)
+
+    def fig_path(self, name):
+        return os.path.join(self.plots, name + ".png")
+
+    def embed(self, name, alt):
+        self.md.append(f"![{alt}](plots/{name}.png)\n")
+
+    def title_suffix(self):
+        fixed = self.layout.fixed_label()
+        return f"input={self.input}" + (f", {fixed}" if fixed else "")
+
+    def panels(self):
+        """(row, col, config, causal) of the grid used by the n-axis figures."""
+        lay = self.layout
+        return [(r, c, cfg, causal) for r, cfg in enumerate(lay.configs)
+                for c, causal in enumerate(lay.causals)]
+
+    def panel_title(self, cfg, causal):
+        return f"{causal_name(causal)}, {self.layout.config_label(cfg)}"
+
+    def table_by_n(self, sub, column, cell):
+        """Markdown table of `column` (median per n, formatted by `cell`): a row per spec, a
+        column per n of `sub`."""
+        ns = sorted(sub["n"].unique())
+        rows = []
+        for spec in self.styles.order:
+            s = sub[sub["spec"] == spec]
+            if s.empty:
+                continue
+            by_n = s.groupby("n")[column].median()
+            rows.append([code(spec)] + [cell(by_n.get(n, math.nan)) for n in ns])
+        return md_table(["variant"] + [f"n={fmt_n(n)}" for n in ns], rows)

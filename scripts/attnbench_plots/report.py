@@ -1,0 +1,83 @@
+"""The report: DIR/report.md with its run header, one section per figure family (each
+drawing its figures into DIR/plots/) and the rows that could not be drawn."""
+
+import os
+import re
+
+from attnbench_results import problem_label
+
+from . import crossover, error, patterns, time_memory
+from .context import Context
+from .style import code, md_table, remove, unit
+
+FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover", "patterns"]
+# The report's sections after its header, in order; each draws its own figures.
+SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
+            error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
+            patterns.section]
+
+
+def header(ctx):
+    meta = ctx.meta
+    ctx.md.append(f"# attnbench report: {os.path.basename(os.path.abspath(ctx.dir))}\n")
+    ctx.md.append("## Run\n")
+    if meta is None:
+        ctx.note(f"warning: {os.path.join(ctx.dir, 'meta.json')} does not exist; the "
+                 f"report cannot name the machine or the commit")
+        ctx.md.append("meta.json is missing: machine and commit unknown.\n")
+    else:
+        m = meta.get("machine", {}) if isinstance(meta.get("machine"), dict) else {}
+        rows = [
+            ("commit", meta.get("git_commit", "unknown")),
+            ("date (UTC)", meta.get("date", "unknown")),
+            ("command" if not meta.get("earlier_command_lines") else "commands",
+             "<br>".join(f"`{c}`" for c in list(meta.get("earlier_command_lines") or [])
+                         + [meta.get("command_line", "unknown")])),
+            ("CPU", m.get("cpu_model", meta.get("cpu_model", "unknown"))),
+            ("threads", meta.get("threads", m.get("threads", "unknown"))),
+            ("GEMM rate", unit(m.get("gemm_gflops"), "GFLOP/s")),
+            ("memory bandwidth (triad)", unit(m.get("bandwidth_gbs"), "GB/s")),
+            ("compiler, build", f"{meta.get('compiler', 'unknown')}, "
+                                f"{meta.get('build_type', 'unknown')}"),
+            ("attnbench", meta.get("attnbench_version", "unknown")),
+        ]
+        ctx.md.append(md_table(["", ""], rows))
+    counts = ctx.df["status"].value_counts()
+    ctx.md.append("\nRows: " + ", ".join(f"{v} {k}" for k, v in counts.items()) +
+                  f". Variants: {len(ctx.styles.order)}. Time, memory, crossover and the "
+                  f"efficiency table use input `{ctx.input}`"
+                  + (f" ({ctx.layout.fixed_label()})" if ctx.layout.fixed_label() else "")
+                  + ".\n")
+
+
+def not_ok(ctx):
+    ctx.md.append("## Rows not plotted\n")
+    bad = ctx.df[ctx.df["status"] != "ok"]
+    if bad.empty:
+        ctx.md.append("Every row has status ok.\n")
+    else:
+        cols = ["n", "m", "causal", "dim", "heads", "batch", "input"]
+        rows = [[code(r["spec"]), problem_label(r, cols), r["status"], r["message"]]
+                for _, r in bad.iterrows()]
+        ctx.md.append(f"{len(bad)} row(s) without a measurement:\n\n")
+        ctx.md.append(md_table(["variant", "problem", "status", "message"], rows))
+    if ctx.problems:
+        ctx.md.append("\n### Notes from plot.py\n\n" +
+                      "".join(f"- {p}\n" for p in ctx.problems))
+
+
+def write(args, df, meta):
+    """Draws every figure of the results in args.dir and writes its report; returns the
+    report's path."""
+    ctx = Context(args, df, meta)
+    os.makedirs(ctx.plots, exist_ok=True)
+    for name in FIGURES:
+        remove(ctx.fig_path(name))
+    header(ctx)
+    for draw in SECTIONS:
+        draw(ctx)
+    not_ok(ctx)
+    report = os.path.join(ctx.dir, "report.md")
+    with open(report, "w", encoding="utf-8") as f:
+        f.write(re.sub(r"\n{3,}", "\n\n", "\n".join(ctx.md)))
+    return report

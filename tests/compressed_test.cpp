@@ -1,0 +1,243 @@
+// compressed against a plainly written double-precision version of its own definition:
+// attention over mean- or conv-pooled keys and values under the causal staircase.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/npy.h"
+#include "common/pattern.h"
+#include "common/random.h"
+#include "common/reference.h"
+#include "common/registry.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+using test::rel_fro_error;
+using test::run;
+
+double at(const Tensor& t, int64_t b, int64_t h, int64_t i, int64_t c) {
+  return t.view().row(b, h, i)[c];
+}
+
+// Keys and values after position `after` (of every head of batch item 0) replaced by large
+// random values.
+void perturb_after(const Problem& p, int64_t after, Tensor& k, Tensor& v) {
+  RandomStream rs(uint64_t(after) + 17, 5);
+  uint64_t x = 0;
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t j = after + 1; j < p.keys(); ++j)
+      for (int64_t c = 0; c < p.dim; ++c) {
+        k.view().row(0, h, j)[c] = float(30 * rs.normal(x++));
+        v.view().row(0, h, j)[c] = float(1000 * rs.normal(x++));
+      }
+}
+
+Tensor copy(const Tensor& t) {
+  Tensor c(t.shape());
+  std::copy(t.data(), t.data() + t.numel(), c.data());
+  return c;
+}
+
+// Largest |difference| in row i of any head of batch item 0.
+double row_diff(const Problem& p, const Tensor& a, const Tensor& b, int64_t i) {
+  double diff = 0;
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t c = 0; c < p.dim; ++c)
+      diff = std::max(diff, std::fabs(at(a, 0, h, i, c) - at(b, 0, h, i, c)));
+  return diff;
+}
+
+// The documented conv weights: tap s, output channel c, input channel c' of head h.
+double conv_weight(uint64_t seed, int64_t h, int kv, int64_t r, int64_t d, int64_t s, int64_t c,
+                   int64_t c2) {
+  const uint64_t stream = (uint64_t(kv ? 0x434d5056 : 0x434d504b) << 32) + uint64_t(h);
+  const RandomStream rs(seed, stream);
+  return double(float(rs.normal(uint64_t((s * d + c) * d + c2)) / std::sqrt(double(r * d))));
+}
+
+// Pooled keys or values [B, H, ceil(m / r), d] in double.
+struct Pooled {
+  std::vector<double> data;
+  int64_t len;
+};
+
+Pooled pool(const Problem& p, const Tensor& x, int64_t r, bool conv, int kv) {
+  const int64_t m = p.keys(), d = p.dim, mp = (m + r - 1) / r;
+  Pooled out{std::vector<double>(size_t(p.batch * p.heads * mp * d), 0.0), mp};
+  std::vector<double> w;  // the conv weights of one head, [s][c][c']
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      if (conv) {
+        w.clear();
+        for (int64_t s = 0; s < r; ++s)
+          for (int64_t c = 0; c < d; ++c)
+            for (int64_t c2 = 0; c2 < d; ++c2) w.push_back(conv_weight(p.seed, h, kv, r, d, s, c, c2));
+      }
+      for (int64_t t = 0; t < mp; ++t) {
+        double* o = out.data.data() + ((b * p.heads + h) * mp + t) * d;
+        const int64_t j0 = t * r, j1 = std::min(m, j0 + r);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int64_t c = 0; c < d; ++c) {
+            if (!conv) {
+              o[c] += at(x, b, h, j, c) / double(j1 - j0);
+              continue;
+            }
+            for (int64_t c2 = 0; c2 < d; ++c2)
+              o[c] += w[size_t(((j - j0) * d + c) * d + c2)] * at(x, b, h, j, c2);
+          }
+      }
+    }
+  return out;
+}
+
+// Memory-compressed attention in double: pool, then softmax over the pooled keys a query may
+// see (all of them, or under a causal mask those whose every key it sees).
+std::vector<double> compressed_oracle(const Problem& p, const Inputs& in, int64_t r, bool conv) {
+  const Pooled pk = pool(p, in.k, r, conv, 0), pv = pool(p, in.v, r, conv, 1);
+  const int64_t n = p.n, m = p.keys(), d = p.dim, mp = pk.len;
+  std::vector<double> out(size_t(p.batch * p.heads * n * d), 0.0);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const double* kh = pk.data.data() + (b * p.heads + h) * mp * d;
+      const double* vh = pv.data.data() + (b * p.heads + h) * mp * d;
+      for (int64_t i = 0; i < n; ++i) {
+        std::vector<double> s;
+        for (int64_t t = 0; t < mp; ++t) {
+          const int64_t last = std::min(m, (t + 1) * r) - 1;
+          if (last >= p.visible(i)) break;
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) dot += at(in.q, b, h, i, c) * kh[t * d + c];
+          s.push_back(dot / std::sqrt(double(d)));
+        }
+        if (s.empty()) continue;
+        const double mx = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (double& e : s) sum += e = std::exp(e - mx);
+        double* o = out.data() + ((b * p.heads + h) * n + i) * d;
+        for (size_t t = 0; t < s.size(); ++t)
+          for (int64_t c = 0; c < d; ++c) o[c] += s[t] / sum * vh[int64_t(t) * d + c];
+      }
+    }
+  return out;
+}
+
+TEST(Compressed, MatchesThePooledAttentionOracle) {
+  double worst = 0;
+  for (const char* pool_kind : {"mean", "conv"})
+    for (int64_t r : {3, 4, 1})
+      for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {100, 130}, {130, 100}, {1, 5}})
+        for (int64_t d : {1, 17, 64})
+          for (bool causal : {false, true}) {
+            // one batch item (the generic tests cover batches): the double oracle is slow
+            const Problem p = test::problem(1, 2, n, m, d, causal, uint64_t(7 * n + m + d + r));
+            const std::string spec =
+                "compressed:ratio=" + std::to_string(r) + ",pool=" + pool_kind;
+            SCOPED_TRACE(spec + " " + p.str());
+            Inputs in = generate_inputs(p);
+            const Tensor out = run(spec, p, in);
+            const double err = rel_fro_error(out.data(), compressed_oracle(p, in, r, pool_kind == std::string("conv")));
+            EXPECT_LE(err, 1e-5);
+            worst = std::max(worst, err);
+          }
+  std::printf("compressed vs oracle: worst relative error %.2e\n", worst);
+}
+
+TEST(Compressed, CausalRowsWithoutACompleteGroupAreZero) {
+  const Problem p = test::problem(1, 2, 50, 0, 8, true, 3);
+  Inputs in = generate_inputs(p);
+  const Tensor out = run("compressed:ratio=4", p, in);
+  for (int64_t i = 0; i < p.n; ++i) {
+    double norm = 0;
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t c = 0; c < p.dim; ++c) norm += std::fabs(at(out, 0, h, i, c));
+    if (i < 3) EXPECT_EQ(norm, 0.0) << "row " << i;  // sees keys 0 .. i: no group of 4
+    else EXPECT_GT(norm, 0.0) << "row " << i;
+  }
+}
+
+TEST(Compressed, RatioOneMeanIsFullAttention) {
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {7, 113}, {113, 7}, {300, 257}, {1, 1}})
+    for (int64_t d : {1, 17, 64})
+      for (bool causal : {false, true}) {
+        const Problem p = test::problem(1, 2, n, m, d, causal, 12);
+        SCOPED_TRACE(p.str());
+        Inputs in = generate_inputs(p);
+        const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+        EXPECT_LE(rel_fro_error(run("compressed:ratio=1,pool=mean", p, in).data(), ref), 1e-5);
+      }
+}
+
+TEST(Compressed, CausalLeaksNothing) {
+  for (const char* spec : {"compressed", "compressed:ratio=5,pool=conv"})
+    for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {100, 130}, {130, 100}}) {
+      bool changed_without_causal = false;
+      for (bool causal : {true, false}) {
+        const Problem p = test::problem(1, 2, n, m, 17, causal, 21);
+        SCOPED_TRACE(std::string(spec) + " " + p.str());
+        Inputs in = generate_inputs(p);
+        const Tensor base = run(spec, p, in);
+        for (int64_t i : {int64_t(0), int64_t(5), int64_t(17), int64_t(60), n - 2}) {
+          // query i sees keys 0 .. a(i): change every key and value after a(i)
+          const int64_t a = i + (m - n);
+          if (a < -1 || a >= m - 1) continue;
+          Inputs changed{copy(in.q), copy(in.k), copy(in.v)};
+          perturb_after(p, a, changed.k, changed.v);
+          const Tensor out = run(spec, p, changed);
+          double diff = 0;
+          for (int64_t r = 0; r <= i; ++r) diff = std::max(diff, row_diff(p, out, base, r));
+          if (causal) EXPECT_EQ(diff, 0.0) << "rows <= " << i << " see keys after " << a;
+          else changed_without_causal |= diff > 1e-3;
+        }
+      }
+      EXPECT_TRUE(changed_without_causal) << spec;
+    }
+}
+
+TEST(Compressed, SeedDrivesTheConvWeightsOnly) {
+  Problem p = test::problem(2, 2, 90, 70, 16, false, 5);
+  Inputs in = generate_inputs(p);
+  const Tensor conv1 = run("compressed:pool=conv", p, in), mean1 = run("compressed", p, in);
+  const Tensor conv_again = run("compressed:pool=conv", p, in);
+  p.seed = 6;  // same inputs, other seed
+  const Tensor conv2 = run("compressed:pool=conv", p, in), mean2 = run("compressed", p, in);
+  const size_t bytes = size_t(conv1.numel()) * sizeof(float);
+  EXPECT_EQ(std::memcmp(conv1.data(), conv_again.data(), bytes), 0);
+  EXPECT_NE(std::memcmp(conv1.data(), conv2.data(), bytes), 0);
+  EXPECT_EQ(std::memcmp(mean1.data(), mean2.data(), bytes), 0);
+  // and each matches the oracle with its own seed's weights
+  EXPECT_LE(rel_fro_error(conv2.data(), compressed_oracle(p, in, 3, true)), 1e-5);
+}
+
+TEST(Compressed, HasNoPatternAndSaysSo) {
+  auto v = make_variant("compressed");
+  EXPECT_FALSE(v->info().caps.exact);
+  EXPECT_TRUE(v->info().caps.causal);
+  EXPECT_TRUE(v->info().caps.cross);
+  const Problem p = test::problem(1, 1, 30, 0, 8, false, 1);
+  Inputs in = generate_inputs(p);
+  EXPECT_EQ(v->make_pattern(p, in.q.view(), in.k.view()), nullptr);
+  test::TempDir dir;
+  auto r = test::run_cli("pattern --variant compressed --seq 30 --output " + dir.file("x.npy"), dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_CONTAINS(r.err, "has no attention pattern");
+  // and its result row has no mass
+  auto row = test::run_cli("run --variant compressed:ratio=2 --seq 64 --heads 1 --dim 8 "
+                           "--min-time 0.001 --reps 1 --json", dir);
+  ASSERT_EQ(row.code, 0) << row.err;
+  EXPECT_CONTAINS(row.out, "\"mass_mean\": null");
+  EXPECT_CONTAINS(row.out, "\"status\": \"ok\"");
+}
+
+}  // namespace
+}  // namespace attnbench

@@ -1,0 +1,238 @@
+// Tests of the reformer variant (LSH attention): checked against its float64 oracle
+// (variants/reformer.h: the variant's definition in double on its own buckets), against full
+// attention in its degenerate settings, and for the effect of more hash rounds.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/pattern.h"
+#include "common/reference.h"
+#include "common/registry.h"
+#include "tests/test_util.h"
+#include "variants/reformer.h"
+
+namespace attnbench {
+namespace {
+
+Problem make_problem(int64_t n, int64_t d, bool causal, const std::string& input = "gaussian",
+                     int64_t batch = 2, int64_t heads = 3, uint64_t seed = 7) {
+  Problem p;
+  p.batch = batch;
+  p.heads = heads;
+  p.n = n;
+  p.dim = d;
+  p.causal = causal;
+  p.input = input;
+  p.seed = seed;
+  return p;
+}
+
+/// Changing the values of tokens cut.. must leave the outputs of rows < cut bit-identical
+/// under a causal mask (values are the only input that reaches a row only through attention).
+void expect_later_values_never_reach_earlier_rows(const std::string& spec, Problem p,
+                                                   int64_t cut) {
+  Inputs in = generate_inputs(p);
+  const Tensor before = test::run(spec, p, in);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t j = cut; j < p.n; ++j)
+        for (int64_t x = 0; x < p.dim; ++x) in.v.view().row(b, h, j)[x] += 100.0f;
+  const Tensor after = test::run(spec, p, in);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < cut; ++i)
+        for (int64_t x = 0; x < p.dim; ++x)
+          ASSERT_EQ(before.view().row(b, h, i)[x], after.view().row(b, h, i)[x])
+              << spec << ": row " << i << " changed with later values";
+}
+
+
+/// Shared-QK logit of query i and key j: q_i . q_j / |q_j| in double.
+double shared_logit(const Problem& p, ConstTensorView q, int64_t b, int64_t h, int64_t i,
+                    int64_t j) {
+  const float* qi = q.row(b, h, i);
+  const float* qj = q.row(b, h, j);
+  double dot = 0, nn = 0;
+  for (int64_t x = 0; x < p.dim; ++x) {
+    dot += double(qi[x]) * double(qj[x]);
+    nn += double(qj[x]) * double(qj[x]);
+  }
+  return nn > 0 ? dot / std::sqrt(nn) : 0.0;
+}
+
+/// Softmax of row i over `keys` under the shared-QK rule (itself only if nothing else is
+/// visible, at logit -1e5): output row and log-sum-exp.
+void shared_row(const Problem& p, ConstTensorView q, ConstTensorView v, int64_t b, int64_t h,
+                int64_t i, const std::vector<int64_t>& keys, double* out, double* lse) {
+  std::vector<int64_t> use;
+  for (int64_t j : keys)
+    if (j != i && j < p.visible(i)) use.push_back(j);
+  std::fill(out, out + p.dim, 0.0);
+  if (use.empty()) {
+    for (int64_t x = 0; x < p.dim; ++x) out[x] = v.row(b, h, i)[x];
+    *lse = -1e5;
+    return;
+  }
+  std::vector<double> l(use.size());
+  double mx = -INFINITY;
+  for (size_t t = 0; t < use.size(); ++t) mx = std::max(mx, l[t] = shared_logit(p, q, b, h, i, use[t]));
+  double sum = 0;
+  for (size_t t = 0; t < use.size(); ++t) sum += (l[t] = std::exp(l[t] - mx));
+  for (size_t t = 0; t < use.size(); ++t)
+    for (int64_t x = 0; x < p.dim; ++x) out[x] += l[t] / sum * v.row(b, h, use[t])[x];
+  *lse = mx + std::log(sum);
+}
+
+/// Shared-QK full attention (every visible key but itself), [B, H, n, d] in double.
+std::vector<double> shared_full(const Problem& p, const Inputs& in) {
+  std::vector<double> out(size_t(p.q_shape().numel()));
+  std::vector<int64_t> all(static_cast<size_t>(p.n));
+  std::iota(all.begin(), all.end(), 0);
+  double lse;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < p.n; ++i)
+        shared_row(p, in.q.view(), in.v.view(), b, h, i, all,
+                   out.data() + ((b * p.heads + h) * p.n + i) * p.dim, &lse);
+  return out;
+}
+
+TEST(Reformer, MatchesItsDefinition) {
+  struct Case {
+    int64_t n, d;
+    bool causal;
+    std::vector<int64_t> factors;  // empty: automatic
+    int64_t hashes, chunk;
+  };
+  const std::vector<Case> cases = {
+      {100, 17, false, {}, 3, 16},      {100, 17, true, {}, 3, 16},
+      {77, 64, false, {4, 8}, 2, 8},    {77, 64, true, {4, 8}, 2, 8},
+      {130, 1, false, {6}, 2, 32},      {33, 5, true, {2}, 1, 64},
+      {257, 32, true, {}, 4, 64},
+  };
+  for (const Case& c : cases) {
+    const Problem p = make_problem(c.n, c.d, c.causal);
+    const Inputs in = generate_inputs(p);
+    std::string buckets = "none";
+    if (!c.factors.empty()) {
+      buckets.clear();
+      for (int64_t f : c.factors) {
+        if (!buckets.empty()) buckets += '+';
+        buckets += std::to_string(f);
+      }
+    }
+    const std::string spec = "reformer:buckets=" + buckets + ",hashes=" +
+                             std::to_string(c.hashes) + ",chunk=" + std::to_string(c.chunk);
+    SCOPED_TRACE(spec + " " + p.str());
+    const Tensor out = test::run(spec, p, in);
+    std::vector<std::vector<int64_t>> attended;
+    const std::vector<double> want = reformer::oracle(
+        p, reformer::plan(p, c.factors, c.hashes, c.chunk), in.q.view(), in.v.view(), &attended);
+    EXPECT_LT(test::rel_fro_error(out.data(), want), 2e-5);
+
+    // the exported pattern is the set of keys each row attends
+    auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
+    ASSERT_NE(pat, nullptr);
+    std::vector<uint8_t> row(static_cast<size_t>(p.n));
+    int64_t wrong = 0;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h)
+        for (int64_t i = 0; i < p.n; ++i) {
+          pattern_row(p, *pat, b, h, i, row.data());
+          const auto& keys = attended[size_t((b * p.heads + h) * p.n + i)];
+          for (int64_t j = 0; j < p.n; ++j)
+            wrong += row[size_t(j)] != uint8_t(std::binary_search(keys.begin(), keys.end(), j));
+        }
+    EXPECT_EQ(wrong, 0) << "pattern entries that differ from the keys the definition attends";
+  }
+}
+
+TEST(Reformer, OneBucketOneChunkIsSharedQkFullAttention) {
+  for (bool causal : {false, true})
+    for (int64_t n : {1, 2, 37, 200})
+      for (int64_t d : {1, 17, 64}) {
+        const Problem p = make_problem(n, d, causal);
+        const Inputs in = generate_inputs(p);
+        SCOPED_TRACE(p.str());
+        const Tensor out = test::run("reformer:buckets=1,hashes=3,chunk=4096", p, in);
+        EXPECT_LT(test::rel_fro_error(out.data(), shared_full(p, in)), 1e-5);
+      }
+}
+
+TEST(Reformer, MoreHashesMoreMassLessError) {
+  // clustered tokens: LSH buckets follow the clusters, and each round adds keys
+  const Problem p = make_problem(1024, 64, false, "clustered", 1, 2);
+  const Inputs in = generate_inputs(p);
+  const std::vector<double> exact = shared_full(p, in);
+  double last_error = INFINITY, last_mass = 0;
+  for (int64_t hashes : {1, 2, 4, 8}) {
+    const std::string spec = "reformer:chunk=32,hashes=" + std::to_string(hashes);
+    SCOPED_TRACE(spec);
+    const Tensor out = test::run(spec, p, in);
+    const double error = test::rel_fro_error(out.data(), exact);
+    // mass: share of each row's exact shared-QK softmax inside the keys it attends
+    auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
+    std::vector<uint8_t> row(static_cast<size_t>(p.n));
+    double mass = 0;
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < p.n; i += 7) {
+        pattern_row(p, *pat, 0, h, i, row.data());
+        double mx = -INFINITY, in_sum = 0, all = 0;
+        std::vector<double> l(size_t(p.n), -INFINITY);
+        for (int64_t j = 0; j < p.n; ++j)
+          if (j != i) mx = std::max(mx, l[size_t(j)] = shared_logit(p, in.q.view(), 0, h, i, j));
+        for (int64_t j = 0; j < p.n; ++j) {
+          const double e = j == i ? 0.0 : std::exp(l[size_t(j)] - mx);
+          all += e;
+          if (row[size_t(j)]) in_sum += e;
+        }
+        mass += in_sum / all;
+      }
+    EXPECT_GT(mass, last_mass);
+    EXPECT_LT(error, 0.9 * last_error);
+    last_error = error;
+    last_mass = mass;
+  }
+}
+
+TEST(Reformer, CausalValuesOfLaterTokensNeverReachEarlierRows) {
+  const Problem p = make_problem(150, 16, true);
+  expect_later_values_never_reach_earlier_rows("reformer:chunk=16", p, 90);
+  const Inputs in = generate_inputs(p);
+  const Tensor before = test::run("reformer:chunk=16", p, in);
+  // the first token sees only itself
+  EXPECT_EQ(before.view().row(0, 0, 0)[0], in.v.view().row(0, 0, 0)[0]);
+}
+
+TEST(Reformer, SeedChoosesTheRotations) {
+  Problem p = make_problem(256, 32, false, "gaussian", 1, 2);
+  const Inputs in = generate_inputs(p);
+  const Tensor a = test::run("reformer:chunk=16", p, in);
+  Problem p2 = p;
+  p2.seed = p.seed + 1;  // same inputs, other rotations
+  const Tensor b = test::run("reformer:chunk=16", p2, in);
+  double diff = 0;
+  for (int64_t t = 0; t < p.q_shape().numel(); ++t) diff += std::fabs(a.data()[t] - b.data()[t]);
+  EXPECT_GT(diff, 0.0);
+}
+
+TEST(Reformer, RefusesCrossAttentionAndOddBuckets) {
+  Problem p = make_problem(64, 16, false);
+  p.m = 80;
+  const Inputs in = generate_inputs(p);
+  EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { test::run("reformer", p, in); }),
+                  "m != n");
+  const Problem q = make_problem(64, 16, false);
+  const Inputs qin = generate_inputs(q);
+  EXPECT_CONTAINS(test::error_message<SpecError>([&] { test::run("reformer:buckets=3", q, qin); }),
+                  "even");
+}
+
+}  // namespace
+}  // namespace attnbench
