@@ -7,11 +7,11 @@
 # - links attnbench::attnbench (headers, libattnbench, Eigen, OpenMP, OpenBLAS);
 # - C++20, position-independent code;
 # - compiles with the flags libattnbench was built with (attnbench_PLUGIN_FLAGS, -march=native
-#   by default). The headers' inline kernels (common/attention_kernels.h, common/softmax.h)
-#   take their AVX-512 or portable path by the target flags, and the dynamic linker binds the
-#   inline functions a plugin does not inline to the copy in libattnbench (one definition per
-#   process), so both must be compiled alike; Eigen's alignment of fixed-size types also
-#   follows the flags. Build a plugin on a machine of the kind its attnbench was built on;
+#   by default). The installed headers hold no kernels (the AVX-512 ones stay inside
+#   libattnbench), but Eigen, which the target carries for a plugin's own kernels, follows
+#   the flags in its alignment of fixed-size types and its vector paths, and a plugin is
+#   measured beside variants built for the machine. Build a plugin on a machine of the kind
+#   its attnbench was built on;
 # - links with -z defs: a symbol that resolves nowhere is a link error, not a load error;
 # - adds one generated source defining attnbench_plugin_abi_version (common/abi.h), which
 #   attnbench checks before it runs any of the plugin's code.

@@ -100,12 +100,6 @@ class TestPattern final : public SparsePattern {
   std::vector<uint8_t> masks_;         // bs x bs per partial tile
 };
 
-Problem make_problem(int64_t n, int64_t m, int64_t d, bool causal, uint64_t seed) {
-  Problem p;
-  p.batch = 2, p.heads = 2, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
-  return p;
-}
-
 struct Result {
   double error = 0;        // relative Frobenius error against the masked reference
   int64_t bad_empty = 0;   // elements of rows with no allowed key that are not exactly 0
@@ -148,7 +142,7 @@ TEST(BlockSparse, RandomPatternsMatchMaskedReference) {
       for (int64_t m : lens)
         for (int64_t d : dims)
           for (bool causal : {false, true}) {
-            const Problem p = make_problem(n, m, d, causal, seed++);
+            const Problem p = test::problem(2, 2, n, m, d, causal, seed++);
             const TestPattern pat(p, bs, seed * 7919);
             SCOPED_TRACE("block=" + std::to_string(bs) + " " + p.str());
             const Result r = run_and_check(p, pat);
@@ -168,7 +162,7 @@ TEST(BlockSparse, LargeLogitsStayFinite) {
     for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{113, 113, 64},
                            {300, 113, 17}, {113, 300, 64}})
       for (bool causal : {false, true}) {
-        Problem p = make_problem(n, m, d, causal, seed++);
+        Problem p = test::problem(2, 2, n, m, d, causal, seed++);
         p.scale = 1000;
         const TestPattern pat(p, bs, seed * 31);
         SCOPED_TRACE("block=" + std::to_string(bs) + " " + p.str());
@@ -185,7 +179,7 @@ TEST(BlockSparse, DensePatternEqualsFlashAndReference) {
   for (int64_t bs : {1, 7, 16, 64, 100})
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {300, 113}, {7, 300}, {300, 300}})
       for (bool causal : {false, true}) {
-        const Problem p = make_problem(n, m, 64, causal, seed++);
+        const Problem p = test::problem(2, 2, n, m, 64, causal, seed++);
         const TestPattern pat(p, bs, seed, /*dense=*/true);
         SCOPED_TRACE("block=" + std::to_string(bs) + " " + p.str());
         const Inputs in = generate_inputs(p);

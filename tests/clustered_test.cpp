@@ -30,13 +30,6 @@ namespace {
 using test::rel_fro_error;
 using test::run;
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, uint64_t seed,
-                     const std::string& input = "gaussian") {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.seed = seed, p.input = input;
-  return p;
-}
-
 std::string spec(int64_t clusters, int64_t iterations, int bits, int64_t topk) {
   return "clustered:clusters=" + std::to_string(clusters) + ",iterations=" +
          std::to_string(iterations) + ",bits=" + std::to_string(bits) +
@@ -59,7 +52,7 @@ TEST(Clustered, EveryQueryJoinsItsNearestCentroid) {
                                   {113, 64, 100},
                                   {1000, 64, 40},
                                   {7, 1, 3}}) {
-      Problem p = make_problem(1, 2, n, n, d, uint64_t(bits + n), "clustered");
+      Problem p = test::problem(1, 2, n, n, d, false, uint64_t(bits + n), "clustered");
       SCOPED_TRACE(p.str() + " bits=" + std::to_string(bits) + " clusters=" + std::to_string(clusters));
       Inputs in = generate_inputs(p);
       const clustered::Clusters cl = clusters_of(p, in.q, 0, 1, {clusters, 10, bits});
@@ -110,7 +103,7 @@ TEST(Clustered, SettledCentroidsAreTheMajorityOrMeanOfTheirMembers) {
   // Given enough rounds Lloyd settles (rounds < iterations); the final centroids are then the
   // update of the final assignment: a member majority per bit (ties 0), or the member mean.
   for (int bits : {0, 16, 64}) {
-    Problem p = make_problem(1, 1, 500, 500, 24, 3, "clustered");
+    Problem p = test::problem(1, 1, 500, 500, 24, false, 3, "clustered");
     SCOPED_TRACE(bits);
     Inputs in = generate_inputs(p);
     const clustered::Clusters cl = clusters_of(p, in.q, 0, 0, {12, 200, bits});
@@ -173,7 +166,8 @@ TEST(Clustered, MatchesFormulaOnTheVariantsAssignment) {
           for (int64_t topk : {0, 5, 32}) {
             if (bits == 64 && d != 17) continue;  // the 64-bit codes at one dimension
             const int64_t clusters = (n + m + d) % 2 ? 16 : 5;
-            Problem p = make_problem(1, 2, n, m, d, uint64_t(n * 7 + m * 3 + d + bits + topk));
+            Problem p =
+                test::problem(1, 2, n, m, d, false, uint64_t(n * 7 + m * 3 + d + bits + topk));
             const clustered::Settings s{clusters, 10, bits};
             const std::string sp = spec(clusters, 10, bits, topk);
             SCOPED_TRACE(sp + " " + p.str());
@@ -193,7 +187,7 @@ TEST(Clustered, OneClusterPerQueryIsExactAttention) {
                          {300, 71, 17},
                          {7, 300, 1},
                          {1, 5, 17}}) {
-    Problem p = make_problem(1, 2, n, m, d, uint64_t(n + m));
+    Problem p = test::problem(1, 2, n, m, d, false, uint64_t(n + m));
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
@@ -209,7 +203,7 @@ TEST(Clustered, TopkCoveringAllKeysIsExactAttention) {
                          {50, 1, 1}})
     for (int bits : {0, 32})
       for (int64_t clusters : {1, 5, 100}) {
-        Problem p = make_problem(1, 2, n, m, d, uint64_t(3 * n + m));
+        Problem p = test::problem(1, 2, n, m, d, false, uint64_t(3 * n + m));
         SCOPED_TRACE(spec(clusters, 10, bits, m) + " " + p.str());
         Inputs in = generate_inputs(p);
         const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
@@ -226,7 +220,7 @@ TEST(Clustered, ErrorFallsAsClustersGrowAndImprovedBeatsPlain) {
   // lowers it by a third or more from 16 clusters on (with 4 clusters, fewer than the data's
   // 8, a centroid's top keys belong to one token cluster and can be wrong for half its members,
   // so improved is not better there).
-  Problem p = make_problem(1, 4, 512, 512, 64, 1, "clustered");
+  Problem p = test::problem(1, 4, 512, 512, 64, false, 1, "clustered");
   Inputs in = generate_inputs(p);
   const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   for (int bits : {0, 32}) {
@@ -248,7 +242,7 @@ TEST(Clustered, ErrorFallsAsClustersGrowAndImprovedBeatsPlain) {
 // ----- seeds and threads -----
 
 TEST(Clustered, SameSeedSameOutputOtherSeedOtherClustering) {
-  Problem p = make_problem(2, 3, 300, 257, 32, 42, "clustered");
+  Problem p = test::problem(2, 3, 300, 257, 32, false, 42, "clustered");
   Inputs in = generate_inputs(p);
   for (const std::string& sp : {spec(16, 10, 32, 0), spec(16, 10, 0, 8), spec(16, 10, 64, 8)}) {
     SCOPED_TRACE(sp);
@@ -280,7 +274,7 @@ TEST(Clustered, ThreadCountDoesNotChangeTheOutput) {
   // one head (the assignments' row blocks spread over the threads) and several (a head per thread)
   for (int64_t heads : {1, 5})
     for (const std::string& sp : {spec(20, 10, 32, 0), spec(20, 10, 0, 16), spec(20, 10, 40, 16)}) {
-      Problem p = make_problem(1, heads, 1500, 700, 32, 8, "local");
+      Problem p = test::problem(1, heads, 1500, 700, 32, false, 8, "local");
       SCOPED_TRACE(sp + " " + p.str());
       Inputs in = generate_inputs(p);
       omp_set_num_threads(1);
@@ -303,7 +297,7 @@ TEST(Clustered, CausalIsUnsupported) {
 }
 
 TEST(Clustered, PatternIsEachClustersTopKeys) {
-  Problem p = make_problem(1, 3, 200, 150, 16, 4, "clustered");
+  Problem p = test::problem(1, 3, 200, 150, 16, false, 4, "clustered");
   Inputs in = generate_inputs(p);
   EXPECT_EQ(make_variant(spec(10, 10, 32, 0))->make_pattern(p, in.q.view(), in.k.view()), nullptr);
   for (int bits : {0, 32}) {

@@ -25,13 +25,6 @@ namespace {
 using test::rel_fro_error;
 namespace ka = kernel_attention;
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
-                     uint64_t seed = 1) {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
-  return p;
-}
-
 using test::run;
 
 // Feature map in double of one row x (d floats) of head h.
@@ -108,7 +101,7 @@ TEST(Linear, MatchesItsExplicitFormula) {
     for (int64_t m : lens)
       for (int64_t d : dims)
         for (bool causal : {false, true}) {
-          Problem p = make_problem(2, 2, n, m, d, causal, 3);
+          Problem p = test::problem(2, 2, n, m, d, causal, 3);
           SCOPED_TRACE(p.str());
           const Inputs in = generate_inputs(p);
           const Tensor out = run("linear", p, in);
@@ -121,7 +114,7 @@ TEST(Linear, MatchesItsExplicitFormulaAcrossBlocks) {
   // head: the GEMMs run multi-threaded, outside the OpenMP loop over heads)
   for (auto [n, m] : {std::pair<int64_t, int64_t>{2100, 2100}, {2100, 1500}, {1500, 2100}})
     for (bool causal : {false, true}) {
-      Problem p = make_problem(1, 1, n, m, 17, causal, 8);
+      Problem p = test::problem(1, 1, n, m, 17, causal, 8);
       SCOPED_TRACE(p.str());
       const Inputs in = generate_inputs(p);
       const Tensor out = run("linear", p, in);
@@ -131,7 +124,7 @@ TEST(Linear, MatchesItsExplicitFormulaAcrossBlocks) {
 
 TEST(Linear, EpsIsInTheDenominator) {
   // a few keys of d = 3: the denominator is a few units, so eps = 1 shows in the output
-  Problem p = make_problem(1, 2, 7, 9, 3, true, 4);
+  Problem p = test::problem(1, 2, 7, 9, 3, true, 4);
   const Inputs in = generate_inputs(p);
   const Tensor out = run("linear:eps=1", p, in);
   EXPECT_LE(rel_fro_error(out.data(), kernel_oracle(p, in, elu_map(3), 1.0)), 1e-5);
@@ -159,7 +152,7 @@ TEST(Performer, MatchesItsExplicitFormulaWithTheSameFeatures) {
         for (int64_t d : dims)
           for (bool causal : {false, true}) {
             if (c.features != 256 && (n == 300 || m == 300) && d != 17) continue;  // keep it quick
-            Problem p = make_problem(1, 2, n, m, d, causal, 5);
+            Problem p = test::problem(1, 2, n, m, d, causal, 5);
             SCOPED_TRACE(std::string(c.spec) + " " + p.str());
             const Inputs in = generate_inputs(p);
             const Tensor out = run(c.spec, p, in);
@@ -292,7 +285,7 @@ double softmax_error(const std::string& spec, Problem p, const Inputs& in,
 // terms are lognormal with sigma^2 ~ 30 and F = 1024 is nowhere near the asymptotic regime
 // (measured error 2.5 to 3 for every F) — a property of FAVOR+, not of this code.
 TEST(Performer, SoftmaxErrorFallsAsOneOverSqrtFeatures) {
-  Problem p = make_problem(1, 2, 256, 256, 64, false, 1);
+  Problem p = test::problem(1, 2, 256, 256, 64, false, 1);
   const Inputs in = scaled_inputs(p, 1.0);
   const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   const int64_t feature_counts[] = {16, 64, 256, 1024};
@@ -324,7 +317,7 @@ TEST(Performer, SoftmaxErrorFallsAsOneOverSqrtFeatures) {
 TEST(Performer, OrthogonalFeaturesBeatIid) {
   for (int64_t d : {64, 128}) {
     SCOPED_TRACE("d = " + std::to_string(d));
-    Problem p = make_problem(1, 4, 128, 128, d, false, 1);
+    Problem p = test::problem(1, 4, 128, 128, d, false, 1);
     const Inputs in = scaled_inputs(p, 0.5);
     const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
     const std::string f = std::to_string(d);
@@ -349,7 +342,7 @@ TEST(KernelAttention, CausalRowsIgnoreLaterKeys) {
   for (const char* spec : {"linear", "performer", "performer:kernel=relu,features=64"})
     for (auto [n, m] : {std::pair<int64_t, int64_t>{300, 300}, {300, 420}, {420, 300}, {70, 70},
                         {1100, 1090}}) {
-      Problem p = make_problem(1, 2, n, m, 32, true, 21);
+      Problem p = test::problem(1, 2, n, m, 32, true, 21);
       SCOPED_TRACE(std::string(spec) + " " + p.str());
       const Inputs in = generate_inputs(p);
       const Tensor base = run(spec, p, in);
@@ -383,7 +376,7 @@ TEST(KernelAttention, CausalRowsIgnoreLaterKeys) {
 
 TEST(Performer, SameSeedSameOutputOtherSeedOtherOutput) {
   for (bool causal : {false, true}) {
-    Problem p = make_problem(2, 3, 100, 80, 16, causal, 5);
+    Problem p = test::problem(2, 3, 100, 80, 16, causal, 5);
     const Inputs in = generate_inputs(p);
     const Tensor a = run("performer", p, in), b = run("performer", p, in);
     const size_t bytes = size_t(a.numel()) * sizeof(float);

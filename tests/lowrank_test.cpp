@@ -27,13 +27,6 @@ namespace {
 using test::rel_fro_error;
 using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, uint64_t seed,
-                     const std::string& input = "gaussian") {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.seed = seed, p.input = input;
-  return p;
-}
-
 using test::run;
 
 // One head of a tensor as a double matrix (len x d).
@@ -99,7 +92,7 @@ TEST(Efficient, MatchesFormulaOnRaggedShapes) {
   for (int64_t n : lens)
     for (int64_t m : lens)
       for (int64_t d : dims) {
-        Problem p = make_problem(2, 2, n, m, d, uint64_t(n * 1000 + m + d));
+        Problem p = test::problem(2, 2, n, m, d, false, uint64_t(n * 1000 + m + d));
         SCOPED_TRACE(p.str());
         Inputs in = generate_inputs(p);
         Tensor out = run("efficient", p, in);
@@ -115,7 +108,7 @@ TEST(Efficient, LargeValuesAndOtherInputs) {
   // input distribution, with enough heads to split the keys (1 head, 2 threads) and not.
   for (const auto& dist : input_distributions())
     for (int64_t heads : {1, 3}) {
-      Problem p = make_problem(1, heads, 300, 1500, 32, 5, dist);
+      Problem p = test::problem(1, heads, 300, 1500, 32, false, 5, dist);
       p.scale = 1000;
       SCOPED_TRACE(p.str());
       Inputs in = generate_inputs(p);
@@ -147,7 +140,7 @@ std::vector<double> linformer_oracle(const Problem& p, const Inputs& in, int64_t
 }
 
 TEST(Linformer, ProjectionsAreSeededNestedAndNormal) {
-  Problem p = make_problem(1, 4, 16, 600, 8, 9);
+  Problem p = test::problem(1, 4, 16, 600, 8, false, 9);
   const Mat e = projection(p, 3, false, 256);
   // the same numbers whatever the chunking of the columns
   std::vector<float> part(size_t(256 * 100));
@@ -185,7 +178,7 @@ TEST(Linformer, MatchesFormulaOnRaggedShapes) {
         for (int64_t k : {1, 16, 257})
           for (bool share : {false, true}) {
             if (d != 17 && k != 16) continue;  // the full k and sharing grid at d = 17 only
-            Problem p = make_problem(1, 2, n, m, d, uint64_t(7 * n + m + d + k));
+            Problem p = test::problem(1, 2, n, m, d, false, uint64_t(7 * n + m + d + k));
             const std::string spec = "linformer:proj=" + std::to_string(k) +
                                      ",share_kv=" + (share ? "true" : "false");
             SCOPED_TRACE(spec + " " + p.str());
@@ -201,7 +194,7 @@ TEST(Linformer, MatchesFormulaOnRaggedShapes) {
 TEST(Linformer, SplitKeysAndBatchesShareProjections) {
   // one head (the keys of a head are split across threads), two batch items (the same E, F)
   for (int64_t heads : {1, 5}) {
-    Problem p = make_problem(2, heads, 200, 1500, 32, 3);
+    Problem p = test::problem(2, heads, 200, 1500, 32, false, 3);
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     Tensor out = run("linformer:proj=64", p, in);
@@ -217,7 +210,7 @@ TEST(Linformer, ErrorFallsAsProjectionGrows) {
   for (int64_t k : ks) {
     std::vector<double> errs;
     for (uint64_t seed : {1, 2, 3}) {
-      Problem p = make_problem(1, 2, 1024, 1024, 64, seed);
+      Problem p = test::problem(1, 2, 1024, 1024, 64, false, seed);
       Inputs in = generate_inputs(p);
       Tensor out = run("linformer:proj=" + std::to_string(k), p, in);
       errs.push_back(rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
@@ -231,7 +224,7 @@ TEST(Linformer, ErrorFallsAsProjectionGrows) {
 }
 
 TEST(Linformer, ShareKvUsesOneProjection) {
-  Problem p = make_problem(1, 2, 64, 96, 16, 4);
+  Problem p = test::problem(1, 2, 64, 96, 16, false, 4);
   Inputs in = generate_inputs(p);
   Tensor shared = run("linformer:proj=32,share_kv=true", p, in);
   Tensor separate = run("linformer:proj=32,share_kv=false", p, in);
@@ -303,7 +296,7 @@ TEST(Nystrom, OneTokenPerLandmarkIsExactAttention) {
   double worst = 0;
   for (int64_t n : {7, 64, 113})
     for (int64_t d : {17, 64}) {
-      Problem p = make_problem(2, 2, n, n, d, uint64_t(n + d));
+      Problem p = test::problem(2, 2, n, n, d, false, uint64_t(n + d));
       SCOPED_TRACE(p.str());
       Inputs in = generate_inputs(p);
       Tensor out = run(nystrom_spec(n, 50), p, in);
@@ -324,7 +317,7 @@ TEST(Nystrom, MatchesFormulaWithItsOwnIteration) {
                             {1, 7, 17, 3},
                             {1500, 700, 32, 17}})
     for (int64_t iters : {0, 6}) {
-      Problem p = make_problem(1, 3, n, m, d, uint64_t(n + m + L), "local");
+      Problem p = test::problem(1, 3, n, m, d, false, uint64_t(n + m + L), "local");
       SCOPED_TRACE(nystrom_spec(L, iters) + " " + p.str());
       Inputs in = generate_inputs(p);
       Tensor out = run(nystrom_spec(L, iters), p, in);
@@ -355,7 +348,7 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
         {1000, 1000, 64, 64, "local"},
         {500, 700, 32, 8, "gaussian"},
         {200, 200, 64, 32, "clustered"}}) {
-    Problem p = make_problem(1, 2, n, m, d, uint64_t(n + m + L), dist);
+    Problem p = test::problem(1, 2, n, m, d, false, uint64_t(n + m + L), dist);
     const int64_t iters = 40;
     SCOPED_TRACE(nystrom_spec(L, iters) + " " + p.str());
     Inputs in = generate_inputs(p);
@@ -391,7 +384,7 @@ TEST(Nystrom, ErrorFallsAsLandmarksGrow) {
   const int64_t Ls[] = {4, 16, 64, 256};
   std::vector<double> sum(std::size(Ls), 0.0);
   for (uint64_t seed : {1, 2, 3}) {
-    Problem p = make_problem(1, 2, 512, 512, 64, seed, "local");
+    Problem p = test::problem(1, 2, 512, 512, 64, false, seed, "local");
     Inputs in = generate_inputs(p);
     const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
     for (size_t i = 0; i < std::size(Ls); ++i)
@@ -405,7 +398,7 @@ TEST(Nystrom, ErrorFallsAsLandmarksGrow) {
 
 TEST(Nystrom, LandmarksAreCappedAtTheSequenceLengths) {
   // landmarks > min(n, m) behaves as landmarks = min(n, m)
-  Problem p = make_problem(1, 2, 20, 9, 16, 8);
+  Problem p = test::problem(1, 2, 20, 9, 16, false, 8);
   Inputs in = generate_inputs(p);
   Tensor a = run(nystrom_spec(1000, 6), p, in), b = run(nystrom_spec(9, 6), p, in);
   EXPECT_EQ(std::memcmp(a.data(), b.data(), size_t(a.numel()) * sizeof(float)), 0);
@@ -421,7 +414,7 @@ TEST(LowRank, KeyRangesSplitAcrossThreadsGiveTheSameFormula) {
   const int saved = omp_get_max_threads();
   omp_set_num_threads(4);
   for (int64_t heads : {1, 3}) {
-    Problem p = make_problem(1, heads, 300, 2100, 32, 12, "local");
+    Problem p = test::problem(1, heads, 300, 2100, 32, false, 12, "local");
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     EXPECT_LE(rel_fro_error(run("linformer:proj=48", p, in).data(),

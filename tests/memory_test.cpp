@@ -253,6 +253,8 @@ struct EstimateCase {
   std::function<double(const Problem&)> floor = [](const Problem&) { return 0.0; };
 };
 
+void PrintTo(const EstimateCase& c, std::ostream* os) { *os << c.name; }
+
 class MemoryEstimate : public testing::TestWithParam<EstimateCase> {};
 
 TEST_P(MemoryEstimate, WithinTwiceOfMeasured) {

@@ -46,6 +46,13 @@ lib_used=$(ldd "$bin" | awk '$1 ~ /^libattnbench\.so/ { print $3 }')
 # writing the longer list of a sanitizer build, then dies of SIGPIPE and fails the pipeline)
 ldd "$bin" >"$tmp/ldd"
 grep -q "openblas-openmp/libopenblas" "$tmp/ldd" || fail "the installed binary misses OpenBLAS"
+# only the plugin API is installed: no kernel or SIMD header (tests/plugin also compiles each
+# installed header alone, which fails if one of them includes a header left out)
+inc=$tmp/prefix/include/attnbench/common
+for h in attention_kernels.h simd.h softmax.h tile_attention.h key_split.h plugin.h npy.h; do
+  [ ! -e "$inc/$h" ] || fail "the internal header common/$h is installed"
+done
+! grep -l "immintrin\|__AVX512" "$inc"/*.h || fail "an installed header uses AVX-512 intrinsics"
 for project in examples/plugin tests/plugin; do
   dir=$tmp/build-${project//\//-}
   if ! { "$cmake" -S "$src/$project" -B "$dir" -DCMAKE_PREFIX_PATH="$tmp/prefix" &&

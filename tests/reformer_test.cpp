@@ -6,13 +6,11 @@
 #include <numeric>
 #include <vector>
 
-#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/pattern.h"
-#include "common/reference.h"
 #include "common/registry.h"
 #include "tests/test_util.h"
 #include "variants/reformer.h"
@@ -20,38 +18,7 @@
 namespace attnbench {
 namespace {
 
-Problem make_problem(int64_t n, int64_t d, bool causal, const std::string& input = "gaussian",
-                     int64_t batch = 2, int64_t heads = 3, uint64_t seed = 7) {
-  Problem p;
-  p.batch = batch;
-  p.heads = heads;
-  p.n = n;
-  p.dim = d;
-  p.causal = causal;
-  p.input = input;
-  p.seed = seed;
-  return p;
-}
-
-/// Changing the values of tokens cut.. must leave the outputs of rows < cut bit-identical
-/// under a causal mask (values are the only input that reaches a row only through attention).
-void expect_later_values_never_reach_earlier_rows(const std::string& spec, Problem p,
-                                                   int64_t cut) {
-  Inputs in = generate_inputs(p);
-  const Tensor before = test::run(spec, p, in);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t j = cut; j < p.n; ++j)
-        for (int64_t x = 0; x < p.dim; ++x) in.v.view().row(b, h, j)[x] += 100.0f;
-  const Tensor after = test::run(spec, p, in);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t i = 0; i < cut; ++i)
-        for (int64_t x = 0; x < p.dim; ++x)
-          ASSERT_EQ(before.view().row(b, h, i)[x], after.view().row(b, h, i)[x])
-              << spec << ": row " << i << " changed with later values";
-}
-
+using test::expect_later_values_never_reach_earlier_rows;
 
 /// Shared-QK logit of query i and key j: q_i . q_j / |q_j| in double.
 double shared_logit(const Problem& p, ConstTensorView q, int64_t b, int64_t h, int64_t i,
@@ -117,7 +84,7 @@ TEST(Reformer, MatchesItsDefinition) {
       {257, 32, true, {}, 4, 64},
   };
   for (const Case& c : cases) {
-    const Problem p = make_problem(c.n, c.d, c.causal);
+    const Problem p = test::problem(2, 3, c.n, 0, c.d, c.causal, 7);
     const Inputs in = generate_inputs(p);
     std::string buckets = "none";
     if (!c.factors.empty()) {
@@ -157,7 +124,7 @@ TEST(Reformer, OneBucketOneChunkIsSharedQkFullAttention) {
   for (bool causal : {false, true})
     for (int64_t n : {1, 2, 37, 200})
       for (int64_t d : {1, 17, 64}) {
-        const Problem p = make_problem(n, d, causal);
+        const Problem p = test::problem(2, 3, n, 0, d, causal, 7);
         const Inputs in = generate_inputs(p);
         SCOPED_TRACE(p.str());
         const Tensor out = test::run("reformer:buckets=1,hashes=3,chunk=4096", p, in);
@@ -167,7 +134,7 @@ TEST(Reformer, OneBucketOneChunkIsSharedQkFullAttention) {
 
 TEST(Reformer, MoreHashesMoreMassLessError) {
   // clustered tokens: LSH buckets follow the clusters, and each round adds keys
-  const Problem p = make_problem(1024, 64, false, "clustered", 1, 2);
+  const Problem p = test::problem(1, 2, 1024, 0, 64, false, 7, "clustered");
   const Inputs in = generate_inputs(p);
   const std::vector<double> exact = shared_full(p, in);
   double last_error = INFINITY, last_mass = 0;
@@ -202,7 +169,7 @@ TEST(Reformer, MoreHashesMoreMassLessError) {
 }
 
 TEST(Reformer, CausalValuesOfLaterTokensNeverReachEarlierRows) {
-  const Problem p = make_problem(150, 16, true);
+  const Problem p = test::problem(2, 3, 150, 0, 16, true, 7);
   expect_later_values_never_reach_earlier_rows("reformer:chunk=16", p, 90);
   const Inputs in = generate_inputs(p);
   const Tensor before = test::run("reformer:chunk=16", p, in);
@@ -211,7 +178,7 @@ TEST(Reformer, CausalValuesOfLaterTokensNeverReachEarlierRows) {
 }
 
 TEST(Reformer, SeedChoosesTheRotations) {
-  Problem p = make_problem(256, 32, false, "gaussian", 1, 2);
+  Problem p = test::problem(1, 2, 256, 0, 32, false, 7);
   const Inputs in = generate_inputs(p);
   const Tensor a = test::run("reformer:chunk=16", p, in);
   Problem p2 = p;
@@ -223,12 +190,12 @@ TEST(Reformer, SeedChoosesTheRotations) {
 }
 
 TEST(Reformer, RefusesCrossAttentionAndOddBuckets) {
-  Problem p = make_problem(64, 16, false);
+  Problem p = test::problem(2, 3, 64, 0, 16, false, 7);
   p.m = 80;
   const Inputs in = generate_inputs(p);
   EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { test::run("reformer", p, in); }),
                   "m != n");
-  const Problem q = make_problem(64, 16, false);
+  const Problem q = test::problem(2, 3, 64, 0, 16, false, 7);
   const Inputs qin = generate_inputs(q);
   EXPECT_CONTAINS(test::error_message<SpecError>([&] { test::run("reformer:buckets=3", q, qin); }),
                   "even");

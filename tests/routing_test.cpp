@@ -20,38 +20,7 @@
 namespace attnbench {
 namespace {
 
-Problem make_problem(int64_t n, int64_t d, bool causal, const std::string& input = "gaussian",
-                     int64_t batch = 2, int64_t heads = 3, uint64_t seed = 7) {
-  Problem p;
-  p.batch = batch;
-  p.heads = heads;
-  p.n = n;
-  p.dim = d;
-  p.causal = causal;
-  p.input = input;
-  p.seed = seed;
-  return p;
-}
-
-/// Changing the values of tokens cut.. must leave the outputs of rows < cut bit-identical
-/// under a causal mask (values are the only input that reaches a row only through attention).
-void expect_later_values_never_reach_earlier_rows(const std::string& spec, Problem p,
-                                                   int64_t cut) {
-  Inputs in = generate_inputs(p);
-  const Tensor before = test::run(spec, p, in);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t j = cut; j < p.n; ++j)
-        for (int64_t x = 0; x < p.dim; ++x) in.v.view().row(b, h, j)[x] += 100.0f;
-  const Tensor after = test::run(spec, p, in);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t i = 0; i < cut; ++i)
-        for (int64_t x = 0; x < p.dim; ++x)
-          ASSERT_EQ(before.view().row(b, h, i)[x], after.view().row(b, h, i)[x])
-              << spec << ": row " << i << " changed with later values";
-}
-
+using test::expect_later_values_never_reach_earlier_rows;
 
 TEST(Routing, MatchesItsFormulaOnItsRoutes) {
   struct Case {
@@ -65,7 +34,7 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
       {77, 77, 1, true, 3, 30, 0, 4096},    {300, 300, 32, true, 4, 100, 2, 100},
   };
   for (const Case& c : cases) {
-    Problem p = make_problem(c.n, c.d, c.causal);
+    Problem p = test::problem(2, 3, c.n, 0, c.d, c.causal, 7);
     p.m = c.m;
     const Inputs in = generate_inputs(p);
     const std::string spec = fmt::format("routing:clusters={},window={},iterations={},sample={}",
@@ -86,7 +55,7 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
 }
 
 TEST(Routing, EachClusterTakesItsNearestTokens) {
-  Problem p = make_problem(300, 16, false, "clustered", 1, 2);
+  Problem p = test::problem(1, 2, 300, 0, 16, false, 7, "clustered");
   p.m = 260;
   const Inputs in = generate_inputs(p);
   const routing::Sizes sz = routing::sizes(p, 6, 0, 0);
@@ -134,7 +103,7 @@ TEST(Routing, OneClusterIsFullAttention) {
   for (bool causal : {false, true})
     for (auto [n, m] : {std::pair<int64_t, int64_t>{1, 1}, {37, 37}, {200, 200}, {64, 150}, {150, 64}})
       for (int64_t d : {1, 17, 64}) {
-        Problem p = make_problem(n, d, causal);
+        Problem p = test::problem(2, 3, n, 0, d, causal, 7);
         p.m = m;
         const Inputs in = generate_inputs(p);
         SCOPED_TRACE(p.str());
@@ -146,11 +115,11 @@ TEST(Routing, OneClusterIsFullAttention) {
 }
 
 TEST(Routing, CausalValuesOfLaterTokensNeverReachEarlierRows) {
-  expect_later_values_never_reach_earlier_rows("routing", make_problem(300, 16, true), 170);
+  expect_later_values_never_reach_earlier_rows("routing", test::problem(2, 3, 300, 0, 16, true, 7), 170);
 }
 
 TEST(Routing, SeedChoosesTheCentroids) {
-  Problem p = make_problem(256, 32, false, "gaussian", 1, 2);
+  Problem p = test::problem(1, 2, 256, 0, 32, false, 7);
   const Inputs in = generate_inputs(p);
   const Tensor a = test::run("routing", p, in);
   Problem p2 = p;

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "common/error.h"
@@ -23,13 +22,13 @@
 namespace attnbench {
 namespace {
 
+using test::at;
+using test::copy;
+using test::perturb_after;
 using test::rel_fro_error;
+using test::row_diff;
 using test::run;
 using Matrix = std::vector<std::vector<double>>;
-
-double at(const Tensor& t, int64_t b, int64_t h, int64_t i, int64_t c) {
-  return t.view().row(b, h, i)[c];
-}
 
 // Softmax attention of every query over the keys allowed(b, h, i, j) says, in double; rows
 // with no allowed key are 0. [B, H, n, d] flat.
@@ -59,34 +58,6 @@ std::vector<double> attention_where(const Problem& p, const Tensor& q, const Ten
           for (int64_t c = 0; c < d; ++c) o[c] += s[size_t(j)] / sum * at(v, b, h, j, c);
       }
   return out;
-}
-
-// Keys and values after position `after` (of every head of batch item 0) replaced by large
-// random values.
-void perturb_after(const Problem& p, int64_t after, Tensor& k, Tensor& v) {
-  RandomStream rs(uint64_t(after) + 17, 5);
-  uint64_t x = 0;
-  for (int64_t h = 0; h < p.heads; ++h)
-    for (int64_t j = after + 1; j < p.keys(); ++j)
-      for (int64_t c = 0; c < p.dim; ++c) {
-        k.view().row(0, h, j)[c] = float(30 * rs.normal(x++));
-        v.view().row(0, h, j)[c] = float(1000 * rs.normal(x++));
-      }
-}
-
-Tensor copy(const Tensor& t) {
-  Tensor c(t.shape());
-  std::copy(t.data(), t.data() + t.numel(), c.data());
-  return c;
-}
-
-// Largest |difference| in row i of any head of batch item 0.
-double row_diff(const Problem& p, const Tensor& a, const Tensor& b, int64_t i) {
-  double diff = 0;
-  for (int64_t h = 0; h < p.heads; ++h)
-    for (int64_t c = 0; c < p.dim; ++c)
-      diff = std::max(diff, std::fabs(at(a, 0, h, i, c) - at(b, 0, h, i, c)));
-  return diff;
 }
 
 struct SinkhornSpec {

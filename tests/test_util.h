@@ -2,9 +2,12 @@
 // comparing outputs with the exact reference.
 #pragma once
 
+#include <gtest/gtest.h>
+#include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -17,11 +20,9 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-#include <omp.h>
-
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/random.h"
 #include "common/registry.h"
 #include "common/tensor.h"
 
@@ -50,6 +51,14 @@ inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bo
   return p;
 }
 
+/// The same problem with inputs drawn from the named distribution (common/inputs.h).
+inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
+                       uint64_t seed, const std::string& input) {
+  Problem p = problem(b, h, n, m, d, causal, seed);
+  p.input = input;
+  return p;
+}
+
 /// Sets the OpenMP thread count for a scope. Many small problems run faster on one thread:
 /// with other processes on the machine every parallel region can wait milliseconds for a
 /// descheduled thread.
@@ -70,6 +79,59 @@ inline Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
   Tensor out(p.q_shape());
   v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
   return out;
+}
+
+/// Changing the values of tokens cut.. must leave the outputs of rows < cut bit-identical
+/// under a causal mask (values are the only input that reaches a row only through attention).
+inline void expect_later_values_never_reach_earlier_rows(const std::string& spec, Problem p,
+                                                         int64_t cut) {
+  Inputs in = generate_inputs(p);
+  const Tensor before = test::run(spec, p, in);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t j = cut; j < p.n; ++j)
+        for (int64_t x = 0; x < p.dim; ++x) in.v.view().row(b, h, j)[x] += 100.0f;
+  const Tensor after = test::run(spec, p, in);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < cut; ++i)
+        for (int64_t x = 0; x < p.dim; ++x)
+          ASSERT_EQ(before.view().row(b, h, i)[x], after.view().row(b, h, i)[x])
+              << spec << ": row " << i << " changed with later values";
+}
+
+/// Element (b, h, i, c) of a [B, H, len, d] tensor.
+inline double at(const Tensor& t, int64_t b, int64_t h, int64_t i, int64_t c) {
+  return t.view().row(b, h, i)[c];
+}
+
+/// Keys and values after position `after` (of every head of batch item 0) replaced by large
+/// random values.
+inline void perturb_after(const Problem& p, int64_t after, Tensor& k, Tensor& v) {
+  RandomStream rs(uint64_t(after) + 17, 5);
+  uint64_t x = 0;
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t j = after + 1; j < p.keys(); ++j)
+      for (int64_t c = 0; c < p.dim; ++c) {
+        k.view().row(0, h, j)[c] = float(30 * rs.normal(x++));
+        v.view().row(0, h, j)[c] = float(1000 * rs.normal(x++));
+      }
+}
+
+/// A copy of t.
+inline Tensor copy(const Tensor& t) {
+  Tensor c(t.shape());
+  std::copy(t.data(), t.data() + t.numel(), c.data());
+  return c;
+}
+
+/// Largest |difference| in row i of any head of batch item 0.
+inline double row_diff(const Problem& p, const Tensor& a, const Tensor& b, int64_t i) {
+  double diff = 0;
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t c = 0; c < p.dim; ++c)
+      diff = std::max(diff, std::fabs(at(a, 0, h, i, c) - at(b, 0, h, i, c)));
+  return diff;
 }
 
 /// An approximation that supports m != n but refuses causal masking says so in its

@@ -113,8 +113,10 @@ TEST(VariantParams, BoundaryAndOutOfRangeValues) {
         const std::string spec = fmt::format("{}:{}={}", info->name, ps.name, value);
         SCOPED_TRACE(spec);
         const std::string msg = error_message<SpecError>([&] { make_variant(spec); });
-        if (!msg.empty()) {
+        if (!msg.empty()) {  // names the parameter, the value and what is accepted
           EXPECT_NE(msg.find("'" + ps.name + "'"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("'" + value + "'"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("accepted: " + ps.accepted()), std::string::npos) << msg;
         }
       }
       for (const std::string& value : vals.in_range) {

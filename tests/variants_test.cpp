@@ -47,13 +47,6 @@ bool supports(const VariantInfo& info, const Problem& p) {
   return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross);
 }
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
-                     uint64_t seed = 1) {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
-  return p;
-}
-
 // Runs `spec` on p with generated inputs; returns the output.
 Tensor run_variant(Variant& v, const Problem& p, const Inputs& in) {
   Tensor out(p.q_shape());
@@ -136,14 +129,14 @@ TEST_P(VariantTest, MatchesReferenceOnRaggedShapes) {
           // B = H = 2 where it is cheap, one head when the score matrix is large.
           const int64_t bh = n * m >= 100000 ? 1 : 2;
           // m = 0 means m = n; pass it explicitly anyway, both spellings must work
-          check(make_problem(bh, bh, n, m == n && d == 17 ? 0 : m, d, causal));
+          check(test::problem(bh, bh, n, m == n && d == 17 ? 0 : m, d, causal));
         }
 }
 
 TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {
   // causal with n > m: bottom-right alignment leaves rows i < n - m with no key at all
   for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 7}, {1000, 1}, {8, 7}}) {
-    Problem p = make_problem(2, 2, n, m, 17, true);
+    Problem p = test::problem(2, 2, n, m, 17, true);
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     Tensor out(p.q_shape());
@@ -181,7 +174,7 @@ TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {
                                  {7, 113, 64, true},
                                  {113, 7, 64, true},
                                  {1000, 1000, 64, false}}) {
-    Problem p = make_problem(1, 2, n, m, d, causal, 7);
+    Problem p = test::problem(1, 2, n, m, d, causal, 7);
     p.scale = 1000;
     check(p, large_logit_tolerance(GetParam()));
   }
@@ -189,7 +182,7 @@ TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {
 
 TEST_P(VariantTest, SameInputsGiveBitIdenticalOutput) {
   for (bool causal : {false, true}) {
-    Problem p = make_problem(2, 3, 300, 257, 64, causal, 42);
+    Problem p = test::problem(2, 3, 300, 257, 64, causal, 42);
     if (!supports(*info_, p)) continue;  // refusal is checked in the shape test
     Inputs in = generate_inputs(p);
     Tensor a = run_variant(*variant_, p, in);
@@ -207,7 +200,7 @@ TEST_P(VariantTest, SameInputsGiveBitIdenticalOutput) {
 TEST_P(VariantTest, EveryInputDistribution) {
   for (const auto& dist : input_distributions())
     for (bool causal : {false, true}) {
-      Problem p = make_problem(2, 2, 64, 96, 32, causal, 3);
+      Problem p = test::problem(2, 2, 64, 96, 32, causal, 3);
       p.input = dist;
       check(p);
     }
@@ -216,7 +209,7 @@ TEST_P(VariantTest, EveryInputDistribution) {
 TEST_P(VariantTest, StridedViews) {
   // The interface allows any strides but the feature axis: embed q, k, v and out in padded
   // buffers (rows of d + 5, heads with 3 extra rows, batch items with an extra head's worth).
-  Problem p = make_problem(2, 3, 45, 70, 24, true, 11);
+  Problem p = test::problem(2, 3, 45, 70, 24, true, 11);
   if (!info_->caps.causal) p.causal = false;
   if (!info_->caps.cross) p.m = 0;
   Inputs in = generate_inputs(p);
@@ -264,7 +257,7 @@ TEST_P(VariantTest, StridedViews) {
 }
 
 TEST_P(VariantTest, FlopsAndMemoryEstimatesArePositive) {
-  Problem p = make_problem(1, 2, 128, 0, 64, false);
+  Problem p = test::problem(1, 2, 128, 0, 64, false);
   EXPECT_GT(variant_->flops(p), 0);
   EXPECT_GE(variant_->memory_estimate(p), 0);
   EXPECT_EQ(variant_->spec().rfind(GetParam(), 0), 0u) << variant_->spec();
@@ -280,7 +273,7 @@ TEST(Flash, NonDefaultBlocksAreStillExact) {
     auto v = make_variant(spec);
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {113, 7}, {7, 113}, {1, 1000}, {100, 100}})
       for (bool causal : {false, true}) {
-        Problem p = make_problem(2, 2, n, m, 17, causal, 5);
+        Problem p = test::problem(2, 2, n, m, 17, causal, 5);
         SCOPED_TRACE(std::string(spec) + " " + p.str());
         Inputs in = generate_inputs(p);
         Tensor out = run_variant(*v, p, in);
@@ -294,7 +287,7 @@ TEST(Flash, NonDefaultBlocksAreStillExact) {
 
 TEST(Variant, RunRejectsWrongShapes) {
   auto v = make_variant("flash");
-  Problem p = make_problem(1, 2, 16, 24, 8, false);
+  Problem p = test::problem(1, 2, 16, 24, 8, false);
   Inputs in = generate_inputs(p);
   Tensor out(p.q_shape()), bad_out(Shape4{1, 2, 24, 8});
   EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), bad_out.view()), InputError);
@@ -314,7 +307,7 @@ bool same_tensor(const Tensor& a, const Tensor& b) {
 TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
   for (const auto& dist : input_distributions()) {
     SCOPED_TRACE(dist);
-    Problem p = make_problem(2, 2, 50, 70, 16, false, 123);
+    Problem p = test::problem(2, 2, 50, 70, 16, false, 123);
     p.input = dist;
     Inputs a = generate_inputs(p), b = generate_inputs(p);
     EXPECT_TRUE(same_tensor(a.q, b.q));
@@ -333,7 +326,7 @@ TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
 }
 
 TEST(Inputs, ThreadCountDoesNotChangeInputs) {
-  Problem p = make_problem(2, 3, 40, 40, 8, false, 9);
+  Problem p = test::problem(2, 3, 40, 40, 8, false, 9);
   p.threads = 1;
   Inputs a = generate_inputs(p);
   p.threads = 2;
@@ -346,7 +339,7 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
   ASSERT_FALSE(input_distributions().empty());
   for (const auto& dist : input_distributions()) {
     for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{100, 100, 64}, {1, 7, 1}, {33, 5, 17}}) {
-      Problem p = make_problem(2, 2, n, m, d, false, 77);
+      Problem p = test::problem(2, 2, n, m, d, false, 77);
       p.input = dist;
       SCOPED_TRACE(p.str());
       Inputs in = generate_inputs(p);
@@ -366,7 +359,7 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
 }
 
 TEST(Inputs, ScaleMultipliesQOnly) {
-  Problem p = make_problem(1, 2, 20, 30, 8, false, 4);
+  Problem p = test::problem(1, 2, 20, 30, 8, false, 4);
   Inputs a = generate_inputs(p);
   p.scale = 1000;
   Inputs b = generate_inputs(p);
@@ -376,7 +369,7 @@ TEST(Inputs, ScaleMultipliesQOnly) {
 }
 
 TEST(Inputs, UnknownDistributionIsAUsageError) {
-  Problem p = make_problem(1, 1, 4, 4, 4, false);
+  Problem p = test::problem(1, 1, 4, 4, 4, false);
   p.input = "bogus";
   EXPECT_THROW(generate_inputs(p), UsageError);
 }
@@ -384,7 +377,7 @@ TEST(Inputs, UnknownDistributionIsAUsageError) {
 // ----- the reference itself, on cases small enough to check by hand -----
 
 TEST(Reference, OneKeyGivesItsValue) {
-  Problem p = make_problem(1, 1, 3, 1, 2, false);
+  Problem p = test::problem(1, 1, 3, 1, 2, false);
   Tensor q(p.q_shape()), k(p.kv_shape()), v(p.kv_shape());
   for (int i = 0; i < 6; ++i) q.data()[i] = float(i - 3);
   k.data()[0] = 0.5f, k.data()[1] = -2;
@@ -398,7 +391,7 @@ TEST(Reference, OneKeyGivesItsValue) {
 
 TEST(Reference, TwoKeysByHand) {
   // d = 1: logits q k / sqrt(1); p = softmax([0, log 3]) = [1/4, 3/4]
-  Problem p = make_problem(1, 1, 1, 2, 1, false);
+  Problem p = test::problem(1, 1, 1, 2, 1, false);
   Tensor q(p.q_shape()), k(p.kv_shape()), v(p.kv_shape());
   q.data()[0] = 1;
   k.data()[0] = 0, k.data()[1] = float(std::log(3.0));
@@ -406,7 +399,7 @@ TEST(Reference, TwoKeysByHand) {
   auto out = reference_attention(p, q.view(), k.view(), v.view());
   EXPECT_NEAR(out[0], 8 * 0.25 + 4 * 0.75, 1e-6);
   // causal, n = m = 2: row 0 sees only key 0
-  Problem c = make_problem(1, 1, 2, 2, 1, true);
+  Problem c = test::problem(1, 1, 2, 2, 1, true);
   Tensor q2(c.q_shape());
   q2.data()[0] = 1, q2.data()[1] = 1;
   auto out2 = reference_attention(c, q2.view(), k.view(), v.view());
@@ -415,16 +408,16 @@ TEST(Reference, TwoKeysByHand) {
 }
 
 TEST(Problem, VisibleIsBottomRightAligned) {
-  Problem p = make_problem(1, 1, 3, 5, 4, true);
+  Problem p = test::problem(1, 1, 3, 5, 4, true);
   EXPECT_EQ(p.visible(0), 3);
   EXPECT_EQ(p.visible(2), 5);
-  Problem q = make_problem(1, 1, 5, 3, 4, true);
+  Problem q = test::problem(1, 1, 5, 3, 4, true);
   EXPECT_EQ(q.visible(0), 0);
   EXPECT_EQ(q.visible(1), 0);
   EXPECT_EQ(q.visible(2), 1);
   EXPECT_EQ(q.visible(4), 3);
   EXPECT_EQ(q.visible_pairs(), 6.0);
-  Problem r = make_problem(1, 1, 5, 3, 4, false);
+  Problem r = test::problem(1, 1, 5, 3, 4, false);
   EXPECT_EQ(r.visible(0), 3);
   EXPECT_EQ(r.visible_pairs(), 15.0);
 }
