@@ -33,15 +33,8 @@ Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool
   return p;
 }
 
+using test::expect_matches_oracle;
 using test::run;
-
-// The output of `spec` on these inputs against its oracle (VariantInfo::oracle: the explicit
-// O(n m F) evaluation of its own kernel in double), within its error model's tolerance.
-void expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
-  const Tensor out = run(spec, p, in);
-  const test::Expected e = test::expected(spec, p, in);
-  EXPECT_LE(rel_fro_error(out.data(), e.out), e.tolerance);
-}
 
 // ----- linear -----
 // (ragged shapes, causal and not, are the shared test's: tests/variants_test.cpp)

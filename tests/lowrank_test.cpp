@@ -35,6 +35,7 @@ Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, uint
   return p;
 }
 
+using test::expect_matches_oracle;
 using test::run;
 
 // One head of a tensor as a double matrix (len x d).
@@ -84,17 +85,6 @@ TEST(LowRank, CausalIsUnsupported) {
 }
 
 // ----- efficient -----
-
-// The output of `spec` on these inputs against its oracle (VariantInfo::oracle, the formula in
-// double), within its error model's tolerance; returns the error.
-double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
-  const Tensor out = run(spec, p, in);
-  const test::Expected e = test::expected(spec, p, in);
-  const double err = rel_fro_error(out.data(), e.out);
-  EXPECT_LE(err, e.tolerance);
-  return err;
-}
-
 // (ragged shapes are the shared test's: tests/variants_test.cpp)
 
 TEST(Efficient, LargeValuesAndOtherInputs) {

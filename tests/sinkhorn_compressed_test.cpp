@@ -24,6 +24,7 @@
 namespace attnbench {
 namespace {
 
+using test::expect_matches_oracle;
 using test::rel_fro_error;
 using test::run;
 using Matrix = std::vector<std::vector<double>>;
@@ -367,17 +368,6 @@ TEST(Sinkhorn, EstimatesBoundTheWork) {
 }
 
 // ============================== compressed ==============================
-
-// The output of `spec` on these inputs against its oracle (VariantInfo::oracle: pooling and
-// softmax over the complete groups in double), within its error model's tolerance; returns
-// the error.
-double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
-  const Tensor out = run(spec, p, in);
-  const test::Expected e = test::expected(spec, p, in);
-  const double err = rel_fro_error(out.data(), e.out);
-  EXPECT_LE(err, e.tolerance);
-  return err;
-}
 
 TEST(Compressed, MatchesThePooledAttentionOracle) {
   double worst = 0;

@@ -98,6 +98,10 @@ inline Expected expected(const std::string& spec, const Problem& p, const Inputs
   return expected(*make_variant(spec), p, in);
 }
 
+/// Runs `spec` on p and expects its output within its tolerance of its oracle; returns the
+/// relative Frobenius error.
+inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in);
+
 /// An approximation that supports m != n but refuses causal masking says so in its
 /// capabilities, and run() throws UnsupportedError on a causal problem.
 inline void expect_refuses_causal(const std::string& spec) {
@@ -190,6 +194,14 @@ inline double rel_fro_error(const float* out, const std::vector<double>& ref) {
   }
   if (std::isnan(diff2)) return NAN;
   return ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+}
+
+inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
+  const Tensor out = run(spec, p, in);
+  const Expected e = expected(spec, p, in);
+  const double err = rel_fro_error(out.data(), e.out);
+  EXPECT_LE(err, e.tolerance) << spec;
+  return err;
 }
 
 /// Result of one run of the attnbench binary.
