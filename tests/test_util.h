@@ -23,6 +23,9 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/random.h"
+#include "common/oracle.h"
+#include "common/pattern.h"
+#include "common/reference.h"
 #include "common/registry.h"
 #include "common/tensor.h"
 
@@ -133,6 +136,32 @@ inline double row_diff(const Problem& p, const Tensor& a, const Tensor& b, int64
       diff = std::max(diff, std::fabs(at(a, 0, h, i, c) - at(b, 0, h, i, c)));
   return diff;
 }
+/// What a variant must give on these inputs and how close: its oracle (VariantInfo::oracle;
+/// for an exact variant, softmax attention restricted to its pattern) and the tolerance of its
+/// error model (VariantInfo::tolerance, or the default of common/oracle.h).
+struct Expected {
+  std::vector<double> out;
+  double tolerance = 0;
+};
+inline Expected expected(const Variant& v, const Problem& p, const Inputs& in) {
+  const VariantInfo& info = v.info();
+  Expected e;
+  if (info.oracle) {
+    e.out = info.oracle(v, p, in.q.view(), in.k.view(), in.v.view());
+  } else {
+    auto pattern = v.make_pattern(p, in.q.view(), in.k.view());
+    e.out = reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
+  }
+  e.tolerance = info.tolerance ? info.tolerance(v, p) : attention_tolerance(p);
+  return e;
+}
+inline Expected expected(const std::string& spec, const Problem& p, const Inputs& in) {
+  return expected(*make_variant(spec), p, in);
+}
+
+/// Runs `spec` on p and expects its output within its tolerance of its oracle; returns the
+/// relative Frobenius error.
+inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in);
 
 /// An approximation that supports m != n but refuses causal masking says so in its
 /// capabilities, and run() throws UnsupportedError on a causal problem.
@@ -226,6 +255,14 @@ inline double rel_fro_error(const float* out, const std::vector<double>& ref) {
   }
   if (std::isnan(diff2)) return NAN;
   return ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+}
+
+inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
+  const Tensor out = run(spec, p, in);
+  const Expected e = expected(spec, p, in);
+  const double err = rel_fro_error(out.data(), e.out);
+  EXPECT_LE(err, e.tolerance) << spec;
+  return err;
 }
 
 /// Result of one run of the attnbench binary.
