@@ -133,11 +133,12 @@ TEST(Reformer, MatchesItsDefinition) {
     const std::string spec = "reformer:buckets=" + buckets + ",hashes=" +
                              std::to_string(c.hashes) + ",chunk=" + std::to_string(c.chunk);
     SCOPED_TRACE(spec + " " + p.str());
+    const auto v = make_variant(spec);
     const Tensor out = test::run(spec, p, in);
     std::vector<std::vector<int64_t>> attended;
     const std::vector<double> want = reformer::oracle(
         p, reformer::plan(p, c.factors, c.hashes, c.chunk), in.q.view(), in.v.view(), &attended);
-    EXPECT_LT(test::rel_fro_error(out.data(), want), 2e-5);
+    EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p));
 
     // the exported pattern is the set of keys each row attends
     auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
@@ -264,7 +265,7 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
     const auto want =
         routing::oracle(p, routing::sizes(p, c.clusters, c.window, c.sample), c.iterations,
                         in.q.view(), in.k.view(), in.v.view(), &unrouted);
-    EXPECT_LT(test::rel_fro_error(out.data(), want), 1e-5);
+    EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p));
     // the notes report the rows left without keys
     EXPECT_CONTAINS(v->notes(), fmt::format("{} of {} query rows", unrouted,
                                             p.batch * p.heads * p.n));
@@ -345,6 +346,69 @@ TEST(Routing, SeedChoosesTheCentroids) {
   double diff = 0;
   for (int64_t t = 0; t < p.q_shape().numel(); ++t) diff += std::fabs(a.data()[t] - b.data()[t]);
   EXPECT_GT(diff, 0.0);
+}
+
+// ----- the registered oracles (what tests/variants_test.cpp holds every variant to) -----
+
+/// Every spec against its registered oracle and tolerance on small ragged shapes (B = H = 2),
+/// causal and not, and with m != n if `cross`.
+void expect_registered_oracle_holds(const std::vector<std::string>& specs, bool cross) {
+  for (const std::string& spec : specs) {
+    double worst = 0;  // in units of the tolerance
+    for (int64_t n : {1, 7, 60, 113})
+      for (int64_t m : {1, 7, 60, 113})
+        for (int64_t d : {1, 17, 64})
+          for (bool causal : {false, true}) {
+            if (m != n && !cross) continue;
+            const Problem p = test::problem(2, 2, n, m, d, causal, uint64_t(n + 3 * m + d));
+            SCOPED_TRACE(spec + " " + p.str());
+            const Inputs in = generate_inputs(p);
+            const test::Expected e = test::expected(spec, p, in);
+            const double err = test::rel_fro_error(test::run(spec, p, in).data(), e.out);
+            EXPECT_LE(err, e.tolerance);
+            worst = std::max(worst, err / e.tolerance);
+          }
+    fmt::print("[ oracle ] {:<45} worst error {:.3f} of its tolerance\n", spec, worst);
+  }
+}
+
+/// The oracle of `spec` differs from `other` (what a plausible wrong variant would give) by
+/// far more than the tolerance, so the comparison with the oracle can fail.
+void expect_oracle_far_from(const std::string& spec, const Problem& p, const Inputs& in,
+                            const std::vector<double>& other) {
+  const test::Expected e = test::expected(spec, p, in);
+  const std::vector<float> oracle(e.out.begin(), e.out.end());
+  EXPECT_GT(test::rel_fro_error(oracle.data(), other), 100 * e.tolerance) << spec;
+}
+
+TEST(Reformer, MatchesItsRegisteredOracleOnRaggedShapes) {
+  expect_registered_oracle_holds(
+      {"reformer", "reformer:chunk=8,hashes=3", "reformer:buckets=4+6,hashes=2,chunk=16",
+       "reformer:buckets=1,hashes=2,chunk=4"},
+      false);
+}
+
+TEST(Reformer, OracleIsFarFromSharedQkFullAttention) {
+  for (bool causal : {false, true}) {
+    const Problem p = make_problem(256, 32, causal, "gaussian", 1, 2);
+    const Inputs in = generate_inputs(p);
+    expect_oracle_far_from("reformer:chunk=16", p, in, shared_full(p, in));
+  }
+}
+
+TEST(Routing, MatchesItsRegisteredOracleOnRaggedShapes) {
+  expect_registered_oracle_holds(
+      {"routing", "routing:clusters=5,iterations=3,sample=0", "routing:window=20,sample=50"}, true);
+}
+
+TEST(Routing, OracleIsFarFromFullAttention) {
+  for (bool causal : {false, true}) {
+    Problem p = make_problem(256, 32, causal, "gaussian", 1, 2);
+    p.m = 200;
+    const Inputs in = generate_inputs(p);
+    expect_oracle_far_from("routing", p, in,
+                           reference_attention(p, in.q.view(), in.k.view(), in.v.view()));
+  }
 }
 
 }  // namespace
