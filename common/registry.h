@@ -72,7 +72,7 @@ struct Capabilities {
   bool cross = false;   ///< supports m != n
   /// The output is exact softmax attention (restricted to the variant's pattern, if it has
   /// one), so the tests hold it to the reference at float rounding. Approximations say false
-  /// and are checked against the explicit formula of their own kernel instead.
+  /// and must give VariantInfo::oracle, the float64 statement of their own function, instead.
   bool exact = true;
 };
 
@@ -85,8 +85,9 @@ class SparsePattern;
 using Oracle = std::function<std::vector<double>(const Variant&, const Problem&, ConstTensorView q,
                                                  ConstTensorView k, ConstTensorView v)>;
 /// The largest relative Frobenius error ‖O − O*‖_F / ‖O*‖_F accepted against the oracle on a
-/// problem, derived from an error model of the variant's float32 arithmetic.
-using Tolerance = std::function<double(const Problem&)>;
+/// problem, derived from an error model of the variant's float32 arithmetic (common/oracle.h).
+/// The variant is passed for its parameters (they can lengthen the chain).
+using Tolerance = std::function<double(const Variant&, const Problem&)>;
 
 /// Everything the registry knows about a variant.
 struct VariantInfo {
@@ -99,7 +100,8 @@ struct VariantInfo {
   /// Empty for an exact variant: its oracle is softmax attention restricted to its pattern
   /// (reference_attention with make_pattern). An approximation must give its own.
   Oracle oracle = {};
-  /// Empty: the default float32 error model of attention.
+  /// Empty: the default float32 error model of attention (attention_tolerance,
+  /// common/oracle.h).
   Tolerance tolerance = {};
   /// The plugin file the variant was loaded from (absolute path); empty for a built-in one.
   /// Set by the plugin loader, not by the variant.

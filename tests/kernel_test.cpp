@@ -1,7 +1,8 @@
 // Kernelised attention (variants/linear.cpp, variants/performer.cpp, common/kernel_attention.h):
-// each variant against the explicit O(n m) evaluation of its own kernel in double, the
-// Performer's kernel estimate against exp(q.k / sqrt(d)), its error against softmax
-// attention as the feature count grows, causality, and seeding.
+// each variant against its oracle (the explicit O(n m) evaluation of its own kernel in double)
+// across blocks and with other parameters, the Performer's kernel estimate against
+// exp(q.k / sqrt(d)), its error against softmax attention as the feature count grows,
+// causality, and seeding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,87 +35,16 @@ Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool
 
 using test::run;
 
-// Feature map in double of one row x (d floats) of head h.
-using DoubleMap = std::function<std::vector<double>(int64_t h, const float* x)>;
-
-// The explicit O(n m F) evaluation of kernelised attention, in double:
-//   out_i = sum_{j visible} (phi(q_i).phi(k_j)) v_j / (sum_{j visible} phi(q_i).phi(k_j) + eps)
-// and 0 for rows that see no key.
-std::vector<double> kernel_oracle(const Problem& p, const Inputs& in, const DoubleMap& phi,
-                                  double eps) {
-  const int64_t n = p.n, m = p.keys(), d = p.dim;
-  std::vector<double> out(size_t(p.batch * p.heads * n * d), 0.0);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) {
-      std::vector<std::vector<double>> pk(static_cast<size_t>(m));
-      for (int64_t j = 0; j < m; ++j) pk[size_t(j)] = phi(h, in.k.view().row(b, h, j));
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t vis = p.visible(i);
-        if (vis == 0) continue;
-        const std::vector<double> pq = phi(h, in.q.view().row(b, h, i));
-        std::vector<double> num(size_t(d), 0.0);
-        double den = 0;
-        for (int64_t j = 0; j < vis; ++j) {
-          double a = 0;
-          for (size_t f = 0; f < pq.size(); ++f) a += pq[f] * pk[size_t(j)][f];
-          den += a;
-          const float* vr = in.v.view().row(b, h, j);
-          for (int64_t c = 0; c < d; ++c) num[size_t(c)] += a * vr[c];
-        }
-        double* o = out.data() + ((b * p.heads + h) * n + i) * d;
-        for (int64_t c = 0; c < d; ++c) o[c] = num[size_t(c)] / (den + eps);
-      }
-    }
-  return out;
-}
-
-DoubleMap elu_map(int64_t d) {
-  return [d](int64_t, const float* x) {
-    std::vector<double> y(static_cast<size_t>(d));
-    for (int64_t c = 0; c < d; ++c) y[size_t(c)] = x[c] > 0 ? double(x[c]) + 1.0 : std::exp(double(x[c]));
-    return y;
-  };
-}
-
-// The Performer's feature map in double with the variant's own projections (one per head),
-// without the stabiliser shift (it cancels in the ratio).
-DoubleMap performer_map(const Problem& p, int64_t features, bool orthogonal, bool relu) {
-  auto ws = std::make_shared<std::vector<std::vector<float>>>();
-  for (int64_t h = 0; h < p.heads; ++h)
-    ws->push_back(ka::performer_projection(p.seed, h, features, p.dim, orthogonal));
-  const int64_t d = p.dim;
-  return [ws, features, d, relu](int64_t h, const float* x) {
-    const double s = std::pow(double(d), -0.25), ratio = 1.0 / std::sqrt(double(features));
-    std::vector<double> xt(static_cast<size_t>(d));
-    double half_norm = 0;
-    for (int64_t c = 0; c < d; ++c) xt[size_t(c)] = s * x[c], half_norm += 0.5 * xt[size_t(c)] * xt[size_t(c)];
-    const std::vector<float>& w = (*ws)[size_t(h)];
-    std::vector<double> y(static_cast<size_t>(features));
-    for (int64_t f = 0; f < features; ++f) {
-      double dot = 0;
-      for (int64_t c = 0; c < d; ++c) dot += double(w[size_t(f * d + c)]) * xt[size_t(c)];
-      y[size_t(f)] = relu ? ratio * std::max(dot, 0.0) + double(ka::kReluFeatureEps)
-                          : ratio * std::exp(dot - half_norm);
-    }
-    return y;
-  };
+// The output of `spec` on these inputs against its oracle (VariantInfo::oracle: the explicit
+// O(n m F) evaluation of its own kernel in double), within its error model's tolerance.
+void expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
+  const Tensor out = run(spec, p, in);
+  const test::Expected e = test::expected(spec, p, in);
+  EXPECT_LE(rel_fro_error(out.data(), e.out), e.tolerance);
 }
 
 // ----- linear -----
-
-TEST(Linear, MatchesItsExplicitFormula) {
-  const int64_t lens[] = {1, 7, 113, 300}, dims[] = {1, 17, 64};
-  for (int64_t n : lens)
-    for (int64_t m : lens)
-      for (int64_t d : dims)
-        for (bool causal : {false, true}) {
-          Problem p = make_problem(2, 2, n, m, d, causal, 3);
-          SCOPED_TRACE(p.str());
-          const Inputs in = generate_inputs(p);
-          const Tensor out = run("linear", p, in);
-          EXPECT_LE(rel_fro_error(out.data(), kernel_oracle(p, in, elu_map(d), 1e-6)), 1e-5);
-        }
-}
+// (ragged shapes, causal and not, are the shared test's: tests/variants_test.cpp)
 
 TEST(Linear, MatchesItsExplicitFormulaAcrossBlocks) {
   // d <= 64 gives blocks of 1024 rows: cross block boundaries, off the 16-row chunk grid (one
@@ -123,9 +53,7 @@ TEST(Linear, MatchesItsExplicitFormulaAcrossBlocks) {
     for (bool causal : {false, true}) {
       Problem p = make_problem(1, 1, n, m, 17, causal, 8);
       SCOPED_TRACE(p.str());
-      const Inputs in = generate_inputs(p);
-      const Tensor out = run("linear", p, in);
-      EXPECT_LE(rel_fro_error(out.data(), kernel_oracle(p, in, elu_map(17), 1e-6)), 1e-5);
+      expect_matches_oracle("linear", p, generate_inputs(p));
     }
 }
 
@@ -134,8 +62,8 @@ TEST(Linear, EpsIsInTheDenominator) {
   Problem p = make_problem(1, 2, 7, 9, 3, true, 4);
   const Inputs in = generate_inputs(p);
   const Tensor out = run("linear:eps=1", p, in);
-  EXPECT_LE(rel_fro_error(out.data(), kernel_oracle(p, in, elu_map(3), 1.0)), 1e-5);
-  EXPECT_GT(rel_fro_error(out.data(), kernel_oracle(p, in, elu_map(3), 1e-6)), 1e-3);
+  expect_matches_oracle("linear:eps=1", p, in);
+  EXPECT_GT(rel_fro_error(out.data(), test::expected("linear:eps=1e-6", p, in).out), 1e-3);
 }
 
 // ----- performer against its own kernel -----
@@ -144,14 +72,13 @@ TEST(Performer, MatchesItsExplicitFormulaWithTheSameFeatures) {
   struct Case {
     const char* spec;
     int64_t features;
-    bool orthogonal, relu;
   };
   // blocks of R = 256 rows at F = 256 (n = 300 crosses one), 1024 at F = 37, 64 at F = 700
   // (block = causal chunk), 512 at F = 100
-  const Case cases[] = {{"performer", 256, true, false},
-                        {"performer:features=37,orthogonal=false", 37, false, false},
-                        {"performer:features=700", 700, true, false},
-                        {"performer:features=100,kernel=relu", 100, true, true}};
+  const Case cases[] = {{"performer", 256},
+                        {"performer:features=37,orthogonal=false", 37},
+                        {"performer:features=700", 700},
+                        {"performer:features=100,kernel=relu", 100}};
   const int64_t lens[] = {1, 7, 113, 300}, dims[] = {1, 17, 64};
   for (const Case& c : cases)
     for (int64_t n : lens)
@@ -161,10 +88,7 @@ TEST(Performer, MatchesItsExplicitFormulaWithTheSameFeatures) {
             if (c.features != 256 && (n == 300 || m == 300) && d != 17) continue;  // keep it quick
             Problem p = make_problem(1, 2, n, m, d, causal, 5);
             SCOPED_TRACE(std::string(c.spec) + " " + p.str());
-            const Inputs in = generate_inputs(p);
-            const Tensor out = run(c.spec, p, in);
-            const auto ref = kernel_oracle(p, in, performer_map(p, c.features, c.orthogonal, c.relu), 0.0);
-            EXPECT_LE(rel_fro_error(out.data(), ref), 1e-5);
+            expect_matches_oracle(c.spec, p, generate_inputs(p));
           }
 }
 

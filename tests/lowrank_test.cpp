@@ -1,6 +1,6 @@
-// The low-rank and kernel variants (linformer, nystrom, efficient) against explicit
-// double-precision evaluations of their own formulas, and their error against exact softmax
-// attention where it has a known trend.
+// The low-rank and kernel variants (linformer, nystrom, efficient) against their oracles (the
+// double-precision evaluations of their own formulas) with other parameters, split keys and
+// large values, and their error against exact softmax attention where it has a known trend.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -85,31 +85,17 @@ TEST(LowRank, CausalIsUnsupported) {
 
 // ----- efficient -----
 
-// softmax_row(Q) (softmax_col(K)^T V) in double.
-std::vector<double> efficient_oracle(const Problem& p, const Inputs& in) {
-  return per_head(p, [&](int64_t b, int64_t h) {
-    const Mat q = head(in.q, b, h), k = head(in.k, b, h), v = head(in.v, b, h);
-    const Mat kc = softmax_rows(k.transpose());  // d x m: each channel over the positions
-    return Mat(softmax_rows(q) * (kc * v));
-  });
+// The output of `spec` on these inputs against its oracle (VariantInfo::oracle, the formula in
+// double), within its error model's tolerance; returns the error.
+double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
+  const Tensor out = run(spec, p, in);
+  const test::Expected e = test::expected(spec, p, in);
+  const double err = rel_fro_error(out.data(), e.out);
+  EXPECT_LE(err, e.tolerance);
+  return err;
 }
 
-TEST(Efficient, MatchesFormulaOnRaggedShapes) {
-  const int64_t lens[] = {1, 7, 113, 300}, dims[] = {1, 17, 64};
-  double worst = 0;
-  for (int64_t n : lens)
-    for (int64_t m : lens)
-      for (int64_t d : dims) {
-        Problem p = make_problem(2, 2, n, m, d, uint64_t(n * 1000 + m + d));
-        SCOPED_TRACE(p.str());
-        Inputs in = generate_inputs(p);
-        Tensor out = run("efficient", p, in);
-        const double err = rel_fro_error(out.data(), efficient_oracle(p, in));
-        EXPECT_LE(err, 1e-5);
-        worst = std::max(worst, err);
-      }
-  std::printf("[ efficient ] worst rel. Frobenius error vs the double formula: %.2e\n", worst);
-}
+// (ragged shapes are the shared test's: tests/variants_test.cpp)
 
 TEST(Efficient, LargeValuesAndOtherInputs) {
   // softmax over features and over positions must subtract their maxima: q x 1000 and every
@@ -119,9 +105,7 @@ TEST(Efficient, LargeValuesAndOtherInputs) {
       Problem p = make_problem(1, heads, 300, 1500, 32, 5, dist);
       p.scale = 1000;
       SCOPED_TRACE(p.str());
-      Inputs in = generate_inputs(p);
-      Tensor out = run("efficient", p, in);
-      EXPECT_LE(rel_fro_error(out.data(), efficient_oracle(p, in)), 1e-5);
+      expect_matches_oracle("efficient", p, generate_inputs(p));
     }
 }
 
@@ -135,16 +119,6 @@ Mat projection(const Problem& p, int64_t h, bool f, int64_t k) {
   for (int64_t j = 0; j < p.keys(); ++j)
     for (int64_t r = 0; r < k; ++r) e(r, j) = t[size_t(j * k + r)];
   return e;
-}
-
-// softmax(s Q (E K)^T) (F V) in double with the variant's E and F.
-std::vector<double> linformer_oracle(const Problem& p, const Inputs& in, int64_t k, bool share) {
-  const double s = 1.0 / std::sqrt(double(p.dim));
-  return per_head(p, [&](int64_t b, int64_t h) {
-    const Mat e = projection(p, h, false, k), f = share ? e : projection(p, h, true, k);
-    const Mat q = head(in.q, b, h), kk = head(in.k, b, h), v = head(in.v, b, h);
-    return Mat(softmax_rows(q * (e * kk).transpose(), s) * (f * v));
-  });
 }
 
 TEST(Linformer, ProjectionsAreSeededNestedAndNormal) {
@@ -190,11 +164,7 @@ TEST(Linformer, MatchesFormulaOnRaggedShapes) {
             const std::string spec = "linformer:proj=" + std::to_string(k) +
                                      ",share_kv=" + (share ? "true" : "false");
             SCOPED_TRACE(spec + " " + p.str());
-            Inputs in = generate_inputs(p);
-            Tensor out = run(spec, p, in);
-            const double err = rel_fro_error(out.data(), linformer_oracle(p, in, k, share));
-            EXPECT_LE(err, 1e-5);
-            worst = std::max(worst, err);
+            worst = std::max(worst, expect_matches_oracle(spec, p, generate_inputs(p)));
           }
   std::printf("[ linformer ] worst rel. Frobenius error vs the double formula: %.2e\n", worst);
 }
@@ -204,9 +174,7 @@ TEST(Linformer, SplitKeysAndBatchesShareProjections) {
   for (int64_t heads : {1, 5}) {
     Problem p = make_problem(2, heads, 200, 1500, 32, 3);
     SCOPED_TRACE(p.str());
-    Inputs in = generate_inputs(p);
-    Tensor out = run("linformer:proj=64", p, in);
-    EXPECT_LE(rel_fro_error(out.data(), linformer_oracle(p, in, 64, false)), 1e-5);
+    expect_matches_oracle("linformer:proj=64", p, generate_inputs(p));
   }
 }
 
@@ -236,9 +204,9 @@ TEST(Linformer, ShareKvUsesOneProjection) {
   Inputs in = generate_inputs(p);
   Tensor shared = run("linformer:proj=32,share_kv=true", p, in);
   Tensor separate = run("linformer:proj=32,share_kv=false", p, in);
-  EXPECT_LE(rel_fro_error(shared.data(), linformer_oracle(p, in, 32, true)), 1e-5);
+  expect_matches_oracle("linformer:proj=32,share_kv=true", p, in);
   // and it is not the separate-projection result
-  EXPECT_GT(rel_fro_error(shared.data(), linformer_oracle(p, in, 32, false)), 1e-2);
+  EXPECT_GT(rel_fro_error(shared.data(), test::expected("linformer:proj=32", p, in).out), 1e-2);
   EXPECT_NE(std::memcmp(shared.data(), separate.data(), size_t(shared.numel()) * 4), 0);
 }
 
@@ -255,19 +223,6 @@ Mat landmarks(const Mat& x, int64_t L) {
   return y;
 }
 
-// The Nyströmformer iteration in double: Z0 = A^T / (max row sum . max col sum).
-Mat iterative_pinv(const Mat& a, int64_t iters) {
-  const Eigen::Index L = a.rows();
-  const double r = a.cwiseAbs().rowwise().sum().maxCoeff(), c = a.cwiseAbs().colwise().sum().maxCoeff();
-  Mat z = a.transpose() / (r * c);
-  const Mat I = Mat::Identity(L, L);
-  for (int64_t i = 0; i < iters; ++i) {
-    const Mat az = a * z;
-    z = 0.25 * z * (13 * I - az * (15 * I - az * (7 * I - az)));
-  }
-  return z;
-}
-
 struct NystromParts {
   Mat a1, a2, a3;  // softmax(s Q K~^T), softmax(s Q~ K~^T), softmax(s Q~ K^T)
 };
@@ -279,13 +234,12 @@ NystromParts nystrom_parts(const Problem& p, const Inputs& in, int64_t b, int64_
           softmax_rows(qt * k.transpose(), s)};
 }
 
-// The Nyström formula in double; iters < 0: exact pseudo-inverse (complete orthogonal
-// decomposition), otherwise the variant's iteration.
-std::vector<double> nystrom_oracle(const Problem& p, const Inputs& in, int64_t L, int64_t iters) {
+// The Nyström formula in double with the exact pseudo-inverse (complete orthogonal
+// decomposition) in place of the variant's iteration.
+std::vector<double> nystrom_exact_pinv(const Problem& p, const Inputs& in, int64_t L) {
   return per_head(p, [&](int64_t b, int64_t h) {
     const NystromParts np = nystrom_parts(p, in, b, h, L);
-    const Mat z = iters < 0 ? Mat(Eigen::CompleteOrthogonalDecomposition<Mat>(np.a2).pseudoInverse())
-                            : iterative_pinv(np.a2, iters);
+    const Mat z = Eigen::CompleteOrthogonalDecomposition<Mat>(np.a2).pseudoInverse();
     return Mat(np.a1 * (z * (np.a3 * head(in.v, b, h))));
   });
 }
@@ -300,7 +254,8 @@ TEST(Nystrom, OneTokenPerLandmarkIsExactAttention) {
   // here; 50 iterations take even sigma_min^2 / (row max . col max) ~ 1e-9 to 1 (small
   // values grow by 13/4 per iteration). The iteration runs in double, and W = Z (A V) is V
   // again, so the float rounding of A V is not amplified by cond(A): the variant lands at
-  // about 4e-7 (with the iteration in float it reached 8e-5). 1e-5 leaves a margin of 25.
+  // about 4e-7 (with the iteration in float it reached 8e-5), within the float32 error model of
+  // softmax attention (common/oracle.h).
   double worst = 0;
   for (int64_t n : {7, 64, 113})
     for (int64_t d : {17, 64}) {
@@ -310,7 +265,7 @@ TEST(Nystrom, OneTokenPerLandmarkIsExactAttention) {
       Tensor out = run(nystrom_spec(n, 50), p, in);
       const double err =
           rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(), in.v.view()));
-      EXPECT_LE(err, 1e-5);
+      EXPECT_LE(err, attention_tolerance(p));
       worst = std::max(worst, err);
     }
   std::printf("[ nystrom ] landmarks = n: worst rel. error vs exact attention %.2e\n", worst);
@@ -327,10 +282,7 @@ TEST(Nystrom, MatchesFormulaWithItsOwnIteration) {
     for (int64_t iters : {0, 6}) {
       Problem p = make_problem(1, 3, n, m, d, uint64_t(n + m + L), "local");
       SCOPED_TRACE(nystrom_spec(L, iters) + " " + p.str());
-      Inputs in = generate_inputs(p);
-      Tensor out = run(nystrom_spec(L, iters), p, in);
-      const int64_t Lc = std::min({L, n, m});
-      EXPECT_LE(rel_fro_error(out.data(), nystrom_oracle(p, in, Lc, iters)), 1e-5);
+      expect_matches_oracle(nystrom_spec(L, iters), p, generate_inputs(p));
     }
 }
 
@@ -346,10 +298,11 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
   //       max_i (1 - x_i), computed here from A's singular values;
   //   (2) the variant inverts its float A2 (entries off by ~eps_f = 6e-8 relative), and
   //       pinv(A + dA) - pinv(A) ~ pinv(A) dA pinv(A): about cond(A2) eps_f relative.
-  // The tolerance is max(1e-5, (1) + 2 cond eps_f) (1e-5: the float floor used everywhere
-  // else); with 40 iterations (1) is 0 for these inputs. The errors land 10-40x below (2)
-  // when cond(A2) is large: cond eps_f is the worst case of the perturbation bound.
-  const double eps_f = 0x1.0p-24;
+  // The tolerance is the larger of (1) + 2 cond eps_f and the float32 error model of softmax
+  // attention (common/oracle.h); with 40 iterations (1) is 0 for these inputs. The errors land
+  // 10-40x below (2) when cond(A2) is large: cond eps_f is the worst case of the perturbation
+  // bound.
+  const double eps_f = kFloat32Roundoff;
   for (auto [n, m, d, L, dist] :
        {std::tuple<int64_t, int64_t, int64_t, int64_t, const char*>{300, 250, 64, 20, "local"},
         {113, 300, 17, 10, "local"},
@@ -375,9 +328,9 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
       }
       const double cond = sv(0) / sv(sv.size() - 1);
       worst_cond = std::max(worst_cond, cond);
-      tol = std::max({tol, 1e-5, unconverged + 2 * cond * eps_f});
+      tol = std::max({tol, attention_tolerance(p), unconverged + 2 * cond * eps_f});
     }
-    const double err = rel_fro_error(out.data(), nystrom_oracle(p, in, L, -1));
+    const double err = rel_fro_error(out.data(), nystrom_exact_pinv(p, in, L));
     std::printf("[ nystrom ] %s L=%lld: cond(A2) up to %.1e, tolerance %.1e, error %.1e\n", dist,
                 static_cast<long long>(L), worst_cond, tol, err);
     EXPECT_LE(err, tol);
@@ -410,7 +363,8 @@ TEST(Nystrom, LandmarksAreCappedAtTheSequenceLengths) {
   Inputs in = generate_inputs(p);
   Tensor a = run(nystrom_spec(1000, 6), p, in), b = run(nystrom_spec(9, 6), p, in);
   EXPECT_EQ(std::memcmp(a.data(), b.data(), size_t(a.numel()) * sizeof(float)), 0);
-  EXPECT_LE(rel_fro_error(a.data(), nystrom_oracle(p, in, 9, 6)), 1e-5);
+  const test::Expected e = test::expected(nystrom_spec(9, 6), p, in);
+  EXPECT_LE(rel_fro_error(a.data(), e.out), e.tolerance);
 }
 
 // ----- splitting the keys of a head across threads -----
@@ -425,12 +379,9 @@ TEST(LowRank, KeyRangesSplitAcrossThreadsGiveTheSameFormula) {
     Problem p = make_problem(1, heads, 300, 2100, 32, 12, "local");
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
-    EXPECT_LE(rel_fro_error(run("linformer:proj=48", p, in).data(),
-                            linformer_oracle(p, in, 48, false)),
-              1e-5);
-    EXPECT_LE(rel_fro_error(run(nystrom_spec(24, 6), p, in).data(), nystrom_oracle(p, in, 24, 6)),
-              1e-5);
-    EXPECT_LE(rel_fro_error(run("efficient", p, in).data(), efficient_oracle(p, in)), 1e-5);
+    for (const std::string& spec :
+         {std::string("linformer:proj=48"), nystrom_spec(24, 6), std::string("efficient")})
+      expect_matches_oracle(spec, p, in);
   }
   omp_set_num_threads(saved);
 }

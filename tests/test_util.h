@@ -22,6 +22,9 @@
 
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/oracle.h"
+#include "common/pattern.h"
+#include "common/reference.h"
 #include "common/registry.h"
 #include "common/tensor.h"
 
@@ -70,6 +73,29 @@ inline Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
   Tensor out(p.q_shape());
   v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
   return out;
+}
+
+/// What a variant must give on these inputs and how close: its oracle (VariantInfo::oracle;
+/// for an exact variant, softmax attention restricted to its pattern) and the tolerance of its
+/// error model (VariantInfo::tolerance, or the default of common/oracle.h).
+struct Expected {
+  std::vector<double> out;
+  double tolerance = 0;
+};
+inline Expected expected(const Variant& v, const Problem& p, const Inputs& in) {
+  const VariantInfo& info = v.info();
+  Expected e;
+  if (info.oracle) {
+    e.out = info.oracle(v, p, in.q.view(), in.k.view(), in.v.view());
+  } else {
+    auto pattern = v.make_pattern(p, in.q.view(), in.k.view());
+    e.out = reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
+  }
+  e.tolerance = info.tolerance ? info.tolerance(v, p) : attention_tolerance(p);
+  return e;
+}
+inline Expected expected(const std::string& spec, const Problem& p, const Inputs& in) {
+  return expected(*make_variant(spec), p, in);
 }
 
 /// An approximation that supports m != n but refuses causal masking says so in its

@@ -1,10 +1,12 @@
-// Every registered variant against the exact double-precision reference, on ragged shapes,
-// causal and not, self- and cross-attention; plus the input generators.
+// Every registered variant against its oracle (the exact double-precision reference restricted
+// to its pattern, or the float64 statement of its own function), on ragged shapes, causal and
+// not, self- and cross-attention; plus the input generators.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -12,6 +14,8 @@
 
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/oracle.h"
+#include "common/plugin.h"
 #include "common/reference.h"
 #include "common/registry.h"
 #include "test_util.h"
@@ -21,38 +25,22 @@ namespace {
 
 using test::rel_fro_error;
 
-// Largest relative Frobenius error accepted for a variant's output against the reference.
-// The default 1e-5 is for exact variants (full and flash compute softmax attention exactly, up
-// to float32 rounding; they land near 1e-7). An approximate variant (low-rank, sparse, kernel,
-// ...) must add its own entry here, with a comment saying why that error is expected.
-double tolerance(const std::string& variant) {
-  static const std::map<std::string, double> table = {
-      {"full", 1e-5},
-      {"flash", 1e-5},
-  };
-  auto it = table.find(variant);
-  return it == table.end() ? 1e-5 : it->second;
+// Why `info` cannot be checked, or "" if it can: an approximation (exact = false) must give an
+// oracle, a float64 statement of its own function (common/oracle.h); an exact variant is
+// checked against softmax attention restricted to its pattern.
+std::string missing_oracle(const VariantInfo& info) {
+  if (info.caps.exact || info.oracle) return "";
+  return "variant '" + info.name +
+         "' says exact = false but gives no oracle: set VariantInfo::oracle to a float64 "
+         "statement of its function (common/oracle.h), and VariantInfo::tolerance if its "
+         "float32 arithmetic has a longer error chain than softmax attention";
 }
-
-// The same with q scaled by 1e3 (logits in the thousands). Float32 logits then carry an
-// absolute error proportional to their size: a float32 GEMM accumulating 64 products of size
-// ~1e3 is off by ~1e-4 in the logit, which moves the weights of near-tied keys by as much.
-// Measured at n = m = 1000, d = 64, seed 7: correctly rounded float32 logits (everything else
-// in double) give 2.4e-6, full and flash 1.2e-5 (full 2.4e-5 at n = m = 113), so 1e-5 is out of
-// reach of any float32 GEMM; 1e-4 still catches every real failure (an exp overflow or a
-// missing max subtraction gives inf/NaN, a wrong mask or normalisation an O(1) error).
-double large_logit_tolerance(const std::string& variant) { return std::max(1e-4, tolerance(variant)); }
 
 bool supports(const VariantInfo& info, const Problem& p) {
   return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross);
 }
 
-Problem make_problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
-                     uint64_t seed = 1) {
-  Problem p;
-  p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = d, p.causal = causal, p.seed = seed;
-  return p;
-}
+using test::problem;
 
 // Runs `spec` on p with generated inputs; returns the output.
 Tensor run_variant(Variant& v, const Problem& p, const Inputs& in) {
@@ -65,9 +53,13 @@ bool all_finite(const Tensor& t) {
   return std::all_of(t.data(), t.data() + t.numel(), [](float x) { return std::isfinite(x); });
 }
 
-// Variant names known when the tests are enumerated (registrations are static, so this is
-// every variant linked in).
+// Variant names known when the tests are enumerated: every variant linked in (registrations
+// are static) and those of the plugins in ATTNBENCH_PLUGINS, which this loads, so that
+// `ATTNBENCH_PLUGINS=my.so attnbench_tests --gtest_filter='AllVariants/*'` holds a plugin's
+// variants to their oracles too.
 std::vector<std::string> variant_names() {
+  if (const char* env = std::getenv("ATTNBENCH_PLUGINS"))
+    for (const std::string& path : split_plugin_list(env)) load_plugin(path);
   std::vector<std::string> names;
   for (const VariantInfo* v : Registry::instance().all()) names.push_back(v->name);
   return names;
@@ -85,13 +77,13 @@ class VariantTest : public testing::TestWithParam<std::string> {
   void SetUp() override {
     info_ = Registry::instance().find(GetParam());
     ASSERT_NE(info_, nullptr);
+    ASSERT_EQ(missing_oracle(*info_), "");
     variant_ = make_variant(GetParam());
-    tol_ = tolerance(GetParam());
   }
 
-  // Checks the variant on p (or that it refuses p, if its capabilities say so).
-  void check(const Problem& p) { check(p, tol_); }
-  void check(const Problem& p, double tol) {
+  // Checks the variant on p against its oracle (or that it refuses p, if its capabilities say
+  // so).
+  void check(const Problem& p) {
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     Tensor out(p.q_shape());
@@ -102,29 +94,18 @@ class VariantTest : public testing::TestWithParam<std::string> {
     }
     variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
     ASSERT_TRUE(all_finite(out));
-    expect_close_to_reference(out.data(), p, in, tol);
+    expect_matches_oracle(out.data(), p, in);
   }
 
-  // Exact variants must match the reference. Approximations are held to the explicit formula
-  // of their own kernel in their own test files, and here to being finite, deterministic,
-  // zero on key-less rows and independent of strides.
-  void expect_close_to_reference(const float* out, const Problem& p, const Inputs& in,
-                                 double tol) const {
-    if (info_->caps.exact) {
-      EXPECT_LE(rel_fro_error(out, reference(p, in)), tol);
-    }
-  }
-
-  // The exact result the variant must give: softmax attention, restricted to the variant's
-  // own pattern for pattern variants.
-  std::vector<double> reference(const Problem& p, const Inputs& in) const {
-    auto pattern = variant_->make_pattern(p, in.q.view(), in.k.view());
-    return reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
+  // Its oracle's output (for an exact variant softmax attention restricted to its own
+  // pattern), within the tolerance of its error model.
+  void expect_matches_oracle(const float* out, const Problem& p, const Inputs& in) const {
+    const test::Expected e = test::expected(*variant_, p, in);
+    EXPECT_LE(rel_fro_error(out, e.out), e.tolerance);
   }
 
   const VariantInfo* info_ = nullptr;
   std::unique_ptr<Variant> variant_;
-  double tol_ = 1e-5;
 };
 
 TEST_P(VariantTest, MatchesReferenceOnRaggedShapes) {
@@ -136,14 +117,14 @@ TEST_P(VariantTest, MatchesReferenceOnRaggedShapes) {
           // B = H = 2 where it is cheap, one head when the score matrix is large.
           const int64_t bh = n * m >= 100000 ? 1 : 2;
           // m = 0 means m = n; pass it explicitly anyway, both spellings must work
-          check(make_problem(bh, bh, n, m == n && d == 17 ? 0 : m, d, causal));
+          check(problem(bh, bh, n, m == n && d == 17 ? 0 : m, d, causal));
         }
 }
 
 TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {
   // causal with n > m: bottom-right alignment leaves rows i < n - m with no key at all
   for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 7}, {1000, 1}, {8, 7}}) {
-    Problem p = make_problem(2, 2, n, m, 17, true);
+    Problem p = problem(2, 2, n, m, 17, true);
     SCOPED_TRACE(p.str());
     Inputs in = generate_inputs(p);
     Tensor out(p.q_shape());
@@ -169,27 +150,35 @@ TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {
         }
     EXPECT_EQ(bad_empty, 0) << "elements of key-less rows that are not exactly 0";
     EXPECT_EQ(bad_visible, 0) << "non-finite elements in rows with visible keys";
-    expect_close_to_reference(out.data(), p, in, tol_);
+    expect_matches_oracle(out.data(), p, in);
   }
 }
 
 TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {
   // q scaled by 1e3: logits in the thousands, softmax nearly one-hot. Any exp without the
-  // max subtracted overflows to inf/NaN here.
+  // max subtracted overflows to inf/NaN here. Float32 logits then carry an absolute error
+  // proportional to their size (a float32 GEMM accumulating 64 products of size ~1e3 is off by
+  // ~1e-4 in the logit), which moves the weights of near-tied keys by as much; the error model
+  // (common/oracle.h) takes that from the problem's scale: u sqrt(d) S, 4.8e-4 at d = 64 and
+  // S = 1e3, so the default bound is about 2e-3. (Measured at n = m = 1000, d = 64, seed 7:
+  // correctly rounded float32 logits, everything else in double, give 2.4e-6, full and flash
+  // 1.2e-5: one-hot weights move less than the near-uniform worst case the model assumes.)
+  // The bound still catches every real failure: an exp overflow or a missing max subtraction
+  // gives inf/NaN, a wrong mask or normalisation an O(1) error.
   for (auto [n, m, d, causal] : {std::tuple<int64_t, int64_t, int64_t, bool>{113, 113, 64, false},
                                  {113, 113, 17, true},
                                  {7, 113, 64, true},
                                  {113, 7, 64, true},
                                  {1000, 1000, 64, false}}) {
-    Problem p = make_problem(1, 2, n, m, d, causal, 7);
+    Problem p = problem(1, 2, n, m, d, causal, 7);
     p.scale = 1000;
-    check(p, large_logit_tolerance(GetParam()));
+    check(p);
   }
 }
 
 TEST_P(VariantTest, SameInputsGiveBitIdenticalOutput) {
   for (bool causal : {false, true}) {
-    Problem p = make_problem(2, 3, 300, 257, 64, causal, 42);
+    Problem p = problem(2, 3, 300, 257, 64, causal, 42);
     if (!supports(*info_, p)) continue;  // refusal is checked in the shape test
     Inputs in = generate_inputs(p);
     Tensor a = run_variant(*variant_, p, in);
@@ -207,7 +196,7 @@ TEST_P(VariantTest, SameInputsGiveBitIdenticalOutput) {
 TEST_P(VariantTest, EveryInputDistribution) {
   for (const auto& dist : input_distributions())
     for (bool causal : {false, true}) {
-      Problem p = make_problem(2, 2, 64, 96, 32, causal, 3);
+      Problem p = problem(2, 2, 64, 96, 32, causal, 3);
       p.input = dist;
       check(p);
     }
@@ -216,7 +205,7 @@ TEST_P(VariantTest, EveryInputDistribution) {
 TEST_P(VariantTest, StridedViews) {
   // The interface allows any strides but the feature axis: embed q, k, v and out in padded
   // buffers (rows of d + 5, heads with 3 extra rows, batch items with an extra head's worth).
-  Problem p = make_problem(2, 3, 45, 70, 24, true, 11);
+  Problem p = problem(2, 3, 45, 70, 24, true, 11);
   if (!info_->caps.causal) p.causal = false;
   if (!info_->caps.cross) p.m = 0;
   Inputs in = generate_inputs(p);
@@ -241,16 +230,7 @@ TEST_P(VariantTest, StridedViews) {
   Tensor zero(p.q_shape());
   TensorView o = padded(zero, ob, 12345.0f);
   variant_->run(p, q, k, v, o);
-  // What the strided run must reproduce: the reference, or for an approximation its own
-  // output on contiguous tensors.
-  std::vector<double> ref;
-  if (info_->caps.exact) {
-    ref = reference(p, in);
-  } else {
-    Tensor contiguous = run_variant(*variant_, p, in);
-    ref.assign(contiguous.data(), contiguous.data() + contiguous.numel());
-  }
-  std::vector<float> dense(ref.size());
+  std::vector<float> dense(size_t(p.q_shape().numel()));
   int64_t pad_changed = 0;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
@@ -259,18 +239,47 @@ TEST_P(VariantTest, StridedViews) {
                     size_t(p.dim) * sizeof(float));
         for (int64_t c = p.dim; c < o.stride_row; ++c) pad_changed += o.row(b, h, i)[c] != 12345.0f;
       }
-  EXPECT_LE(rel_fro_error(dense.data(), ref), tol_);
+  // what the strided run must reproduce: the oracle (on contiguous tensors)
+  expect_matches_oracle(dense.data(), p, in);
   EXPECT_EQ(pad_changed, 0) << "the variant wrote into the padding between output rows";
 }
 
 TEST_P(VariantTest, FlopsAndMemoryEstimatesArePositive) {
-  Problem p = make_problem(1, 2, 128, 0, 64, false);
+  Problem p = problem(1, 2, 128, 0, 64, false);
   EXPECT_GT(variant_->flops(p), 0);
   EXPECT_GE(variant_->memory_estimate(p), 0);
   EXPECT_EQ(variant_->spec().rfind(GetParam(), 0), 0u) << variant_->spec();
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, VariantTest, testing::ValuesIn(variant_names()), test_name);
+
+// An approximation without an oracle cannot pass the shared test: a plugin must give one.
+TEST(Oracles, ApproximationWithoutAnOracleIsRefused) {
+  VariantInfo info;
+  info.name = "approx";
+  info.caps.exact = false;
+  EXPECT_CONTAINS(missing_oracle(info), "'approx' says exact = false but gives no oracle");
+  info.oracle = [](const Variant&, const Problem&, ConstTensorView, ConstTensorView,
+                   ConstTensorView) { return std::vector<double>(); };
+  EXPECT_EQ(missing_oracle(info), "");
+  info.oracle = nullptr;
+  info.caps.exact = true;
+  EXPECT_EQ(missing_oracle(info), "");
+  for (const VariantInfo* v : Registry::instance().all()) EXPECT_EQ(missing_oracle(*v), "");
+}
+
+// ----- the error model -----
+
+TEST(ErrorModel, DefaultToleranceGrowsWithTheProblem) {
+  // u (sqrt(d) S + sqrt(m) + 4) with a margin of 4: 1.0e-5 at d = 64, m = 1000, S = 1
+  const Problem p = problem(1, 1, 1000, 1000, 64, false);
+  EXPECT_NEAR(attention_tolerance(p), 4 * 0x1.0p-24 * (8 + std::sqrt(1000.0) + 4), 1e-12);
+  EXPECT_LT(attention_tolerance(problem(1, 1, 7, 7, 17, false)), attention_tolerance(p));
+  Problem sharp = p;
+  sharp.scale = 1000;
+  EXPECT_GT(attention_tolerance(sharp), 100 * attention_tolerance(p));
+  EXPECT_LT(attention_tolerance(sharp), 1e-2);
+}
 
 // ----- flash with other tile sizes -----
 
@@ -280,21 +289,21 @@ TEST(Flash, NonDefaultBlocksAreStillExact) {
     auto v = make_variant(spec);
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {113, 7}, {7, 113}, {1, 1000}, {100, 100}})
       for (bool causal : {false, true}) {
-        Problem p = make_problem(2, 2, n, m, 17, causal, 5);
+        Problem p = problem(2, 2, n, m, 17, causal, 5);
         SCOPED_TRACE(std::string(spec) + " " + p.str());
         Inputs in = generate_inputs(p);
         Tensor out = run_variant(*v, p, in);
         ASSERT_TRUE(all_finite(out));
-        EXPECT_LE(rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
-                                                                in.v.view())),
-                  1e-5);
+        EXPECT_LE(rel_fro_error(out.data(),
+                                reference_attention(p, in.q.view(), in.k.view(), in.v.view())),
+                  attention_tolerance(p));
       }
   }
 }
 
 TEST(Variant, RunRejectsWrongShapes) {
   auto v = make_variant("flash");
-  Problem p = make_problem(1, 2, 16, 24, 8, false);
+  Problem p = problem(1, 2, 16, 24, 8, false);
   Inputs in = generate_inputs(p);
   Tensor out(p.q_shape()), bad_out(Shape4{1, 2, 24, 8});
   EXPECT_THROW(v->run(p, in.q.view(), in.k.view(), in.v.view(), bad_out.view()), InputError);
@@ -314,7 +323,7 @@ bool same_tensor(const Tensor& a, const Tensor& b) {
 TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
   for (const auto& dist : input_distributions()) {
     SCOPED_TRACE(dist);
-    Problem p = make_problem(2, 2, 50, 70, 16, false, 123);
+    Problem p = problem(2, 2, 50, 70, 16, false, 123);
     p.input = dist;
     Inputs a = generate_inputs(p), b = generate_inputs(p);
     EXPECT_TRUE(same_tensor(a.q, b.q));
@@ -333,7 +342,7 @@ TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
 }
 
 TEST(Inputs, ThreadCountDoesNotChangeInputs) {
-  Problem p = make_problem(2, 3, 40, 40, 8, false, 9);
+  Problem p = problem(2, 3, 40, 40, 8, false, 9);
   p.threads = 1;
   Inputs a = generate_inputs(p);
   p.threads = 2;
@@ -346,7 +355,7 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
   ASSERT_FALSE(input_distributions().empty());
   for (const auto& dist : input_distributions()) {
     for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{100, 100, 64}, {1, 7, 1}, {33, 5, 17}}) {
-      Problem p = make_problem(2, 2, n, m, d, false, 77);
+      Problem p = problem(2, 2, n, m, d, false, 77);
       p.input = dist;
       SCOPED_TRACE(p.str());
       Inputs in = generate_inputs(p);
@@ -366,7 +375,7 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
 }
 
 TEST(Inputs, ScaleMultipliesQOnly) {
-  Problem p = make_problem(1, 2, 20, 30, 8, false, 4);
+  Problem p = problem(1, 2, 20, 30, 8, false, 4);
   Inputs a = generate_inputs(p);
   p.scale = 1000;
   Inputs b = generate_inputs(p);
@@ -376,7 +385,7 @@ TEST(Inputs, ScaleMultipliesQOnly) {
 }
 
 TEST(Inputs, UnknownDistributionIsAUsageError) {
-  Problem p = make_problem(1, 1, 4, 4, 4, false);
+  Problem p = problem(1, 1, 4, 4, 4, false);
   p.input = "bogus";
   EXPECT_THROW(generate_inputs(p), UsageError);
 }
@@ -384,7 +393,7 @@ TEST(Inputs, UnknownDistributionIsAUsageError) {
 // ----- the reference itself, on cases small enough to check by hand -----
 
 TEST(Reference, OneKeyGivesItsValue) {
-  Problem p = make_problem(1, 1, 3, 1, 2, false);
+  Problem p = problem(1, 1, 3, 1, 2, false);
   Tensor q(p.q_shape()), k(p.kv_shape()), v(p.kv_shape());
   for (int i = 0; i < 6; ++i) q.data()[i] = float(i - 3);
   k.data()[0] = 0.5f, k.data()[1] = -2;
@@ -398,7 +407,7 @@ TEST(Reference, OneKeyGivesItsValue) {
 
 TEST(Reference, TwoKeysByHand) {
   // d = 1: logits q k / sqrt(1); p = softmax([0, log 3]) = [1/4, 3/4]
-  Problem p = make_problem(1, 1, 1, 2, 1, false);
+  Problem p = problem(1, 1, 1, 2, 1, false);
   Tensor q(p.q_shape()), k(p.kv_shape()), v(p.kv_shape());
   q.data()[0] = 1;
   k.data()[0] = 0, k.data()[1] = float(std::log(3.0));
@@ -406,7 +415,7 @@ TEST(Reference, TwoKeysByHand) {
   auto out = reference_attention(p, q.view(), k.view(), v.view());
   EXPECT_NEAR(out[0], 8 * 0.25 + 4 * 0.75, 1e-6);
   // causal, n = m = 2: row 0 sees only key 0
-  Problem c = make_problem(1, 1, 2, 2, 1, true);
+  Problem c = problem(1, 1, 2, 2, 1, true);
   Tensor q2(c.q_shape());
   q2.data()[0] = 1, q2.data()[1] = 1;
   auto out2 = reference_attention(c, q2.view(), k.view(), v.view());
@@ -415,16 +424,16 @@ TEST(Reference, TwoKeysByHand) {
 }
 
 TEST(Problem, VisibleIsBottomRightAligned) {
-  Problem p = make_problem(1, 1, 3, 5, 4, true);
+  Problem p = problem(1, 1, 3, 5, 4, true);
   EXPECT_EQ(p.visible(0), 3);
   EXPECT_EQ(p.visible(2), 5);
-  Problem q = make_problem(1, 1, 5, 3, 4, true);
+  Problem q = problem(1, 1, 5, 3, 4, true);
   EXPECT_EQ(q.visible(0), 0);
   EXPECT_EQ(q.visible(1), 0);
   EXPECT_EQ(q.visible(2), 1);
   EXPECT_EQ(q.visible(4), 3);
   EXPECT_EQ(q.visible_pairs(), 6.0);
-  Problem r = make_problem(1, 1, 5, 3, 4, false);
+  Problem r = problem(1, 1, 5, 3, 4, false);
   EXPECT_EQ(r.visible(0), 3);
   EXPECT_EQ(r.visible_pairs(), 15.0);
 }

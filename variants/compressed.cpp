@@ -24,6 +24,11 @@
 // derived problem (n queries, m' keys, no causal mask) with the staircase as its pattern
 // (non-causal: every pooled key). The pooled keys mix keys, so there is no pattern over the
 // original keys: make_pattern returns nullptr (no `attnbench pattern`, no mass).
+// Oracle: pooling and softmax over the complete groups in double, with the same conv weights
+// (conv_weights, which forward() calls too).
+// Tolerance (the float32 error model of common/oracle.h): softmax attention over the pooled
+// keys, whose logits also carry the pooling's rounding (a sum of r rows for mean, r d products
+// for conv), on top of the dot product's d.
 // Time O(B H n (m / r) d) plus pooling O(B H m d) (mean) or O(B H m d^2) (conv);
 // memory O(B H (m / r) d + threads 64 (64 + d)) plus the conv weights (2 H r d^2 floats).
 // Paper: Liu, Saleh, Pot, Goodrich, Sepassi, Kaiser, Shazeer, "Generating Wikipedia by
@@ -37,6 +42,7 @@
 #include <vector>
 
 #include "common/block_sparse.h"
+#include "common/oracle.h"
 #include "common/random.h"
 
 namespace attnbench {
@@ -48,6 +54,14 @@ constexpr int64_t kTile = 64;  // engine tile (query rows and pooled keys)
 uint64_t conv_stream(int64_t head, int kv) {
   // "CMPK" / "CMPV" in the high bits keeps these apart from the other generators' streams
   return (uint64_t(kv ? 0x434d5056 : 0x434d504b) << 32) + uint64_t(head);
+}
+
+/// The conv weights of head h (keys: kv = 0, values: kv = 1), r taps of d x d ([s][c][c']),
+/// as documented at the top of the file.
+void conv_weights(uint64_t seed, int64_t head, int kv, int64_t r, int64_t d, float* w) {
+  const RandomStream rs(seed, conv_stream(head, kv));
+  const double sd = 1.0 / std::sqrt(double(r * d));
+  for (int64_t e = 0; e < r * d * d; ++e) w[e] = float(rs.normal(uint64_t(e)) * sd);
 }
 
 /// Pooled keys visible to query i: the groups whose last key is visible.
@@ -129,13 +143,9 @@ class Compressed final : public Variant {
     if (conv_) {
       const int64_t per = r_ * d * d;
       weights.resize(size_t(2 * H * per));
-      const double sd = 1.0 / std::sqrt(double(r_ * d));
 #pragma omp parallel for schedule(static)
-      for (int64_t t = 0; t < 2 * H; ++t) {
-        const RandomStream rs(p.seed, conv_stream(t / 2, int(t % 2)));
-        float* w = weights.data() + t * per;
-        for (int64_t e = 0; e < per; ++e) w[e] = float(rs.normal(uint64_t(e)) * sd);
-      }
+      for (int64_t t = 0; t < 2 * H; ++t)
+        conv_weights(p.seed, t / 2, int(t % 2), r_, d, weights.data() + t * per);
     }
     // pass 2: pooled keys and values [B, H, m', d]
     Tensor pk(Shape4{B, H, mp, d}), pv(Shape4{B, H, mp, d});
@@ -188,6 +198,44 @@ class Compressed final : public Variant {
   bool conv_;
 };
 
+std::vector<double> compressed_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                                      ConstTensorView k, ConstTensorView v) {
+  const int64_t r = var.params().get_int("ratio"), m = p.keys(), d = p.dim;
+  const int64_t mp = (m + r - 1) / r;
+  const bool conv = var.params().get_choice("pool") == "conv";
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    // group t of x pooled: the mean of its rows, or sum_s W_s x_{t r + s}
+    auto pool = [&](ConstTensorView x, int kv) {
+      const oracle::Matrix xh = oracle::head(x, b, h);
+      std::vector<float> w(size_t(conv ? r * d * d : 0));
+      if (conv) conv_weights(p.seed, h, kv, r, d, w.data());
+      oracle::Matrix y(mp, d);
+      for (int64_t t = 0; t < mp; ++t) {
+        const int64_t j0 = t * r, j1 = std::min(m, j0 + r);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int64_t c = 0; c < d; ++c) {
+            if (!conv) {
+              y(t, c) += xh(j, c) / double(j1 - j0);
+              continue;
+            }
+            for (int64_t c2 = 0; c2 < d; ++c2)
+              y(t, c) += double(w[size_t(((j - j0) * d + c) * d + c2)]) * xh(j, c2);
+          }
+      }
+      return y;
+    };
+    return oracle::softmax_attention(oracle::head(q, b, h), pool(k, 0), pool(v, 1),
+                                     1.0 / std::sqrt(double(d)),
+                                     [&](int64_t i) { return complete_groups(p, r, mp, i); });
+  });
+}
+
+double compressed_tolerance(const Variant& var, const Problem& p) {
+  const double r = double(var.params().get_int("ratio")), d = double(p.dim);
+  const double pooling = var.params().get_choice("pool") == "conv" ? r * d : r;
+  return kErrorMargin * float32_error(d + pooling, logit_size(p), double(p.keys()), 4.0);
+}
+
 ATTNBENCH_REGISTER_VARIANT(
     compressed,
     VariantInfo{
@@ -201,9 +249,13 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Choice("pool", "mean", {"mean", "conv"},
                                      "mean of each group, or a strided conv with seeded weights")},
         .caps = {.causal = true, .cross = true, .exact = false},
-        .make = [](const ParamValues& v) {
-          return std::make_unique<Compressed>(v.get_int("ratio"), v.get_choice("pool") == "conv");
-        }});
+        .make =
+            [](const ParamValues& v) {
+              return std::make_unique<Compressed>(v.get_int("ratio"),
+                                                  v.get_choice("pool") == "conv");
+            },
+        .oracle = compressed_oracle,
+        .tolerance = compressed_tolerance});
 
 }  // namespace
 }  // namespace attnbench

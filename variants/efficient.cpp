@@ -16,6 +16,9 @@
 //      with their maxima and G is divided by the column sums;
 //   2. per block of 512 query rows: out_blk = softmax_row(Q_blk) G (a GEMM).
 // Time O(B H (n + m) d^2); memory O(B H d^2 + threads 512 d).
+// Oracle: the formula in double (efficient_oracle below). Its float32 chain (exps of input
+// entries less their max, reductions over the m keys and the d features) is the default error
+// model's.
 // Not causal: a causal form would need a d x d prefix state per position; causal problems are
 // refused with UnsupportedError.
 #include <cblas.h>
@@ -24,9 +27,11 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <vector>
 
 #include "common/key_split.h"
 #include "common/omp_guard.h"
+#include "common/oracle.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 
@@ -150,15 +155,26 @@ class Efficient final : public Variant {
   }
 };
 
+// softmax_row(Q) (softmax_col(K)^T V) in double.
+std::vector<double> efficient_oracle(const Variant&, const Problem& p, ConstTensorView q,
+                                     ConstTensorView k, ConstTensorView v) {
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    oracle::Matrix qs = oracle::head(q, b, h), kc = oracle::transpose(oracle::head(k, b, h));
+    oracle::softmax_rows(qs, 1.0);
+    oracle::softmax_rows(kc, 1.0);  // d x m: each channel over the positions
+    return oracle::product(qs, oracle::product(kc, oracle::head(v, b, h)));
+  });
+}
+
 ATTNBENCH_REGISTER_VARIANT(
-    efficient,
-    VariantInfo{.name = "efficient",
-                .summary = "softmax_row(Q) (softmax_col(K)^T V), no query-key logits "
-                           "(Shen et al. efficient attention)",
-                .complexity = "time O((n + m) d^2), memory O(B H d^2 + threads 512 d)",
-                .params = {},
-                .caps = {.causal = false, .cross = true, .exact = false},
-                .make = [](const ParamValues&) { return std::make_unique<Efficient>(); }});
+    efficient, VariantInfo{.name = "efficient",
+                           .summary = "softmax_row(Q) (softmax_col(K)^T V), no query-key logits "
+                                      "(Shen et al. efficient attention)",
+                           .complexity = "time O((n + m) d^2), memory O(B H d^2 + threads 512 d)",
+                           .params = {},
+                           .caps = {.causal = false, .cross = true, .exact = false},
+                           .make = [](const ParamValues&) { return std::make_unique<Efficient>(); },
+                           .oracle = efficient_oracle});
 
 }  // namespace
 }  // namespace attnbench

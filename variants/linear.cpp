@@ -7,9 +7,10 @@
 //
 // the sums running over the keys query i sees (all of them, or keys 0 .. i + (m - n) under
 // the bottom-right aligned causal mask); rows with no visible key give exactly 0. A different
-// kernel from softmax, not an approximation of it: the tests hold it to the O(n m d)
-// evaluation of this same formula (tests/kernel_test.cpp), and its distance to softmax
-// attention is a measurement.
+// kernel from softmax, not an approximation of it: its oracle is the O(n m d) evaluation of
+// this same formula in double (linear_oracle below), and its distance to softmax attention is
+// a measurement. Its float32 chain (an exp per feature, reductions over the m keys and the d
+// features, one division) is the default error model's, without the logits.
 //
 // Computed by the chunked engine of common/kernel_attention.h with F = d features: the state
 // S = sum phi(k_j) v_j^T (d x d) and z = sum phi(k_j) are built by GEMMs over key blocks;
@@ -17,9 +18,12 @@
 // product inside it.
 // Time O((n + m) d^2 + n C d) (C = 16, causal only); memory O(threads (R d + d^2 + C^2))
 // beyond inputs and output (R = 1024 rows per block for d <= 64), independent of n and m.
+#include <cmath>
 #include <memory>
+#include <vector>
 
 #include "common/kernel_attention.h"
+#include "common/oracle.h"
 #include "common/registry.h"
 
 namespace attnbench {
@@ -48,16 +52,34 @@ class Linear final : public Variant {
   float eps_;
 };
 
+// The formula in double: phi of every query and key row, then kernelised attention over the
+// keys each query sees.
+std::vector<double> linear_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                                  ConstTensorView k, ConstTensorView v) {
+  const double eps = var.params().get_float("eps");
+  auto phi = [](oracle::Matrix x) {
+    for (double& e : x.a) e = e > 0 ? e + 1.0 : std::exp(e);
+    return x;
+  };
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    return oracle::kernel_attention(phi(oracle::head(q, b, h)), phi(oracle::head(k, b, h)),
+                                    oracle::head(v, b, h), eps,
+                                    [&](int64_t i) { return p.visible(i); });
+  });
+}
+
 ATTNBENCH_REGISTER_VARIANT(
     linear,
     VariantInfo{
         .name = "linear",
         .summary = "linear attention, phi(x) = elu(x) + 1 (Katharopoulos et al. 2020); not softmax",
-        .complexity = "time O((n + m) d^2), memory O(threads d (d + 2 R)), R = min(1024, 65536 / d)",
+        .complexity =
+            "time O((n + m) d^2), memory O(threads d (d + 2 R)), R = min(1024, 65536 / d)",
         .params = {ParamSpec::Float("eps", 1e-6, 0.0, 1.0,
                                     "added to the denominator phi(q)^T sum phi(k)")},
         .caps = {.causal = true, .cross = true, .exact = false},
-        .make = [](const ParamValues& pv) { return std::make_unique<Linear>(pv); }});
+        .make = [](const ParamValues& pv) { return std::make_unique<Linear>(pv); },
+        .oracle = linear_oracle});
 
 }  // namespace
 }  // namespace attnbench

@@ -23,6 +23,12 @@
 //      columns, each chunk of E (and F) generated just before its GEMM;
 //   2. per block of query rows: S = Q_blk EK^T (rows x k), row softmax with scale s,
 //      out_blk = S FV.
+// Oracle: the formula in double with the same E and F (projection_columns).
+// Tolerance (the float32 error model of common/oracle.h): E K and F V are reductions over the
+// m keys, and their rows have norm sqrt(m / k) times a key's, so the logits q.(EK)_r / sqrt(d)
+// are sqrt(m / k) times larger than softmax attention's and carry the rounding of both the
+// projection (m terms) and the dot product (d terms); then the softmax over k and the reduction
+// over k rows of F V.
 // Time O(B H (n + m) k d) (+ O(H k m) random normals); memory O(B H k d + threads k (chunk +
 // block)). Not causal: the projection mixes all keys, so no causal form exists without
 // changing the method.
@@ -40,8 +46,10 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "common/omp_guard.h"
+#include "common/oracle.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/softmax.h"
@@ -354,6 +362,33 @@ class Linformer final : public Variant {
   bool share_;
 };
 
+std::vector<double> linformer_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                                     ConstTensorView k, ConstTensorView v) {
+  const int64_t kp = var.params().get_int("proj"), m = p.keys();
+  const bool share = var.params().get_bool("share_kv");
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    // E (or F) of head h, k x m
+    auto projection = [&](bool f) {
+      std::vector<float> t(size_t(kp * m));
+      linformer::projection_columns(p.seed, h, f, kp, 0, m, t.data());
+      oracle::Matrix e(kp, m);
+      for (int64_t j = 0; j < m; ++j)
+        for (int64_t r = 0; r < kp; ++r) e(r, j) = double(t[size_t(j * kp + r)]);
+      return e;
+    };
+    const oracle::Matrix e = projection(false), f = share ? e : projection(true);
+    return oracle::softmax_attention(
+        oracle::head(q, b, h), oracle::product(e, oracle::head(k, b, h)),
+        oracle::product(f, oracle::head(v, b, h)), 1.0 / std::sqrt(double(p.dim)));
+  });
+}
+
+double linformer_tolerance(const Variant& var, const Problem& p) {
+  const double kp = double(var.params().get_int("proj")), m = double(p.keys());
+  const double logit = logit_size(p) * std::sqrt(std::max(1.0, m / kp));
+  return kErrorMargin * float32_error(double(p.dim) + m, logit, m + kp, 4.0);
+}
+
 ATTNBENCH_REGISTER_VARIANT(
     linformer,
     VariantInfo{
@@ -365,9 +400,12 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Bool("share_kv", false,
                                    "use one projection for keys and values (F = E)")},
         .caps = {.causal = false, .cross = true, .exact = false},
-        .make = [](const ParamValues& pv) {
-          return std::make_unique<Linformer>(pv.get_int("proj"), pv.get_bool("share_kv"));
-        }});
+        .make =
+            [](const ParamValues& pv) {
+              return std::make_unique<Linformer>(pv.get_int("proj"), pv.get_bool("share_kv"));
+            },
+        .oracle = linformer_oracle,
+        .tolerance = linformer_tolerance});
 
 }  // namespace
 }  // namespace attnbench

@@ -20,8 +20,8 @@
 // per head, in double. Z0 here uses each head's own maxima; the authors' code ("original"
 // init, also in HF transformers) divides by the largest column sum over the whole batch and
 // all heads (rows of a softmax sum to 1), and lucidrains' nystrom-attention by both global
-// maxima; a smaller Z0 only delays convergence. Every iterate is Z = A^T g(A A^T): the singular values
-// sigma of A Z start at sigma_A^2 / (row max . col max) and move as x <- x (13 - 15x + 7x^2
+// maxima; a smaller Z0 only delays convergence. Every iterate is Z = A^T g(A A^T): the singular
+// values sigma of A Z start at sigma_A^2 / (row max . col max) and move as x <- x (13 - 15x + 7x^2
 // - x^3) / 4 (about x 13/4 while small, converging to 1), so directions with small singular
 // values of A stay unconverged after few iterations (6 in the paper): a built-in regulariser.
 // The iteration runs in double because the landmark matrix is badly conditioned (cond 1e3 to
@@ -38,6 +38,17 @@
 //      ranges merged afterwards;
 //   3. A = softmax(s Q~ K~^T) (L x L), Z = pinv(A) by the iteration, W = Z B (L x d);
 //   4. per block of 256 query rows: out_blk = softmax(s Q_blk K~^T) W.
+// Oracle: the formula in double with the same segments and the same number of iterations
+// (nystrom_oracle below).
+// Tolerance (the float32 error model of common/oracle.h, then the iteration): the three
+// softmax matrices and B carry softmax attention's float32 error (logits over d, reductions
+// over m, landmark means over up to ceil(max(n, m) / L) rows). The iteration, in double,
+// passes a relative perturbation of A on to Z by at most the condition number of the
+// directions it has converged in: a singular value sigma of A converges once
+// sigma^2 (13/4)^t / (row max . col max) reaches about 1, and sigma_max^2 <= row max . col max,
+// so after t iterations that condition number is at most (13/4)^(t/2) (34 at the default 6).
+// Many iterations make the bound loose: the converged pseudo-inverse amplifies by cond(A),
+// which only the data decide.
 // Time O(B H ((n + m) L d + iterations L^3)); memory O(B H L d + threads L (512 + 256 + 5 L)).
 // Not causal: the landmarks mix all positions.
 #include <cblas.h>
@@ -47,9 +58,11 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "common/key_split.h"
 #include "common/omp_guard.h"
+#include "common/oracle.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 
@@ -317,6 +330,69 @@ class Nystrom final : public Variant {
   int64_t landmarks_, iters_;
 };
 
+// Segment means of the rows of x (as segment_means), in double.
+oracle::Matrix landmark_means(const oracle::Matrix& x, int64_t L) {
+  oracle::Matrix y(L, x.cols);
+  for (int64_t r = 0; r < L; ++r) {
+    const int64_t lo = r * x.rows / L, hi = (r + 1) * x.rows / L;
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t c = 0; c < x.cols; ++c) y(r, c) += x(i, c);
+    for (int64_t c = 0; c < x.cols; ++c) y(r, c) /= double(hi - lo);
+  }
+  return y;
+}
+
+// The iteration of the header comment in double, written out on matrices.
+oracle::Matrix pinv_by_iteration(const oracle::Matrix& a, int64_t iters) {
+  const int64_t L = a.rows;
+  double max_row = 0, max_col = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    double row = 0, col = 0;
+    for (int64_t j = 0; j < L; ++j) row += std::abs(a(i, j)), col += std::abs(a(j, i));
+    max_row = std::max(max_row, row), max_col = std::max(max_col, col);
+  }
+  oracle::Matrix z = oracle::transpose(a);
+  for (double& e : z.a) e /= max_row * max_col;
+  // c I - x
+  auto shifted = [L](double c, oracle::Matrix x) {
+    for (double& e : x.a) e = -e;
+    for (int64_t i = 0; i < L; ++i) x(i, i) += c;
+    return x;
+  };
+  for (int64_t t = 0; t < iters; ++t) {
+    const oracle::Matrix az = oracle::product(a, z);
+    const oracle::Matrix inner = shifted(7, az);
+    const oracle::Matrix mid = shifted(15, oracle::product(az, inner));
+    z = oracle::product(z, shifted(13, oracle::product(az, mid)));
+    for (double& e : z.a) e *= 0.25;
+  }
+  return z;
+}
+
+std::vector<double> nystrom_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                                   ConstTensorView k, ConstTensorView v) {
+  const int64_t L = std::min({var.params().get_int("landmarks"), p.n, p.keys()});
+  const int64_t iters = var.params().get_int("pinv_iterations");
+  const double s = 1.0 / std::sqrt(double(p.dim));
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    const oracle::Matrix qh = oracle::head(q, b, h), kh = oracle::head(k, b, h);
+    const oracle::Matrix qt = landmark_means(qh, L), kt = landmark_means(kh, L);
+    oracle::Matrix a1 = oracle::product_t(qh, kt), a2 = oracle::product_t(qt, kt);
+    oracle::softmax_rows(a1, s);
+    oracle::softmax_rows(a2, s);
+    const oracle::Matrix bv = oracle::softmax_attention(qt, kh, oracle::head(v, b, h), s);
+    return oracle::product(a1, oracle::product(pinv_by_iteration(a2, iters), bv));
+  });
+}
+
+double nystrom_tolerance(const Variant& var, const Problem& p) {
+  const double L = double(std::min({var.params().get_int("landmarks"), p.n, p.keys()}));
+  const double t = double(var.params().get_int("pinv_iterations"));
+  const double segment = std::ceil(double(std::max(p.n, p.keys())) / L);
+  return kErrorMargin * std::pow(13.0 / 4.0, t / 2) *
+         float32_error(double(p.dim), logit_size(p), double(p.keys()) + segment, 6.0);
+}
+
 ATTNBENCH_REGISTER_VARIANT(
     nystrom,
     VariantInfo{
@@ -326,13 +402,17 @@ ATTNBENCH_REGISTER_VARIANT(
         .complexity = "time O((n + m) L d + L^3 iterations), memory O(B H L d + threads L^2)",
         .params = {ParamSpec::Int("landmarks", 64, 1, int64_t(1) << 16,
                                   "number of landmarks L (segment means; capped at n and m)"),
-                   ParamSpec::Int("pinv_iterations", 6, 0, 100,
-                                  "iterations of the iterative pseudo-inverse of the L x L matrix")},
+                   ParamSpec::Int(
+                       "pinv_iterations", 6, 0, 100,
+                       "iterations of the iterative pseudo-inverse of the L x L matrix")},
         .caps = {.causal = false, .cross = true, .exact = false},
-        .make = [](const ParamValues& pv) {
-          return std::make_unique<Nystrom>(pv.get_int("landmarks"),
-                                           pv.get_int("pinv_iterations"));
-        }});
+        .make =
+            [](const ParamValues& pv) {
+              return std::make_unique<Nystrom>(pv.get_int("landmarks"),
+                                               pv.get_int("pinv_iterations"));
+            },
+        .oracle = nystrom_oracle,
+        .tolerance = nystrom_tolerance});
 
 }  // namespace
 }  // namespace attnbench

@@ -26,6 +26,15 @@
 // The softmax kernel adds no eps to the denominator (it would bias the estimate); a
 // denominator that underflows to 0 gives a 0 row.
 //
+// Oracle: the formula above in double with the same W (performer_projection), each query's
+// features shifted by its own max exponent and every key's by the head's max (the shifts
+// cancel in the ratio; without them exp would overflow for sharp queries).
+// Tolerance (the float32 error model of common/oracle.h, with the chain of the features): an
+// exponent is a reduction over d (W x~) of size up to E = d^1/4 S sqrt(2 ln F) (the largest of
+// F Gaussian projections of |x~| = d^1/4 S) plus |k~|^2 / 2 = sqrt(d) / 2 for keys; then
+// reductions over the F features and the m keys, and a few roundings (exp, shifts, scaling,
+// division). The relu kernel has no exp and the same reductions, so the bound covers it.
+//
 // Causal via prefix states in 16-row chunks (see common/kernel_attention.h).
 // Time O((n + m) F d + n 16 (F + d)) plus O(H ceil(F/d) d^3) for the QRs; memory
 // O(H F d) for the projections plus O(threads (2 R F + F d + 16^2)) per-thread state, R =
@@ -39,6 +48,7 @@
 
 #include "common/kernel_attention.h"
 #include "common/omp_guard.h"
+#include "common/oracle.h"
 #include "common/registry.h"
 
 namespace attnbench {
@@ -98,20 +108,74 @@ class Performer final : public Variant {
   ka::PerformerKernel kernel_;
 };
 
+std::vector<double> performer_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                                     ConstTensorView k, ConstTensorView v) {
+  const int64_t f = var.params().get_int("features"), d = p.dim;
+  const bool orthogonal = var.params().get_bool("orthogonal");
+  const bool relu = var.params().get_choice("kernel") == "relu";
+  const double xscale = std::pow(double(d), -0.25), ratio = 1.0 / std::sqrt(double(f));
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    const std::vector<float> w32 = ka::performer_projection(p.seed, h, f, d, orthogonal);
+    oracle::Matrix w(f, d);
+    for (int64_t e = 0; e < f * d; ++e) w.a[size_t(e)] = double(w32[size_t(e)]);
+    // x~ = x d^-1/4, its projection W x~ (len x F) and |x~|^2 / 2 per row
+    auto project = [&](ConstTensorView x, std::vector<double>& half_norm) {
+      oracle::Matrix xt = oracle::head(x, b, h);
+      for (double& e : xt.a) e *= xscale;
+      half_norm.assign(size_t(xt.rows), 0.0);
+      for (int64_t i = 0; i < xt.rows; ++i)
+        for (int64_t c = 0; c < d; ++c) half_norm[size_t(i)] += 0.5 * xt(i, c) * xt(i, c);
+      return oracle::product_t(xt, w);
+    };
+    std::vector<double> qn, kn;
+    oracle::Matrix fq = project(q, qn), fk = project(k, kn);
+    if (relu) {
+      for (oracle::Matrix* x : {&fq, &fk})
+        for (double& e : x->a) e = ratio * std::max(e, 0.0) + double(ka::kReluFeatureEps);
+    } else {
+      // exp(W x~ - |x~|^2 / 2): a query's own max shift takes its norm term with it; keys
+      // share the head's largest exponent
+      for (int64_t i = 0; i < fq.rows; ++i) {
+        double* r = fq.row(i);
+        const double top = *std::max_element(r, r + f);
+        for (int64_t c = 0; c < f; ++c) r[c] = ratio * std::exp(r[c] - top);
+      }
+      double top = -INFINITY;
+      for (int64_t j = 0; j < fk.rows; ++j)
+        for (int64_t c = 0; c < f; ++c) top = std::max(top, fk(j, c) - kn[size_t(j)]);
+      for (int64_t j = 0; j < fk.rows; ++j)
+        for (int64_t c = 0; c < f; ++c) fk(j, c) = ratio * std::exp(fk(j, c) - kn[size_t(j)] - top);
+    }
+    return oracle::kernel_attention(fq, fk, oracle::head(v, b, h), 0.0,
+                                    [&](int64_t i) { return p.visible(i); });
+  });
+}
+
+double performer_tolerance(const Variant& var, const Problem& p) {
+  const double f = double(var.params().get_int("features")), d = double(p.dim);
+  const double exponent =
+      std::pow(d, 0.25) * logit_size(p) * std::sqrt(2.0 * std::log(std::max(f, 2.0))) +
+      std::sqrt(d) / 2;
+  return kErrorMargin * float32_error(d, exponent, double(p.keys()) + f, 6.0);
+}
+
 ATTNBENCH_REGISTER_VARIANT(
     performer,
     VariantInfo{
         .name = "performer",
         .summary = "FAVOR+ positive random features approximating softmax (Choromanski et al.)",
-        .complexity = "time O((n + m) F d), memory O(H F d + threads F (2 R + d)), R = min(1024, 65536 / F)",
-        .params = {ParamSpec::Int("features", 256, 1, int64_t(1) << 16,
-                                  "random features F (rows of W)"),
-                   ParamSpec::Bool("orthogonal", true,
-                                   "orthogonal Gaussian blocks (QR) with chi norms; false: iid rows"),
-                   ParamSpec::Choice("kernel", "softmax", {"softmax", "relu"},
-                                     "softmax: positive exp features (FAVOR+); relu: relu(W x~) + 1e-3")},
+        .complexity =
+            "time O((n + m) F d), memory O(H F d + threads F (2 R + d)), R = min(1024, 65536 / F)",
+        .params =
+            {ParamSpec::Int("features", 256, 1, int64_t(1) << 16, "random features F (rows of W)"),
+             ParamSpec::Bool("orthogonal", true,
+                             "orthogonal Gaussian blocks (QR) with chi norms; false: iid rows"),
+             ParamSpec::Choice("kernel", "softmax", {"softmax", "relu"},
+                               "softmax: positive exp features (FAVOR+); relu: relu(W x~) + 1e-3")},
         .caps = {.causal = true, .cross = true, .exact = false},
-        .make = [](const ParamValues& pv) { return std::make_unique<Performer>(pv); }});
+        .make = [](const ParamValues& pv) { return std::make_unique<Performer>(pv); },
+        .oracle = performer_oracle,
+        .tolerance = performer_tolerance});
 
 }  // namespace
 }  // namespace attnbench

@@ -1,0 +1,114 @@
+#include "common/oracle.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/omp_guard.h"
+
+namespace attnbench {
+
+double float32_error(double dim, double logit, double reduction, double steps) {
+  return kFloat32Roundoff * (std::sqrt(dim) * logit + std::sqrt(reduction) + steps);
+}
+
+double logit_size(const Problem& p) { return std::max(1.0, std::abs(p.scale)); }
+
+double attention_tolerance(const Problem& p) {
+  return kErrorMargin * float32_error(double(p.dim), logit_size(p), double(p.keys()), 4.0);
+}
+
+namespace oracle {
+
+Matrix head(ConstTensorView t, int64_t b, int64_t h) {
+  Matrix x(t.shape.len, t.shape.dim);
+  for (int64_t i = 0; i < x.rows; ++i) {
+    const float* r = t.row(b, h, i);
+    for (int64_t c = 0; c < x.cols; ++c) x(i, c) = double(r[c]);
+  }
+  return x;
+}
+
+Matrix product(const Matrix& x, const Matrix& y) {
+  Matrix z(x.rows, y.cols);
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t t = 0; t < x.cols; ++t) {
+      const double a = x(i, t);
+      const double* yr = y.row(t);
+      double* zr = z.row(i);
+      for (int64_t j = 0; j < y.cols; ++j) zr[j] += a * yr[j];
+    }
+  return z;
+}
+
+Matrix product_t(const Matrix& x, const Matrix& y) {
+  Matrix z(x.rows, y.rows);
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t j = 0; j < y.rows; ++j) {
+      double s = 0;
+      for (int64_t t = 0; t < x.cols; ++t) s += x(i, t) * y(j, t);
+      z(i, j) = s;
+    }
+  return z;
+}
+
+Matrix transpose(const Matrix& x) {
+  Matrix y(x.cols, x.rows);
+  for (int64_t i = 0; i < x.rows; ++i)
+    for (int64_t j = 0; j < x.cols; ++j) y(j, i) = x(i, j);
+  return y;
+}
+
+void softmax_rows(Matrix& x, double scale, const std::function<int64_t(int64_t)>& cols) {
+  for (int64_t i = 0; i < x.rows; ++i) {
+    double* r = x.row(i);
+    const int64_t len = cols ? std::clamp<int64_t>(cols(i), 0, x.cols) : x.cols;
+    std::fill(r + len, r + x.cols, 0.0);
+    if (len == 0) continue;
+    const double mx = *std::max_element(r, r + len);
+    double sum = 0;
+    for (int64_t j = 0; j < len; ++j) sum += r[j] = std::exp(scale * (r[j] - mx));
+    for (int64_t j = 0; j < len; ++j) r[j] /= sum;
+  }
+}
+
+Matrix softmax_attention(const Matrix& q, const Matrix& k, const Matrix& v, double scale,
+                         const std::function<int64_t(int64_t)>& visible) {
+  Matrix s = product_t(q, k);
+  softmax_rows(s, scale, visible);
+  return product(s, v);
+}
+
+Matrix kernel_attention(const Matrix& fq, const Matrix& fk, const Matrix& v, double eps,
+                        const std::function<int64_t(int64_t)>& visible) {
+  const Matrix a = product_t(fq, fk);
+  Matrix out(fq.rows, v.cols);
+  for (int64_t i = 0; i < fq.rows; ++i) {
+    const int64_t len = visible ? std::clamp<int64_t>(visible(i), 0, fk.rows) : fk.rows;
+    if (len == 0) continue;
+    double den = eps;
+    double* o = out.row(i);
+    for (int64_t j = 0; j < len; ++j) {
+      den += a(i, j);
+      for (int64_t c = 0; c < v.cols; ++c) o[c] += a(i, j) * v(j, c);
+    }
+    for (int64_t c = 0; c < v.cols; ++c) o[c] /= den;
+  }
+  return out;
+}
+
+std::vector<double> per_head(const Problem& p, const std::function<Matrix(int64_t, int64_t)>& f) {
+  const int64_t bh = p.batch * p.heads, per = p.n * p.dim;
+  std::vector<double> out(size_t(bh * per));
+  OmpGuard guard;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < bh; ++t)
+    guard.run([&] {
+      const Matrix o = f(t / p.heads, t % p.heads);
+      std::copy(o.a.begin(), o.a.end(), out.begin() + t * per);
+    });
+  guard.rethrow();
+  return out;
+}
+
+}  // namespace oracle
+}  // namespace attnbench
