@@ -265,6 +265,37 @@ inline double expect_matches_oracle(const std::string& spec, const Problem& p, c
   return err;
 }
 
+/// Every spec against its registered oracle and tolerance on small ragged shapes (B = H = 2),
+/// causal and not, and with m != n if `cross`; prints the worst error in units of the tolerance.
+inline void expect_registered_oracle_holds(const std::vector<std::string>& specs, bool cross) {
+  for (const std::string& spec : specs) {
+    double worst = 0;
+    for (int64_t n : {1, 7, 60, 113})
+      for (int64_t m : {1, 7, 60, 113})
+        for (int64_t d : {1, 17, 64})
+          for (bool causal : {false, true}) {
+            if (m != n && !cross) continue;
+            const Problem p = problem(2, 2, n, m, d, causal, uint64_t(n + 3 * m + d));
+            SCOPED_TRACE(spec + " " + p.str());
+            const Inputs in = generate_inputs(p);
+            const Expected e = expected(spec, p, in);
+            const double err = rel_fro_error(run(spec, p, in).data(), e.out);
+            EXPECT_LE(err, e.tolerance);
+            worst = std::max(worst, err / e.tolerance);
+          }
+    std::printf("[ oracle ] %-45s worst error %.3f of its tolerance\n", spec.c_str(), worst);
+  }
+}
+
+/// The oracle of `spec` differs from `other` (what a plausible wrong variant would give) by far
+/// more than its tolerance, so a comparison with the oracle can fail.
+inline void expect_oracle_far_from(const std::string& spec, const Problem& p, const Inputs& in,
+                                   const std::vector<double>& other) {
+  const Expected e = expected(spec, p, in);
+  const std::vector<float> oracle(e.out.begin(), e.out.end());
+  EXPECT_GT(rel_fro_error(oracle.data(), other), 100 * e.tolerance) << spec;
+}
+
 /// Result of one run of the attnbench binary.
 struct CliResult {
   int code = -1;  ///< exit status, or -1 if it did not exit normally

@@ -45,6 +45,7 @@
 
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/oracle.h"
 #include "common/phase.h"
 #include "common/random.h"
 #include "common/registry.h"
@@ -605,6 +606,20 @@ ATTNBENCH_REGISTER_VARIANT(
                                       reformer::plan(p, pv.get_int_list("buckets"),
                                                      pv.get_int("hashes"), pv.get_int("chunk")),
                                       q, v);
+            },
+        // A round is softmax attention over w = min(2 chunk, n) keys with logits q_i . q_j / |q_j|
+        // of the default model's size (the unit key adds a rounding). The rounds are then combined
+        // with weights exp(lse_r - max) in float32: a log-sum-exp of size L = S sqrt(2 ln w) + ln w
+        // (the largest of w logits of size S, plus the log of the sum) carries an absolute error
+        // of about u L, which exp turns into a relative error of the weights, and the weighted sum
+        // runs over `hashes` rounds: float32_error(1, L, hashes, 4) on top of the round's own.
+        .tolerance =
+            [](const Variant& var, const Problem& p) {
+              const ParamValues& pv = var.params();
+              const double w = double(std::min(2 * pv.get_int("chunk"), p.n)), S = logit_size(p);
+              const double L = S * std::sqrt(2 * std::log(w)) + std::log(w);
+              return kErrorMargin * (float32_error(double(p.dim), S, w, 5) +
+                                     float32_error(1, L, double(pv.get_int("hashes")), 4));
             }});
 
 }  // namespace

@@ -46,6 +46,7 @@
 
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/oracle.h"
 #include "common/phase.h"
 #include "common/random.h"
 #include "common/registry.h"
@@ -362,6 +363,12 @@ using routing::Routes;
 using routing::Sizes;
 constexpr int64_t kTile = 64;  // query tile and key block
 
+/// The sizes of a routing variant (its parameters) on p.
+Sizes sizes_of(const Variant& var, const Problem& p) {
+  const ParamValues& pv = var.params();
+  return routing::sizes(p, pv.get_int("clusters"), pv.get_int("window"), pv.get_int("sample"));
+}
+
 class RoutingVariant final : public Variant {
  public:
   RoutingVariant(int64_t clusters, int64_t window, int64_t iterations, int64_t sample)
@@ -594,15 +601,19 @@ ATTNBENCH_REGISTER_VARIANT(
                                                       pv.get_int("iterations"),
                                                       pv.get_int("sample"));
             },
-        // exact attention inside each cluster and a mean over at most c clusters: the float32
-        // error chain of plain attention, so the default tolerance
         .oracle =
             [](const Variant& var, const Problem& p, ConstTensorView q, ConstTensorView k,
                ConstTensorView v) {
-              const ParamValues& pv = var.params();
-              const Sizes sz = routing::sizes(p, pv.get_int("clusters"), pv.get_int("window"),
-                                              pv.get_int("sample"));
-              return routing::oracle(p, sz, pv.get_int("iterations"), q, k, v);
+              return routing::oracle(p, sizes_of(var, p), var.params().get_int("iterations"), q, k,
+                                     v);
+            },
+        // Softmax attention inside each cluster, over w_k <= m keys (the default model), then a
+        // row's mean over the clusters that selected it: a float32 sum of at most c rows and a
+        // scaling, float32_error(0, 0, c, 1) more.
+        .tolerance =
+            [](const Variant& var, const Problem& p) {
+              return attention_tolerance(p) +
+                     kErrorMargin * float32_error(0, 0, double(sizes_of(var, p).c), 1);
             }});
 
 }  // namespace
