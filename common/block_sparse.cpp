@@ -22,9 +22,56 @@ int64_t max_key_blocks(const Problem& p, int64_t block) { return (p.keys() + blo
 int64_t tile_rows(const Problem& p, int64_t block_q) { return std::min(block_q, p.n); }
 int64_t tile_cols(const Problem& p, int64_t block_k) { return std::min(block_k, p.keys()); }
 
-// The task loop, once for both cases. kDense: every key block up to the last key the tile's
-// last row sees, none masked, and no pattern (pat is null). Otherwise the key blocks pat lists
-// (bk = pat->block()), partial ones masked element by element.
+/// The key blocks one thread's tasks walk. kDense: every block of bk keys up to the last key
+/// the tile's last row sees, none masked, and no pattern (pat is null). Otherwise the blocks
+/// pat lists (bk = pat->block()), a partial one masked element by element into `mask` (rows x
+/// cols bytes).
+template <bool kDense>
+class KeyWalk {
+ public:
+  /// One per thread (the block list is reserved for every key block, so it never grows).
+  KeyWalk(const Problem& p, int64_t bk, const SparsePattern* pat, uint8_t* mask)
+      : bk_(bk), pat_(pat), mask_(mask) {
+    if constexpr (!kDense) blocks_.reserve(size_t(max_key_blocks(p, bk)));
+  }
+
+  /// Starts the task of query tile qb (rows i0 .. i0 + rows - 1) of head (b, h), whose rows see
+  /// no key at or past kend. Returns the number of key blocks to walk.
+  int64_t start(int64_t b, int64_t h, int64_t qb, int64_t i0, int64_t rows, int64_t kend) {
+    b_ = b, h_ = h, i0_ = i0, rows_ = rows, kend_ = kend;
+    if constexpr (kDense) return (kend + bk_ - 1) / bk_;
+    pat_->key_blocks(b, h, qb, blocks_);
+    return int64_t(blocks_.size());
+  }
+
+  /// Key block i of the task: its first key j0, its keys cols (none past kend: they are hidden
+  /// from every row, not computed) and its element mask (null: none). False if the block lies
+  /// wholly past kend (past the causal diagonal, or past m).
+  bool block(int64_t i, int64_t& j0, int64_t& cols, const uint8_t*& mask) const {
+    mask = nullptr;
+    if constexpr (kDense) {
+      j0 = i * bk_;
+    } else {
+      j0 = blocks_[size_t(i)].index * bk_;
+      if (j0 >= kend_) return false;
+    }
+    cols = std::min(bk_, kend_ - j0);
+    if constexpr (!kDense) {
+      if (blocks_[size_t(i)].partial) {
+        pat_->block_mask(b_, h_, i0_, rows_, j0, cols, mask_);
+        mask = mask_;
+      }
+    }
+    return true;
+  }
+
+ private:
+  int64_t bk_;
+  const SparsePattern* pat_;
+  uint8_t* mask_;
+  std::vector<KeyBlock> blocks_;
+  int64_t b_ = 0, h_ = 0, i0_ = 0, rows_ = 0, kend_ = 0;
+};
 
 #ifdef __AVX512F__
 namespace fast {
@@ -53,10 +100,10 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
   {
     // per-thread tiles (and mask and block list), allocated once per call
     std::optional<AlignedBuffer> buf;
-    std::vector<KeyBlock> blocks;
+    std::optional<KeyWalk<kDense>> walk;
     guard.run([&] {
       buf.emplace(thread_bytes(tl, kDense));
-      if constexpr (!kDense) blocks.reserve(size_t(max_key_blocks(p, bk)));
+      walk.emplace(p, bk, pat, buf->bytes() + tl.bytes());
     });
 
 #pragma omp for schedule(dynamic, 1)
@@ -66,19 +113,12 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
       if (guard.failed()) continue;
       try {
         const Workspace w(tl, buf->floats());
-        uint8_t* const mask = buf->bytes() + tl.bytes();
         // within a head, the last query tiles first: under a causal mask they see the most keys
         const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bq;
         const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
         // keys visible to some row of the tile (the last row sees the most)
         const int64_t kend = p.visible(i0 + rows - 1);
-        int64_t nb;  // key blocks to walk
-        if constexpr (kDense) {
-          nb = (kend + bk - 1) / bk;
-        } else {
-          pat->key_blocks(b, h, qb, blocks);
-          nb = int64_t(blocks.size());
-        }
+        const int64_t nb = walk->start(b, h, qb, i0, rows, kend);
         // Pattern case: Q and out are touched once per task, fetch this task's output tile and
         // the Q tiles of the next query tiles of this head (the next tasks, of this thread or
         // another) into L2 while this one computes, a share of the rows before each key block
@@ -100,19 +140,9 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
           begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
           for (int64_t i = 0; i < nb; ++i) {
             if (kPrefetch && pscale == 1.0f) prefetch_upto(rows * (i + 1) / nb);
-            int64_t j0;
-            const uint8_t* mk = nullptr;
-            if constexpr (kDense) {
-              j0 = i * bk;
-            } else {
-              const KeyBlock& kb = blocks[size_t(i)];
-              j0 = kb.index * bk;
-              if (j0 >= kend) continue;  // wholly past the causal diagonal (or past m)
-              if (kb.partial) mk = mask;
-            }
-            // keys past kend are hidden from every row: not computed
-            const int64_t cols = std::min(bk, kend - j0);
-            if (mk) pat->block_mask(b, h, i0, rows, j0, cols, mask);
+            int64_t j0, cols;
+            const uint8_t* mk;
+            if (!walk->block(i, j0, cols, mk)) continue;
             attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
                          cols, scale, causal_first(p, i0, j0), mk, pscale);
           }
@@ -154,13 +184,11 @@ template <bool kDense>
     const int64_t max_rows = tile_rows(p, bq), max_cols = tile_cols(p, bk);
     std::optional<Workspace> ws;
     std::vector<uint8_t> mask;
-    std::vector<KeyBlock> blocks;
+    std::optional<KeyWalk<kDense>> walk;
     guard.run([&] {
       ws.emplace(max_rows, max_cols, d);
-      if constexpr (!kDense) {
-        mask.resize(size_t(max_rows * max_cols));
-        blocks.reserve(size_t(max_key_blocks(p, bk)));
-      }
+      if constexpr (!kDense) mask.resize(size_t(max_rows * max_cols));
+      walk.emplace(p, bk, pat, mask.data());
     });
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t)
@@ -169,28 +197,13 @@ template <bool kDense>
         const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bq;
         const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
         const int64_t kend = p.visible(i0 + rows - 1);
-        int64_t nb;
-        if constexpr (kDense) {
-          nb = (kend + bk - 1) / bk;
-        } else {
-          pat->key_blocks(b, h, qb, blocks);
-          nb = int64_t(blocks.size());
-        }
+        const int64_t nb = walk->start(b, h, qb, i0, rows, kend);
         for (float pscale = 1.0f;; pscale = kernels::safe_pscale(kend)) {
           begin_tile(w, rows);
           for (int64_t i = 0; i < nb; ++i) {
-            int64_t j0;
-            const uint8_t* mk = nullptr;
-            if constexpr (kDense) {
-              j0 = i * bk;
-            } else {
-              const KeyBlock& kb = blocks[size_t(i)];
-              j0 = kb.index * bk;
-              if (j0 >= kend) continue;
-              if (kb.partial) mk = mask.data();
-            }
-            const int64_t cols = std::min(bk, kend - j0);
-            if (mk) pat->block_mask(b, h, i0, rows, j0, cols, mask.data());
+            int64_t j0, cols;
+            const uint8_t* mk;
+            if (!walk->block(i, j0, cols, mk)) continue;
             attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
                          v.row(b, h, j0), v.stride_row, cols, scale,
                          kernels::causal_first(p, i0, j0), mk, pscale);
