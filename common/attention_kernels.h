@@ -1,6 +1,8 @@
-// Tile kernels shared by the exact tiled attention (variants/flash.cpp) and the block-sparse
-// engine (common/block_sparse.cpp): both walk, for one query tile, a list of key blocks with an
-// online softmax, and only differ in which key blocks they visit and how they mask them.
+// Tile kernels of the tiled attention engine (common/block_sparse.cpp: its dense case is flash,
+// its block-sparse case the pattern variants) and of TileAttention (common/tile_attention.h,
+// for variants that gather their own key blocks). Each caller walks, for one query tile, a
+// sequence of key blocks with an online softmax; they differ only in which key blocks they
+// visit and how they mask them.
 //
 // One query tile of `rows` query rows of one (batch, head) goes through
 //   begin_tile     pack Q^T, acc = 0, mx = -inf, l = 0;

@@ -1,21 +1,27 @@
-// The block-sparse engine: exact softmax attention restricted to a pattern.
+// The tiled attention engine: exact softmax attention over query tiles and key blocks with an
+// online softmax (running max and sum per row), the n x m score matrix never stored. One task
+// loop serves two cases:
 //
-// For each (batch, head, query block) it visits only the key blocks the pattern lists,
-// masks partial blocks element by element (and blocks crossing the causal diagonal), and
-// keeps an online softmax (running max and sum per row) over them:
+//   dense         every key (flash):  out_i = sum_{j visible} softmax_j(q_i . k_j / sqrt(d)) v_j
+//   block-sparse  a pattern P (the pattern variants, compressed):
+//                 out_i = sum_{j in P(i), j visible} softmax_j(q_i . k_j / sqrt(d)) v_j
 //
-//   out_i = sum_{j in P(i), j visible} softmax_j(q_i . k_j / sqrt(d)) v_j
+// Each task is one (batch, head, query tile), scheduled dynamically, the last query tiles of a
+// head (under a causal mask, the heaviest) first. A query tile has block_q rows and walks key
+// blocks of block_k keys. Dense: every key block up to the last key the tile's last row sees,
+// none masked, with no pattern, block list or mask tile to pay for; the two tile sizes are
+// free. Block-sparse: both are the pattern's block size, and the task visits only the key
+// blocks the pattern lists; a partial block takes its element mask from
+// SparsePattern::block_mask (disallowed scores -> -inf before the max and the exponentials).
+// In both, key blocks wholly past the causal diagonal are skipped, keys past the last one the
+// tile's last row sees are not computed, and a block crossing the diagonal is masked element
+// by element. Rows that attend no key are 0.
 //
-// Each task is one (batch, head, query block): the pattern's block size is both the query
-// tile (rows) and the key block (cols). It runs the tile passes of flash
-// (common/attention_kernels.h: AVX-512 register-blocked kernels on transposed score tiles, or
-// the portable Eigen passes), so per computed score it runs at close to flash's rate. Key
-// blocks wholly past the causal diagonal are skipped, and keys past the last one the block's
-// last row sees are not computed; a partial block takes its element mask from
-// SparsePattern::block_mask (disallowed scores -> -inf before the max and the exponentials),
-// a block crossing the causal diagonal is masked as in flash. Rows that attend no key are 0.
+// The tiles run the passes of common/attention_kernels.h (AVX-512 register-blocked kernels on
+// transposed score tiles, or the portable Eigen passes), so per computed score the sparse case
+// runs at close to the dense rate.
 //
-// Time O(B H n (keys per row) d); memory O(threads block (block + d)) plus the pattern.
+// Time O(B H n (keys per row) d); memory O(threads block_q (block_k + d)), plus the pattern.
 #pragma once
 
 #include <memory>
@@ -30,13 +36,23 @@ namespace attnbench {
 void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
                             ConstTensorView v, TensorView out, const SparsePattern& pat);
 
+/// out = exact attention of q over k, v (the causal mask applied), in tiles of block_q query rows
+/// and block_k keys: the engine's dense case, every key block of every query tile, with no
+/// pattern, block list or element mask. OpenMP over (batch, head, query tile), dynamically
+/// scheduled.
+void dense_attention(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                     TensorView out, int64_t block_q, int64_t block_k);
+
+/// Bytes dense_attention allocates beyond inputs and output: per thread, the kernels' tiles.
+double dense_attention_memory(const Problem& p, int64_t block_q, int64_t block_k);
+
 /// Bytes block_sparse_attention allocates beyond inputs, output and the pattern: per thread,
 /// the tiles of the kernels, the element-mask tile and the key-block list (reserved for every
 /// key block, so it never grows if the pattern clears and refills it).
 double block_sparse_memory(const Problem& p, int64_t block);
 
-/// The `block` parameter every pattern variant declares: the layout block size (query and key
-/// tile) of the engine.
+/// The `block` parameter every pattern variant declares: the layout block size of the engine's
+/// block-sparse case (its query tile and key block).
 inline ParamSpec block_param() {
   return ParamSpec::Int("block", 64, 1, 4096,
                         "layout block size of the block-sparse engine (query and key tile)");

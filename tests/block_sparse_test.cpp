@@ -1,6 +1,7 @@
-// The block-sparse engine (common/block_sparse.h) on a test-only pattern with seeded random
-// key-block lists and random partial masks: against the masked exact reference, against flash
-// on a dense pattern, with large logits, rows with no allowed key, and its memory figure.
+// The tiled attention engine (common/block_sparse.h). Its block-sparse case on a test-only
+// pattern with seeded random key-block lists and random partial masks: against the masked exact
+// reference, against flash on a dense pattern, with large logits, rows with no allowed key, and
+// its memory figure. Its dense case with any query and key tile sizes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -192,6 +193,33 @@ TEST(BlockSparse, DensePatternEqualsFlashAndReference) {
                                                                 in.v.view(), &pat)),
                   1e-5)
             << "against the reference";
+      }
+}
+
+// The dense case with query and key tiles of their own sizes (one row, one key, a tile past n
+// or m, ragged last tiles), causal and not: against the exact reference, and equal to the
+// block-sparse case on a dense pattern when the two tile sizes agree.
+TEST(DenseAttention, AnyTileShapesMatchReference) {
+  uint64_t seed = 300;
+  for (auto [bq, bk] : {std::pair<int64_t, int64_t>{1, 1}, {7, 64}, {64, 7}, {16, 16}, {64, 256},
+                        {100, 13}, {512, 512}})
+    for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {300, 113}, {7, 300}})
+      for (bool causal : {false, true}) {
+        const Problem p = make_problem(n, m, 24, causal, seed++);
+        SCOPED_TRACE("block_q=" + std::to_string(bq) + " block_k=" + std::to_string(bk) + " " +
+                     p.str());
+        const Inputs in = generate_inputs(p);
+        Tensor out(p.q_shape());
+        dense_attention(p, in.q.view(), in.k.view(), in.v.view(), out.view(), bq, bk);
+        EXPECT_LE(rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
+                                                                in.v.view(), nullptr)),
+                  1e-5);
+        if (bq != bk) continue;
+        const TestPattern pat(p, bq, seed, /*dense=*/true);
+        Tensor sparse(p.q_shape());
+        block_sparse_attention(p, in.q.view(), in.k.view(), in.v.view(), sparse.view(), pat);
+        EXPECT_TRUE(std::equal(out.data(), out.data() + out.numel(), sparse.data()))
+            << "dense and block-sparse cases differ";
       }
 }
 
