@@ -205,7 +205,7 @@ TEST(DenseAttention, AnyTileShapesMatchReference) {
                         {100, 13}, {512, 512}})
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {300, 113}, {7, 300}})
       for (bool causal : {false, true}) {
-        const Problem p = make_problem(n, m, 24, causal, seed++);
+        const Problem p = test::problem(2, 2, n, m, 24, causal, seed++);
         SCOPED_TRACE("block_q=" + std::to_string(bq) + " block_k=" + std::to_string(bk) + " " +
                      p.str());
         const Inputs in = generate_inputs(p);
