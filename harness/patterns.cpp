@@ -33,6 +33,9 @@ std::string group_of(const std::string& spec, const Problem& p) {
   return group_of(spec, p.causal ? "1" : "0");
 }
 
+// Characters of the spec kept in a pattern's file name.
+constexpr size_t kMaxSpecChars = 120;
+
 // How far n is from the pattern length, as a ratio: |log2(n / kPatternLength)|.
 double distance(int64_t n) { return std::abs(std::log2(double(n) / double(kPatternLength))); }
 
@@ -78,6 +81,9 @@ std::string pattern_file_name(const std::string& spec, const Problem& p) {
                       c == '=' || c == '.' || c == '-';
     name += keep ? c : '_';
   }
+  // A spec with a long parameter value (a list of positions) would make a name longer than
+  // file systems allow; the hash still tells apart names cut alike.
+  if (name.size() > kMaxSpecChars) name.resize(kMaxSpecChars);
   // FNV-1a (64 bit) of the results.csv key: two specs or problems that read alike above
   // still get different names.
   uint64_t hash = 0xcbf29ce484222325ULL;

@@ -42,7 +42,8 @@ std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, 
 NpyArray pattern_array(const Problem& p, const SparsePattern& pat, int64_t b, int64_t h);
 
 /// File name (inside DIR/patterns) of the stored pattern of `spec` on `p`: the spec with
-/// every character other than a letter, digit, '=', '.' or '-' replaced by '_', then
+/// every character other than a letter, digit, '=', '.' or '-' replaced by '_' (its first
+/// 120 characters), then
 /// "-n<n>-m<m>-causal" or "-noncausal", then 16 hex digits of the FNV-1a hash of the
 /// results.csv key of (spec, p), then ".npy".
 std::string pattern_file_name(const std::string& spec, const Problem& p);

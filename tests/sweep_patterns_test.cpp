@@ -241,6 +241,11 @@ TEST(SweepPatterns, FileNamesFollowSpecAndProblem) {
   EXPECT_EQ(name, pattern_file_name("local:window=2,block=3", p));  // deterministic
   // specs or problems that read alike in the name still differ in the hash
   EXPECT_NE(name, pattern_file_name("local:window=2_block=3", p));
+  // a long spec is cut, and the hash keeps two such names apart
+  const std::string a = pattern_file_name("global:positions=" + std::string(300, '1') + "+2", p),
+                    b = pattern_file_name("global:positions=" + std::string(300, '1') + "+3", p);
+  EXPECT_LT(a.size(), 200u);
+  EXPECT_NE(a, b);
   Problem other = p;
   other.seed = 4;
   EXPECT_NE(name, pattern_file_name("local:window=2,block=3", other));
