@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -57,9 +58,16 @@ bool all_finite(const Tensor& t) {
 // are static) and those of the plugins in ATTNBENCH_PLUGINS, which this loads, so that
 // `ATTNBENCH_PLUGINS=my.so attnbench_tests --gtest_filter='AllVariants/*'` holds a plugin's
 // variants to their oracles too.
+// A plugin that does not load stops the tests with its error (exit status 2).
 std::vector<std::string> variant_names() {
-  if (const char* env = std::getenv("ATTNBENCH_PLUGINS"))
-    for (const std::string& path : split_plugin_list(env)) load_plugin(path);
+  if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {
+    try {
+      for (const std::string& path : split_plugin_list(env)) load_plugin(path);
+    } catch (const PluginError& e) {
+      std::fprintf(stderr, "attnbench_tests: %s (in ATTNBENCH_PLUGINS)\n", e.what());
+      std::exit(2);
+    }
+  }
   std::vector<std::string> names;
   for (const VariantInfo* v : Registry::instance().all()) names.push_back(v->name);
   return names;
