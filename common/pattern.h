@@ -46,6 +46,30 @@ class SparsePattern {
   virtual double bytes() const { return 0; }
 };
 
+/// Base of the fixed patterns stated on aligned positions a(i) = i + m - n (the position of
+/// query i among the keys) with one block size for queries and keys: a pattern states the key
+/// blocks of a query block from the aligned positions of its first and last query.
+class AlignedBlockPattern : public SparsePattern {
+ public:
+  AlignedBlockPattern(int64_t n, int64_t m, int64_t block)
+      : n_(n), m_(m), off_(m - n), bs_(block) {}
+
+  int64_t block() const override { return bs_; }
+  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const final {
+    out.clear();
+    const int64_t i0 = qb * bs_, i1 = i0 + bs_ < n_ ? i0 + bs_ : n_;
+    if (i0 < 0 || i0 >= i1) return;
+    aligned_key_blocks(i0 + off_, i1 - 1 + off_, out);
+  }
+
+ protected:
+  /// Appends to `out` (empty) the key blocks of the query block whose first and last queries
+  /// sit at aligned positions a0 <= a1, with the contract of key_blocks.
+  virtual void aligned_key_blocks(int64_t a0, int64_t a1, std::vector<KeyBlock>& out) const = 0;
+
+  int64_t n_, m_, off_, bs_;
+};
+
 /// Floor division, for b > 0 (rounds toward minus infinity).
 inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 /// Ceiling division, for b > 0.

@@ -61,18 +61,12 @@ class PositionSet {
   std::vector<Run> runs_;
 };
 
-class GlobalPattern final : public SparsePattern {
+class GlobalPattern final : public AlignedBlockPattern {
  public:
   GlobalPattern(int64_t n, int64_t m, PositionSet g, int64_t block)
-      : n_(n), m_(m), off_(m - n), g_(std::move(g)), bs_(block) {}
+      : AlignedBlockPattern(n, m, block), g_(std::move(g)) {}
 
-  int64_t block() const override { return bs_; }
-
-  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
-    out.clear();
-    const int64_t i0 = qb * bs_, i1 = std::min(n_, i0 + bs_);
-    if (i0 < 0 || i0 >= i1) return;
-    const int64_t a0 = i0 + off_, a1 = i1 - 1 + off_;
+  void aligned_key_blocks(int64_t a0, int64_t a1, std::vector<KeyBlock>& out) const override {
     const bool all_rows = a0 >= 0 && g_.covers(a0, a1);
     if (g_.meets(std::max<int64_t>(a0, 0), a1)) {
       // a global row attends every key block
@@ -108,9 +102,7 @@ class GlobalPattern final : public SparsePattern {
   double bytes() const override { return g_.bytes(); }
 
  private:
-  int64_t n_, m_, off_;
   PositionSet g_;
-  int64_t bs_;
 };
 
 class Global final : public PatternVariant {

@@ -19,19 +19,12 @@
 namespace attnbench {
 namespace {
 
-class LocalPattern final : public SparsePattern {
+class LocalPattern final : public AlignedBlockPattern {
  public:
   LocalPattern(int64_t n, int64_t m, int64_t window, int64_t block)
-      : n_(n), m_(m), off_(m - n), w_(window), bs_(block) {}
+      : AlignedBlockPattern(n, m, block), w_(window) {}
 
-  int64_t block() const override { return bs_; }
-
-  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
-    out.clear();
-    const int64_t i0 = qb * bs_, i1 = std::min(n_, i0 + bs_);
-    if (i0 < 0 || i0 >= i1) return;
-    // aligned positions of the block's first and last query
-    const int64_t a0 = i0 + off_, a1 = i1 - 1 + off_;
+  void aligned_key_blocks(int64_t a0, int64_t a1, std::vector<KeyBlock>& out) const override {
     // the band of the block: keys [a0 - w, a1 + w], clipped to the keys that exist
     const int64_t lo = std::max<int64_t>(0, a0 - w_), hi = std::min(m_ - 1, a1 + w_);
     if (lo > hi) return;
@@ -52,7 +45,7 @@ class LocalPattern final : public SparsePattern {
   }
 
  private:
-  int64_t n_, m_, off_, w_, bs_;
+  int64_t w_;
 };
 
 class Local final : public PatternVariant {

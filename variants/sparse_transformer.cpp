@@ -28,18 +28,12 @@
 namespace attnbench {
 namespace {
 
-class SparseTransformerPattern final : public SparsePattern {
+class SparseTransformerPattern final : public AlignedBlockPattern {
  public:
   SparseTransformerPattern(int64_t n, int64_t m, bool fixed, int64_t l, int64_t c, int64_t block)
-      : n_(n), m_(m), off_(m - n), fixed_(fixed), l_(l), c_(std::min(c, l)), bs_(block) {}
+      : AlignedBlockPattern(n, m, block), fixed_(fixed), l_(l), c_(std::min(c, l)) {}
 
-  int64_t block() const override { return bs_; }
-
-  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
-    out.clear();
-    const int64_t i0 = qb * bs_, i1 = std::min(n_, i0 + bs_);
-    if (i0 < 0 || i0 >= i1) return;
-    const int64_t a0 = i0 + off_, a1 = i1 - 1 + off_;
+  void aligned_key_blocks(int64_t a0, int64_t a1, std::vector<KeyBlock>& out) const override {
     // Key ranges are added in increasing order of their first key; a block already listed
     // is not listed again. Nothing is allocated: the engine calls this in its inner loop.
     auto add_range = [&](int64_t lo, int64_t hi) {
@@ -130,9 +124,8 @@ class SparseTransformerPattern final : public SparsePattern {
            !has_plain_column(std::max(j0, (u + 1) * l_), j1);
   }
 
-  int64_t n_, m_, off_;
   bool fixed_;
-  int64_t l_, c_, bs_;
+  int64_t l_, c_;
 };
 
 class SparseTransformer final : public PatternVariant {

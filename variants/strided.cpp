@@ -23,18 +23,12 @@
 namespace attnbench {
 namespace {
 
-class StridedPattern final : public SparsePattern {
+class StridedPattern final : public AlignedBlockPattern {
  public:
   StridedPattern(int64_t n, int64_t m, int64_t stride, int64_t span, int64_t block)
-      : n_(n), m_(m), off_(m - n), s_(stride), span_(span), bs_(block) {}
+      : AlignedBlockPattern(n, m, block), s_(stride), span_(span) {}
 
-  int64_t block() const override { return bs_; }
-
-  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
-    out.clear();
-    const int64_t i0 = qb * bs_, i1 = std::min(n_, i0 + bs_);
-    if (i0 < 0 || i0 >= i1) return;
-    const int64_t a0 = i0 + off_, a1 = i1 - 1 + off_;
+  void aligned_key_blocks(int64_t a0, int64_t a1, std::vector<KeyBlock>& out) const override {
     // Row a attends j = a - t stride. The t whose keys [a0 - t s, a1 - t s] meet [0, m):
     int64_t tlo = ceil_div(a0 - (m_ - 1), s_), thi = floor_div(a1, s_);
     if (span_ > 0) {  // |t s| <= span
@@ -79,7 +73,7 @@ class StridedPattern final : public SparsePattern {
     }
   }
 
-  int64_t n_, m_, off_, s_, span_, bs_;
+  int64_t s_, span_;
 };
 
 class Strided final : public PatternVariant {
