@@ -9,6 +9,7 @@
 
 #include "common/attention_kernels.h"
 #include "common/omp_guard.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace {
@@ -229,7 +230,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
 
 /// Bytes the engine allocates beyond inputs, output and the pattern, on every thread.
 double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
-  const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+  const int threads = team_threads();
 #ifdef __AVX512F__
   const double tile_bytes = double(fast::thread_bytes(fast::tiles(p, bq, bk), dense));
 #else

@@ -16,6 +16,7 @@
 #include "common/random.h"
 #include "common/simd.h"
 #include "common/softmax.h"
+#include "common/threads.h"
 
 namespace attnbench::kernel_attention {
 
@@ -353,7 +354,7 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
 }
 
 int attend_threads(const Problem& p) {
-  const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+  const int threads = team_threads();
   const int64_t heads = p.batch * p.heads;
   return heads >= threads ? threads : 1;
 }
@@ -364,7 +365,7 @@ void attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorV
   const Schedule sc = Schedule::for_features(features);
   const int64_t heads = p.batch * p.heads, floats = workspace_floats(sc, features, p.dim);
   // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
-  const bool per_head = heads >= omp_get_max_threads();
+  const bool per_head = heads >= team_threads();
   OmpGuard guard;
 #pragma omp parallel if (per_head)
   {
@@ -414,7 +415,7 @@ double attend_bytes(const Problem& p, int64_t features) {
   const Schedule sc = Schedule::for_features(features);
   const double per_thread =
       double(round_up(workspace_floats(sc, features, p.dim) * int64_t(sizeof(float)), 64));
-  const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+  const int threads = team_threads();
   double bytes = per_thread * attend_threads(p);
   // With fewer heads than threads the GEMMs run multi-threaded inside OpenBLAS, and its
   // OpenMP build mallocs a job array for every level-3 call it splits over threads: 524296

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "common/problem.h"
+#include "common/threads.h"
 
 namespace attnbench {
 
@@ -20,7 +21,7 @@ struct KeySplit {
 
   KeySplit() = default;
   KeySplit(const Problem& p, int64_t chunk_keys)
-      : threads(omp_get_max_threads()), chunks((p.keys() + chunk_keys - 1) / chunk_keys) {
+      : threads(team_threads()), chunks((p.keys() + chunk_keys - 1) / chunk_keys) {
     const int64_t bh = p.batch * p.heads;
     splits = std::min(chunks, std::max<int64_t>(1, (threads + bh - 1) / bh));
     tasks = bh * splits;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -20,6 +21,7 @@
 #include "harness/memory.h"
 
 extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
 
 namespace attnbench {
 
@@ -126,15 +128,30 @@ std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / double(
 
 int max_threads() { return kMaxThreadsPerCore * std::max(1, omp_get_num_procs()); }
 
-int apply_threads(int threads) {
+int resolve_threads(int threads) {
   if (threads < 0 || threads > max_threads())
     throw UsageError(fmt::format("threads: {} is out of range; accepted: 0 (every core) to {} "
                                  "({} per core on {} cores)",
                                  threads, max_threads(), kMaxThreadsPerCore, omp_get_num_procs()));
-  if (threads == 0) threads = omp_get_num_procs();
+  return threads == 0 ? omp_get_num_procs() : threads;
+}
+
+int apply_threads(int threads) {
+  threads = resolve_threads(threads);
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
   return threads;
+}
+
+ThreadTeam::ThreadTeam(int threads)
+    : omp_before_(omp_get_max_threads()), blas_before_(openblas_get_num_threads()) {
+  openblas_set_num_threads(threads);
+  omp_set_num_threads(threads);
+}
+
+ThreadTeam::~ThreadTeam() {
+  openblas_set_num_threads(blas_before_);
+  omp_set_num_threads(omp_before_);
 }
 
 // Google Benchmark's JSON, with the non-finite numbers its reporter writes as bare NaN or
@@ -175,6 +192,8 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
             const RunOptions& opt, Tensor* output, nlohmann::json* bench_json) {
   Row row;
   row.problem = p;
+  // Every call into the variant below runs on this team; the count is decided here only.
+  std::optional<ThreadTeam> team;
   // One try around everything a variant or the problem can throw from, estimates and the
   // memory guard included: a failure is the row's status, never an exception.
   try {
@@ -184,6 +203,8 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
       throw UsageError(fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
                                    "and min_time in [0, 3600]",
                                    opt.reps, opt.min_time));
+    row.problem.threads = resolve_threads(p.threads);
+    team.emplace(row.problem.threads);
     p.validate();
     variant.check_supported(p);
     row.flops = variant.flops(p);

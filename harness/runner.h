@@ -46,14 +46,34 @@ constexpr int kMaxThreadsPerCore = 8;
 /// The largest thread count accepted: kMaxThreadsPerCore x the cores this process may use.
 int max_threads();
 
-/// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS. Throws
-/// UsageError for a count outside [0, max_threads()].
+/// Resolves threads = 0 to every core. Throws UsageError for a count outside
+/// [0, max_threads()].
+int resolve_threads(int threads);
+
+/// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS for the rest
+/// of the process. Throws UsageError for a count outside [0, max_threads()].
 int apply_threads(int threads);
+
+/// The team every call into a variant runs with: sets the OpenMP team size and OpenBLAS's
+/// thread count for a scope and restores both when it ends. Variants, engines and kernels
+/// take the team they are given (common/threads.h); run_one is where the count is decided.
+class ThreadTeam {
+ public:
+  /// `threads` >= 1 (resolve_threads gives one).
+  explicit ThreadTeam(int threads);
+  ~ThreadTeam();
+  ThreadTeam(const ThreadTeam&) = delete;
+  ThreadTeam& operator=(const ThreadTeam&) = delete;
+
+ private:
+  int omp_before_, blas_before_;
+};
 
 /// Bytes of memory the system can give (MemAvailable).
 double available_memory();
 
-/// Runs `variant` on `p`. Inputs come from `given` if set, else from the problem's generator.
+/// Runs `variant` on `p`, every call into it with p.threads threads (0 = every core; see
+/// ThreadTeam). Inputs come from `given` if set, else from the problem's generator.
 /// The output of the checked forward pass is moved into *output if requested. The Google
 /// Benchmark JSON of the runs is stored in *bench_json when given. Never throws for a
 /// variant's failure: the row's status says what happened.

@@ -68,6 +68,7 @@
 #include "common/registry.h"
 #include "common/row_pattern.h"
 #include "common/softmax.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace clustered {
@@ -446,7 +447,7 @@ class Clustered final : public Variant {
     // with fewer tasks than threads (one or two heads), the tasks run one at a time and the
     // GEMMs use the threads
     OmpGuard guard;
-#pragma omp parallel if (tasks >= omp_get_max_threads())
+#pragma omp parallel if (tasks >= team_threads())
     {
       const int64_t rows_max = std::min({kChunkG, s_.clusters, n});
       std::unique_ptr<float[]> sbuf, obuf, mhat, ibuf;
@@ -532,7 +533,7 @@ class Clustered final : public Variant {
   double memory_estimate(const Problem& p) const override {
     const double n = double(p.n), m = double(p.keys()), d = double(p.dim), f = 4,
                  c = double(std::min(s_.clusters, p.n)), kk = double(std::min(topk_, p.keys()));
-    const double BH = double(p.batch * p.heads), T = double(omp_get_max_threads());
+    const double BH = double(p.batch * p.heads), T = double(team_threads());
     // the groups of every head, kept from step 1 to step 2 (members, start, cluster, means)
     const double shared = BH * (4 * n + 12 * c + f * c * d + 8) + 8 * BH;
     // step 1, per head in flight: assignment, codes (or centroids), counters, initial rows
@@ -588,7 +589,7 @@ class Clustered final : public Variant {
   // Step 1: clusters and groups of every head.
   void cluster_all(const Problem& p, ConstTensorView q, std::vector<Groups>& groups) const {
     const int64_t BH = p.batch * p.heads, H = p.heads;
-    const bool per_head = BH >= omp_get_max_threads();
+    const bool per_head = BH >= team_threads();
     OmpGuard guard;
 #pragma omp parallel if (per_head)
     {

@@ -14,6 +14,7 @@
 
 #include "common/registry.h"
 #include "common/softmax.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace {
@@ -28,7 +29,7 @@ class Full final : public Variant {
     // Left uninitialised (as torch.empty would be): every element is written by pass 1.
     std::unique_ptr<float[]> scores(new float[size_t(heads * n * m)]);
     // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
-    const bool per_head = heads >= omp_get_max_threads();
+    const bool per_head = heads >= team_threads();
 
     // pass 1: S = Q K^T (scaling is folded into the softmax)
 #pragma omp parallel for schedule(dynamic) if (per_head)

@@ -53,6 +53,7 @@
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/softmax.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace linformer {
@@ -243,7 +244,7 @@ class Linformer final : public Variant {
   };
   Plan plan(const Problem& p) const {
     Plan pl;
-    pl.threads = omp_get_max_threads();
+    pl.threads = team_threads();
     pl.chunks = (p.keys() + kChunk - 1) / kChunk;
     pl.splits = std::min(pl.chunks, std::max<int64_t>(1, (pl.threads + p.heads - 1) / p.heads));
     pl.tasks = p.heads * pl.splits;

@@ -50,6 +50,7 @@
 #include "common/omp_guard.h"
 #include "common/oracle.h"
 #include "common/registry.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace {
@@ -95,7 +96,7 @@ class Performer final : public Variant {
     // the projections of every head, plus either what drawing them takes (per thread, for
     // orthogonal blocks: the Gaussian block, its QR and Q, d x d doubles each; freed before
     // the attention starts) or the attention's per-thread workspaces
-    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const int threads = team_threads();
     const double gen =
         orthogonal_ ? double(std::min<int64_t>(threads, p.heads)) * 3.0 * d * d * 8.0 : 0.0;
     return double(p.heads) * double(features_) * d * 4.0 +

@@ -51,6 +51,7 @@
 #include "common/registry.h"
 #include "common/row_pattern.h"
 #include "common/tensor.h"
+#include "common/threads.h"
 #include "common/tile_attention.h"
 
 namespace attnbench {
@@ -348,7 +349,7 @@ class Reformer final : public Variant {
     // phases (common/phase.h): "hash" is hashing and sorting (projections, buckets, counting
     // sort, gathering the sorted rows), "attend" the rest of a head's work
     OmpGuard guard;
-#pragma omp parallel if (by_head(p, omp_get_max_threads()))
+#pragma omp parallel if (by_head(p, team_threads()))
     {
       std::optional<HeadBuffers> buffers;
       guard.run([&] { buffers.emplace(pl, n, d); });
@@ -409,7 +410,7 @@ class Reformer final : public Variant {
 
   double memory_estimate(const Problem& p) const override {
     const Plan pl = plan(p);
-    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const int threads = team_threads();
     const double per_thread = double(TileAttention::bytes(pl.chunk, pl.chunk, p.dim)) +
                               4.0 * double(pl.chunk) * double(p.dim + 1) +
                               4.0 * double(kHashRows * pl.hashes * pl.cols);

@@ -52,6 +52,7 @@
 #include "common/registry.h"
 #include "common/row_pattern.h"
 #include "common/tensor.h"
+#include "common/threads.h"
 #include "common/tile_attention.h"
 
 namespace attnbench {
@@ -141,7 +142,7 @@ void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t l
     }
   }
   // candidates per centroid, gathered per thread then joined
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int threads = omp_in_parallel() ? 1 : team_threads();
   std::vector<std::vector<std::pair<float, int32_t>>> cand(static_cast<size_t>(threads * c));
   OmpGuard guard;
 #pragma omp parallel num_threads(threads)
@@ -388,7 +389,7 @@ class RoutingVariant final : public Variant {
     // phases (common/phase.h): "route" is routing (Lloyd steps, centroid scores, top-w
     // selection), "attend" the attention within the clusters and the combination
     OmpGuard guard;
-#pragma omp parallel if (by_head(p, omp_get_max_threads())) reduction(+ : unrouted)
+#pragma omp parallel if (by_head(p, team_threads())) reduction(+ : unrouted)
     {
       std::optional<HeadOutputs> ho;
       routing::Workspace ws;
@@ -428,7 +429,7 @@ class RoutingVariant final : public Variant {
 
   double memory_estimate(const Problem& p) const override {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
-    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const int threads = team_threads();
     const double n = double(p.n), m = double(p.keys()), d = double(p.dim), c = double(pl.c);
     const double s = double(pl.sample);
     const double cp = std::ceil(c / 64) * 64;  // select_top's padded centroid count

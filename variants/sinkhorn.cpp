@@ -47,6 +47,7 @@
 #include "common/block_sparse.h"
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace {
@@ -337,7 +338,7 @@ class Sinkhorn final : public PatternVariant {
   }
 
   double memory_estimate(const Problem& p) const override {
-    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const int threads = team_threads();
     const int64_t nb = blocks(p);
     // engine tiles, the matching table and every thread's matching arrays
     return block_sparse_memory(p, block_) + double(p.batch * p.heads * nb) * sizeof(int32_t) +

@@ -34,6 +34,7 @@
 #include "common/omp_guard.h"
 #include "common/pattern.h"
 #include "common/registry.h"
+#include "common/threads.h"
 
 namespace topk {
 
@@ -204,7 +205,7 @@ class TopkAttention final : public attnbench::Variant {
 
   double memory_estimate(const Problem& p) const override {
     // one Scratch per thread: m logits (float) and m key indices (int32)
-    const int threads = p.threads > 0 ? p.threads : omp_get_max_threads();
+    const int threads = attnbench::team_threads();
     return double(threads) * double(p.keys()) * (sizeof(float) + sizeof(int32_t));
   }
 
