@@ -17,9 +17,9 @@
 /// Defines the symbol that tells the loader which ABI a plugin was built against. Exactly one
 /// source file of a plugin expands it; attnbench_add_plugin (the CMake package) generates that
 /// file, so plugin sources never need it.
-#define ATTNBENCH_DEFINE_PLUGIN_ABI()                                        \
-  extern "C" __attribute__((visibility("default"), used)) const int          \
-      attnbench_plugin_abi_version = ATTNBENCH_ABI_VERSION
+#define ATTNBENCH_DEFINE_PLUGIN_ABI()                                                              \
+  extern "C" __attribute__((visibility("default"), used)) const int attnbench_plugin_abi_version = \
+      ATTNBENCH_ABI_VERSION
 
 /// Name of the symbol ATTNBENCH_DEFINE_PLUGIN_ABI defines.
 #define ATTNBENCH_PLUGIN_ABI_SYMBOL "attnbench_plugin_abi_version"

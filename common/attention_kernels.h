@@ -118,7 +118,11 @@ struct Tiles {
   int64_t d, dp;   // head dimension, and d rounded up to whole vectors (row stride of acc)
 
   Tiles(int64_t bq_, int64_t bk_, int64_t d_)
-      : bq(bq_), bk(bk_), bqp(round_up(bq_, kLanes)), bkp(round_up(bk_, kKeys)), d(d_),
+      : bq(bq_),
+        bk(bk_),
+        bqp(round_up(bq_, kLanes)),
+        bkp(round_up(bk_, kKeys)),
+        d(d_),
         dp(round_up(d_, kLanes)) {}
   // Q^T (d x bqp), S^T (bkp x bqp), acc (bqp x dp), and per row mx, l, corr, block max.
   int64_t floats() const { return d * bqp + bkp * bqp + bqp * dp + 4 * bqp; }
@@ -130,13 +134,13 @@ struct Workspace {
   float *qt, *st, *acc, *mx, *l, *corr, *bmax;
 
   Workspace(const Tiles& tl, float* buf)
-      : qt(buf),                         // Q^T, d x bqp
-        st(qt + tl.d * tl.bqp),          // S^T then P^T, bkp x bqp
-        acc(st + tl.bkp * tl.bqp),       // bqp x dp
-        mx(acc + tl.bqp * tl.dp),        // running max (raw scores)
-        l(mx + tl.bqp),                  // running sum
-        corr(l + tl.bqp),                // correction of the last block
-        bmax(corr + tl.bqp) {}           // block row max (raw scores)
+      : qt(buf),                    // Q^T, d x bqp
+        st(qt + tl.d * tl.bqp),     // S^T then P^T, bkp x bqp
+        acc(st + tl.bkp * tl.bqp),  // bqp x dp
+        mx(acc + tl.bqp * tl.dp),   // running max (raw scores)
+        l(mx + tl.bqp),             // running sum
+        corr(l + tl.bqp),           // correction of the last block
+        bmax(corr + tl.bqp) {}      // block row max (raw scores)
 };
 
 /// Starts a query tile of `rows` <= bq query rows (row r at q0 + r ldq): packs Q^T, with the
@@ -172,8 +176,10 @@ inline void prefetch_rows(const float* p, int64_t rows, int64_t ld, int64_t d, b
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = reinterpret_cast<const char*>(p + r * ld);
     for (int64_t o = 0; o < d * int64_t(sizeof(float)); o += 64) {
-      if (write) __builtin_prefetch(row + o, 1, 2);
-      else _mm_prefetch(row + o, _MM_HINT_T1);
+      if (write)
+        __builtin_prefetch(row + o, 1, 2);
+      else
+        _mm_prefetch(row + o, _MM_HINT_T1);
     }
   }
 }
@@ -183,8 +189,8 @@ inline void prefetch_rows(const float* p, int64_t rows, int64_t ld, int64_t d, b
 // never leave registers; each step loads NRV vectors of Q^T and broadcasts kKeys k values.
 // The block row max bmax is raised over the new scores.
 template <int NRV>
-inline void scores_tile(const float* qt, int64_t ldq, const float* const* kr, int64_t d,
-                        float* st, int64_t lds, float* bmax) {
+inline void scores_tile(const float* qt, int64_t ldq, const float* const* kr, int64_t d, float* st,
+                        int64_t lds, float* bmax) {
   __m512 acc[kKeys][NRV];
 #pragma GCC unroll 8
   for (int c = 0; c < kKeys; ++c)
@@ -229,10 +235,18 @@ inline void scores_block(const Tiles& tl, const Workspace& w, int64_t nrv, const
       float* ss = w.st + g * ld + rv * kLanes;
       float* bm = w.bmax + rv * kLanes;
       switch (std::min<int64_t>(kRowVecs, nrv - rv)) {
-        case 1: scores_tile<1>(qs, ld, kr, tl.d, ss, ld, bm); break;
-        case 2: scores_tile<2>(qs, ld, kr, tl.d, ss, ld, bm); break;
-        case 3: scores_tile<3>(qs, ld, kr, tl.d, ss, ld, bm); break;
-        default: scores_tile<4>(qs, ld, kr, tl.d, ss, ld, bm); break;
+        case 1:
+          scores_tile<1>(qs, ld, kr, tl.d, ss, ld, bm);
+          break;
+        case 2:
+          scores_tile<2>(qs, ld, kr, tl.d, ss, ld, bm);
+          break;
+        case 3:
+          scores_tile<3>(qs, ld, kr, tl.d, ss, ld, bm);
+          break;
+        default:
+          scores_tile<4>(qs, ld, kr, tl.d, ss, ld, bm);
+          break;
       }
     }
   }
@@ -308,16 +322,18 @@ inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, fl
   // 2^((x - shift) s) for 16 scores
   auto weight = [&](__m512 x, __m512 shift) {
     const __m512 p = simd::exp2_nonpos_ps(_mm512_mul_ps(_mm512_sub_ps(x, shift), sc));
-    if constexpr (kScaleP) return _mm512_mul_ps(p, ps);
-    else return p;
+    if constexpr (kScaleP)
+      return _mm512_mul_ps(p, ps);
+    else
+      return p;
   };
   for (int64_t rv = 0; rv < nrv; ++rv) {
     const int64_t o = rv * kLanes;
     const __m512 old_mx = _mm512_loadu_ps(mx + o);
     // block max second: a NaN there is kept
     const __m512 new_mx = _mm512_max_ps(old_mx, _mm512_loadu_ps(bmax + o));
-    const __m512 shift = _mm512_mask_mov_ps(
-        new_mx, _mm512_cmp_ps_mask(new_mx, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    const __m512 shift = _mm512_mask_mov_ps(new_mx, _mm512_cmp_ps_mask(new_mx, neg_inf, _CMP_EQ_OQ),
+                                            _mm512_setzero_ps());
     const __m512 cr = simd::exp2_nonpos_ps(_mm512_mul_ps(_mm512_sub_ps(old_mx, shift), sc));
     // two partial sums, so that consecutive keys do not wait on one add chain
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
@@ -402,10 +418,14 @@ inline PvKernel pv_kernel(int64_t nv, int64_t rows) {
   static constexpr auto k3 = pv_kernels<3>(std::make_integer_sequence<int, kPvRows[3]>{});
   static constexpr auto k4 = pv_kernels<4>(std::make_integer_sequence<int, kPvRows[4]>{});
   switch (nv) {
-    case 1: return k1[size_t(rows - 1)];
-    case 2: return k2[size_t(rows - 1)];
-    case 3: return k3[size_t(rows - 1)];
-    default: return k4[size_t(rows - 1)];
+    case 1:
+      return k1[size_t(rows - 1)];
+    case 2:
+      return k2[size_t(rows - 1)];
+    case 3:
+      return k3[size_t(rows - 1)];
+    default:
+      return k4[size_t(rows - 1)];
   }
 }
 
@@ -439,8 +459,10 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   // pass 2: only blocks reaching past the keys every row sees, or with a mask
   const bool causal = causal_first < cols;
   if (mask) {
-    if (causal) mask_block<true, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
-    else mask_block<false, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
+    if (causal)
+      mask_block<true, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
+    else
+      mask_block<false, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
   } else if (causal) {
     mask_block<true, false>(w.st, ld, rows, nrv, cols, causal_first, nullptr, w.bmax);
   } else {
@@ -511,8 +533,8 @@ inline void begin_tile(Workspace& w, int64_t rows) {
 /// p is multiplied by pscale (1, or safe_pscale). The max is kept in raw score units and
 /// subtracted before scaling, as in the AVX-512 passes.
 inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t rows, int64_t d,
-                         const float* kb, int64_t ldk, const float* vb, int64_t ldv,
-                         int64_t cols, float scale, int64_t causal_first, const uint8_t* mask,
+                         const float* kb, int64_t ldk, const float* vb, int64_t ldv, int64_t cols,
+                         float scale, int64_t causal_first, const uint8_t* mask,
                          float pscale = 1.0f) {
   ConstMap qm(q0, rows, d, Eigen::OuterStride<>(ldq));
   ConstMap km(kb, cols, d, Eigen::OuterStride<>(ldk));
@@ -532,8 +554,10 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
     float bm = -INFINITY;
     bool seen = false;
     for (int64_t c = 0; c < vis; ++c) {
-      if (std::isnan(sr[c])) bm = NAN;
-      else bm = sr[c] > bm ? sr[c] : bm;
+      if (std::isnan(sr[c]))
+        bm = NAN;
+      else
+        bm = sr[c] > bm ? sr[c] : bm;
       seen |= !mr || mr[c];
     }
     if (seen && bm == -INFINITY) bm = NAN;

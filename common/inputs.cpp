@@ -47,22 +47,23 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
   OmpGuard guard;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
-      RandomStream lat(p.seed, stream_id(kLatent, o, b, h)), nq(p.seed, stream_id(kNoiseQ, o, b, h)),
-          nk(p.seed, stream_id(kNoiseK, o, b, h));
-      std::vector<double> z(size_t(len * d));
-      for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
-      for (int64_t t = 1; t < len; ++t)
-        for (int64_t c = 0; c < d; ++c)
-          z[size_t(t * d + c)] =
-              rho * z[size_t((t - 1) * d + c)] + innov * lat.normal(uint64_t(t * d + c));
-      float* q = in.q.view().head(b, h);
-      float* k = in.k.view().head(b, h);
-      for (int64_t i = 0; i < n * d; ++i)
-        q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
-      for (int64_t i = 0; i < m * d; ++i)
-        k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
-    });
+    for (int64_t h = 0; h < p.heads; ++h)
+      guard.run([&] {
+        RandomStream lat(p.seed, stream_id(kLatent, o, b, h)),
+            nq(p.seed, stream_id(kNoiseQ, o, b, h)), nk(p.seed, stream_id(kNoiseK, o, b, h));
+        std::vector<double> z(size_t(len * d));
+        for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
+        for (int64_t t = 1; t < len; ++t)
+          for (int64_t c = 0; c < d; ++c)
+            z[size_t(t * d + c)] =
+                rho * z[size_t((t - 1) * d + c)] + innov * lat.normal(uint64_t(t * d + c));
+        float* q = in.q.view().head(b, h);
+        float* k = in.k.view().head(b, h);
+        for (int64_t i = 0; i < n * d; ++i)
+          q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
+        for (int64_t i = 0; i < m * d; ++i)
+          k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
+      });
   guard.rethrow();
 }
 
@@ -74,22 +75,24 @@ void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
   OmpGuard guard;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
-      RandomStream cs(p.seed, stream_id(kCenters, o, b, h)), as(p.seed, stream_id(kAssign, o, b, h));
-      std::vector<double> centres(size_t(clusters * d));
-      for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
-      auto fill = [&](float* x, int64_t len, Role noise_role, uint64_t offset) {
-        RandomStream ns(p.seed, stream_id(noise_role, o, b, h));
-        for (int64_t t = 0; t < len; ++t) {
-          int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
-          for (int64_t j = 0; j < d; ++j)
-            x[t * d + j] = float(norm * (centres[size_t(c * d + j)] +
-                                         sigma * ns.normal(uint64_t(t * d + j))));
-        }
-      };
-      fill(in.q.view().head(b, h), p.n, kNoiseQ, 0);
-      fill(in.k.view().head(b, h), p.keys(), kNoiseK, uint64_t(1) << 40);
-    });
+    for (int64_t h = 0; h < p.heads; ++h)
+      guard.run([&] {
+        RandomStream cs(p.seed, stream_id(kCenters, o, b, h)),
+            as(p.seed, stream_id(kAssign, o, b, h));
+        std::vector<double> centres(size_t(clusters * d));
+        for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
+        auto fill = [&](float* x, int64_t len, Role noise_role, uint64_t offset) {
+          RandomStream ns(p.seed, stream_id(noise_role, o, b, h));
+          for (int64_t t = 0; t < len; ++t) {
+            int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
+            for (int64_t j = 0; j < d; ++j)
+              x[t * d + j] = float(
+                  norm * (centres[size_t(c * d + j)] + sigma * ns.normal(uint64_t(t * d + j))));
+          }
+        };
+        fill(in.q.view().head(b, h), p.n, kNoiseQ, 0);
+        fill(in.k.view().head(b, h), p.keys(), kNoiseK, uint64_t(1) << 40);
+      });
   guard.rethrow();
 }
 
@@ -100,25 +103,26 @@ void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
   OmpGuard guard;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
-      RandomStream us(p.seed, stream_id(kBasis, o, b, h));
-      std::vector<double> u(size_t(r * d));
-      for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
-      auto fill = [&](float* x, int64_t len, Role role) {
-        RandomStream zs(p.seed, stream_id(role, o, b, h));
-        std::vector<double> z(static_cast<size_t>(r));
-        for (int64_t t = 0; t < len; ++t) {
-          for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
-          for (int64_t j = 0; j < d; ++j) {
-            double s = 0;
-            for (int64_t a = 0; a < r; ++a) s += z[size_t(a)] * u[size_t(a * d + j)];
-            x[t * d + j] = float(s);
+    for (int64_t h = 0; h < p.heads; ++h)
+      guard.run([&] {
+        RandomStream us(p.seed, stream_id(kBasis, o, b, h));
+        std::vector<double> u(size_t(r * d));
+        for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
+        auto fill = [&](float* x, int64_t len, Role role) {
+          RandomStream zs(p.seed, stream_id(role, o, b, h));
+          std::vector<double> z(static_cast<size_t>(r));
+          for (int64_t t = 0; t < len; ++t) {
+            for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
+            for (int64_t j = 0; j < d; ++j) {
+              double s = 0;
+              for (int64_t a = 0; a < r; ++a) s += z[size_t(a)] * u[size_t(a * d + j)];
+              x[t * d + j] = float(s);
+            }
           }
-        }
-      };
-      fill(in.q.view().head(b, h), p.n, kQ);
-      fill(in.k.view().head(b, h), p.keys(), kK);
-    });
+        };
+        fill(in.q.view().head(b, h), p.n, kQ);
+        fill(in.k.view().head(b, h), p.keys(), kK);
+      });
   guard.rethrow();
 }
 
@@ -170,9 +174,10 @@ Inputs generate(const Problem& p, const Origin& o) {
     // a scale that is finite in float (Problem::validate) can still overflow q
     for (int64_t i = 0; i < in.q.numel(); ++i)
       if (!std::isfinite(q[i]))
-        throw InputError(fmt::format("scale {} overflows q in float32 (q holds {} at flat index "
-                                     "{}): use a smaller scale",
-                                     p.scale, q[i], i));
+        throw InputError(
+            fmt::format("scale {} overflows q in float32 (q holds {} at flat index "
+                        "{}): use a smaller scale",
+                        p.scale, q[i], i));
   }
   return in;
 }

@@ -76,8 +76,10 @@ inline float row_max(const float* y, int64_t count) {
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
   __m512 mx = lowest;
   int64_t i = 0;
-  for (; i + simd::kLanes <= count; i += simd::kLanes) mx = _mm512_max_ps(mx, _mm512_loadu_ps(y + i));
-  if (i < count) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, simd::first_lanes(count - i), y + i));
+  for (; i + simd::kLanes <= count; i += simd::kLanes)
+    mx = _mm512_max_ps(mx, _mm512_loadu_ps(y + i));
+  if (i < count)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, simd::first_lanes(count - i), y + i));
   return _mm512_reduce_max_ps(mx);
 #else
   float mx = -INFINITY;
@@ -159,8 +161,8 @@ PerformerFeatureMap::PerformerFeatureMap(std::vector<float> w, int64_t features,
 
 void PerformerFeatureMap::project(const float* x, int64_t ldx, int64_t rows, float* out,
                                   int64_t ldo) const {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(features_), int(d_), 1.0f,
-              x, int(ldx), ws_.data(), int(d_), 0.0f, out, int(ldo));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(features_), int(d_), 1.0f, x,
+              int(ldx), ws_.data(), int(d_), 0.0f, out, int(ldo));
 }
 
 void PerformerFeatureMap::queries(const float* x, int64_t ldx, int64_t rows, float* out,
@@ -177,8 +179,8 @@ void PerformerFeatureMap::queries(const float* x, int64_t ldx, int64_t rows, flo
   }
 }
 
-void PerformerFeatureMap::keys(const float* x, int64_t ldx, int64_t rows, float* out,
-                               int64_t ldo, float& shift) const {
+void PerformerFeatureMap::keys(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo,
+                               float& shift) const {
   project(x, ldx, rows, out, ldo);
   const int64_t f = features_, d = d_;
   if (kernel_ == PerformerKernel::Relu) return relu_features(out, ldo, rows, f);
@@ -186,8 +188,8 @@ void PerformerFeatureMap::keys(const float* x, int64_t ldx, int64_t rows, float*
   const float half_inv_sqrt_d = float(0.5 / std::sqrt(double(d)));
   float block_max = -INFINITY;
   for (int64_t r = 0; r < rows; ++r)
-    block_max = std::max(block_max, row_max(out + r * ldo, f) -
-                                        sum_squares(x + r * ldx, d) * half_inv_sqrt_d);
+    block_max = std::max(block_max,
+                         row_max(out + r * ldo, f) - sum_squares(x + r * ldx, d) * half_inv_sqrt_d);
   shift = std::max(shift, block_max);
   const float half_log_f = float(0.5 * std::log(double(f)));
   for (int64_t r = 0; r < rows; ++r)
@@ -265,8 +267,8 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
                  int64_t ldo, float eps, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, R = sc.block, C = sc.chunk;
   const Layout L(sc, f, d);
-  float *phq = work + L.phq, *phk = work + L.phk, *a = work + L.a, *s = work + L.s,
-        *z = work + L.z, *den = work + L.den;
+  float *phq = work + L.phq, *phk = work + L.phk, *a = work + L.a, *s = work + L.s, *z = work + L.z,
+        *den = work + L.den;
   std::fill(s, s + f * d, 0.0f);
   std::fill(z, z + f, 0.0f);
   float shift = -INFINITY;
@@ -284,8 +286,8 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
   };
   // S += phi(K)^T V and z += column sums of phi(K) for keys [j0, j0 + cnt), rows of pk
   auto fold = [&](const float* pk, int64_t j0, int64_t cnt) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(cnt), 1.0f, pk,
-                int(f), v + j0 * ldv, int(ldv), 1.0f, s, int(d));
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(cnt), 1.0f, pk, int(f),
+                v + j0 * ldv, int(ldv), 1.0f, s, int(d));
     for (int64_t r = 0; r < cnt; ++r) {
       const float* row = pk + r * f;
       for (int64_t i = 0; i < f; ++i) z[i] += row[i];
@@ -303,7 +305,8 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
       kdone += cnt;
     }
     if (ke == 0) {  // no row of the block sees a key
-      for (int64_t r = 0; r < rows; ++r) std::fill(out + (i0 + r) * ldo, out + (i0 + r) * ldo + d, 0.0f);
+      for (int64_t r = 0; r < rows; ++r)
+        std::fill(out + (i0 + r) * ldo, out + (i0 + r) * ldo + d, 0.0f);
       continue;
     }
     // 2. the block's queries, and the keys only some of its rows see (causal: < R of them)
@@ -318,8 +321,8 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
       float* o = out + i * ldo;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(c), int(d), int(f), 1.0f, pq,
                   int(f), s, int(d), 0.0f, o, int(ldo));
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(c), int(f), 1.0f, pq, int(f), z, 1, 0.0f,
-                  den, 1);
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(c), int(f), 1.0f, pq, int(f), z, 1, 0.0f, den,
+                  1);
       const int64_t je = p.visible(i + c - 1);
       if (je > kdone) {
         const int64_t w = je - kdone;  // <= c keys
@@ -372,11 +375,12 @@ void attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorV
     std::optional<Aligned> work;
     guard.run([&] { work.emplace(floats); });
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
-      const int64_t b = bh / p.heads, h = bh % p.heads;
-      attend_head(map_for_head(h), p, sc, q.head(b, h), q.stride_row, k.head(b, h), k.stride_row,
-                  v.head(b, h), v.stride_row, out.head(b, h), out.stride_row, eps, work->get());
-    });
+    for (int64_t bh = 0; bh < heads; ++bh)
+      guard.run([&] {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
+        attend_head(map_for_head(h), p, sc, q.head(b, h), q.stride_row, k.head(b, h), k.stride_row,
+                    v.head(b, h), v.stride_row, out.head(b, h), out.stride_row, eps, work->get());
+      });
   }
   guard.rethrow();
 }

@@ -53,7 +53,8 @@ class FeatureMap {
   virtual int64_t features() const = 0;
   /// phi of `rows` query rows (row r at x + r ldx, d floats) into out (row r at out + r ldo).
   /// A query row may be scaled by any positive factor of its own (it cancels in the ratio).
-  virtual void queries(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo) const = 0;
+  virtual void queries(const float* x, int64_t ldx, int64_t rows, float* out,
+                       int64_t ldo) const = 0;
   /// phi(k) exp(-shift) of `rows` key rows. `shift` is the log-scale of the keys mapped so
   /// far (-inf before the first); a map may raise it (never lower it) and must then scale
   /// these rows by the new value. Maps without a stabiliser leave it alone.

@@ -36,8 +36,9 @@ constexpr const char* kNpyDtypes =
 
 // Bytes per element of a simple NumPy descr ("<f4", "|u1", "<U10"), or 0 if it is not one.
 int64_t itemsize(const std::string& descr) {
-  if (descr.size() < 3 || descr.size() > 12 || std::string_view("<>|=").find(descr[0]) ==
-      std::string_view::npos || !std::isalpha(static_cast<unsigned char>(descr[1])))
+  if (descr.size() < 3 || descr.size() > 12 ||
+      std::string_view("<>|=").find(descr[0]) == std::string_view::npos ||
+      !std::isalpha(static_cast<unsigned char>(descr[1])))
     return 0;
   int64_t n = 0;
   const char* first = descr.data() + 2;
@@ -53,12 +54,11 @@ std::string excerpt(const std::string& header) {
 }
 
 // Extracts the value text for key in the header dict "{'descr': '<f4', ...}".
-std::string dict_value(const std::string& header, const std::string& key,
-                       const std::string& what) {
+std::string dict_value(const std::string& header, const std::string& key, const std::string& what) {
   auto pos = header.find("'" + key + "'");
   if (pos == std::string::npos)
-    throw InputError(fmt::format("{}: .npy header has no '{}' field: {}", what, key,
-                                 excerpt(header)));
+    throw InputError(
+        fmt::format("{}: .npy header has no '{}' field: {}", what, key, excerpt(header)));
   pos = header.find(':', pos);
   if (pos == std::string::npos)
     throw InputError(fmt::format("{}: malformed .npy header (no ':' after '{}'): {}", what, key,
@@ -72,8 +72,8 @@ std::string dict_value(const std::string& header, const std::string& key,
   if (header[pos] == '(') {
     end = header.find(')', pos);
     if (end == std::string::npos)
-      throw InputError(fmt::format("{}: malformed .npy shape (no closing ')'): {}", what,
-                                   excerpt(header)));
+      throw InputError(
+          fmt::format("{}: malformed .npy shape (no closing ')'): {}", what, excerpt(header)));
     return header.substr(pos, end - pos + 1);
   }
   if (header[pos] == '\'') {
@@ -90,9 +90,10 @@ std::string dict_value(const std::string& header, const std::string& key,
 // Parses "(2, 8, 1024, 64)", "(5,)" or "()".
 std::vector<int64_t> parse_shape(const std::string& text, const std::string& what) {
   auto bad = [&](const char* why) {
-    return InputError(fmt::format("{}: malformed .npy shape '{}' ({}); accepted: a tuple of "
-                                  "non-negative integers such as (2, 8, 1024, 64), (5,) or ()",
-                                  what, excerpt(text), why));
+    return InputError(
+        fmt::format("{}: malformed .npy shape '{}' ({}); accepted: a tuple of "
+                    "non-negative integers such as (2, 8, 1024, 64), (5,) or ()",
+                    what, excerpt(text), why));
   };
   if (text.size() < 2 || text.front() != '(' || text.back() != ')') throw bad("not a tuple");
   std::vector<int64_t> shape;
@@ -138,11 +139,12 @@ NpyArray parse_npy(const std::string& bytes, const std::string& what) {
     offset = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) throw InputError(fmt::format("{}: truncated .npy header", what));
-    for (int i = 0; i < 4; ++i) header_len |= size_t(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      header_len |= size_t(static_cast<unsigned char>(bytes[8 + i])) << (8 * i);
     offset = 12;
   } else {
-    throw InputError(fmt::format("{}: unsupported .npy format version {}; accepted: 1, 2 or 3",
-                                 what, major));
+    throw InputError(
+        fmt::format("{}: unsupported .npy format version {}; accepted: 1, 2 or 3", what, major));
   }
   if (bytes.size() < offset + header_len)
     throw InputError(fmt::format("{}: truncated .npy header: it declares {} bytes, the file has {}",
@@ -151,9 +153,10 @@ NpyArray parse_npy(const std::string& bytes, const std::string& what) {
   NpyArray a;
   a.dtype = dict_value(header, "descr", what);
   if (dict_value(header, "fortran_order", what) != "False")
-    throw InputError(fmt::format("{}: Fortran-order arrays are not accepted; save a C-order "
-                                 "array (np.ascontiguousarray)",
-                                 what));
+    throw InputError(
+        fmt::format("{}: Fortran-order arrays are not accepted; save a C-order "
+                    "array (np.ascontiguousarray)",
+                    what));
   a.shape = parse_shape(dict_value(header, "shape", what), what);
   const int64_t isz = itemsize(a.dtype);
   if (isz <= 0)
@@ -164,13 +167,15 @@ NpyArray parse_npy(const std::string& bytes, const std::string& what) {
   int64_t want = isz;
   for (int64_t s : a.shape) want = checked_mul(want, s);
   if (want < 0)
-    throw InputError(fmt::format("{}: shape ({}) of {} needs more than 2^63 bytes (the element "
-                                 "count overflows int64), the file has {}",
-                                 what, fmt::join(a.shape, ", "), a.dtype, have));
+    throw InputError(
+        fmt::format("{}: shape ({}) of {} needs more than 2^63 bytes (the element "
+                    "count overflows int64), the file has {}",
+                    what, fmt::join(a.shape, ", "), a.dtype, have));
   if (have < uint64_t(want))
-    throw InputError(fmt::format("{}: truncated data: shape ({}) of {} needs {} bytes, the "
-                                 "file has {}",
-                                 what, fmt::join(a.shape, ", "), a.dtype, want, have));
+    throw InputError(
+        fmt::format("{}: truncated data: shape ({}) of {} needs {} bytes, the "
+                    "file has {}",
+                    what, fmt::join(a.shape, ", "), a.dtype, want, have));
   a.data.assign(bytes.begin() + std::ptrdiff_t(offset + header_len),
                 bytes.begin() + std::ptrdiff_t(offset + header_len + size_t(want)));
   return a;
@@ -246,38 +251,43 @@ std::map<std::string, NpyArray> read_entries(zip_t* z, uint64_t archive_bytes,
     const std::string entry = fmt::format("{}: entry '{}'", what, name);
     constexpr zip_uint64_t need = ZIP_STAT_SIZE | ZIP_STAT_COMP_SIZE | ZIP_STAT_COMP_METHOD;
     if ((st.valid & need) != need)
-      throw InputError(fmt::format("{} has no size or compression method in the zip directory; "
-                                   "{}",
-                                   entry, kNpzAccepted));
+      throw InputError(
+          fmt::format("{} has no size or compression method in the zip directory; "
+                      "{}",
+                      entry, kNpzAccepted));
     if ((st.valid & ZIP_STAT_ENCRYPTION_METHOD) && st.encryption_method != ZIP_EM_NONE)
       throw InputError(fmt::format("{} is encrypted; {}", entry, kNpzAccepted));
     if (st.comp_method != ZIP_CM_STORE && st.comp_method != ZIP_CM_DEFLATE)
-      throw InputError(fmt::format("{} uses zip compression method {}; {}", entry,
-                                   st.comp_method, kNpzAccepted));
+      throw InputError(fmt::format("{} uses zip compression method {}; {}", entry, st.comp_method,
+                                   kNpzAccepted));
     if (st.comp_size > archive_bytes)
-      throw InputError(fmt::format("{} declares {} compressed bytes, more than the whole archive "
-                                   "({} bytes); the file is truncated or corrupt; {}",
-                                   entry, st.comp_size, archive_bytes, kNpzAccepted));
+      throw InputError(
+          fmt::format("{} declares {} compressed bytes, more than the whole archive "
+                      "({} bytes); the file is truncated or corrupt; {}",
+                      entry, st.comp_size, archive_bytes, kNpzAccepted));
     if (st.comp_method == ZIP_CM_STORE && st.size != st.comp_size)
-      throw InputError(fmt::format("{} is stored uncompressed, yet declares {} bytes of data in "
-                                   "{} bytes; the zip directory is corrupt; {}",
-                                   entry, st.size, st.comp_size, kNpzAccepted));
+      throw InputError(
+          fmt::format("{} is stored uncompressed, yet declares {} bytes of data in "
+                      "{} bytes; the zip directory is corrupt; {}",
+                      entry, st.size, st.comp_size, kNpzAccepted));
     if (st.comp_method == ZIP_CM_DEFLATE && st.size > st.comp_size * kMaxDeflateRatio)
-      throw InputError(fmt::format("{} declares {} bytes uncompressed from {} compressed bytes, "
-                                   "more than deflate can expand ({}x); the zip directory is "
-                                   "corrupt; {}",
-                                   entry, st.size, st.comp_size, kMaxDeflateRatio, kNpzAccepted));
+      throw InputError(
+          fmt::format("{} declares {} bytes uncompressed from {} compressed bytes, "
+                      "more than deflate can expand ({}x); the zip directory is "
+                      "corrupt; {}",
+                      entry, st.size, st.comp_size, kMaxDeflateRatio, kNpzAccepted));
     if (st.size > memory || total + st.size > memory)
-      throw InputError(fmt::format("{} declares {} bytes uncompressed, {} with the entries before "
-                                   "it, more than the {} bytes of memory available",
-                                   entry, st.size, total + st.size, memory));
+      throw InputError(
+          fmt::format("{} declares {} bytes uncompressed, {} with the entries before "
+                      "it, more than the {} bytes of memory available",
+                      entry, st.size, total + st.size, memory));
     total += st.size;
 
     std::unique_ptr<zip_file_t, int (*)(zip_file_t*)> f(zip_fopen_index(z, zip_uint64_t(i), 0),
-                                                       zip_fclose);
+                                                        zip_fclose);
     if (!f)
-      throw InputError(fmt::format("{} cannot be opened: {}; {}", entry, zip_strerror(z),
-                                   kNpzAccepted));
+      throw InputError(
+          fmt::format("{} cannot be opened: {}; {}", entry, zip_strerror(z), kNpzAccepted));
     std::string bytes(size_t(st.size), '\0');
     zip_int64_t got = zip_fread(f.get(), bytes.data(), st.size);
     // One more read must meet the end of the entry; reaching it makes libzip check the CRC.
@@ -288,22 +298,24 @@ std::map<std::string, NpyArray> read_entries(zip_t* z, uint64_t archive_bytes,
       const int code = zip_error_code_zip(ze);
       const std::string detail = zip_error_strerror(ze);
       if (code == ZIP_ER_CRC)
-        throw InputError(fmt::format("{} fails its CRC check: its data is corrupt; {}", entry,
-                                     kNpzAccepted));
+        throw InputError(
+            fmt::format("{} fails its CRC check: its data is corrupt; {}", entry, kNpzAccepted));
       if (code == ZIP_ER_COMPRESSED_DATA)
-        throw InputError(fmt::format("{} is corrupt: its deflate stream cannot be decoded ({}); "
-                                     "{}",
-                                     entry, detail, kNpzAccepted));
-      throw InputError(fmt::format("{} is corrupt or unreadable: {}; {}", entry, detail,
-                                   kNpzAccepted));
+        throw InputError(
+            fmt::format("{} is corrupt: its deflate stream cannot be decoded ({}); "
+                        "{}",
+                        entry, detail, kNpzAccepted));
+      throw InputError(
+          fmt::format("{} is corrupt or unreadable: {}; {}", entry, detail, kNpzAccepted));
     }
     if (got != zip_int64_t(st.size) || more != 0)
-      throw InputError(fmt::format("{} holds {} bytes, but the zip directory declares {}; the "
-                                   "archive is corrupt; {}",
-                                   entry, more != 0 ? "more than " + std::to_string(st.size)
-                                                    : std::to_string(got),
-                                   st.size, kNpzAccepted));
-    std::string key = name.size() > 4 && name.ends_with(".npy") ? name.substr(0, name.size() - 4) : name;
+      throw InputError(fmt::format(
+          "{} holds {} bytes, but the zip directory declares {}; the "
+          "archive is corrupt; {}",
+          entry, more != 0 ? "more than " + std::to_string(st.size) : std::to_string(got), st.size,
+          kNpzAccepted));
+    std::string key =
+        name.size() > 4 && name.ends_with(".npy") ? name.substr(0, name.size() - 4) : name;
     out[key] = parse_npy(bytes, fmt::format("{}:{}", what, name));
   }
   return out;
@@ -315,8 +327,8 @@ std::map<std::string, NpyArray> read_npz(const std::string& path) {
   int err = 0;
   ZipArchive z(zip_open(path.c_str(), ZIP_RDONLY, &err), zip_discard);
   if (!z)
-    throw InputError(fmt::format("cannot read '{}' as .npz: {}; {}", path, zip_error_text(err),
-                                 kNpzAccepted));
+    throw InputError(
+        fmt::format("cannot read '{}' as .npz: {}; {}", path, zip_error_text(err), kNpzAccepted));
   std::error_code ec;
   const uintmax_t size = std::filesystem::file_size(path, ec);
   return read_entries(z.get(), ec ? UINT64_MAX : uint64_t(size), path);
@@ -344,8 +356,8 @@ std::map<std::string, NpyArray> read_npz_buffer(std::string_view bytes, const st
 
 void write_npz(const std::string& path, const std::map<std::string, NpyArray>& arrays) {
   int err = 0;
-  std::unique_ptr<zip_t, void (*)(zip_t*)> z(zip_open(path.c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err),
-                                            zip_discard);
+  std::unique_ptr<zip_t, void (*)(zip_t*)> z(
+      zip_open(path.c_str(), ZIP_CREATE | ZIP_TRUNCATE, &err), zip_discard);
   if (!z) throw InputError(fmt::format("cannot create '{}'", path));
   std::vector<std::string> buffers;
   buffers.reserve(arrays.size());
@@ -382,15 +394,17 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
     if (it == arrays.end()) {
       std::vector<std::string> keys;
       for (const auto& [k, a] : arrays) keys.push_back(k);
-      throw InputError(fmt::format("{}: no array '{}'; the file must hold float32 arrays q, k, v "
-                                   "of shape [B, H, len, d]; it holds: {}",
-                                   path, key, keys.empty() ? "nothing" : fmt::format("{}", fmt::join(keys, ", "))));
+      throw InputError(fmt::format(
+          "{}: no array '{}'; the file must hold float32 arrays q, k, v "
+          "of shape [B, H, len, d]; it holds: {}",
+          path, key, keys.empty() ? "nothing" : fmt::format("{}", fmt::join(keys, ", "))));
     }
     NpyArray& a = it->second;
     if (a.dtype != "<f4")
-      throw InputError(fmt::format("{}: '{}' has dtype {}, expected float32 ('<f4'); convert with "
-                                   ".astype(np.float32)",
-                                   path, key, a.dtype));
+      throw InputError(
+          fmt::format("{}: '{}' has dtype {}, expected float32 ('<f4'); convert with "
+                      ".astype(np.float32)",
+                      path, key, a.dtype));
     if (a.shape.size() != 4)
       throw InputError(fmt::format("{}: '{}' has shape ({}), expected 4 axes [B, H, len, d]", path,
                                    key, fmt::join(a.shape, ", ")));
@@ -403,15 +417,16 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
     int64_t bytes = int64_t(sizeof(float));
     for (int64_t s : a.shape) bytes = checked_mul(bytes, s);
     if (bytes < 0 || uint64_t(bytes) != a.data.size())
-      throw InputError(fmt::format("{}: '{}' has shape ({}) but {} bytes of data; float32 needs "
-                                   "4 bytes per element",
-                                   path, key, fmt::join(a.shape, ", "), a.data.size()));
+      throw InputError(
+          fmt::format("{}: '{}' has shape ({}) but {} bytes of data; float32 needs "
+                      "4 bytes per element",
+                      path, key, fmt::join(a.shape, ", "), a.data.size()));
     return a;
   };
   NpyArray &q = take("q"), &k = take("k"), &v = take("v");
   if (k.shape != v.shape)
-    throw InputError(fmt::format("{}: k has shape ({}) but v has shape ({}); they must match",
-                                 path, fmt::join(k.shape, ", "), fmt::join(v.shape, ", ")));
+    throw InputError(fmt::format("{}: k has shape ({}) but v has shape ({}); they must match", path,
+                                 fmt::join(k.shape, ", "), fmt::join(v.shape, ", ")));
   if (q.shape[0] != k.shape[0] || q.shape[1] != k.shape[1] || q.shape[3] != k.shape[3])
     throw InputError(fmt::format("{}: q has shape ({}) and k ({}); B, H and d must agree", path,
                                  fmt::join(q.shape, ", "), fmt::join(k.shape, ", ")));
@@ -429,9 +444,10 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
         const Shape4& s = t.shape();
         int64_t c = i % s.dim, r = i / s.dim % s.len, h = i / s.dim / s.len % s.heads,
                 b = i / s.dim / s.len / s.heads;
-        throw InputError(fmt::format("{}: '{}' holds a non-finite value ({}) at [{}, {}, {}, {}]; "
-                                     "inputs must be finite",
-                                     path, key, t.data()[i], b, h, r, c));
+        throw InputError(
+            fmt::format("{}: '{}' holds a non-finite value ({}) at [{}, {}, {}, {}]; "
+                        "inputs must be finite",
+                        path, key, t.data()[i], b, h, r, c));
       }
   };
   copy("q", q, in.q);

@@ -12,8 +12,10 @@ void SparsePattern::row_mask(int64_t b, int64_t h, int64_t i, int64_t m, uint8_t
   for (const KeyBlock& kb : blocks) {
     const int64_t j0 = kb.index * bs, cols = std::min(bs, m - j0);
     if (cols <= 0) continue;
-    if (kb.partial) block_mask(b, h, i, 1, j0, cols, row + j0);
-    else std::fill(row + j0, row + j0 + cols, uint8_t(1));
+    if (kb.partial)
+      block_mask(b, h, i, 1, j0, cols, row + j0);
+    else
+      std::fill(row + j0, row + j0 + cols, uint8_t(1));
   }
 }
 

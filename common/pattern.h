@@ -36,8 +36,8 @@ class SparsePattern {
   virtual void key_blocks(int64_t b, int64_t h, int64_t qb, std::vector<KeyBlock>& out) const = 0;
   /// mask[r * cols + c] = 1 if query i0 + r attends key j0 + c in head (b, h), else 0.
   /// Called for partial blocks only (and by the generic helpers below).
-  virtual void block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-                          int64_t cols, uint8_t* mask) const = 0;
+  virtual void block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                          uint8_t* mask) const = 0;
   /// row[j] = 1 if query i of head (b, h) attends key j (length m), before the causal mask.
   /// The default assembles the row from key_blocks and block_mask; patterns stated row by row
   /// override it.

@@ -59,7 +59,9 @@ int read_plugin_abi(const std::string& path) {
   const auto eh = read_at<Elf64_Ehdr>(bytes, 0, path);
   if (eh.e_type != ET_DYN)
     fail(path, fmt::format("an ELF {} file, not a shared library; expected {}",
-                           eh.e_type == ET_EXEC ? "executable" : eh.e_type == ET_REL ? "object" : "other",
+                           eh.e_type == ET_EXEC  ? "executable"
+                           : eh.e_type == ET_REL ? "object"
+                                                 : "other",
                            expected));
   if (eh.e_shentsize != sizeof(Elf64_Shdr))
     fail(path, "not a shared library (malformed section header table)");
@@ -77,13 +79,15 @@ int read_plugin_abi(const std::string& path) {
       const uint64_t name = strtab.sh_offset + sym.st_name;
       if (sym.st_name >= strtab.sh_size || name >= bytes.size()) continue;
       if (std::strncmp(bytes.data() + name, ATTNBENCH_PLUGIN_ABI_SYMBOL,
-                       std::min<size_t>(bytes.size() - name, sizeof ATTNBENCH_PLUGIN_ABI_SYMBOL)) != 0)
+                       std::min<size_t>(bytes.size() - name, sizeof ATTNBENCH_PLUGIN_ABI_SYMBOL)) !=
+          0)
         continue;
       // The value lives in the section that holds the symbol's address.
       const Elf64_Shdr holder = section(sym.st_shndx);
       if (holder.sh_type == SHT_NOBITS || sym.st_size != sizeof(int32_t) ||
           sym.st_value < holder.sh_addr || sym.st_value - holder.sh_addr + 4 > holder.sh_size)
-        fail(path, fmt::format("{} is not a 4-byte initialised constant", ATTNBENCH_PLUGIN_ABI_SYMBOL));
+        fail(path,
+             fmt::format("{} is not a 4-byte initialised constant", ATTNBENCH_PLUGIN_ABI_SYMBOL));
       return read_at<int32_t>(bytes, holder.sh_offset + (sym.st_value - holder.sh_addr), path);
     }
   }
@@ -120,7 +124,8 @@ void load_plugin(const std::string& path) {
   }
   std::string error;
   if (staged.empty()) {
-    error = "registers no variant (a plugin registers its variants with ATTNBENCH_REGISTER_VARIANT)";
+    error =
+        "registers no variant (a plugin registers its variants with ATTNBENCH_REGISTER_VARIANT)";
   } else {
     for (auto& info : staged) info.plugin = real;
     try {

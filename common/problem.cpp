@@ -34,21 +34,23 @@ void Problem::validate() const {
   positive("batch", batch);
   positive("heads", heads);
   if (batch > kMaxBatchOrHeads || heads > kMaxBatchOrHeads)
-    throw UsageError(fmt::format("batch {} and heads {}: accepted: at most {} (2^24) each, the "
-                                 "independent random streams of seeded inputs",
-                                 batch, heads, kMaxBatchOrHeads));
+    throw UsageError(
+        fmt::format("batch {} and heads {}: accepted: at most {} (2^24) each, the "
+                    "independent random streams of seeded inputs",
+                    batch, heads, kMaxBatchOrHeads));
   positive("seq (n)", n);
   positive("dim (d)", dim);
-  if (m < 0) throw UsageError(fmt::format("seq-k (m) must be positive (or 0 for m = n), got {}", m));
+  if (m < 0)
+    throw UsageError(fmt::format("seq-k (m) must be positive (or 0 for m = n), got {}", m));
   // The kernels see scale as a float (q is multiplied by float(scale)), and the logits as
   // float(scale) q . k / sqrt(d): both factors must be finite and nonzero in float.
   const float fs = float(scale), fl = fs * softmax_scale();
   if (!(scale > 0) || !std::isfinite(fs) || !std::isfinite(fl) || fs == 0 || fl == 0) {
     // the accepted range: float(scale) in [smallest positive float, FLT_MAX], and
     // float(scale) / sqrt(d) not below the smallest positive float either
-    const double lo = std::max(double(std::numeric_limits<float>::denorm_min()),
-                               double(std::numeric_limits<float>::denorm_min()) /
-                                   double(softmax_scale()));
+    const double lo =
+        std::max(double(std::numeric_limits<float>::denorm_min()),
+                 double(std::numeric_limits<float>::denorm_min()) / double(softmax_scale()));
     throw UsageError(fmt::format(
         "scale must be a positive number that stays finite and nonzero in float32, also "
         "divided by sqrt(d): accepted range about [{:.3g}, {:.7g}] (d = {}), got {}",
@@ -61,10 +63,11 @@ void Problem::validate() const {
     int64_t total = 1;
     for (int64_t f : factors)
       if ((total = checked_mul(total, f)) < 0 || total > kMaxElements)
-        throw UsageError(fmt::format("{} of B={}, H={}, n={}, m={}, d={} exceeds {} elements; "
-                                     "accepted: problems whose tensors and score matrix hold at "
-                                     "most 2^56 elements",
-                                     what, batch, heads, n, keys(), dim, kMaxElements));
+        throw UsageError(
+            fmt::format("{} of B={}, H={}, n={}, m={}, d={} exceeds {} elements; "
+                        "accepted: problems whose tensors and score matrix hold at "
+                        "most 2^56 elements",
+                        what, batch, heads, n, keys(), dim, kMaxElements));
   };
   product({batch, heads, n, dim}, "q (B x H x n x d)");
   product({batch, heads, keys(), dim}, "k and v (B x H x m x d)");

@@ -7,8 +7,8 @@
 
 namespace attnbench {
 
-std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
-                                            ConstTensorView k, int64_t b, int64_t h, int64_t i,
+std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            int64_t b, int64_t h, int64_t i,
                                             const SparsePattern* pattern) {
   const int64_t d = p.dim, visible = p.visible(i);
   const double scale = 1.0 / std::sqrt(double(d));
@@ -43,16 +43,17 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
   std::vector<double> mass(rows.size());
   OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r) guard.run([&] {
-    const int64_t i = rows[r];
-    std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
-    std::vector<uint8_t> allowed(size_t(p.keys()));
-    pattern_row(p, pattern, b, h, i, allowed.data());
-    double in = 0;
-    for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
-    // a row with no visible key has nothing to lose: its mass is 1
-    mass[r] = p.visible(i) == 0 ? 1.0 : in;
-  });
+  for (size_t r = 0; r < rows.size(); ++r)
+    guard.run([&] {
+      const int64_t i = rows[r];
+      std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
+      std::vector<uint8_t> allowed(size_t(p.keys()));
+      pattern_row(p, pattern, b, h, i, allowed.data());
+      double in = 0;
+      for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
+      // a row with no visible key has nothing to lose: its mass is 1
+      mass[r] = p.visible(i) == 0 ? 1.0 : in;
+    });
   guard.rethrow();
   return mass;
 }
@@ -63,16 +64,17 @@ void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Cons
   const int64_t d = p.dim;
   OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r) guard.run([&] {
-    const int64_t i = rows[r];
-    std::vector<double> prob = reference_probabilities(p, q, k, b, h, i, pattern);
-    double* o = out + int64_t(r) * d;
-    std::fill(o, o + d, 0.0);
-    for (int64_t j = 0; j < p.visible(i); ++j) {
-      const float* vj = v.row(b, h, j);
-      for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
-    }
-  });
+  for (size_t r = 0; r < rows.size(); ++r)
+    guard.run([&] {
+      const int64_t i = rows[r];
+      std::vector<double> prob = reference_probabilities(p, q, k, b, h, i, pattern);
+      double* o = out + int64_t(r) * d;
+      std::fill(o, o + d, 0.0);
+      for (int64_t j = 0; j < p.visible(i); ++j) {
+        const float* vj = v.row(b, h, j);
+        for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
+      }
+    });
   guard.rethrow();
 }
 
@@ -83,8 +85,7 @@ std::vector<double> reference_attention(const Problem& p, ConstTensorView q, Con
   for (int64_t i = 0; i < p.n; ++i) rows[size_t(i)] = i;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
-      reference_rows(p, q, k, v, b, h, rows, out.data() + (b * p.heads + h) * p.n * p.dim,
-                     pattern);
+      reference_rows(p, q, k, v, b, h, rows, out.data() + (b * p.heads + h) * p.n * p.dim, pattern);
   return out;
 }
 

@@ -25,8 +25,8 @@ std::vector<double> reference_attention(const Problem& p, ConstTensorView q, Con
 
 /// Exact softmax probabilities of one query row over its visible keys (length m, zeros for
 /// hidden keys), optionally restricted to a pattern.
-std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
-                                            ConstTensorView k, int64_t b, int64_t h, int64_t i,
+std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            int64_t b, int64_t h, int64_t i,
                                             const SparsePattern* pattern = nullptr);
 
 /// Share of the exact (unmasked) softmax probability of each given row that falls inside the

@@ -17,11 +17,16 @@ namespace attnbench {
 
 const char* to_string(ParamType t) {
   switch (t) {
-    case ParamType::Int: return "int";
-    case ParamType::Float: return "float";
-    case ParamType::Bool: return "bool";
-    case ParamType::Choice: return "choice";
-    case ParamType::IntList: return "int list";
+    case ParamType::Int:
+      return "int";
+    case ParamType::Float:
+      return "float";
+    case ParamType::Bool:
+      return "bool";
+    case ParamType::Choice:
+      return "choice";
+    case ParamType::IntList:
+      return "int list";
   }
   return "?";
 }
@@ -38,8 +43,8 @@ ParamSpec ParamSpec::Bool(std::string name, bool def, std::string help) {
 }
 ParamSpec ParamSpec::Choice(std::string name, std::string def, std::vector<std::string> choices,
                             std::string help) {
-  return {std::move(name), ParamType::Choice, std::move(def), 0, 0, std::move(choices),
-          std::move(help)};
+  return {std::move(name),    ParamType::Choice, std::move(def), 0, 0,
+          std::move(choices), std::move(help)};
 }
 
 ParamSpec ParamSpec::IntList(std::string name, std::string def, int64_t lo, int64_t hi,
@@ -50,10 +55,14 @@ ParamSpec ParamSpec::IntList(std::string name, std::string def, int64_t lo, int6
 
 std::string ParamSpec::accepted() const {
   switch (type) {
-    case ParamType::Int: return fmt::format("an integer in [{}, {}]", int64_t(min), int64_t(max));
-    case ParamType::Float: return fmt::format("a number in [{}, {}]", min, max);
-    case ParamType::Bool: return "true|false (also 1|0, on|off)";
-    case ParamType::Choice: return fmt::format("one of {}", fmt::join(choices, "|"));
+    case ParamType::Int:
+      return fmt::format("an integer in [{}, {}]", int64_t(min), int64_t(max));
+    case ParamType::Float:
+      return fmt::format("a number in [{}, {}]", min, max);
+    case ParamType::Bool:
+      return "true|false (also 1|0, on|off)";
+    case ParamType::Choice:
+      return fmt::format("one of {}", fmt::join(choices, "|"));
     case ParamType::IntList:
       return fmt::format("integers in [{}, {}] joined by '+' (e.g. 0+64+512), or none",
                          int64_t(min), int64_t(max));
@@ -210,18 +219,18 @@ Registry& Registry::instance() {
   return r;
 }
 
-void Registry::check(const VariantInfo& info,
-                     const std::map<std::string, ParamType>& types) const {
+void Registry::check(const VariantInfo& info, const std::map<std::string, ParamType>& types) const {
   if (info.name.empty() || info.name.find_first_of(":,= ") != std::string::npos)
     throw SpecError(fmt::format("invalid variant name '{}'", info.name));
   if (const VariantInfo* have = find(info.name))
-    throw SpecError(fmt::format("variant '{}' is already registered ({})", info.name,
-                                have->plugin.empty() ? std::string("built in")
-                                                     : "from plugin " + have->plugin));
+    throw SpecError(fmt::format(
+        "variant '{}' is already registered ({})", info.name,
+        have->plugin.empty() ? std::string("built in") : "from plugin " + have->plugin));
   std::set<std::string> seen;
   for (const auto& ps : info.params) {
     if (!seen.insert(ps.name).second)
-      throw SpecError(fmt::format("variant '{}' declares parameter '{}' twice", info.name, ps.name));
+      throw SpecError(
+          fmt::format("variant '{}' declares parameter '{}' twice", info.name, ps.name));
     auto it = types.find(ps.name);
     if (it != types.end() && it->second != ps.type)
       throw SpecError(fmt::format(
@@ -298,9 +307,10 @@ std::string Registry::names() const {
 std::pair<std::string, std::vector<std::pair<std::string, std::string>>> parse_spec(
     std::string_view spec) {
   auto malformed = [&](const std::string& why) {
-    return SpecError(fmt::format("malformed variant spec '{}': {}; expected name or "
-                                 "name:key=value,key=value",
-                                 spec, why));
+    return SpecError(
+        fmt::format("malformed variant spec '{}': {}; expected name or "
+                    "name:key=value,key=value",
+                    spec, why));
   };
   auto colon = spec.find(':');
   std::string name(spec.substr(0, colon));
@@ -316,8 +326,7 @@ std::pair<std::string, std::vector<std::pair<std::string, std::string>>> parse_s
     auto comma = rest.find(',');
     std::string_view item = rest.substr(0, comma);
     auto eq = item.find('=');
-    if (eq == std::string_view::npos)
-      throw malformed(fmt::format("'{}' has no '='", item));
+    if (eq == std::string_view::npos) throw malformed(fmt::format("'{}' has no '='", item));
     std::string key(item.substr(0, eq)), value(item.substr(eq + 1));
     if (key.empty()) throw malformed(fmt::format("'{}' has an empty key", item));
     if (value.empty()) throw malformed(fmt::format("'{}' has an empty value", item));
@@ -335,16 +344,17 @@ std::unique_ptr<Variant> Registry::make(std::string_view spec) const {
   if (!info)
     throw SpecError(fmt::format("unknown variant '{}'; registered variants: {}", name, names()));
   ParamValues values;
-  for (const auto& ps : info->params) values.values[ps.name] = canonical_value(name, ps, ps.default_value);
+  for (const auto& ps : info->params)
+    values.values[ps.name] = canonical_value(name, ps, ps.default_value);
   for (const auto& [key, value] : kv) {
     auto it = std::find_if(info->params.begin(), info->params.end(),
                            [&key = key](const ParamSpec& ps) { return ps.name == key; });
     if (it == info->params.end()) {
       std::vector<std::string> valid;
       for (const auto& ps : info->params) valid.push_back(ps.name);
-      throw SpecError(fmt::format("variant '{}' has no parameter '{}'; its parameters: {}", name,
-                                  key, valid.empty() ? std::string("(none)")
-                                                     : fmt::format("{}", fmt::join(valid, ", "))));
+      throw SpecError(fmt::format(
+          "variant '{}' has no parameter '{}'; its parameters: {}", name, key,
+          valid.empty() ? std::string("(none)") : fmt::format("{}", fmt::join(valid, ", "))));
     }
     values.values[key] = canonical_value(name, *it, value);
   }

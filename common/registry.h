@@ -92,7 +92,7 @@ using Tolerance = std::function<double(const Variant&, const Problem&)>;
 /// Everything the registry knows about a variant.
 struct VariantInfo {
   std::string name;
-  std::string summary;  ///< one line: what it computes
+  std::string summary;     ///< one line: what it computes
   std::string complexity;  ///< e.g. "O(n m d) time, O(n m) memory"
   std::vector<ParamSpec> params;
   Capabilities caps;

@@ -82,8 +82,8 @@ void GroupPattern::row_keys(int64_t b, int64_t h, int64_t i, std::vector<int64_t
   if (!self_rule_) return;
   // the shared-QK rule: itself only when nothing else it may see is in the union
   const int64_t visible = p_.visible(i);
-  const bool other = std::any_of(keys.begin(), keys.end(),
-                                 [&](int64_t j) { return j != i && j < visible; });
+  const bool other =
+      std::any_of(keys.begin(), keys.end(), [&](int64_t j) { return j != i && j < visible; });
   if (other) {
     keys.erase(std::remove(keys.begin(), keys.end(), i), keys.end());
   } else {

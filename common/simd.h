@@ -35,9 +35,7 @@ inline __m512 exp2_nonpos_ps(__m512 x) {
 
 /// 2^x for 16 floats, within about 2 ulp: exp2_nonpos_ps with x also clamped to 128 from
 /// above, so that 128 or more gives +inf. NaN stays NaN.
-inline __m512 exp2_ps(__m512 x) {
-  return exp2_nonpos_ps(_mm512_min_ps(_mm512_set1_ps(128.0f), x));
-}
+inline __m512 exp2_ps(__m512 x) { return exp2_nonpos_ps(_mm512_min_ps(_mm512_set1_ps(128.0f), x)); }
 
 /// Mask of the first `count` lanes (count clamped to [0, 16]).
 inline __mmask16 first_lanes(int64_t count) {

@@ -20,9 +20,10 @@ Tensor::Tensor(Shape4 s) : shape_(s) {
   int64_t count = 1;
   for (int64_t e : {s.batch, s.heads, s.len, s.dim})
     if ((count = checked_mul(count, e)) < 0)
-      throw InputError(fmt::format("tensor shape {} has a negative extent or more elements than "
-                                   "fit in 64 bits",
-                                   s.str()));
+      throw InputError(
+          fmt::format("tensor shape {} has a negative extent or more elements than "
+                      "fit in 64 bits",
+                      s.str()));
   const int64_t bytes = checked_mul(count, int64_t(sizeof(float)));
   if (bytes < 0 || bytes > INT64_MAX - 63)
     throw InputError(fmt::format("tensor shape {} needs more bytes than fit in 64 bits", s.str()));

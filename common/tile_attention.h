@@ -35,8 +35,7 @@ class TileAttention {
         buf_(bytes(max_rows, max_cols, d)),
         w_(tl_, buf_.floats()),
         mask_(buf_.bytes() + tl_.bytes()),
-        scale_(scale * kernels::kLog2e) {
-  }
+        scale_(scale * kernels::kLog2e){}
 #else
       : w_(max_rows, max_cols, d),
         mask_buf_(size_t(kernels::mask_tile_bytes(max_rows, max_cols))),
@@ -46,8 +45,8 @@ class TileAttention {
   }
 #endif
 
-  /// Heap bytes one TileAttention holds.
-  static int64_t bytes(int64_t max_rows, int64_t max_cols, int64_t d) {
+        /// Heap bytes one TileAttention holds.
+        static int64_t bytes(int64_t max_rows, int64_t max_cols, int64_t d) {
 #ifdef __AVX512F__
     return kernels::Tiles(max_rows, max_cols, d).bytes() +
            kernels::mask_tile_bytes(max_rows, max_cols);
@@ -76,8 +75,7 @@ class TileAttention {
               const uint8_t* mask) {
     constexpr int64_t kEveryKey = int64_t(1) << 60;
 #ifdef __AVX512F__
-    kernels::attend_block(tl_, w_, rows_, k0, ldk, v0, ldv, cols, scale_, kEveryKey, mask,
-                          pscale_);
+    kernels::attend_block(tl_, w_, rows_, k0, ldk, v0, ldv, cols, scale_, kEveryKey, mask, pscale_);
 #else
     kernels::portable::attend_block(w_, q0_, ldq_, rows_, d_, k0, ldk, v0, ldv, cols, scale_,
                                     kEveryKey, mask, pscale_);

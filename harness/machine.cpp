@@ -57,8 +57,8 @@ MachineFigures measure_machine(int threads, bool quick) {
     const int reps = quick ? 3 : (n <= 2048 ? 5 : 3);
     for (int r = 0; r < reps; ++r) {
       auto t0 = std::chrono::steady_clock::now();
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n,
-                  b.data(), n, 0.0f, c.data(), n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
+                  n, 0.0f, c.data(), n);
       const double g = flop / seconds_since(t0) / 1e9;
       if (g > mf.blas_gflops) mf.blas_gflops = g;
       if (g > mf.gemm_gflops) mf.gemm_gflops = g, mf.gemm_size = n;
@@ -90,9 +90,9 @@ MachineFigures measure_machine(int threads, bool quick) {
 }
 
 nlohmann::json to_json(const MachineFigures& m) {
-  return {{"cpu_model", m.cpu_model},         {"threads", m.threads},
-          {"gemm_gflops", m.gemm_gflops},     {"blas_gflops", m.blas_gflops},
-          {"eigen_gflops", m.eigen_gflops},   {"gemm_size", m.gemm_size},
+  return {{"cpu_model", m.cpu_model},        {"threads", m.threads},
+          {"gemm_gflops", m.gemm_gflops},    {"blas_gflops", m.blas_gflops},
+          {"eigen_gflops", m.eigen_gflops},  {"gemm_size", m.gemm_size},
           {"bandwidth_gbs", m.bandwidth_gbs}};
 }
 

@@ -28,12 +28,14 @@ std::vector<std::vector<int64_t>> pick_rows(const Problem& p, double exact_limit
     return rows;
   }
   const int64_t wanted = std::max<int64_t>(256, int64_t(exact_limit / double(p.keys())));
-  const int64_t per_head = std::min<int64_t>(p.n, std::max<int64_t>(1, (wanted + heads - 1) / heads));
+  const int64_t per_head =
+      std::min<int64_t>(p.n, std::max<int64_t>(1, (wanted + heads - 1) / heads));
   RandomStream rs(p.seed, 0xe7707ULL);
   uint64_t draw = 0;
   for (int64_t bh = 0; bh < heads; ++bh) {
     std::unordered_set<int64_t> chosen;
-    while (int64_t(chosen.size()) < per_head) chosen.insert(int64_t(rs.below(draw++, uint64_t(p.n))));
+    while (int64_t(chosen.size()) < per_head)
+      chosen.insert(int64_t(rs.below(draw++, uint64_t(p.n))));
     rows[size_t(bh)].assign(chosen.begin(), chosen.end());
     std::sort(rows[size_t(bh)].begin(), rows[size_t(bh)].end());
   }
@@ -49,9 +51,8 @@ double error_memory_estimate(const Problem& p, double exact_limit) {
          double(p.keys()) * 8.0 * 2;
 }
 
-ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
-                         ConstTensorView v, ConstTensorView out, double exact_limit,
-                         const SparsePattern* pattern) {
+ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                         ConstTensorView out, double exact_limit, const SparsePattern* pattern) {
   const int64_t d = p.dim;
   auto rows = pick_rows(p, exact_limit);
   ErrorStats e;
@@ -82,8 +83,10 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
           nr += x * x;
           e.max_abs = std::max(e.max_abs, std::abs(a - x));
         }
-        if (nn == 0 && nr == 0) cos_sum += 1;
-        else if (nn > 0 && nr > 0) cos_sum += dot / (std::sqrt(nn) * std::sqrt(nr));
+        if (nn == 0 && nr == 0)
+          cos_sum += 1;
+        else if (nn > 0 && nr > 0)
+          cos_sum += dot / (std::sqrt(nn) * std::sqrt(nr));
       }
       e.rows_used += int64_t(r.size());
       if (pattern)
@@ -101,9 +104,10 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
   // finite values can still overflow the sums of squares (|values| ~ 1e154 and more are
   // impossible in float, but a NaN error must never be reported as a result)
   if (!std::isfinite(e.rel_fro) || !std::isfinite(e.max_abs) || !std::isfinite(e.mean_cos))
-    throw Error(fmt::format("the error against the reference is not finite (rel_fro {}, "
-                            "max_abs {}, mean_cos {})",
-                            e.rel_fro, e.max_abs, e.mean_cos));
+    throw Error(
+        fmt::format("the error against the reference is not finite (rel_fro {}, "
+                    "max_abs {}, mean_cos {})",
+                    e.rel_fro, e.max_abs, e.mean_cos));
   return e;
 }
 

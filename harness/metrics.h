@@ -15,9 +15,9 @@ namespace attnbench {
 inline constexpr double kExactPairsLimit = double(1 << 26);
 
 struct ErrorStats {
-  double rel_fro = 0;    ///< ||O - O*||_F / ||O*||_F over the rows used
-  double max_abs = 0;    ///< max |O - O*|
-  double mean_cos = 0;   ///< mean over rows of cos(O_i, O*_i); two zero rows count as 1
+  double rel_fro = 0;      ///< ||O - O*||_F / ||O*||_F over the rows used
+  double max_abs = 0;      ///< max |O - O*|
+  double mean_cos = 0;     ///< mean over rows of cos(O_i, O*_i); two zero rows count as 1
   int64_t rows_used = 0;   ///< query rows compared
   int64_t rows_total = 0;  ///< B H n
   /// For pattern variants: share of each row's exact softmax probability inside the pattern
@@ -30,9 +30,8 @@ struct ErrorStats {
 /// With a pattern, the mass it keeps is measured on the same rows. Throws Error if the output
 /// or the reference holds a non-finite value on those rows, or an error figure is not finite:
 /// a non-finite error is never returned as a result (the runner turns it into an error row).
-ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
-                         ConstTensorView v, ConstTensorView out,
-                         double exact_limit = kExactPairsLimit,
+ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                         ConstTensorView out, double exact_limit = kExactPairsLimit,
                          const SparsePattern* pattern = nullptr);
 
 /// Bytes the error measurement will allocate.

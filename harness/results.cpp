@@ -25,8 +25,8 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec", "batch", "heads", "n", "m", "dim", "causal",
-                                              "input", "scale", "seed", "threads"};
+const std::vector<std::string> kKeyColumns = {"spec",   "batch", "heads", "n",    "m",      "dim",
+                                              "causal", "input", "scale", "seed", "threads"};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -75,9 +75,10 @@ void require_regular_file(const fs::path& path) {
   std::error_code ec;
   const auto st = fs::status(path, ec);
   if (!ec && fs::exists(st) && !fs::is_regular_file(st))
-    throw UsageError(fmt::format("'{}' is not a regular file (a directory?); a results directory "
-                                 "holds results.csv, benchmark.json and meta.json as files",
-                                 path.string()));
+    throw UsageError(
+        fmt::format("'{}' is not a regular file (a directory?); a results directory "
+                    "holds results.csv, benchmark.json and meta.json as files",
+                    path.string()));
 }
 
 }  // namespace
@@ -120,9 +121,12 @@ std::vector<std::string> split_csv_line(const std::string& line) {
   for (size_t i = 0; i < line.size(); ++i) {
     char c = line[i];
     if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') out.back() += '"', ++i;
-      else if (c == '"') quoted = false;
-      else out.back() += c;
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"')
+        out.back() += '"', ++i;
+      else if (c == '"')
+        quoted = false;
+      else
+        out.back() += c;
     } else if (c == '"') {
       quoted = true;
     } else if (c == ',') {
@@ -153,8 +157,10 @@ std::string ResultsDir::status(const Row& row) const {
 ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) throw UsageError(fmt::format("cannot create results directory '{}': {}", dir, ec.message()));
-  const fs::path csv_path = fs::path(dir) / "results.csv", json_path = fs::path(dir) / "benchmark.json";
+  if (ec)
+    throw UsageError(fmt::format("cannot create results directory '{}': {}", dir, ec.message()));
+  const fs::path csv_path = fs::path(dir) / "results.csv",
+                 json_path = fs::path(dir) / "benchmark.json";
   for (const char* name : {"results.csv", "benchmark.json", "meta.json", "benchmark.json.tmp"})
     require_regular_file(fs::path(dir) / name);
   bool have_header = false;
@@ -177,9 +183,10 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     std::getline(in, line);
     auto header = split_csv_line(line);
     if (header != csv_columns())
-      throw UsageError(fmt::format("cannot resume: '{}' has different columns than this version of "
-                                   "attnbench writes; use a new --out directory",
-                                   csv_path.string()));
+      throw UsageError(
+          fmt::format("cannot resume: '{}' has different columns than this version of "
+                      "attnbench writes; use a new --out directory",
+                      csv_path.string()));
     have_header = true;
     std::vector<size_t> idx;
     for (const auto& c : kKeyColumns)
@@ -196,8 +203,9 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       if (line.empty()) continue;
       auto f = split_csv_line(line);
       if (std::string why = malformed_reason(header, f); !why.empty()) {
-        fmt::print(stderr, "attnbench: warning: {} line {} is malformed ({}); it is moved to "
-                           "results.malformed.csv and its configuration runs again\n",
+        fmt::print(stderr,
+                   "attnbench: warning: {} line {} is malformed ({}); it is moved to "
+                   "results.malformed.csv and its configuration runs again\n",
                    csv_path.string(), line_no, why);
         rejected += line + '\n';
         ++n_rejected;
@@ -213,7 +221,9 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       {
         std::ofstream bad(fs::path(dir) / "results.malformed.csv", std::ios::app);
         bad << rejected;
-        if (!bad) throw UsageError(fmt::format("cannot write '{}'", (fs::path(dir) / "results.malformed.csv").string()));
+        if (!bad)
+          throw UsageError(
+              fmt::format("cannot write '{}'", (fs::path(dir) / "results.malformed.csv").string()));
       }
       const fs::path tmp = fs::path(dir) / "results.csv.tmp";
       {
@@ -226,13 +236,14 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     if (fs::exists(json_path)) {
       std::ifstream j(json_path);
       bench_ = nlohmann::json::parse(j, nullptr, false);
-      const bool usable = bench_.is_object() && bench_.contains("benchmarks") &&
-                          bench_["benchmarks"].is_array();
+      const bool usable =
+          bench_.is_object() && bench_.contains("benchmarks") && bench_["benchmarks"].is_array();
       if (!usable) {
         // Not Google Benchmark JSON: set it aside, never lose it, and start a new one.
         const fs::path aside = fs::path(dir) / "benchmark.json.unreadable";
-        fmt::print(stderr, "attnbench: warning: {} is not Google Benchmark JSON (an object with "
-                           "a \"benchmarks\" array); moved to {}, a new one is started\n",
+        fmt::print(stderr,
+                   "attnbench: warning: {} is not Google Benchmark JSON (an object with "
+                   "a \"benchmarks\" array); moved to {}, a new one is started\n",
                    json_path.string(), aside.string());
         fs::rename(json_path, aside);
         bench_ = nlohmann::json();
@@ -254,10 +265,13 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
 
 void ResultsDir::append(const Row& row, const nlohmann::json& bench) {
   csv_ << csv_line(row) << '\n' << std::flush;
-  if (!csv_) throw std::runtime_error(fmt::format("cannot append to '{}'", (fs::path(dir_) / "results.csv").string()));
+  if (!csv_)
+    throw std::runtime_error(
+        fmt::format("cannot append to '{}'", (fs::path(dir_) / "results.csv").string()));
   done_[row_key(row)] = row.status;
   if (bench.is_object() && bench.contains("benchmarks") && bench["benchmarks"].is_array()) {
-    if (bench_["context"].is_null() && bench.contains("context")) bench_["context"] = bench["context"];
+    if (bench_["context"].is_null() && bench.contains("context"))
+      bench_["context"] = bench["context"];
     for (const auto& b : bench["benchmarks"]) bench_["benchmarks"].push_back(b);
     write_benchmark_json();
   }
@@ -265,7 +279,8 @@ void ResultsDir::append(const Row& row, const nlohmann::json& bench) {
 
 void ResultsDir::write_benchmark_json() const {
   // write then rename, so an interrupted run never leaves a torn file
-  const fs::path path = fs::path(dir_) / "benchmark.json", tmp = fs::path(dir_) / "benchmark.json.tmp";
+  const fs::path path = fs::path(dir_) / "benchmark.json",
+                 tmp = fs::path(dir_) / "benchmark.json.tmp";
   {
     std::ofstream f(tmp);
     f << bench_.dump(2) << '\n';
@@ -286,7 +301,8 @@ void ResultsDir::write_meta(const nlohmann::json& meta) const {
       nlohmann::json earlier = nlohmann::json::array(), runs = nlohmann::json::array();
       if (old.contains("earlier_command_lines") && old["earlier_command_lines"].is_array())
         earlier = old["earlier_command_lines"];
-      if (old.contains("earlier_runs") && old["earlier_runs"].is_array()) runs = old["earlier_runs"];
+      if (old.contains("earlier_runs") && old["earlier_runs"].is_array())
+        runs = old["earlier_runs"];
       if (old.contains("command_line")) earlier.push_back(old["command_line"]);
       old.erase("earlier_command_lines");
       old.erase("earlier_runs");
@@ -294,8 +310,10 @@ void ResultsDir::write_meta(const nlohmann::json& meta) const {
       out["earlier_command_lines"] = earlier;
       out["earlier_runs"] = runs;
     } else {
-      fmt::print(stderr, "attnbench: warning: {} was not a JSON object; the earlier runs it "
-                         "described are not carried over\n", path.string());
+      fmt::print(stderr,
+                 "attnbench: warning: {} was not a JSON object; the earlier runs it "
+                 "described are not carried over\n",
+                 path.string());
     }
   }
   // write then rename, so an interrupted run never leaves a torn file

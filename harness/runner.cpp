@@ -130,9 +130,10 @@ int max_threads() { return kMaxThreadsPerCore * std::max(1, omp_get_num_procs())
 
 int resolve_threads(int threads) {
   if (threads < 0 || threads > max_threads())
-    throw UsageError(fmt::format("threads: {} is out of range; accepted: 0 (every core) to {} "
-                                 "({} per core on {} cores)",
-                                 threads, max_threads(), kMaxThreadsPerCore, omp_get_num_procs()));
+    throw UsageError(
+        fmt::format("threads: {} is out of range; accepted: 0 (every core) to {} "
+                    "({} per core on {} cores)",
+                    threads, max_threads(), kMaxThreadsPerCore, omp_get_num_procs()));
   return threads == 0 ? omp_get_num_procs() : threads;
 }
 
@@ -165,14 +166,17 @@ nlohmann::json parse_benchmark_json(const std::string& text) {
     const char c = text[i];
     if (in_string) {
       out += c;
-      if (c == '\\' && i + 1 < text.size()) out += text[++i];
-      else if (c == '"') in_string = false;
+      if (c == '\\' && i + 1 < text.size())
+        out += text[++i];
+      else if (c == '"')
+        in_string = false;
       continue;
     }
     if (c == '"') in_string = true;
     if (c == '-' || c == 'N' || c == 'n' || c == 'i' || c == 'I') {
       bool replaced = false;
-      for (const char* word : {"-Infinity", "Infinity", "-NaN", "NaN", "-nan", "nan", "-inf", "inf"})
+      for (const char* word :
+           {"-Infinity", "Infinity", "-NaN", "NaN", "-nan", "nan", "-inf", "inf"})
         if (text.compare(i, std::strlen(word), word) == 0) {
           out += "null";
           i += std::strlen(word) - 1;
@@ -200,9 +204,10 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.spec = variant.spec();
     row.variant = variant.info().name;
     if (!(opt.min_time >= 0 && opt.min_time <= 3600) || opt.reps < 1)
-      throw UsageError(fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
-                                   "and min_time in [0, 3600]",
-                                   opt.reps, opt.min_time));
+      throw UsageError(
+          fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
+                      "and min_time in [0, 3600]",
+                      opt.reps, opt.min_time));
     row.problem.threads = resolve_threads(p.threads);
     team.emplace(row.problem.threads);
     p.validate();
@@ -259,16 +264,17 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
       passes += int64_t(st.iterations());
       const double run_peak = double(scope.peak_bytes());
       peak = std::max(peak, run_peak);
-      st.counters["FLOPS"] = benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
+      st.counters["FLOPS"] =
+          benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
       if (heap_counting()) st.counters["peak_bytes"] = benchmark::Counter(run_peak);
     });
     bm->Repetitions(std::max(1, opt.reps));
     // Google Benchmark requires a positive MinTime; 0 means one pass per repetition.
-    if (opt.min_time > 0) bm->MinTime(opt.min_time);
-    else bm->Iterations(1);
-    bm->UseRealTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Threads(1);
+    if (opt.min_time > 0)
+      bm->MinTime(opt.min_time);
+    else
+      bm->Iterations(1);
+    bm->UseRealTime()->Unit(benchmark::kMillisecond)->Threads(1);
     CaptureReporter rep;
     benchmark::RunSpecifiedBenchmarks(&rep);
     benchmark::ClearRegisteredBenchmarks();
@@ -291,7 +297,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     row.gflops = row.flops / row.time_median / 1e9;
     row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
     row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
-    row.notes = variant.notes();  // of the last timed pass
+    row.notes = variant.notes();                    // of the last timed pass
     phase_times.check();
     row.phases = phase_times.per_pass(passes);
     if (output) *output = std::move(out);
@@ -320,39 +326,39 @@ nlohmann::ordered_json to_json(const Row& r) {
   auto num = [](double x) -> J { return std::isfinite(x) ? J(x) : J(); };
   const Problem& p = r.problem;
   return J{{"spec", r.spec},
-          {"variant", r.variant},
-          {"batch", p.batch},
-          {"heads", p.heads},
-          {"n", p.n},
-          {"m", p.keys()},
-          {"dim", p.dim},
-          {"causal", p.causal},
-          {"input", p.input},
-          {"scale", p.scale},
-          {"seed", p.seed},
-          {"threads", p.threads},
-          {"status", r.status},
-          {"message", r.message},
-          {"time_median_s", num(r.time_median)},
-          {"time_min_s", num(r.time_min)},
-          {"time_max_s", num(r.time_max)},
-          {"time_stddev_s", num(r.time_stddev)},
-          {"reps", r.reps},
-          {"iterations", r.iterations},
-          {"flops", num(r.flops)},
-          {"gflops", num(r.gflops)},
-          {"gemm_fraction", num(r.gemm_fraction)},
-          {"peak_bytes", num(r.peak_bytes)},
-          {"estimated_bytes", num(r.estimated_bytes)},
-          {"rel_fro_error", num(r.error.rel_fro)},
-          {"max_abs_error", num(r.error.max_abs)},
-          {"mean_cosine", num(r.error.mean_cos)},
-          {"error_rows", r.error.rows_used},
-          {"error_rows_total", r.error.rows_total},
-          {"mass_mean", num(r.error.mass_mean)},
-          {"mass_min", num(r.error.mass_min)},
-          {"notes", r.notes},
-          {"phases", phases_text(r.phases)}};
+           {"variant", r.variant},
+           {"batch", p.batch},
+           {"heads", p.heads},
+           {"n", p.n},
+           {"m", p.keys()},
+           {"dim", p.dim},
+           {"causal", p.causal},
+           {"input", p.input},
+           {"scale", p.scale},
+           {"seed", p.seed},
+           {"threads", p.threads},
+           {"status", r.status},
+           {"message", r.message},
+           {"time_median_s", num(r.time_median)},
+           {"time_min_s", num(r.time_min)},
+           {"time_max_s", num(r.time_max)},
+           {"time_stddev_s", num(r.time_stddev)},
+           {"reps", r.reps},
+           {"iterations", r.iterations},
+           {"flops", num(r.flops)},
+           {"gflops", num(r.gflops)},
+           {"gemm_fraction", num(r.gemm_fraction)},
+           {"peak_bytes", num(r.peak_bytes)},
+           {"estimated_bytes", num(r.estimated_bytes)},
+           {"rel_fro_error", num(r.error.rel_fro)},
+           {"max_abs_error", num(r.error.max_abs)},
+           {"mean_cosine", num(r.error.mean_cos)},
+           {"error_rows", r.error.rows_used},
+           {"error_rows_total", r.error.rows_total},
+           {"mass_mean", num(r.error.mass_mean)},
+           {"mass_min", num(r.error.mass_min)},
+           {"notes", r.notes},
+           {"phases", phases_text(r.phases)}};
 }
 
 }  // namespace attnbench

@@ -16,8 +16,8 @@
 namespace attnbench {
 
 struct RunOptions {
-  int reps = 3;             ///< Google Benchmark repetitions
-  double min_time = 0.1;    ///< seconds per repetition (Google Benchmark's MinTime)
+  int reps = 3;           ///< Google Benchmark repetitions
+  double min_time = 0.1;  ///< seconds per repetition (Google Benchmark's MinTime)
   double exact_limit = kExactPairsLimit;
   double memory_limit = 0;  ///< bytes a configuration may use; 0 = 80% of MemAvailable
 };

@@ -2,6 +2,8 @@
 // pattern with seeded random key-block lists and random partial masks: against the masked exact
 // reference, against flash on a dense pattern, with large logits, rows with no allowed key, and
 // its memory figure. Its dense case with any query and key tile sizes.
+#include "common/block_sparse.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "common/block_sparse.h"
 #include "common/inputs.h"
 #include "common/reference.h"
 #include "common/registry.h"
@@ -34,7 +35,9 @@ using test::rel_fro_error;
 class TestPattern final : public SparsePattern {
  public:
   TestPattern(const Problem& p, int64_t block, uint64_t seed, bool dense = false)
-      : bs_(block), heads_(p.heads), qblocks_((p.n + block - 1) / block),
+      : bs_(block),
+        heads_(p.heads),
+        qblocks_((p.n + block - 1) / block),
         kblocks_((p.keys() + block - 1) / block) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> u(0, 1);
@@ -76,7 +79,8 @@ class TestPattern final : public SparsePattern {
     out.clear();
     const int64_t base = ((b * heads_ + h) * qblocks_ + qb) * kblocks_;
     for (int64_t kb = 0; kb < kblocks_; ++kb)
-      if (kind_[size_t(base + kb)] != kNone) out.push_back({kb, kind_[size_t(base + kb)] == kPartial});
+      if (kind_[size_t(base + kb)] != kNone)
+        out.push_back({kb, kind_[size_t(base + kb)] == kPartial});
   }
 
   void block_mask(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
@@ -86,7 +90,8 @@ class TestPattern final : public SparsePattern {
         const int64_t i = i0 + r, j = j0 + c;
         const size_t id = size_t(((b * heads_ + h) * qblocks_ + i / bs_) * kblocks_ + j / bs_);
         uint8_t x = 0;
-        if (kind_[id] == kFull) x = 1;
+        if (kind_[id] == kFull)
+          x = 1;
         else if (kind_[id] == kPartial)
           x = masks_[size_t(mask_index_[id] + (i % bs_) * bs_ + j % bs_)];
         mask[r * cols + c] = x;
@@ -96,9 +101,9 @@ class TestPattern final : public SparsePattern {
  private:
   enum Kind : uint8_t { kNone, kFull, kPartial };
   int64_t bs_, heads_, qblocks_, kblocks_;
-  std::vector<uint8_t> kind_;          // per (b, h, qb, kb)
-  std::vector<int64_t> mask_index_;    // offset of the tile's mask in masks_
-  std::vector<uint8_t> masks_;         // bs x bs per partial tile
+  std::vector<uint8_t> kind_;        // per (b, h, qb, kb)
+  std::vector<int64_t> mask_index_;  // offset of the tile's mask in masks_
+  std::vector<uint8_t> masks_;       // bs x bs per partial tile
 };
 
 struct Result {
@@ -125,8 +130,10 @@ Result run_and_check(const Problem& p, const SparsePattern& pat) {
         res.empty_rows += empty;
         for (int64_t c = 0; c < p.dim; ++c) {
           const float x = o.row(b, h, i)[c];
-          if (empty) res.bad_empty += !(x == 0.0f);
-          else res.non_finite += !std::isfinite(x);
+          if (empty)
+            res.bad_empty += !(x == 0.0f);
+          else
+            res.non_finite += !std::isfinite(x);
         }
       }
   res.error = rel_fro_error(out.data(),
@@ -160,8 +167,8 @@ TEST(BlockSparse, LargeLogitsStayFinite) {
   // the looser tolerance (see variants_test.cpp)
   uint64_t seed = 100;
   for (int64_t bs : {7, 16, 64})
-    for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{113, 113, 64},
-                           {300, 113, 17}, {113, 300, 64}})
+    for (auto [n, m, d] :
+         {std::tuple<int64_t, int64_t, int64_t>{113, 113, 64}, {300, 113, 17}, {113, 300, 64}})
       for (bool causal : {false, true}) {
         Problem p = test::problem(2, 2, n, m, d, causal, seed++);
         p.scale = 1000;
@@ -201,8 +208,13 @@ TEST(BlockSparse, DensePatternEqualsFlashAndReference) {
 // block-sparse case on a dense pattern when the two tile sizes agree.
 TEST(DenseAttention, AnyTileShapesMatchReference) {
   uint64_t seed = 300;
-  for (auto [bq, bk] : {std::pair<int64_t, int64_t>{1, 1}, {7, 64}, {64, 7}, {16, 16}, {64, 256},
-                        {100, 13}, {512, 512}})
+  for (auto [bq, bk] : {std::pair<int64_t, int64_t>{1, 1},
+                        {7, 64},
+                        {64, 7},
+                        {16, 16},
+                        {64, 256},
+                        {100, 13},
+                        {512, 512}})
     for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {300, 113}, {7, 300}})
       for (bool causal : {false, true}) {
         const Problem p = test::problem(2, 2, n, m, 24, causal, seed++);

@@ -72,8 +72,8 @@ Csv read_csv(const std::string& path) {
 // The configuration key of a row (what --resume matches on).
 std::string key_of(const std::map<std::string, std::string>& row) {
   std::string k;
-  for (const char* c : {"spec", "batch", "heads", "n", "m", "dim", "causal", "input", "scale",
-                        "seed", "threads"})
+  for (const char* c :
+       {"spec", "batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed", "threads"})
     k += row.at(c) + "|";
   return k;
 }
@@ -120,7 +120,8 @@ TEST(Cli, ListJson) {
 
 TEST(Cli, RunJson) {
   TempDir dir;
-  const std::string args = "run --variant flash --seq 64 --heads 2 --dim 16 --reps 1 --min-time 0.01 --json";
+  const std::string args =
+      "run --variant flash --seq 64 --heads 2 --dim 16 --reps 1 --min-time 0.01 --json";
   CliResult r = run_cli(args, dir);
   ASSERT_EQ(r.code, 0) << r.err;
   nlohmann::json j = parse_json(r.out);
@@ -149,8 +150,11 @@ TEST(Cli, RunJson) {
 TEST(Cli, RunWritesTheOutput) {
   TempDir dir;
   const std::string out = dir.file("out.npy");
-  CliResult r = run_cli("run --variant full --seq 64 --heads 2 --dim 16 --causal --reps 1 "
-                        "--min-time 0.01 --output " + q(out), dir);
+  CliResult r = run_cli(
+      "run --variant full --seq 64 --heads 2 --dim 16 --causal --reps 1 "
+      "--min-time 0.01 --output " +
+          q(out),
+      dir);
   ASSERT_EQ(r.code, 0) << r.err;
   NpyArray a = read_npy(out);
   EXPECT_EQ(a.dtype, "<f4");
@@ -168,8 +172,11 @@ TEST(Cli, PatternExportsTheAttendedPairs) {
   TempDir dir;
   const std::string out = dir.file("pattern.npy");
   // causal local window of 2 on n = 10, m = 12: query i sees keys a(i) - 2 .. a(i), a(i) = i + 2
-  CliResult r = run_cli("pattern --variant local:window=2,block=3 --seq 10 --seq-k 12 --causal "
-                        "--head 1 --output " + q(out), dir);
+  CliResult r = run_cli(
+      "pattern --variant local:window=2,block=3 --seq 10 --seq-k 12 --causal "
+      "--head 1 --output " +
+          q(out),
+      dir);
   ASSERT_EQ(r.code, 0) << r.err;
   NpyArray a = read_npy(out);
   EXPECT_EQ(a.dtype, "|u1");
@@ -185,7 +192,8 @@ TEST(Cli, PatternExportsTheAttendedPairs) {
   CliResult none = run_cli("pattern --variant flash --seq 10 --output " + q(out), dir);
   expect_usage_error(none, "pattern --variant flash");
   EXPECT_CONTAINS(none.err, "no attention pattern");
-  CliResult refused = run_cli("pattern --variant bigbird --seq 10 --seq-k 12 --output " + q(out), dir);
+  CliResult refused =
+      run_cli("pattern --variant bigbird --seq 10 --seq-k 12 --output " + q(out), dir);
   EXPECT_NE(refused.code, 0);
   EXPECT_CONTAINS(refused.err, "m != n");
 }
@@ -197,8 +205,10 @@ TEST(Cli, PatternOfOneHeadMatchesTheWholeProblem) {
   for (const std::string input : {"gaussian", "local", "clustered", "lowrank"}) {
     for (const std::string spec : {"reformer:chunk=16", "sinkhorn:block=8"}) {
       const std::string out = dir.file("p.npy");
-      CliResult r = run_cli("pattern --variant " + spec + " --seq 48 --dim 8 --head 5 --seed 3 --input " +
-                                input + " --output " + q(out), dir);
+      CliResult r =
+          run_cli("pattern --variant " + spec + " --seq 48 --dim 8 --head 5 --seed 3 --input " +
+                      input + " --output " + q(out),
+                  dir);
       ASSERT_EQ(r.code, 0) << r.err;
       NpyArray a = read_npy(out);
       Problem p;
@@ -215,7 +225,8 @@ TEST(Cli, PatternOfOneHeadMatchesTheWholeProblem) {
       int64_t wrong = 0;
       for (int64_t i = 0; i < 48; ++i) {
         pattern_row(p, *pat, 0, 5, i, row.data());
-        for (int64_t j = 0; j < 48; ++j) wrong += (a.data[size_t(i * 48 + j)] != 0) != (row[size_t(j)] != 0);
+        for (int64_t j = 0; j < 48; ++j)
+          wrong += (a.data[size_t(i * 48 + j)] != 0) != (row[size_t(j)] != 0);
       }
       EXPECT_EQ(wrong, 0) << spec << " on " << input;
     }
@@ -261,7 +272,7 @@ TEST(Sizes, OverflowingShapesAreRefused) {
   Problem p;
   p.batch = Problem::kMaxBatchOrHeads, p.heads = Problem::kMaxBatchOrHeads, p.n = 1, p.dim = 1;
   EXPECT_NO_THROW(p.validate());  // 2^48 elements: refused later by the memory guard
-  p.n = p.dim = 1 << 20;  // q alone would hold 2^88 elements
+  p.n = p.dim = 1 << 20;          // q alone would hold 2^88 elements
   try {
     p.validate();
     ADD_FAILURE() << "accepted " << p.str();
@@ -331,7 +342,8 @@ TEST(Cli, BadArgumentsExitWithUsageErrors) {
       {run + "--variant flash --seed 18446744073709551616", "not a seed"},
       {run + "--variant flash --inputs " + q(dir.file("good.npz")) + " --seq 512", "disagrees"},
       {run + "--variant flash --inputs " + q(dir.file("good.npz")) + " --heads 7", "--heads 7"},
-      {"pattern --variant local --seq 64 --head 16777216 --output " + q(dir.file("p.npy")), "--head"},
+      {"pattern --variant local --seq 64 --head 16777216 --output " + q(dir.file("p.npy")),
+       "--head"},
       {"sweep --variant flash --seq 3000000000 --out " + q(sweep_out), "larger than"},
       {"sweep --variant flash --heads 16777217 --out " + q(sweep_out), "2^24"},
       {"sweep --variant flash --seq 10..5 --out " + q(sweep_out), "10..5"},
@@ -371,14 +383,15 @@ TEST(Results, CsvLineRoundTripsThroughSplit) {
   ASSERT_EQ(fields.size(), csv_columns().size());
   std::map<std::string, std::string> row;
   for (size_t i = 0; i < fields.size(); ++i) row[csv_columns()[i]] = fields[i];
-  EXPECT_EQ(row["spec"], r.spec);  // has commas: quoted in the file
+  EXPECT_EQ(row["spec"], r.spec);        // has commas: quoted in the file
   EXPECT_EQ(row["message"], r.message);  // has quotes and a comma
   EXPECT_EQ(row["n"], "64");
   EXPECT_EQ(row["m"], "64");
   EXPECT_EQ(row["causal"], "0");
   EXPECT_EQ(row["status"], "skipped");
   EXPECT_EQ(row["gflops"], "");  // NaN is an empty field
-  EXPECT_EQ(split_csv_line("a,\"b,c\",\"d\"\"e\","), (std::vector<std::string>{"a", "b,c", "d\"e", ""}));
+  EXPECT_EQ(split_csv_line("a,\"b,c\",\"d\"\"e\","),
+            (std::vector<std::string>{"a", "b,c", "d\"e", ""}));
   EXPECT_NE(row_key(sample_row(64)), row_key(sample_row(128)));
   EXPECT_EQ(row_key(sample_row(64)), row_key(sample_row(64, "error")));
 }
@@ -407,7 +420,8 @@ TEST(Results, ResumeAfterATornLastLine) {
   }
   auto lines = test::read_lines(out + "/results.csv");
   EXPECT_TRUE(std::find(lines.begin(), lines.end(), csv_line(sample_row(128))) != lines.end())
-      << "the appended row is not a line of its own:\n" << test::read_text(out + "/results.csv");
+      << "the appended row is not a line of its own:\n"
+      << test::read_text(out + "/results.csv");
   ResultsDir again(out, true);
   EXPECT_TRUE(again.done(sample_row(128)));
 }
@@ -473,7 +487,8 @@ TEST(Results, UnreadableBenchmarkJsonIsSetAside) {
     f << R"({"benchmarks":5})";
   }
   ResultsDir rd(out, true);
-  nlohmann::json bench = {{"context", {{"host_name", "h"}}}, {"benchmarks", {{{"name", "new_run"}}}}};
+  nlohmann::json bench = {{"context", {{"host_name", "h"}}},
+                          {"benchmarks", {{{"name", "new_run"}}}}};
   rd.append(sample_row(64), bench);  // once threw a raw JSON-library error
   EXPECT_EQ(test::read_text(out + "/benchmark.json.unreadable"), R"({"benchmarks":5})");
   auto j = parse_json(test::read_text(out + "/benchmark.json"));
@@ -527,7 +542,8 @@ TEST(Results, ResumedMetaKeepsEachRunsMachineFigures) {
 // --min-time 0 is one forward pass per repetition (Google Benchmark itself refuses 0).
 TEST(Cli, MinTimeZeroIsOnePassPerRepetition) {
   TempDir dir;
-  CliResult r = run_cli("run --variant flash --seq 32 --heads 1 --dim 8 --reps 2 --min-time 0 --json", dir);
+  CliResult r =
+      run_cli("run --variant flash --seq 32 --heads 1 --dim 8 --reps 2 --min-time 0 --json", dir);
   ASSERT_EQ(r.code, 0) << r.err;
   auto j = parse_json(r.out);
   EXPECT_EQ(j.at("status"), "ok");
@@ -541,9 +557,11 @@ TEST(Cli, SweepThenResume) {
   TempDir dir;
   const std::string out = dir.file("results");
   // flash:block_q=64 is flash at its defaults: the same canonical spec, measured once
-  const std::string base = "sweep --variant full --variant flash --variant flash:block_q=64 "
-                           "--heads 2 --dim 16 --causal both "
-                           "--reps 1 --min-time 0.01 --out " + q(out);
+  const std::string base =
+      "sweep --variant full --variant flash --variant flash:block_q=64 "
+      "--heads 2 --dim 16 --causal both "
+      "--reps 1 --min-time 0.01 --out " +
+      q(out);
   CliResult r = run_cli(base + " --seq 32,64,32", dir);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_CONTAINS(r.err, "10 duplicate configurations left out");
@@ -626,7 +644,8 @@ TEST(Cli, SweepSkipsWhatCannotFit) {
   TempDir dir;
   const std::string out = dir.file("big");
   // full materialises B H n m floats: 64 * 2^40 * 4 bytes here
-  CliResult r = run_cli("sweep --variant full --seq 1048576 --heads 64 --reps 1 --out " + q(out), dir);
+  CliResult r =
+      run_cli("sweep --variant full --seq 1048576 --heads 64 --reps 1 --out " + q(out), dir);
   ASSERT_EQ(r.code, 0) << r.err;
   Csv csv = read_csv(out + "/results.csv");
   EXPECT_EQ(csv.header, csv_columns());

@@ -2,6 +2,8 @@
 // output against its float64 oracle (the clustered and improved formulas in double on the
 // variant's own assignment and top keys), the settings that must give exact attention, and its
 // error against exact attention as the clustering gets finer.
+#include "variants/clustered.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -22,7 +24,6 @@
 #include "common/registry.h"
 #include "common/row_pattern.h"
 #include "test_util.h"
-#include "variants/clustered.h"
 
 namespace attnbench {
 namespace {
@@ -31,8 +32,8 @@ using test::rel_fro_error;
 using test::run;
 
 std::string spec(int64_t clusters, int64_t iterations, int bits, int64_t topk) {
-  return "clustered:clusters=" + std::to_string(clusters) + ",iterations=" +
-         std::to_string(iterations) + ",bits=" + std::to_string(bits) +
+  return "clustered:clusters=" + std::to_string(clusters) +
+         ",iterations=" + std::to_string(iterations) + ",bits=" + std::to_string(bits) +
          ",topk=" + std::to_string(topk);
 }
 
@@ -53,7 +54,8 @@ TEST(Clustered, EveryQueryJoinsItsNearestCentroid) {
                                   {1000, 64, 40},
                                   {7, 1, 3}}) {
       Problem p = test::problem(1, 2, n, n, d, false, uint64_t(bits + n), "clustered");
-      SCOPED_TRACE(p.str() + " bits=" + std::to_string(bits) + " clusters=" + std::to_string(clusters));
+      SCOPED_TRACE(p.str() + " bits=" + std::to_string(bits) +
+                   " clusters=" + std::to_string(clusters));
       Inputs in = generate_inputs(p);
       const clustered::Clusters cl = clusters_of(p, in.q, 0, 1, {clusters, 10, bits});
       ASSERT_EQ(cl.c, std::min(clusters, n));
@@ -85,7 +87,8 @@ TEST(Clustered, EveryQueryJoinsItsNearestCentroid) {
         for (int64_t i = 0; i < n; ++i) {
           auto dist = [&, d = d](int64_t c) {  // clang 14 cannot capture a structured binding
             double s = 0;
-            for (int64_t t = 0; t < d; ++t) s += std::pow(double(q[i * d + t]) - cl.centres[size_t(c * d + t)], 2);
+            for (int64_t t = 0; t < d; ++t)
+              s += std::pow(double(q[i * d + t]) - cl.centres[size_t(c * d + t)], 2);
             return s;
           };
           double best = INFINITY;
@@ -197,9 +200,8 @@ TEST(Clustered, OneClusterPerQueryIsExactAttention) {
 
 TEST(Clustered, TopkCoveringAllKeysIsExactAttention) {
   // topk >= m: T = every key, mhat = 1, nothing left over, whatever the clustering
-  for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{113, 40, 64},
-                         {300, 7, 17},
-                         {50, 1, 1}})
+  for (auto [n, m, d] :
+       {std::tuple<int64_t, int64_t, int64_t>{113, 40, 64}, {300, 7, 17}, {50, 1, 1}})
     for (int bits : {0, 32})
       for (int64_t clusters : {1, 5, 100}) {
         Problem p = test::problem(1, 2, n, m, d, false, uint64_t(3 * n + m));
@@ -263,7 +265,8 @@ TEST(Clustered, SameSeedSameOutputOtherSeedOtherClustering) {
     int64_t split = 0;
     for (int64_t i = 0; i < p.n; ++i)
       for (int64_t j = i + 1; j < p.n; ++j)
-        split += (x.assign[size_t(i)] == x.assign[size_t(j)]) != (y.assign[size_t(i)] == y.assign[size_t(j)]);
+        split += (x.assign[size_t(i)] == x.assign[size_t(j)]) !=
+                 (y.assign[size_t(i)] == y.assign[size_t(j)]);
     EXPECT_GT(split, 0) << "bits=" << bits;
   }
 }
@@ -334,13 +337,16 @@ TEST(Clustered, PatternIsEachClustersTopKeys) {
 TEST(Clustered, PatternCommandExplainsPlainHasNone) {
   test::TempDir dir;
   const std::string out = dir.file("pattern.npy");
-  test::CliResult none = test::run_cli("pattern --variant clustered --seq 40 --output '" + out + "'", dir);
+  test::CliResult none =
+      test::run_cli("pattern --variant clustered --seq 40 --output '" + out + "'", dir);
   EXPECT_EQ(none.code, 2) << none.err;
   EXPECT_CONTAINS(none.err, "no attention pattern");
   EXPECT_CONTAINS(none.err, "topk=0");
-  test::CliResult some =
-      test::run_cli("pattern --variant clustered:clusters=4,topk=8 --seq 40 --seq-k 30 --head 1 "
-                    "--output '" + out + "'", dir);
+  test::CliResult some = test::run_cli(
+      "pattern --variant clustered:clusters=4,topk=8 --seq 40 --seq-k 30 --head 1 "
+      "--output '" +
+          out + "'",
+      dir);
   ASSERT_EQ(some.code, 0) << some.err;
   NpyArray a = read_npy(out);
   ASSERT_EQ(a.shape, (std::vector<int64_t>{40, 30}));

@@ -38,8 +38,7 @@ TEST(Compressed, MatchesThePooledAttentionOracle) {
           for (bool causal : {false, true}) {
             // one batch item (the generic tests cover batches): the double oracle is slow
             const Problem p = test::problem(1, 2, n, m, d, causal, uint64_t(7 * n + m + d + r));
-            const std::string spec =
-                "compressed:ratio=" + std::to_string(r) + ",pool=" + pool_kind;
+            const std::string spec = "compressed:ratio=" + std::to_string(r) + ",pool=" + pool_kind;
             SCOPED_TRACE(spec + " " + p.str());
             worst = std::max(worst, expect_matches_oracle(spec, p, generate_inputs(p)));
           }
@@ -54,13 +53,16 @@ TEST(Compressed, CausalRowsWithoutACompleteGroupAreZero) {
     double norm = 0;
     for (int64_t h = 0; h < p.heads; ++h)
       for (int64_t c = 0; c < p.dim; ++c) norm += std::fabs(at(out, 0, h, i, c));
-    if (i < 3) EXPECT_EQ(norm, 0.0) << "row " << i;  // sees keys 0 .. i: no group of 4
-    else EXPECT_GT(norm, 0.0) << "row " << i;
+    if (i < 3)
+      EXPECT_EQ(norm, 0.0) << "row " << i;  // sees keys 0 .. i: no group of 4
+    else
+      EXPECT_GT(norm, 0.0) << "row " << i;
   }
 }
 
 TEST(Compressed, RatioOneMeanIsFullAttention) {
-  for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {7, 113}, {113, 7}, {300, 257}, {1, 1}})
+  for (auto [n, m] :
+       {std::pair<int64_t, int64_t>{113, 113}, {7, 113}, {113, 7}, {300, 257}, {1, 1}})
     for (int64_t d : {1, 17, 64})
       for (bool causal : {false, true}) {
         const Problem p = test::problem(1, 2, n, m, d, causal, 12);
@@ -90,8 +92,10 @@ TEST(Compressed, CausalLeaksNothing) {
           const Tensor out = run(spec, p, changed);
           double diff = 0;
           for (int64_t r = 0; r <= i; ++r) diff = std::max(diff, row_diff(p, out, base, r));
-          if (causal) EXPECT_EQ(diff, 0.0) << "rows <= " << i << " see keys after " << a;
-          else changed_without_causal |= diff > 1e-3;
+          if (causal)
+            EXPECT_EQ(diff, 0.0) << "rows <= " << i << " see keys after " << a;
+          else
+            changed_without_causal |= diff > 1e-3;
         }
       }
       EXPECT_TRUE(changed_without_causal) << spec;
@@ -123,12 +127,15 @@ TEST(Compressed, HasNoPatternAndSaysSo) {
   Inputs in = generate_inputs(p);
   EXPECT_EQ(v->make_pattern(p, in.q.view(), in.k.view()), nullptr);
   test::TempDir dir;
-  auto r = test::run_cli("pattern --variant compressed --seq 30 --output " + dir.file("x.npy"), dir);
+  auto r =
+      test::run_cli("pattern --variant compressed --seq 30 --output " + dir.file("x.npy"), dir);
   EXPECT_NE(r.code, 0);
   EXPECT_CONTAINS(r.err, "has no attention pattern");
   // and its result row has no mass
-  auto row = test::run_cli("run --variant compressed:ratio=2 --seq 64 --heads 1 --dim 8 "
-                           "--min-time 0.001 --reps 1 --json", dir);
+  auto row = test::run_cli(
+      "run --variant compressed:ratio=2 --seq 64 --heads 1 --dim 8 "
+      "--min-time 0.001 --reps 1 --json",
+      dir);
   ASSERT_EQ(row.code, 0) << row.err;
   EXPECT_CONTAINS(row.out, "\"mass_mean\": null");
   EXPECT_CONTAINS(row.out, "\"status\": \"ok\"");

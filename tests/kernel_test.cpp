@@ -26,7 +26,6 @@ namespace {
 using test::rel_fro_error;
 namespace ka = kernel_attention;
 
-
 using test::expect_matches_oracle;
 using test::run;
 
@@ -86,7 +85,7 @@ TEST(PerformerProjection, SeededPerHeadNestedAndOrthogonalInBlocks) {
   for (bool orth : {true, false}) {
     const auto w = ka::performer_projection(9, 2, 40, d, orth);
     ASSERT_EQ(w.size(), size_t(40 * d));
-    EXPECT_EQ(w, ka::performer_projection(9, 2, 40, d, orth));  // a pure function
+    EXPECT_EQ(w, ka::performer_projection(9, 2, 40, d, orth));   // a pure function
     EXPECT_NE(w, ka::performer_projection(10, 2, 40, d, orth));  // of the seed
     EXPECT_NE(w, ka::performer_projection(9, 3, 40, d, orth));   // and of the head
     // W for fewer features is the first rows of W for more: growing F adds features
@@ -104,8 +103,10 @@ TEST(PerformerProjection, SeededPerHeadNestedAndOrthogonalInBlocks) {
   for (int64_t a = 0; a < 40; ++a)
     for (int64_t b = 0; b < a; ++b) {
       const double cosine = std::abs(dot(a, b)) / std::sqrt(dot(a, a) * dot(b, b));
-      if (a / d == b / d) worst_in_block = std::max(worst_in_block, cosine);
-      else best_across = std::min(best_across, cosine);
+      if (a / d == b / d)
+        worst_in_block = std::max(worst_in_block, cosine);
+      else
+        best_across = std::min(best_across, cosine);
     }
   EXPECT_LT(worst_in_block, 1e-6);
   EXPECT_GT(best_across, 0.0);  // not all orthogonal: blocks are independent
@@ -142,7 +143,8 @@ TEST(PerformerProjection, SeedAveragedKernelEstimateIsUnbiased) {
       const RandomStream rs(77, 1);
       std::vector<double> r(static_cast<size_t>(d));
       double rn = 0;
-      for (int64_t c = 0; c < d; ++c) r[size_t(c)] = rs.normal(uint64_t(c)), rn += r[size_t(c)] * r[size_t(c)];
+      for (int64_t c = 0; c < d; ++c)
+        r[size_t(c)] = rs.normal(uint64_t(c)), rn += r[size_t(c)] * r[size_t(c)];
       for (double& e : r) e /= std::sqrt(rn);
       // Householder reflection I - 2 r r^T (orthogonal, keeps norms and x^T y)
       auto reflect = [&](std::vector<double>& v) {
@@ -153,7 +155,8 @@ TEST(PerformerProjection, SeedAveragedKernelEstimateIsUnbiased) {
       reflect(x), reflect(y);
       double xy = 0, xx = 0, yy = 0, uu = 0;
       for (int64_t c = 0; c < d; ++c) {
-        xy += x[size_t(c)] * y[size_t(c)], xx += x[size_t(c)] * x[size_t(c)], yy += y[size_t(c)] * y[size_t(c)];
+        xy += x[size_t(c)] * y[size_t(c)], xx += x[size_t(c)] * x[size_t(c)],
+            yy += y[size_t(c)] * y[size_t(c)];
         uu += (x[size_t(c)] + y[size_t(c)]) * (x[size_t(c)] + y[size_t(c)]);
       }
       double sum = 0;
@@ -161,14 +164,16 @@ TEST(PerformerProjection, SeedAveragedKernelEstimateIsUnbiased) {
         const auto w = ka::performer_projection(uint64_t(1000 + s), 0, features, d, orth);
         for (int64_t f = 0; f < features; ++f) {
           double wu = 0;
-          for (int64_t c = 0; c < d; ++c) wu += double(w[size_t(f * d + c)]) * (x[size_t(c)] + y[size_t(c)]);
+          for (int64_t c = 0; c < d; ++c)
+            wu += double(w[size_t(f * d + c)]) * (x[size_t(c)] + y[size_t(c)]);
           sum += std::exp(wu - 0.5 * (xx + yy));
         }
       }
       const double mean = sum / double(seeds * features), exact = std::exp(xy);
       const double var = std::exp(2 * xy) * (std::exp(uu) - 1);
       const double se = std::sqrt(var / double(seeds * features));
-      EXPECT_LE(std::abs(mean - exact), 4 * se) << "mean " << mean << " exact " << exact << " se " << se;
+      EXPECT_LE(std::abs(mean - exact), 4 * se)
+          << "mean " << mean << " exact " << exact << " se " << se;
     }
 }
 
@@ -213,7 +218,8 @@ TEST(Performer, SoftmaxErrorFallsAsOneOverSqrtFeatures) {
     double err = 0;
     const int seeds = 4;
     for (int s = 0; s < seeds; ++s)
-      err += softmax_error("performer:features=" + std::to_string(f), p, in, ref, uint64_t(100 + s));
+      err +=
+          softmax_error("performer:features=" + std::to_string(f), p, in, ref, uint64_t(100 + s));
     err /= seeds;
     EXPECT_LT(err, prev) << "features " << f;
     prev = err;
@@ -222,7 +228,8 @@ TEST(Performer, SoftmaxErrorFallsAsOneOverSqrtFeatures) {
   // least-squares slope of log(error) against log(features)
   const double n = double(lx.size());
   double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (size_t i = 0; i < lx.size(); ++i) sx += lx[i], sy += ly[i], sxx += lx[i] * lx[i], sxy += lx[i] * ly[i];
+  for (size_t i = 0; i < lx.size(); ++i)
+    sx += lx[i], sy += ly[i], sxx += lx[i] * lx[i], sxy += lx[i] * ly[i];
   const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
   RecordProperty("slope", std::to_string(slope));
   EXPECT_GE(slope, -0.75);
@@ -242,8 +249,10 @@ TEST(Performer, OrthogonalFeaturesBeatIid) {
     const int seeds = 12;
     double sum = 0, sum2 = 0, orth = 0, iid = 0;
     for (int s = 0; s < seeds; ++s) {
-      const double eo = softmax_error("performer:orthogonal=true,features=" + f, p, in, ref, uint64_t(100 + s));
-      const double ei = softmax_error("performer:orthogonal=false,features=" + f, p, in, ref, uint64_t(100 + s));
+      const double eo =
+          softmax_error("performer:orthogonal=true,features=" + f, p, in, ref, uint64_t(100 + s));
+      const double ei =
+          softmax_error("performer:orthogonal=false,features=" + f, p, in, ref, uint64_t(100 + s));
       orth += eo / seeds, iid += ei / seeds;
       sum += ei - eo, sum2 += (ei - eo) * (ei - eo);
     }
@@ -258,8 +267,8 @@ TEST(Performer, OrthogonalFeaturesBeatIid) {
 // Changing keys and values after a(i) = i + (m - n) must leave row i alone.
 TEST(KernelAttention, CausalRowsIgnoreLaterKeys) {
   for (const char* spec : {"linear", "performer", "performer:kernel=relu,features=64"})
-    for (auto [n, m] : {std::pair<int64_t, int64_t>{300, 300}, {300, 420}, {420, 300}, {70, 70},
-                        {1100, 1090}}) {
+    for (auto [n, m] :
+         {std::pair<int64_t, int64_t>{300, 300}, {300, 420}, {420, 300}, {70, 70}, {1100, 1090}}) {
       Problem p = test::problem(1, 2, n, m, 32, true, 21);
       SCOPED_TRACE(std::string(spec) + " " + p.str());
       const Inputs in = generate_inputs(p);
@@ -276,8 +285,10 @@ TEST(KernelAttention, CausalRowsIgnoreLaterKeys) {
         Inputs changed = generate_inputs(p);
         for (int64_t h = 0; h < p.heads; ++h)
           for (int64_t j = std::max<int64_t>(a + 1, 0); j < m; ++j) {
-            std::memcpy(changed.k.view().row(0, h, j), fresh.k.view().row(0, h, j), size_t(p.dim) * 4);
-            std::memcpy(changed.v.view().row(0, h, j), fresh.v.view().row(0, h, j), size_t(p.dim) * 4);
+            std::memcpy(changed.k.view().row(0, h, j), fresh.k.view().row(0, h, j),
+                        size_t(p.dim) * 4);
+            std::memcpy(changed.v.view().row(0, h, j), fresh.v.view().row(0, h, j),
+                        size_t(p.dim) * 4);
           }
         const Tensor out = run(spec, p, changed);
         double diff = 0, scale = 0;

@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/error.h"
@@ -26,7 +26,6 @@ namespace {
 
 using test::rel_fro_error;
 using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
 
 using test::expect_matches_oracle;
 using test::run;
@@ -144,8 +143,8 @@ TEST(Linformer, MatchesFormulaOnRaggedShapes) {
           for (bool share : {false, true}) {
             if (d != 17 && k != 16) continue;  // the full k and sharing grid at d = 17 only
             Problem p = test::problem(1, 2, n, m, d, false, uint64_t(7 * n + m + d + k));
-            const std::string spec = "linformer:proj=" + std::to_string(k) +
-                                     ",share_kv=" + (share ? "true" : "false");
+            const std::string spec =
+                "linformer:proj=" + std::to_string(k) + ",share_kv=" + (share ? "true" : "false");
             SCOPED_TRACE(spec + " " + p.str());
             worst = std::max(worst, expect_matches_oracle(spec, p, generate_inputs(p)));
           }
@@ -172,8 +171,8 @@ TEST(Linformer, ErrorFallsAsProjectionGrows) {
       Problem p = test::problem(1, 2, 1024, 1024, 64, false, seed);
       Inputs in = generate_inputs(p);
       Tensor out = run("linformer:proj=" + std::to_string(k), p, in);
-      errs.push_back(rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
-                                                                   in.v.view())));
+      errs.push_back(
+          rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(), in.v.view())));
     }
     avg.push_back(mean(errs));
     std::printf("[ linformer ] proj=%-5lld mean rel. error vs exact attention %.3e\n",
@@ -301,8 +300,8 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
     for (int64_t h = 0; h < p.heads; ++h) {
       const Mat a = nystrom_parts(p, in, 0, h, L).a2;
       const Eigen::VectorXd sv = Eigen::JacobiSVD<Mat>(a).singularValues();
-      const double scale = a.cwiseAbs().rowwise().sum().maxCoeff() *
-                           a.cwiseAbs().colwise().sum().maxCoeff();
+      const double scale =
+          a.cwiseAbs().rowwise().sum().maxCoeff() * a.cwiseAbs().colwise().sum().maxCoeff();
       double unconverged = 0;
       for (Eigen::Index i = 0; i < sv.size(); ++i) {
         double x = sv(i) * sv(i) / scale;

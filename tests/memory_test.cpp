@@ -1,5 +1,7 @@
 // The allocation hook (harness/memory_hook.cpp, linked into this executable through
 // attnbench_objects) and the memory figures built on it.
+#include "harness/memory.h"
+
 #include <benchmark/benchmark.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
@@ -15,7 +17,6 @@
 
 #include "common/inputs.h"
 #include "common/registry.h"
-#include "harness/memory.h"
 #include "harness/runner.h"
 #include "test_util.h"
 
@@ -80,7 +81,8 @@ TEST(HeapHook, Malloc) {
 
 TEST(HeapHook, Calloc) {
   ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
-  expect_counted(measure([] { return std::calloc(kSize / 16, 16); }, [](void* p) { std::free(p); }));
+  expect_counted(
+      measure([] { return std::calloc(kSize / 16, 16); }, [](void* p) { std::free(p); }));
 }
 
 TEST(HeapHook, PosixMemalign) {
@@ -119,7 +121,8 @@ TEST(HeapHook, ReallocGrowthShrinkAndFree) {
       },
       [](void* p) { std::free(p); }));
   // realloc(nullptr, n) is malloc(n)
-  expect_counted(measure([] { return std::realloc(nullptr, kSize); }, [](void* p) { std::free(p); }));
+  expect_counted(
+      measure([] { return std::realloc(nullptr, kSize); }, [](void* p) { std::free(p); }));
   // shrink 8 MiB -> 1 MiB: the count follows the block down
   Figures f = measure(
       [] {

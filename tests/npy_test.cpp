@@ -1,4 +1,6 @@
 // .npy / .npz reading and writing, and loading q, k, v from an .npz.
+#include "common/npy.h"
+
 #include <gtest/gtest.h>
 #include <zip.h>
 
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "common/error.h"
-#include "common/npy.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -216,7 +217,8 @@ TEST(Npz, LoadInputsFillsTheProblem) {
   EXPECT_EQ(in.q.shape(), (Shape4{2, 3, 17, 8}));
   EXPECT_EQ(in.k.shape(), (Shape4{2, 3, 9, 8}));
   EXPECT_EQ(in.v.shape(), (Shape4{2, 3, 9, 8}));
-  for (auto [t, key] : {std::pair<const Tensor*, const char*>{&in.q, "q"}, {&in.k, "k"}, {&in.v, "v"}})
+  for (auto [t, key] :
+       {std::pair<const Tensor*, const char*>{&in.q, "q"}, {&in.k, "k"}, {&in.v, "v"}})
     EXPECT_EQ(std::memcmp(t->data(), arrays.at(key).data.data(), arrays.at(key).data.size()), 0)
         << key;
   EXPECT_NO_THROW(p.validate());
@@ -315,7 +317,6 @@ TEST(Npz, LoadInputsErrors) {
   }
 }
 
-
 // ----- untrusted headers and archives: a clear InputError, never a crash or a huge allocation
 
 // An .npy whose header declares `shape` (text as NumPy writes it) and holds `data_bytes` zeros.
@@ -339,8 +340,8 @@ void write_raw_npz(const std::string& path, const std::map<std::string, std::str
     zip_source_t* src = zip_source_buffer(z, bytes.data(), bytes.size(), 0);
     zip_int64_t idx = zip_file_add(z, name.c_str(), src, ZIP_FL_OVERWRITE);
     ASSERT_GE(idx, 0);
-    ASSERT_EQ(zip_set_file_compression(z, zip_uint64_t(idx), deflate ? ZIP_CM_DEFLATE : ZIP_CM_STORE,
-                                       deflate ? 9 : 0),
+    ASSERT_EQ(zip_set_file_compression(z, zip_uint64_t(idx),
+                                       deflate ? ZIP_CM_DEFLATE : ZIP_CM_STORE, deflate ? 9 : 0),
               0);
   }
   ASSERT_EQ(zip_close(z), 0);
@@ -357,7 +358,8 @@ std::map<std::string, std::string> encoded_qkv(int64_t b, int64_t h, int64_t n, 
 // header).
 std::vector<size_t> find_all(const std::string& bytes, const std::string& sig) {
   std::vector<size_t> at;
-  for (size_t i = bytes.find(sig); i != std::string::npos; i = bytes.find(sig, i + 1)) at.push_back(i);
+  for (size_t i = bytes.find(sig); i != std::string::npos; i = bytes.find(sig, i + 1))
+    at.push_back(i);
   return at;
 }
 

@@ -49,9 +49,11 @@ std::string test_name(const testing::TestParamInfo<std::string>& info) {
 }
 
 // Ragged shapes, causal and not, the first within one key block, the others across several.
-const std::tuple<int64_t, int64_t, int64_t, bool> kShapes[] = {
-    {37, 53, 13, false}, {37, 53, 13, true}, {53, 37, 13, true}, {150, 600, 13, false},
-    {150, 600, 20, true}};
+const std::tuple<int64_t, int64_t, int64_t, bool> kShapes[] = {{37, 53, 13, false},
+                                                               {37, 53, 13, true},
+                                                               {53, 37, 13, true},
+                                                               {150, 600, 13, false},
+                                                               {150, 600, 20, true}};
 
 class ExactNumerics : public testing::TestWithParam<std::string> {
  protected:
@@ -189,8 +191,7 @@ TEST(ErrorMetrics, NonFiniteOutputOrReferenceThrows) {
   Problem p = test::problem(1, 2, 20, 30, 8, false);
   Inputs in = generate_inputs(p);
   Tensor out(p.q_shape());
-  const std::vector<double> ref =
-      reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  const std::vector<double> ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   std::copy(ref.begin(), ref.end(), out.data());
   const ErrorStats e = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view());
   EXPECT_LT(e.rel_fro, 1e-6);
@@ -226,7 +227,8 @@ TEST(ErrorMetrics, RunOneNeverReportsOkWithANonFiniteError) {
     EXPECT_FALSE(row.message.empty());
     // v near FLT_MAX: finite, so ok, and the error finite and small
     Inputs big = generate_inputs(p);
-    for (int64_t i = 0; i < big.v.numel(); ++i) big.v.data()[i] = 3e38f * std::tanh(big.v.data()[i]);
+    for (int64_t i = 0; i < big.v.numel(); ++i)
+      big.v.data()[i] = 3e38f * std::tanh(big.v.data()[i]);
     row = run_one(*v, p, &big, mf, opt);
     EXPECT_EQ(row.status, "ok") << row.message;
     EXPECT_TRUE(std::isfinite(row.error.rel_fro));

@@ -182,12 +182,14 @@ void check_pattern(const Case& cs, const Problem& p) {
         for (int64_t kb = 0; kb < nbk; ++kb) {
           if (!bb.fixed(n, qb, kb)) continue;
           ++fixed;
-          EXPECT_TRUE(listed.count(kb)) << "h " << h << " qb " << qb << " misses fixed block " << kb;
+          EXPECT_TRUE(listed.count(kb))
+              << "h " << h << " qb " << qb << " misses fixed block " << kb;
         }
         auto& rnd = random[{h, qb}];
         for (int64_t kb : listed)
           if (!bb.fixed(n, qb, kb)) rnd.insert(kb);
-        EXPECT_EQ(int64_t(rnd.size()), std::min(bb.random, nbk - fixed)) << "h " << h << " qb " << qb;
+        EXPECT_EQ(int64_t(rnd.size()), std::min(bb.random, nbk - fixed))
+            << "h " << h << " qb " << qb;
       }
   }
   auto allowed = [&](int64_t h, int64_t i, int64_t j) {
@@ -207,8 +209,8 @@ void check_pattern(const Case& cs, const Problem& p) {
           const bool want = allowed(h, i, j) && j < p.visible(i);
           if (bool(row[size_t(j)]) != want && bad_rows++ == 0) {
             std::ostringstream os;
-            os << "b " << b << " h " << h << " i " << i << " j " << j << ": got " << int(row[size_t(j)])
-               << ", want " << want;
+            os << "b " << b << " h " << h << " i " << i << " j " << j << ": got "
+               << int(row[size_t(j)]) << ", want " << want;
             first_bad = os.str();
           }
         }
@@ -246,7 +248,8 @@ void check_pattern(const Case& cs, const Problem& p) {
         // variant here computes its full tiles exactly.
         if (listed && blocks[next].partial && in == rows * cols) {
           ++bad_blocks;
-          ADD_FAILURE() << "h " << h << " qb " << qb << " kb " << kb << " is full but marked partial";
+          ADD_FAILURE() << "h " << h << " qb " << qb << " kb " << kb
+                        << " is full but marked partial";
         }
         mask.assign(size_t(rows * cols), 7);
         pat->block_mask(0, h, i0, rows, j0, cols, mask.data());
@@ -292,7 +295,9 @@ TEST(Patterns, RandomParametersMatchBruteForce) {
   // beyond both ends, n > m and n < m) comes up
   RandomStream rs(2024, 1);
   uint64_t x = 0;
-  auto pick = [&](int64_t lo, int64_t hi) { return lo + int64_t(rs.below(x++, uint64_t(hi - lo + 1))); };
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return lo + int64_t(rs.below(x++, uint64_t(hi - lo + 1)));
+  };
   for (int t = 0; t < 300; ++t) {
     const int64_t n = pick(1, 40), m = pick(1, 40), block = pick(1, 24);
     const bool causal = pick(0, 1) == 1;
@@ -306,14 +311,14 @@ TEST(Patterns, RandomParametersMatchBruteForce) {
         {"strided:stride=" + std::to_string(s) + ",span=" + std::to_string(span) + bs,
          strided_rule(s, span)},
         {"sparse_transformer:mode=strided,stride=" + std::to_string(l) + bs, st_strided_rule(l)},
-        {"sparse_transformer:mode=fixed,stride=" + std::to_string(l) + ",summary=" +
-             std::to_string(c) + bs,
+        {"sparse_transformer:mode=fixed,stride=" + std::to_string(l) +
+             ",summary=" + std::to_string(c) + bs,
          st_fixed_rule(l, c)},
         {"global:global=" + std::to_string(g) + bs, global_rule(g, {})},
         {"global:positions=" + std::to_string(p1) + "+" + std::to_string(p2) + bs,
          global_rule(0, {std::min(p1, p2), std::max(p1, p2)})},
-        {"longformer:window=" + ws + ",dilation=" + std::to_string(dil) + ",dilated_heads=" +
-             std::to_string(dh) + ",global=" + std::to_string(g) + bs,
+        {"longformer:window=" + ws + ",dilation=" + std::to_string(dil) +
+             ",dilated_heads=" + std::to_string(dh) + ",global=" + std::to_string(g) + bs,
          longformer_rule(w, dil, dh, g)},
     };
     for (const Case& cs : cases) check_pattern(cs, test::problem(1, 3, n, m, 4, causal));
@@ -378,7 +383,8 @@ TEST(Patterns, OutputsMatchTheMaskedReference) {
             variant->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
             auto pat = variant->make_pattern(p, in.q.view(), in.k.view());
             ASSERT_NE(pat, nullptr);
-            const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pat.get());
+            const auto ref =
+                reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pat.get());
             EXPECT_LE(rel_fro_error(out.data(), ref), 1e-5);
           }
   }
@@ -506,8 +512,10 @@ TEST(Patterns, CausalVariantsLeakNothing) {
             for (int64_t c = 0; c < p.dim; ++c)
               diff = std::max(diff, double(std::fabs(out.view().row(0, h, i)[c] -
                                                      base.view().row(0, h, i)[c])));
-          if (causal) EXPECT_LE(diff, 1e-6) << "row " << i << " sees keys after a(i)";
-          else changed_without_causal |= diff > 1e-3;
+          if (causal)
+            EXPECT_LE(diff, 1e-6) << "row " << i << " sees keys after a(i)";
+          else
+            changed_without_causal |= diff > 1e-3;
         }
       }
       // the perturbation does reach these rows when nothing masks it
@@ -690,7 +698,8 @@ TEST(Patterns, RegisteredWithTheDocumentedParameters) {
     EXPECT_NE(v->make_pattern(test::problem(1, 1, 10, 0, 4, false), {}, {}), nullptr) << w.name;
   }
   EXPECT_EQ(make_variant("local")->spec(), "local:window=256,block=64");
-  EXPECT_EQ(make_variant("global:positions=50+0+5")->spec(), "global:global=64,positions=0+5+50,block=64");
+  EXPECT_EQ(make_variant("global:positions=50+0+5")->spec(),
+            "global:global=64,positions=0+5+50,block=64");
   EXPECT_THROW(make_variant("sparse_transformer:mode=dense"), SpecError);
   EXPECT_THROW(make_variant("local:block=0"), SpecError);
 }

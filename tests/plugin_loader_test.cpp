@@ -11,7 +11,8 @@ namespace {
 
 std::vector<std::string> registered_names() {
   std::vector<std::string> names;
-  for (const VariantInfo* v : Registry::instance().all()) names.push_back(v->name + "@" + v->plugin);
+  for (const VariantInfo* v : Registry::instance().all())
+    names.push_back(v->name + "@" + v->plugin);
   return names;
 }
 
@@ -32,8 +33,9 @@ TEST(PluginLoader, ClashAddsNothingAndKeepsTheBuiltIn) {
   Tensor out = test::run("full", p, in);
   EXPECT_NE(out.data()[0], 0.0f);
   // a second attempt fails the same way (the failed load left no state behind)
-  EXPECT_CONTAINS(test::error_message<PluginError>([] { load_plugin(ATTNBENCH_TEST_CLASH_PLUGIN); }),
-                  "'full' is already registered");
+  EXPECT_CONTAINS(
+      test::error_message<PluginError>([] { load_plugin(ATTNBENCH_TEST_CLASH_PLUGIN); }),
+      "'full' is already registered");
 }
 
 TEST(PluginLoader, MissingAndNonLibraryFilesAreNamed) {
@@ -64,8 +66,8 @@ TEST(PluginLoader, SplitsTheEnvironmentList) {
 
 TEST(Registry, AddAllAddsAllOrNone) {
   auto info = [](const std::string& name) {
-    return VariantInfo{.name = name, .summary = "", .complexity = "", .params = {}, .caps = {},
-                       .make = nullptr};
+    return VariantInfo{
+        .name = name, .summary = "", .complexity = "", .params = {}, .caps = {}, .make = nullptr};
   };
   std::vector<VariantInfo> batch;
   batch.push_back(info("test_all_a"));

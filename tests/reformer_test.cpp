@@ -1,19 +1,20 @@
 // Tests of the reformer variant (LSH attention): checked against its float64 oracle
 // (variants/reformer.h: the variant's definition in double on its own buckets), against full
 // attention in its degenerate settings, and for the effect of more hash rounds.
+#include "variants/reformer.h"
+
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/pattern.h"
 #include "common/registry.h"
 #include "tests/test_util.h"
-#include "variants/reformer.h"
 
 namespace attnbench {
 namespace {
@@ -48,7 +49,8 @@ void shared_row(const Problem& p, ConstTensorView q, ConstTensorView v, int64_t 
   }
   std::vector<double> l(use.size());
   double mx = -INFINITY;
-  for (size_t t = 0; t < use.size(); ++t) mx = std::max(mx, l[t] = shared_logit(p, q, b, h, i, use[t]));
+  for (size_t t = 0; t < use.size(); ++t)
+    mx = std::max(mx, l[t] = shared_logit(p, q, b, h, i, use[t]));
   double sum = 0;
   for (size_t t = 0; t < use.size(); ++t) sum += (l[t] = std::exp(l[t] - mx));
   for (size_t t = 0; t < use.size(); ++t)
@@ -78,9 +80,8 @@ TEST(Reformer, MatchesItsDefinition) {
     int64_t hashes, chunk;
   };
   const std::vector<Case> cases = {
-      {100, 17, false, {}, 3, 16},      {100, 17, true, {}, 3, 16},
-      {77, 64, false, {4, 8}, 2, 8},    {77, 64, true, {4, 8}, 2, 8},
-      {130, 1, false, {6}, 2, 32},      {33, 5, true, {2}, 1, 64},
+      {100, 17, false, {}, 3, 16},  {100, 17, true, {}, 3, 16},  {77, 64, false, {4, 8}, 2, 8},
+      {77, 64, true, {4, 8}, 2, 8}, {130, 1, false, {6}, 2, 32}, {33, 5, true, {2}, 1, 64},
       {257, 32, true, {}, 4, 64},
   };
   for (const Case& c : cases) {
@@ -94,8 +95,8 @@ TEST(Reformer, MatchesItsDefinition) {
         buckets += std::to_string(f);
       }
     }
-    const std::string spec = "reformer:buckets=" + buckets + ",hashes=" +
-                             std::to_string(c.hashes) + ",chunk=" + std::to_string(c.chunk);
+    const std::string spec = "reformer:buckets=" + buckets + ",hashes=" + std::to_string(c.hashes) +
+                             ",chunk=" + std::to_string(c.chunk);
     SCOPED_TRACE(spec + " " + p.str());
     const auto v = make_variant(spec);
     const Tensor out = test::run(spec, p, in);

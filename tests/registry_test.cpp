@@ -4,6 +4,8 @@
 // names starting "test_" (and parameters starting "test_"), each once per process. They are
 // added inside test bodies, after the parameterised variant tests have been enumerated, so the
 // exactness tests never see them.
+#include "common/registry.h"
+
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -18,7 +20,6 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/reference.h"
-#include "common/registry.h"
 #include "harness/cli.h"
 #include "test_util.h"
 
@@ -50,12 +51,13 @@ class ReferenceVariant final : public Variant {
 
 VariantInfo test_info(std::string name, std::vector<ParamSpec> params = {},
                       Capabilities caps = {.causal = true, .cross = true}) {
-  return VariantInfo{.name = std::move(name),
-                     .summary = "test-only variant",
-                     .complexity = "n/a",
-                     .params = std::move(params),
-                     .caps = caps,
-                     .make = [](const ParamValues&) { return std::make_unique<ReferenceVariant>(); }};
+  return VariantInfo{
+      .name = std::move(name),
+      .summary = "test-only variant",
+      .complexity = "n/a",
+      .params = std::move(params),
+      .caps = caps,
+      .make = [](const ParamValues&) { return std::make_unique<ReferenceVariant>(); }};
 }
 
 // Test-only variants used by several tests, registered once per process.
@@ -161,13 +163,13 @@ TEST(Registry, ParseSpecSplitsInOrder) {
 
 TEST(Registry, OutOfRangeAndNonNumericValuesMentionTheRange) {
   const ParamSpec& bq = Registry::instance().find("flash")->params[0];
-  const std::string range = "[" + std::to_string(int64_t(bq.min)) + ", " +
-                            std::to_string(int64_t(bq.max)) + "]";
+  const std::string range =
+      "[" + std::to_string(int64_t(bq.min)) + ", " + std::to_string(int64_t(bq.max)) + "]";
   ASSERT_EQ(range, "[1, 4096]");
-  for (const char* spec : {"flash:block_q=0", "flash:block_q=4097", "flash:block_q=-1",
-                           "flash:block_q=abc", "flash:block_q=1.5", "flash:block_q=1e3",
-                           "flash:block_q= 8", "flash:block_q=+8", "flash:block_q=0x10",
-                           "flash:block_q=99999999999999999999999"}) {
+  for (const char* spec :
+       {"flash:block_q=0", "flash:block_q=4097", "flash:block_q=-1", "flash:block_q=abc",
+        "flash:block_q=1.5", "flash:block_q=1e3", "flash:block_q= 8", "flash:block_q=+8",
+        "flash:block_q=0x10", "flash:block_q=99999999999999999999999"}) {
     SCOPED_TRACE(spec);
     const std::string msg = spec_error([&] { make_variant(spec); });
     EXPECT_CONTAINS(msg, range);
@@ -200,9 +202,9 @@ TEST(Registry, ParameterTypeClashIsRejected) {
 TEST(Registry, RejectedVariantLeavesNoParameterTypesBehind) {
   // test_leak_a is refused (its block_q clashes with flash's), so nothing of it should stay:
   // in particular its other parameter test_leak_param must not now be typed as int.
-  EXPECT_THROW(Registry::instance().add(test_info(
-                   "test_leak_a", {ParamSpec::Int("test_leak_param", 1, 0, 9, "first"),
-                                   ParamSpec::Float("block_q", 1.0, 0.0, 2.0, "clash")})),
+  EXPECT_THROW(Registry::instance().add(
+                   test_info("test_leak_a", {ParamSpec::Int("test_leak_param", 1, 0, 9, "first"),
+                                             ParamSpec::Float("block_q", 1.0, 0.0, 2.0, "clash")})),
                SpecError);
   EXPECT_EQ(Registry::instance().find("test_leak_a"), nullptr);
   // no registered variant declares test_leak_param, so a float of that name is fine
@@ -219,10 +221,10 @@ TEST(Registry, DuplicateAndInvalidNamesAreRejected) {
   for (const char* bad : {"", "test:x", "test,x", "test=x", "test x"})
     EXPECT_THROW(Registry::instance().add(test_info(bad)), SpecError) << "'" << bad << "'";
   // a parameter declared twice, or with a default outside its own range
-  EXPECT_THROW(Registry::instance().add(test_info(
-                   "test_twice", {ParamSpec::Int("test_p2", 1, 0, 9, ""),
-                                  ParamSpec::Int("test_p2", 2, 0, 9, "")})),
-               SpecError);
+  EXPECT_THROW(
+      Registry::instance().add(test_info("test_twice", {ParamSpec::Int("test_p2", 1, 0, 9, ""),
+                                                        ParamSpec::Int("test_p2", 2, 0, 9, "")})),
+      SpecError);
   EXPECT_THROW(Registry::instance().add(
                    test_info("test_bad_default", {ParamSpec::Int("test_p3", 0, 1, 9, "")})),
                SpecError);
@@ -234,8 +236,8 @@ TEST(Registry, AllIsSortedAndFindWorks) {
   register_test_variants();
   auto all = Registry::instance().all();
   ASSERT_GE(all.size(), 2u);
-  EXPECT_TRUE(std::is_sorted(all.begin(), all.end(),
-                             [](auto* a, auto* b) { return a->name < b->name; }));
+  EXPECT_TRUE(
+      std::is_sorted(all.begin(), all.end(), [](auto* a, auto* b) { return a->name < b->name; }));
   EXPECT_NE(Registry::instance().find("full"), nullptr);
   EXPECT_NE(Registry::instance().find("test_caps_none"), nullptr);
   EXPECT_EQ(Registry::instance().find("ful"), nullptr);

@@ -1,13 +1,15 @@
 // Tests of the routing variant (k-means routing): checked against its float64 oracle
 // (variants/routing.h: the variant's formula in double on its own routes), against full
 // attention with one cluster, and for causality and the seed.
+#include "variants/routing.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <vector>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
 
 #include "common/error.h"
 #include "common/inputs.h"
@@ -15,7 +17,6 @@
 #include "common/reference.h"
 #include "common/registry.h"
 #include "tests/test_util.h"
-#include "variants/routing.h"
 
 namespace attnbench {
 namespace {
@@ -49,8 +50,8 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
                         in.q.view(), in.k.view(), in.v.view(), &unrouted);
     EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p));
     // the notes report the rows left without keys
-    EXPECT_CONTAINS(v->notes(), fmt::format("{} of {} query rows", unrouted,
-                                            p.batch * p.heads * p.n));
+    EXPECT_CONTAINS(v->notes(),
+                    fmt::format("{} of {} query rows", unrouted, p.batch * p.heads * p.n));
   }
 }
 
@@ -101,21 +102,23 @@ TEST(Routing, EachClusterTakesItsNearestTokens) {
 
 TEST(Routing, OneClusterIsFullAttention) {
   for (bool causal : {false, true})
-    for (auto [n, m] : {std::pair<int64_t, int64_t>{1, 1}, {37, 37}, {200, 200}, {64, 150}, {150, 64}})
+    for (auto [n, m] :
+         {std::pair<int64_t, int64_t>{1, 1}, {37, 37}, {200, 200}, {64, 150}, {150, 64}})
       for (int64_t d : {1, 17, 64}) {
         Problem p = test::problem(2, 3, n, 0, d, causal, 7);
         p.m = m;
         const Inputs in = generate_inputs(p);
         SCOPED_TRACE(p.str());
         const Tensor out = test::run("routing:clusters=1,window=100000", p, in);
-        EXPECT_LT(test::rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(),
-                                                                      in.v.view())),
+        EXPECT_LT(test::rel_fro_error(
+                      out.data(), reference_attention(p, in.q.view(), in.k.view(), in.v.view())),
                   1e-5);
       }
 }
 
 TEST(Routing, CausalValuesOfLaterTokensNeverReachEarlierRows) {
-  expect_later_values_never_reach_earlier_rows("routing", test::problem(2, 3, 300, 0, 16, true, 7), 170);
+  expect_later_values_never_reach_earlier_rows("routing", test::problem(2, 3, 300, 0, 16, true, 7),
+                                               170);
 }
 
 TEST(Routing, SeedChoosesTheCentroids) {

@@ -65,8 +65,9 @@ struct SinkhornSpec {
   double temperature;
   int64_t iterations;
   std::string str() const {
-    return "sinkhorn:block=" + std::to_string(block) + ",temperature=" +
-           std::to_string(temperature) + ",iterations=" + std::to_string(iterations);
+    return "sinkhorn:block=" + std::to_string(block) +
+           ",temperature=" + std::to_string(temperature) +
+           ",iterations=" + std::to_string(iterations);
   }
 };
 
@@ -156,8 +157,8 @@ std::vector<int64_t> expected_blocks(int64_t i, int64_t j) {
   return {std::min(i, j), std::max(i, j)};
 }
 
-const SinkhornSpec kSinkhornCases[] = {
-    {16, 0.75, 5}, {7, 0.75, 5}, {32, 0.3, 12}, {64, 0.75, 5}, {5, 2.0, 0}, {1, 0.75, 3}};
+const SinkhornSpec kSinkhornCases[] = {{16, 0.75, 5}, {7, 0.75, 5}, {32, 0.3, 12},
+                                       {64, 0.75, 5}, {5, 2.0, 0},  {1, 0.75, 3}};
 
 TEST(Sinkhorn, MatchingMatchesAPlainImplementation) {
   int64_t moved = 0, total = 0;
@@ -196,9 +197,10 @@ TEST(Sinkhorn, ExportedPatternIsTheMatching) {
     const SinkhornSpec s{16, 0.75, 5};
     const Problem p = test::problem(1, 2, 150, 0, 24, causal, 9);
     const std::string f = dir.file(causal ? "c.npy" : "nc.npy");
-    auto r = test::run_cli("pattern --variant " + s.str() + " --seq 150 --dim 24 --head 1 --seed 9 " +
-                               (causal ? "--causal " : "") + "--output " + f,
-                           dir);
+    auto r =
+        test::run_cli("pattern --variant " + s.str() + " --seq 150 --dim 24 --head 1 --seed 9 " +
+                          (causal ? "--causal " : "") + "--output " + f,
+                      dir);
     ASSERT_EQ(r.code, 0) << r.err;
     const NpyArray a = read_npy(f);
     ASSERT_EQ(a.shape, (std::vector<int64_t>{150, 150}));
@@ -223,11 +225,13 @@ TEST(Sinkhorn, OutputIsAttentionOverTheMatchedBlocks) {
         SCOPED_TRACE(s.str() + " " + p.str());
         Inputs in = generate_inputs(p);
         std::vector<std::vector<int64_t>> pis;
-        for (int64_t bh = 0; bh < 4; ++bh) pis.push_back(sinkhorn_oracle(p, in.q, in.k, s, bh / 2, bh % 2));
-        const auto ref = attention_where(p, in.q, in.k, in.v, [&](int64_t b, int64_t h, int64_t i, int64_t j) {
-          const int64_t qb = i / s.block, kb = j / s.block;
-          return (kb == qb || kb == pis[size_t(b * 2 + h)][size_t(qb)]) && j < p.visible(i);
-        });
+        for (int64_t bh = 0; bh < 4; ++bh)
+          pis.push_back(sinkhorn_oracle(p, in.q, in.k, s, bh / 2, bh % 2));
+        const auto ref =
+            attention_where(p, in.q, in.k, in.v, [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+              const int64_t qb = i / s.block, kb = j / s.block;
+              return (kb == qb || kb == pis[size_t(b * 2 + h)][size_t(qb)]) && j < p.visible(i);
+            });
         EXPECT_LE(rel_fro_error(run(s.str(), p, in).data(), ref), attention_tolerance(p));
       }
 }
@@ -280,8 +284,10 @@ TEST(Sinkhorn, CausalLeaksNothing) {
           // rows up to i see nothing that changed
           double diff = 0;
           for (int64_t r = 0; r <= i; ++r) diff = std::max(diff, row_diff(p, out, base, r));
-          if (causal) EXPECT_EQ(diff, 0.0) << "rows <= " << i << " see keys after " << i;
-          else changed_without_causal |= diff > 1e-3;
+          if (causal)
+            EXPECT_EQ(diff, 0.0) << "rows <= " << i << " see keys after " << i;
+          else
+            changed_without_causal |= diff > 1e-3;
         }
       }
       EXPECT_TRUE(changed_without_causal) << spec << " n " << n;
@@ -316,7 +322,8 @@ TEST(Sinkhorn, ZeroSimilarityIsFinite) {
       EXPECT_EQ(listed(*pat, 0, 0, i), expected_blocks(i, pi[size_t(i)]));
     }
     const Tensor out = run(s.str(), p, in);
-    EXPECT_TRUE(std::all_of(out.data(), out.data() + out.numel(), [](float x) { return std::isfinite(x); }));
+    EXPECT_TRUE(std::all_of(out.data(), out.data() + out.numel(),
+                            [](float x) { return std::isfinite(x); }));
   }
 }
 

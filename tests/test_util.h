@@ -22,9 +22,9 @@
 
 #include "common/error.h"
 #include "common/inputs.h"
-#include "common/random.h"
 #include "common/oracle.h"
 #include "common/pattern.h"
+#include "common/random.h"
 #include "common/reference.h"
 #include "common/registry.h"
 #include "common/tensor.h"

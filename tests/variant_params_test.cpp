@@ -3,6 +3,7 @@
 // a value in range either makes a variant whose estimates on a small problem do not throw, or
 // is refused at make with SpecError; nothing of another type comes later. Plus the
 // regressions of the reliability issue (items 9, 13, 15) and OmpGuard.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -12,8 +13,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "common/error.h"
 #include "common/inputs.h"
@@ -41,14 +40,20 @@ Values values_of(const ParamSpec& ps) {
   switch (ps.type) {
     case ParamType::Int:
       v.in_range.insert(v.in_range.end(), {int_text(ps.min), int_text(ps.max)});
-      v.refused = {int_text(ps.min - 1), int_text(ps.max + 1), "abc", "1.5", "1e3", "0x10",
-                   " 1", "99999999999999999999"};
+      v.refused = {int_text(ps.min - 1),  int_text(ps.max + 1), "abc", "1.5", "1e3", "0x10", " 1",
+                   "99999999999999999999"};
       break;
     case ParamType::Float:
       v.in_range.insert(v.in_range.end(), {fmt::format("{}", ps.min), fmt::format("{}", ps.max)});
       v.refused = {fmt::format("{}", ps.min - std::max(1.0, std::abs(ps.min))),
                    fmt::format("{}", ps.max + std::max(1.0, std::abs(ps.max))),
-                   "abc", "inf", "nan", "1e-310", "1e-400", "1e400", "1.5.2"};
+                   "abc",
+                   "inf",
+                   "nan",
+                   "1e-310",
+                   "1e-400",
+                   "1e400",
+                   "1.5.2"};
       break;
     case ParamType::Bool:
       v.in_range.insert(v.in_range.end(), {"true", "false", "0", "1", "on", "off"});
@@ -59,12 +64,17 @@ Values values_of(const ParamSpec& ps) {
       v.refused = {"no_such_choice", ps.choices.front() + "x"};
       break;
     case ParamType::IntList:
-      v.in_range.insert(v.in_range.end(),
-                        {"none", int_text(ps.min), int_text(ps.max),
-                         int_text(ps.min) + "+" + int_text(ps.max)});
-      v.refused = {int_text(ps.min - 1), int_text(ps.max + 1),
-                   int_text(ps.min) + "+" + int_text(ps.max + 1), "a", "1++2", "+1", "1+",
-                   "1.5", "99999999999999999999"};
+      v.in_range.insert(v.in_range.end(), {"none", int_text(ps.min), int_text(ps.max),
+                                           int_text(ps.min) + "+" + int_text(ps.max)});
+      v.refused = {int_text(ps.min - 1),
+                   int_text(ps.max + 1),
+                   int_text(ps.min) + "+" + int_text(ps.max + 1),
+                   "a",
+                   "1++2",
+                   "+1",
+                   "1+",
+                   "1.5",
+                   "99999999999999999999"};
       break;
   }
   return v;
@@ -218,10 +228,11 @@ TEST(OmpGuard, CarriesTheFirstExceptionOutOfTheRegion) {
     std::vector<int> buf;
     guard.run([&] { buf.resize(4); });
 #pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < 100; ++i) guard.run([&] {
-      ran.fetch_add(1);
-      if (i == 10) throw std::length_error("task 10");
-    });
+    for (int i = 0; i < 100; ++i)
+      guard.run([&] {
+        ran.fetch_add(1);
+        if (i == 10) throw std::length_error("task 10");
+      });
   }
   EXPECT_TRUE(guard.failed());
   EXPECT_LE(ran.load(), 100);
@@ -239,14 +250,16 @@ TEST(OmpGuard, NestedRegionsAndNoFailure) {
 #pragma omp parallel
   {
 #pragma omp for
-    for (int i = 0; i < 4; ++i) outer.run([&] {
-      OmpGuard inner;
+    for (int i = 0; i < 4; ++i)
+      outer.run([&] {
+        OmpGuard inner;
 #pragma omp parallel for
-      for (int j = 0; j < 4; ++j) inner.run([&] {
-        if (i == 2 && j == 3) throw SpecError("inner");
+        for (int j = 0; j < 4; ++j)
+          inner.run([&] {
+            if (i == 2 && j == 3) throw SpecError("inner");
+          });
+        inner.rethrow();
       });
-      inner.rethrow();
-    });
   }
   EXPECT_THROW(outer.rethrow(), SpecError);
 

@@ -295,7 +295,8 @@ TEST(Flash, NonDefaultBlocksAreStillExact) {
   for (const char* spec : {"flash:block_q=7,block_k=13", "flash:block_q=1,block_k=1",
                            "flash:block_q=4096,block_k=65536", "flash:block_q=13,block_k=7"}) {
     auto v = make_variant(spec);
-    for (auto [n, m] : {std::pair<int64_t, int64_t>{113, 113}, {113, 7}, {7, 113}, {1, 1000}, {100, 100}})
+    for (auto [n, m] :
+         {std::pair<int64_t, int64_t>{113, 113}, {113, 7}, {7, 113}, {1, 1000}, {100, 100}})
       for (bool causal : {false, true}) {
         Problem p = problem(2, 2, n, m, 17, causal, 5);
         SCOPED_TRACE(std::string(spec) + " " + p.str());
@@ -362,7 +363,8 @@ TEST(Inputs, ThreadCountDoesNotChangeInputs) {
 TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
   ASSERT_FALSE(input_distributions().empty());
   for (const auto& dist : input_distributions()) {
-    for (auto [n, m, d] : {std::tuple<int64_t, int64_t, int64_t>{100, 100, 64}, {1, 7, 1}, {33, 5, 17}}) {
+    for (auto [n, m, d] :
+         {std::tuple<int64_t, int64_t, int64_t>{100, 100, 64}, {1, 7, 1}, {33, 5, 17}}) {
       Problem p = problem(2, 2, n, m, d, false, 77);
       p.input = dist;
       SCOPED_TRACE(p.str());
@@ -373,7 +375,8 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
       for (const Tensor* t : {&in.q, &in.k, &in.v}) {
         EXPECT_TRUE(all_finite(*t));
         double sum = 0, sum2 = 0;
-        for (int64_t i = 0; i < t->numel(); ++i) sum += t->data()[i], sum2 += double(t->data()[i]) * t->data()[i];
+        for (int64_t i = 0; i < t->numel(); ++i)
+          sum += t->data()[i], sum2 += double(t->data()[i]) * t->data()[i];
         const double var = sum2 / double(t->numel()) - std::pow(sum / double(t->numel()), 2);
         EXPECT_GT(var, 0) << "all entries equal";
       }

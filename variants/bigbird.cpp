@@ -34,8 +34,8 @@ constexpr uint64_t kRandomBlockStream = 0x62696762697264ULL;  // "bigbird"
 
 class BigBirdPattern final : public SparsePattern {
  public:
-  BigBirdPattern(int64_t n, int64_t m, int64_t block, int64_t window_blocks,
-                 int64_t random_blocks, int64_t global_blocks, int64_t heads, uint64_t seed)
+  BigBirdPattern(int64_t n, int64_t m, int64_t block, int64_t window_blocks, int64_t random_blocks,
+                 int64_t global_blocks, int64_t heads, uint64_t seed)
       : bs_(block),
         nbq_((n + block - 1) / block),
         nbk_((m + block - 1) / block),
@@ -132,7 +132,8 @@ class BigBirdPattern final : public SparsePattern {
     for (auto [lo, hi] : raw) {
       if (lo >= hi) continue;
       if (merged.count > 0 && lo <= merged.r[size_t(merged.count - 1)].second)
-        merged.r[size_t(merged.count - 1)].second = std::max(merged.r[size_t(merged.count - 1)].second, hi);
+        merged.r[size_t(merged.count - 1)].second =
+            std::max(merged.r[size_t(merged.count - 1)].second, hi);
       else
         merged.r[size_t(merged.count++)] = {lo, hi};
     }
@@ -154,8 +155,10 @@ class BigBirdPattern final : public SparsePattern {
       for (int64_t top = candidates - r_; top < candidates; ++top) {
         const int64_t t = int64_t(rs.below(draw_index++, uint64_t(top + 1)));
         auto it = std::lower_bound(pick.begin(), pick.end(), t);
-        if (it != pick.end() && *it == t) pick.insert(std::upper_bound(pick.begin(), pick.end(), top), top);
-        else pick.insert(it, t);
+        if (it != pick.end() && *it == t)
+          pick.insert(std::upper_bound(pick.begin(), pick.end(), top), top);
+        else
+          pick.insert(it, t);
       }
     }
     // candidate index -> block number, skipping the excluded ranges (indices are sorted)
@@ -200,13 +203,14 @@ ATTNBENCH_REGISTER_VARIANT(
                    "blocks per (head, query block)",
         .complexity = "time O(n (window_blocks + global_blocks + random_blocks) block d), "
                       "memory O(threads block (block + d) + H (n / block) random_blocks)",
-        .params = {block_param(),
-                   ParamSpec::Int("window_blocks", 3, 0, int64_t(1) << 20,
-                                  "W blocks around the query block: qb-floor((W-1)/2) .. qb+floor(W/2)"),
-                   ParamSpec::Int("random_blocks", 3, 0, 4096,
-                                  "random key blocks per (head, query block), outside window and global"),
-                   ParamSpec::Int("global_blocks", 2, 0, int64_t(1) << 20,
-                                  "global blocks: the first ceil(G/2) and the last floor(G/2)")},
+        .params =
+            {block_param(),
+             ParamSpec::Int("window_blocks", 3, 0, int64_t(1) << 20,
+                            "W blocks around the query block: qb-floor((W-1)/2) .. qb+floor(W/2)"),
+             ParamSpec::Int("random_blocks", 3, 0, 4096,
+                            "random key blocks per (head, query block), outside window and global"),
+             ParamSpec::Int("global_blocks", 2, 0, int64_t(1) << 20,
+                            "global blocks: the first ceil(G/2) and the last floor(G/2)")},
         .caps = {.causal = true, .cross = false},
         .make = [](const ParamValues& v) {
           return std::make_unique<BigBird>(v.get_int("block"), v.get_int("window_blocks"),

@@ -18,8 +18,9 @@
 //      plus the centroid's attention to the rest. k = 32 is the paper's value.
 // Defaults: clusters = 100 as in the paper's experiments (fast-transformers has no default),
 // iterations = 10 and bits = 32 as fast-transformers' ClusteredAttention constructor (its
-// builder registry defaults bits to 63); topk = 0 (the plain variant). clusters = n with bits = 0 gives exact attention (every query
-// is its own centroid), and so does topk >= m for any clustering (mhat = 1, nothing left over).
+// builder registry defaults bits to 63); topk = 0 (the plain variant). clusters = n with bits = 0
+// gives exact attention (every query is its own centroid), and so does topk >= m for any clustering
+// (mhat = 1, nothing left over).
 //
 // Steps:
 //   1. per head (one head per thread; with fewer heads than threads, one head at a time with
@@ -73,8 +74,12 @@
 namespace attnbench {
 namespace clustered {
 
-uint64_t plane_stream(int64_t head) { return (uint64_t(0x434c5550) << 32) + uint64_t(head); }  // "CLUP"
-uint64_t init_stream(int64_t head) { return (uint64_t(0x434c5549) << 32) + uint64_t(head); }   // "CLUI"
+uint64_t plane_stream(int64_t head) {
+  return (uint64_t(0x434c5550) << 32) + uint64_t(head);
+}  // "CLUP"
+uint64_t init_stream(int64_t head) {
+  return (uint64_t(0x434c5549) << 32) + uint64_t(head);
+}  // "CLUI"
 
 void hash_planes(uint64_t seed, int64_t head, int64_t d, int bits, float* w, float* offset) {
   const RandomStream rs(seed, plane_stream(head));
@@ -103,9 +108,9 @@ std::vector<int64_t> initial_rows(uint64_t seed, int64_t head, int64_t n, int64_
 
 namespace {
 
-constexpr int64_t kBlockRows = 1024;  // query rows per hashing / Hamming assignment block
+constexpr int64_t kBlockRows = 1024;   // query rows per hashing / Hamming assignment block
 constexpr int64_t kBlockEuclid = 256;  // query rows per Euclidean assignment GEMM
-constexpr int kLanes = 32;           // queries per step of the Hamming assignment
+constexpr int kLanes = 32;             // queries per step of the Hamming assignment
 
 // Codes of rows [0, rows) of q: P = Q_blk W (GEMM), bit b = P[r][b] + offset[b] > 0.
 template <class Code>
@@ -239,11 +244,12 @@ void lloyd_hamming(const float* q, int64_t ld, int64_t n, int64_t d, const Setti
     std::unique_ptr<float[]> proj;
     guard.run([&] { proj.reset(new float[size_t(std::min(kBlockRows, n) * s.bits)]); });
 #pragma omp for schedule(static)
-    for (int64_t bl = 0; bl < blocks; ++bl) guard.run([&] {
-      const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
-      hash_block(q + i0 * ld, ld, rows, d, s.bits, planes.data(), planes.data() + d * s.bits,
-                 proj.get(), codes + i0);
-    });
+    for (int64_t bl = 0; bl < blocks; ++bl)
+      guard.run([&] {
+        const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
+        hash_block(q + i0 * ld, ld, rows, d, s.bits, planes.data(), planes.data() + d * s.bits,
+                   proj.get(), codes + i0);
+      });
   }
   guard.rethrow();
   // pass 2: initial centroids, Lloyd rounds, final assignment
@@ -273,7 +279,8 @@ void lloyd_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const Settin
                   uint64_t seed, int64_t head, bool parallel, int64_t c, Clusters& out) {
   const std::vector<int64_t> init = initial_rows(seed, head, n, c);
   float* centres = out.centres.data();
-  for (int64_t k = 0; k < c; ++k) std::memcpy(centres + k * d, q + init[size_t(k)] * ld, size_t(d) * sizeof(float));
+  for (int64_t k = 0; k < c; ++k)
+    std::memcpy(centres + k * d, q + init[size_t(k)] * ld, size_t(d) * sizeof(float));
   std::vector<float> norms(static_cast<size_t>(c));
   for (int64_t k = 0; k < c; ++k) {
     double nn = 0;
@@ -292,12 +299,13 @@ void lloyd_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const Settin
       std::unique_ptr<float[]> sbuf;
       guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockEuclid, n) * c)]); });
 #pragma omp for schedule(static)
-      for (int64_t bl = 0; bl < blocks; ++bl) guard.run([&] {
-        const int64_t i0 = bl * kBlockEuclid, rows = std::min(kBlockEuclid, n - i0);
-        changed = assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
-                                assign + i0) ||
-                  changed;
-      });
+      for (int64_t bl = 0; bl < blocks; ++bl)
+        guard.run([&] {
+          const int64_t i0 = bl * kBlockEuclid, rows = std::min(kBlockEuclid, n - i0);
+          changed = assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
+                                  assign + i0) ||
+                    changed;
+        });
     }
     guard.rethrow();
     return changed;
@@ -373,7 +381,7 @@ using clustered::Clusters;
 using clustered::Groups;
 using clustered::Settings;
 
-constexpr int64_t kChunkG = 128;   // groups (centroids) per task of step 2
+constexpr int64_t kChunkG = 128;      // groups (centroids) per task of step 2
 constexpr int64_t kMemberRows = 128;  // members per GEMM block of the improved part
 
 // The kk largest scores of s[0, m) (ties to the lower index), written to keys ascending.
@@ -398,8 +406,8 @@ void top_keys(const float* s, int64_t m, int64_t kk, std::pair<float, int32_t>* 
 #if defined(__AVX512F__)
   // 16 scores per compare against the current minimum; only lanes above it are looked at
   for (; j + 16 <= m; j += 16) {
-    uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), _mm512_set1_ps(heap[0].first),
-                                       _CMP_GT_OQ);
+    uint32_t mask =
+        _mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), _mm512_set1_ps(heap[0].first), _CMP_GT_OQ);
     for (; mask != 0; mask &= mask - 1) consider(j + std::countr_zero(mask));
   }
 #else
@@ -465,46 +473,47 @@ class Clustered final : public Variant {
         if (kk > 0) ibuf.reset(new float[size_t(2 * kk * d + mrows * (2 * d + kk))]);
       });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
-        const int64_t bh = std::upper_bound(task_start.begin(), task_start.end(), t) -
-                           task_start.begin() - 1;
-        const int64_t b = bh / H, h = bh % H;
-        const Groups& gr = groups[size_t(bh)];
-        const int64_t g0 = (t - task_start[size_t(bh)]) * kChunkG,
-                      rows = std::min(kChunkG, gr.size() - g0);
-        float* s = sbuf.get();
-        float* o = obuf.get();
-        scores(gr, g0, rows, d, m, k.head(b, h), k.stride_row, s);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = s + r * m;
-          if (kk > 0) top_keys(row, m, kk, heap.get(), keys.get() + r * kk);
-          softmax_row(row, m, scale);
-          if (kk > 0) {
-            float mass = 0;
-            for (int64_t e = 0; e < kk; ++e) {
-              const int32_t j = keys[size_t(r * kk + e)];
-              mass += row[j];
-              row[j] = 0.0f;
+      for (int64_t t = 0; t < tasks; ++t)
+        guard.run([&] {
+          const int64_t bh =
+              std::upper_bound(task_start.begin(), task_start.end(), t) - task_start.begin() - 1;
+          const int64_t b = bh / H, h = bh % H;
+          const Groups& gr = groups[size_t(bh)];
+          const int64_t g0 = (t - task_start[size_t(bh)]) * kChunkG,
+                        rows = std::min(kChunkG, gr.size() - g0);
+          float* s = sbuf.get();
+          float* o = obuf.get();
+          scores(gr, g0, rows, d, m, k.head(b, h), k.stride_row, s);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* row = s + r * m;
+            if (kk > 0) top_keys(row, m, kk, heap.get(), keys.get() + r * kk);
+            softmax_row(row, m, scale);
+            if (kk > 0) {
+              float mass = 0;
+              for (int64_t e = 0; e < kk; ++e) {
+                const int32_t j = keys[size_t(r * kk + e)];
+                mass += row[j];
+                row[j] = 0.0f;
+              }
+              mhat[r] = mass;
             }
-            mhat[r] = mass;
           }
-        }
-        // O = A V: centroid outputs (plain) or residuals (improved)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(m), 1.0f, s,
-                    int(m), v.head(b, h), int(v.stride_row), 0.0f, o, int(d));
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t g = g0 + r;
-          const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
-          const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
-          if (kk == 0) {
-            for (int64_t e = 0; e < count; ++e)
-              std::memcpy(out.row(b, h, mem[e]), o + r * d, size_t(d) * sizeof(float));
-          } else {
-            improved_members(q, k, v, out, b, h, mem, count, keys.get() + r * kk, kk, mhat[r],
-                             o + r * d, scale, ibuf.get());
+          // O = A V: centroid outputs (plain) or residuals (improved)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(m), 1.0f, s,
+                      int(m), v.head(b, h), int(v.stride_row), 0.0f, o, int(d));
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = g0 + r;
+            const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
+            const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
+            if (kk == 0) {
+              for (int64_t e = 0; e < count; ++e)
+                std::memcpy(out.row(b, h, mem[e]), o + r * d, size_t(d) * sizeof(float));
+            } else {
+              improved_members(q, k, v, out, b, h, mem, count, keys.get() + r * kk, kk, mhat[r],
+                               o + r * d, scale, ibuf.get());
+            }
           }
-        }
-      });
+        });
     }
     guard.rethrow();
   }
@@ -595,13 +604,14 @@ class Clustered final : public Variant {
     {
       Clusters cl;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < BH; ++bh) guard.run([&] {
-        const int64_t b = bh / H, h = bh % H;
-        clustered::cluster_queries(q.head(b, h), q.stride_row, p.n, p.dim, s_, p.seed, h,
-                                   !per_head, cl);
-        clustered::group_queries(q.head(b, h), q.stride_row, p.n, p.dim, cl.assign.data(), cl.c,
-                                 groups[size_t(bh)]);
-      });
+      for (int64_t bh = 0; bh < BH; ++bh)
+        guard.run([&] {
+          const int64_t b = bh / H, h = bh % H;
+          clustered::cluster_queries(q.head(b, h), q.stride_row, p.n, p.dim, s_, p.seed, h,
+                                     !per_head, cl);
+          clustered::group_queries(q.head(b, h), q.stride_row, p.n, p.dim, cl.assign.data(), cl.c,
+                                   groups[size_t(bh)]);
+        });
     }
     guard.rethrow();
   }

@@ -25,7 +25,8 @@ uint64_t plane_stream(int64_t head);
 uint64_t init_stream(int64_t head);
 
 /// The `bits` hash hyperplanes of head `head`: w is d x bits (w[c * bits + b] is component c of
-/// plane b) and offset has bits entries, all N(0, 1). Query x gets bit b = (x . w_b + offset_b > 0).
+/// plane b) and offset has bits entries, all N(0, 1). Query x gets bit b = (x . w_b + offset_b >
+/// 0).
 void hash_planes(uint64_t seed, int64_t head, int64_t d, int bits, float* w, float* offset);
 
 /// c distinct rows of [0, n) chosen from the seed (Floyd's sampling), ascending.

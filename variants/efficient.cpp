@@ -62,36 +62,37 @@ class Efficient final : public Variant {
         guard.run([&] { pbuf.reset(new float[size_t(std::min(kChunkK, m) * d)]); });
         float* pc = pbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < pl.tasks; ++t) guard.run([&] {
-          const int64_t bh = t / pl.splits, sp = t % pl.splits;
-          const int64_t b = bh / H, h = bh % H;
-          const int64_t j0 = pl.first_chunk(sp) * kChunkK;
-          const int64_t j1 = std::min(m, pl.first_chunk(sp + 1) * kChunkK);
-          float* gp = partial.get() + t * part;
-          float* mx = gp + dd;
-          float* sum = mx + d;
-          std::fill(mx, mx + d, -INFINITY);
-          std::fill(sum, sum + d, 0.0f);
-          for (int64_t j = j0; j < j1; ++j) {
-            const float* kr = k.row(b, h, j);
-            for (int64_t c = 0; c < d; ++c) mx[c] = kr[c] > mx[c] ? kr[c] : mx[c];
-          }
-          for (int64_t c0 = j0; c0 < j1; c0 += kChunkK) {
-            const int64_t rows = std::min(kChunkK, j1 - c0);
-            for (int64_t j = 0; j < rows; ++j) {
-              const float* kr = k.row(b, h, c0 + j);
-              float* pr = pc + j * d;
-              for (int64_t c = 0; c < d; ++c) {
-                pr[c] = fast_exp(kr[c] - mx[c]);
-                sum[c] += pr[c];
-              }
+        for (int64_t t = 0; t < pl.tasks; ++t)
+          guard.run([&] {
+            const int64_t bh = t / pl.splits, sp = t % pl.splits;
+            const int64_t b = bh / H, h = bh % H;
+            const int64_t j0 = pl.first_chunk(sp) * kChunkK;
+            const int64_t j1 = std::min(m, pl.first_chunk(sp + 1) * kChunkK);
+            float* gp = partial.get() + t * part;
+            float* mx = gp + dd;
+            float* sum = mx + d;
+            std::fill(mx, mx + d, -INFINITY);
+            std::fill(sum, sum + d, 0.0f);
+            for (int64_t j = j0; j < j1; ++j) {
+              const float* kr = k.row(b, h, j);
+              for (int64_t c = 0; c < d; ++c) mx[c] = kr[c] > mx[c] ? kr[c] : mx[c];
             }
-            // G += P^T V_chunk
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(d), int(d), int(rows), 1.0f,
-                        pc, int(d), v.row(b, h, c0), int(v.stride_row), c0 == j0 ? 0.0f : 1.0f,
-                        gp, int(d));
-          }
-        });
+            for (int64_t c0 = j0; c0 < j1; c0 += kChunkK) {
+              const int64_t rows = std::min(kChunkK, j1 - c0);
+              for (int64_t j = 0; j < rows; ++j) {
+                const float* kr = k.row(b, h, c0 + j);
+                float* pr = pc + j * d;
+                for (int64_t c = 0; c < d; ++c) {
+                  pr[c] = fast_exp(kr[c] - mx[c]);
+                  sum[c] += pr[c];
+                }
+              }
+              // G += P^T V_chunk
+              cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(d), int(d), int(rows), 1.0f,
+                          pc, int(d), v.row(b, h, c0), int(v.stride_row), c0 == j0 ? 0.0f : 1.0f,
+                          gp, int(d));
+            }
+          });
       }
       // merge the key ranges of each head: G[c, :] = sum_s e^(mx_s - top) G_s[c, :] / total
 #pragma omp for schedule(static)
@@ -121,17 +122,18 @@ class Efficient final : public Variant {
         guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockQ, n) * d)]); });
         float* s = sbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
-          const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
-          const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
-          for (int64_t r = 0; r < rows; ++r) {
-            std::copy_n(q.row(b, h, i0 + r), d, s + r * d);
-            softmax_row(s + r * d, d, 1.0f);
-          }
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(d), 1.0f, s,
-                      int(d), g.get() + bh * dd, int(d), 0.0f, out.row(b, h, i0),
-                      int(out.stride_row));
-        });
+        for (int64_t t = 0; t < tasks; ++t)
+          guard.run([&] {
+            const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
+            const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+            for (int64_t r = 0; r < rows; ++r) {
+              std::copy_n(q.row(b, h, i0 + r), d, s + r * d);
+              softmax_row(s + r * d, d, 1.0f);
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(d), 1.0f,
+                        s, int(d), g.get() + bh * dd, int(d), 0.0f, out.row(b, h, i0),
+                        int(out.stride_row));
+          });
       }
     }
     guard.rethrow();
@@ -148,7 +150,8 @@ class Efficient final : public Variant {
   double memory_estimate(const Problem& p) const override {
     const KeySplit pl = plan(p);
     const double d = double(p.dim), f = sizeof(float);
-    const double shared = double(p.batch * p.heads) * d * d * f + double(pl.tasks) * (d * d + 2 * d) * f;
+    const double shared =
+        double(p.batch * p.heads) * d * d * f + double(pl.tasks) * (d * d + 2 * d) * f;
     const double per_thread =
         double(std::max(std::min(kChunkK, p.keys()), std::min(kBlockQ, p.n))) * d * f;
     return shared + double(pl.threads) * per_thread;

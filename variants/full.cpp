@@ -68,12 +68,13 @@ class Full final : public Variant {
 };
 
 ATTNBENCH_REGISTER_VARIANT(
-    full, VariantInfo{.name = "full",
-                      .summary = "exact softmax attention, n x m scores materialised (PyTorch style)",
-                      .complexity = "time O(n m d), memory O(B H n m)",
-                      .params = {},
-                      .caps = {.causal = true, .cross = true},
-                      .make = [](const ParamValues&) { return std::make_unique<Full>(); }});
+    full,
+    VariantInfo{.name = "full",
+                .summary = "exact softmax attention, n x m scores materialised (PyTorch style)",
+                .complexity = "time O(n m d), memory O(B H n m)",
+                .params = {},
+                .caps = {.causal = true, .cross = true},
+                .make = [](const ParamValues&) { return std::make_unique<Full>(); }});
 
 }  // namespace
 }  // namespace attnbench

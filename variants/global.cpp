@@ -32,8 +32,10 @@ class PositionSet {
  public:
   void add_run(int64_t lo, int64_t hi) {
     if (lo >= hi) return;
-    if (!runs_.empty() && runs_.back().hi >= lo) runs_.back().hi = std::max(runs_.back().hi, hi);
-    else runs_.push_back({lo, hi});
+    if (!runs_.empty() && runs_.back().hi >= lo)
+      runs_.back().hi = std::max(runs_.back().hi, hi);
+    else
+      runs_.push_back({lo, hi});
   }
   /// Smallest position >= x, or max int64 if none.
   int64_t next(int64_t x) const {

@@ -84,7 +84,7 @@ inline void normal_pair(uint64_t b, float& zc, float& zs) {
   const float u2 = float(int32_t(b & 0xffffff)) * 0x1.0p-24f;
   // ln u1
   const int32_t bits = std::bit_cast<int32_t>(u1);
-  float e = float((bits >> 23) - 126);                                   // u1 = mant 2^e
+  float e = float((bits >> 23) - 126);                                  // u1 = mant 2^e
   float mant = std::bit_cast<float>((bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
   const bool low = mant < kSqrtHalf;
   e = low ? e - 1.0f : e;
@@ -137,12 +137,13 @@ inline void normal_pairs_x16(__m512i lo, __m512i hi, __m512& zc, __m512& zs) {
   const __m512i hi24 = join(_mm512_srli_epi64(lo, 40), _mm512_srli_epi64(hi, 40));
   const __m512i lo24 = join(_mm512_and_si512(lo, mask24), _mm512_and_si512(hi, mask24));
   const __m512 scale24 = _mm512_set1_ps(0x1.0p-24f);
-  const __m512 u1 = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_add_epi32(hi24, _mm512_set1_epi32(1))), scale24);
+  const __m512 u1 =
+      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(hi24, _mm512_set1_epi32(1))), scale24);
   const __m512 u2 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo24), scale24);
   // ln u1
   const __m512i bits = _mm512_castps_si512(u1);
-  __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srai_epi32(bits, 23), _mm512_set1_epi32(126)));
+  __m512 e =
+      _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srai_epi32(bits, 23), _mm512_set1_epi32(126)));
   __m512 mant = _mm512_castsi512_ps(_mm512_or_si512(
       _mm512_and_si512(bits, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f000000)));
   const __mmask16 low = _mm512_cmp_ps_mask(mant, _mm512_set1_ps(kSqrtHalf), _CMP_LT_OQ);
@@ -161,17 +162,17 @@ inline void normal_pairs_x16(__m512i lo, __m512i hi, __m512& zc, __m512& zs) {
   // sin and cos of 2 pi u2
   const __m512i q = _mm512_cvttps_epi32(
       _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(4.0f), u2), _mm512_set1_ps(0.5f)));
-  const __m512 x = _mm512_mul_ps(
-      _mm512_sub_ps(u2, _mm512_mul_ps(_mm512_set1_ps(0.25f), _mm512_cvtepi32_ps(q))),
-      _mm512_set1_ps(kTwoPi));
+  const __m512 x =
+      _mm512_mul_ps(_mm512_sub_ps(u2, _mm512_mul_ps(_mm512_set1_ps(0.25f), _mm512_cvtepi32_ps(q))),
+                    _mm512_set1_ps(kTwoPi));
   const __m512 x2 = _mm512_mul_ps(x, x);
   __m512 ps = _mm512_fmadd_ps(x2, _mm512_set1_ps(kSinP[0]), _mm512_set1_ps(kSinP[1]));
   ps = _mm512_fmadd_ps(x2, ps, _mm512_set1_ps(kSinP[2]));
   const __m512 sn = _mm512_fmadd_ps(_mm512_mul_ps(x, x2), ps, x);
   __m512 pc = _mm512_fmadd_ps(x2, _mm512_set1_ps(kCosP[0]), _mm512_set1_ps(kCosP[1]));
   pc = _mm512_fmadd_ps(x2, pc, _mm512_set1_ps(kCosP[2]));
-  const __m512 cs = _mm512_fmadd_ps(_mm512_mul_ps(x2, x2), pc,
-                                    _mm512_fmadd_ps(_mm512_set1_ps(-0.5f), x2, one));
+  const __m512 cs =
+      _mm512_fmadd_ps(_mm512_mul_ps(x2, x2), pc, _mm512_fmadd_ps(_mm512_set1_ps(-0.5f), x2, one));
   const __mmask16 odd = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
   const __m512 c0 = _mm512_mask_blend_ps(odd, cs, sn), s0 = _mm512_mask_blend_ps(odd, sn, cs);
   const __m512i qm = _mm512_and_si512(q, _mm512_set1_epi32(3));
@@ -186,8 +187,8 @@ inline void normal_pairs_x16(__m512i lo, __m512i hi, __m512& zc, __m512& zs) {
 
 }  // namespace
 
-void projection_columns(uint64_t seed, int64_t head, bool f, int64_t k, int64_t j0,
-                        int64_t count, float* out) {
+void projection_columns(uint64_t seed, int64_t head, bool f, int64_t k, int64_t j0, int64_t count,
+                        float* out) {
   constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ULL;
   const RandomStream rs(seed, projection_stream(head, f));
   const float scale = 1.0f / std::sqrt(float(k));
@@ -201,7 +202,8 @@ void projection_columns(uint64_t seed, int64_t head, bool f, int64_t k, int64_t 
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i ilo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i ihi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i ihi =
+        _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (; t + kLanes <= k / 2; t += kLanes) {
       const __m512i ctr = _mm512_add_epi64(_mm512_set1_epi64(int64_t(t)), lanes);
       const __m512i g = _mm512_set1_epi64(int64_t(kGamma));
@@ -261,8 +263,8 @@ class Linformer final : public Variant {
 
     {
       // partial sums when a head is split over key ranges (none otherwise)
-      std::unique_ptr<float[]> partial(
-          pl.splits > 1 ? new float[size_t(pl.tasks * B * per_bh)] : nullptr);
+      std::unique_ptr<float[]> partial(pl.splits > 1 ? new float[size_t(pl.tasks * B * per_bh)]
+                                                     : nullptr);
       OmpGuard guard;
 #pragma omp parallel
       {
@@ -272,27 +274,28 @@ class Linformer final : public Variant {
         float* et = gen.get();
         float* ft = share_ ? gen.get() : gen.get() + gen_cols * kp;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < pl.tasks; ++t) guard.run([&] {
-          const int64_t h = t / pl.splits, s = t % pl.splits;
-          const int64_t c0 = s * pl.chunks / pl.splits, c1 = (s + 1) * pl.chunks / pl.splits;
-          for (int64_t c = c0; c < c1; ++c) {
-            const int64_t j0 = c * kChunk, cols = std::min(kChunk, m - j0);
-            linformer::projection_columns(p.seed, h, false, kp, j0, cols, et);
-            if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, cols, ft);
-            const float beta = c == c0 ? 0.0f : 1.0f;
-            for (int64_t b = 0; b < B; ++b) {
-              float* dst = pl.splits > 1 ? partial.get() + (t * B + b) * per_bh
-                                         : proj.get() + (b * H + h) * per_bh;
-              // EK += E[:, chunk] K[chunk, :]; E[:, chunk] is stored transposed (cols x k)
-              cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(cols),
-                          1.0f, et, int(kp), k.row(b, h, j0), int(k.stride_row), beta, dst,
-                          int(d));
-              cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(cols),
-                          1.0f, ft, int(kp), v.row(b, h, j0), int(v.stride_row), beta,
-                          dst + kp * d, int(d));
+        for (int64_t t = 0; t < pl.tasks; ++t)
+          guard.run([&] {
+            const int64_t h = t / pl.splits, s = t % pl.splits;
+            const int64_t c0 = s * pl.chunks / pl.splits, c1 = (s + 1) * pl.chunks / pl.splits;
+            for (int64_t c = c0; c < c1; ++c) {
+              const int64_t j0 = c * kChunk, cols = std::min(kChunk, m - j0);
+              linformer::projection_columns(p.seed, h, false, kp, j0, cols, et);
+              if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, cols, ft);
+              const float beta = c == c0 ? 0.0f : 1.0f;
+              for (int64_t b = 0; b < B; ++b) {
+                float* dst = pl.splits > 1 ? partial.get() + (t * B + b) * per_bh
+                                           : proj.get() + (b * H + h) * per_bh;
+                // EK += E[:, chunk] K[chunk, :]; E[:, chunk] is stored transposed (cols x k)
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(cols),
+                            1.0f, et, int(kp), k.row(b, h, j0), int(k.stride_row), beta, dst,
+                            int(d));
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(cols),
+                            1.0f, ft, int(kp), v.row(b, h, j0), int(v.stride_row), beta,
+                            dst + kp * d, int(d));
+              }
             }
-          }
-        });
+          });
         if (pl.splits > 1) {
           // add the partial sums of each head in split order (deterministic)
 #pragma omp for schedule(static)
@@ -321,18 +324,19 @@ class Linformer final : public Variant {
       std::unique_ptr<float[]> scores;
       guard.run([&] { scores.reset(new float[size_t(std::min(kBlockQ, n) * kp)]); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
-        const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
-        const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
-        const float* ek = proj.get() + bh * per_bh;
-        const float* fv = ek + kp * d;
-        float* s = scores.get();
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(kp), int(d), 1.0f,
-                    q.row(b, h, i0), int(q.stride_row), ek, int(d), 0.0f, s, int(kp));
-        for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * kp, kp, scale);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kp), 1.0f,
-                    s, int(kp), fv, int(d), 0.0f, out.row(b, h, i0), int(out.stride_row));
-      });
+      for (int64_t t = 0; t < tasks; ++t)
+        guard.run([&] {
+          const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
+          const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+          const float* ek = proj.get() + bh * per_bh;
+          const float* fv = ek + kp * d;
+          float* s = scores.get();
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(kp), int(d), 1.0f,
+                      q.row(b, h, i0), int(q.stride_row), ek, int(d), 0.0f, s, int(kp));
+          for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * kp, kp, scale);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kp), 1.0f,
+                      s, int(kp), fv, int(d), 0.0f, out.row(b, h, i0), int(out.stride_row));
+        });
     }
     guard.rethrow();
   }
@@ -342,8 +346,8 @@ class Linformer final : public Variant {
     // GEMMs: E K and F V (2 k m d each), Q (EK)^T and S (FV) (2 n k d each); softmax: about
     // 4 operations per score (max, scale and subtract, exp, normalise). The random normals
     // (H k m, twice without share_kv) are not counted.
-    return bh * (4.0 * k * double(p.keys()) * d + 4.0 * double(p.n) * k * d +
-                 4.0 * double(p.n) * k);
+    return bh *
+           (4.0 * k * double(p.keys()) * d + 4.0 * double(p.n) * k * d + 4.0 * double(p.n) * k);
   }
 
   double memory_estimate(const Problem& p) const override {
@@ -351,9 +355,9 @@ class Linformer final : public Variant {
     const double f = sizeof(float), per_bh = 2.0 * double(k_ * p.dim);
     const double proj = double(p.batch * p.heads) * per_bh * f;
     // every thread of a parallel region allocates its buffers, whether it gets a task or not
-    const double step1 = (pl.splits > 1 ? double(pl.tasks * p.batch) * per_bh * f : 0.0) +
-                         double(pl.threads) * (share_ ? 1 : 2) *
-                             double(std::min(kChunk, p.keys()) * k_) * f;
+    const double step1 =
+        (pl.splits > 1 ? double(pl.tasks * p.batch) * per_bh * f : 0.0) +
+        double(pl.threads) * (share_ ? 1 : 2) * double(std::min(kChunk, p.keys()) * k_) * f;
     const double step2 = double(pl.threads) * double(std::min(kBlockQ, p.n) * k_) * f;
     return proj + std::max(step1, step2);
   }

@@ -15,7 +15,7 @@ uint64_t projection_stream(int64_t head, bool f);
 /// N(0, 1/k). Entry (r, j) does not depend on m or on how the columns are chunked, and on k only
 /// through the 1/sqrt(k) factor (up to float rounding), so projections of different sizes are
 /// nested: the k = 64 projection is the first 64 rows of the k = 256 one, times 2.
-void projection_columns(uint64_t seed, int64_t head, bool f, int64_t k, int64_t j0,
-                        int64_t count, float* out);
+void projection_columns(uint64_t seed, int64_t head, bool f, int64_t k, int64_t j0, int64_t count,
+                        float* out);
 
 }  // namespace attnbench::linformer

@@ -2,7 +2,8 @@
 // positions on EACH side of its aligned position a(i) = i + (m - n) (bottom-right aligned,
 // like the causal mask, so m != n works):
 //
-//   P(i) = { j : |a(i) - j| <= window },   out_i = sum_{j in P(i)} softmax_j(q_i . k_j / sqrt(d)) v_j
+//   P(i) = { j : |a(i) - j| <= window },   out_i = sum_{j in P(i)} softmax_j(q_i . k_j / sqrt(d))
+//   v_j
 //
 // `window` counts ONE side (Longformer's attention_window counts both: its 512 is window=256
 // here). Causal masking is applied by the engine, leaving a(i) - window <= j <= a(i).
@@ -67,8 +68,9 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "local",
         .summary = "sliding window: query i sees keys with |a(i) - j| <= window (one side)",
         .complexity = "time O(n (2 window + 1) d), memory O(threads block (block + d))",
-        .params = {ParamSpec::Int("window", 256, 0, int64_t(1) << 30,
-                                  "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
+        .params = {ParamSpec::Int(
+                       "window", 256, 0, int64_t(1) << 30,
+                       "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
                    block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {

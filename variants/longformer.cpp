@@ -27,8 +27,14 @@ class LongformerPattern final : public SparsePattern {
  public:
   LongformerPattern(int64_t n, int64_t m, int64_t window, int64_t dilation, int64_t dilated_heads,
                     int64_t global, int64_t block)
-      : n_(n), m_(m), off_(m - n), w_(window), dil_(dilation), dheads_(dilated_heads),
-        g_(std::min(global, m)), bs_(block) {}
+      : n_(n),
+        m_(m),
+        off_(m - n),
+        w_(window),
+        dil_(dilation),
+        dheads_(dilated_heads),
+        g_(std::min(global, m)),
+        bs_(block) {}
 
   int64_t block() const override { return bs_; }
 
@@ -61,7 +67,8 @@ class LongformerPattern final : public SparsePattern {
       if (lo > hi) return;
       int64_t kb = lo / bs_;
       if (!out.empty()) kb = std::max(kb, out.back().index + 1);
-      for (; kb <= hi / bs_; ++kb) out.push_back({kb, !full(kb * bs_, std::min(m_, kb * bs_ + bs_) - 1)});
+      for (; kb <= hi / bs_; ++kb)
+        out.push_back({kb, !full(kb * bs_, std::min(m_, kb * bs_ + bs_) - 1)});
     };
     if (tlo > thi) return;
     if (a1 - a0 + 1 >= d) {
@@ -79,8 +86,7 @@ class LongformerPattern final : public SparsePattern {
       const bool global_row = a >= 0 && a < g_;
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t j = j0 + c, x = a - j;
-        mask[r * cols + c] =
-            global_row || j < g_ || (std::llabs(x) <= span && pmod(x, d) == 0);
+        mask[r * cols + c] = global_row || j < g_ || (std::llabs(x) <= span && pmod(x, d) == 0);
       }
     }
   }
@@ -100,9 +106,11 @@ class LongformerPattern final : public SparsePattern {
 
 class Longformer final : public PatternVariant {
  public:
-  Longformer(int64_t window, int64_t dilation, int64_t dilated_heads, int64_t global,
-             int64_t block)
-      : window_(window), dilation_(dilation), dilated_heads_(dilated_heads), global_(global),
+  Longformer(int64_t window, int64_t dilation, int64_t dilated_heads, int64_t global, int64_t block)
+      : window_(window),
+        dilation_(dilation),
+        dilated_heads_(dilated_heads),
+        global_(global),
         block_(block) {}
 
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView,
@@ -121,15 +129,16 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "longformer",
         .summary = "sliding window (dilated per head) + the first g tokens global both ways",
         .complexity = "time O(n (2 window + 1 + g) d + g m d), memory O(threads block (block + d))",
-        .params = {ParamSpec::Int("window", 256, 0, int64_t(1) << 30,
-                                  "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
-                   ParamSpec::Int("dilation", 1, 1, int64_t(1) << 20,
-                                  "window keys are a(i) + t dilation, |t| <= window"),
-                   ParamSpec::Int("dilated_heads", 0, 0, int64_t(1) << 20,
-                                  "0 = every head dilated; k > 0 = heads h < k only, others dilation 1"),
-                   ParamSpec::Int("global", 16, 0, int64_t(1) << 30,
-                                  "number of global tokens: the first g positions"),
-                   block_param()},
+        .params =
+            {ParamSpec::Int("window", 256, 0, int64_t(1) << 30,
+                            "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
+             ParamSpec::Int("dilation", 1, 1, int64_t(1) << 20,
+                            "window keys are a(i) + t dilation, |t| <= window"),
+             ParamSpec::Int("dilated_heads", 0, 0, int64_t(1) << 20,
+                            "0 = every head dilated; k > 0 = heads h < k only, others dilation 1"),
+             ParamSpec::Int("global", 16, 0, int64_t(1) << 30,
+                            "number of global tokens: the first g positions"),
+             block_param()},
         .caps = {.causal = true, .cross = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Longformer>(v.get_int("window"), v.get_int("dilation"),

@@ -89,13 +89,13 @@ inline void gemm_square(int64_t L, const double* a, const double* b, double beta
 
 // W = Z B with Z L x L and B L x d, row-major.
 inline void gemm_rect(int64_t L, int64_t d, const double* z, const double* b, double* w) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0, z, int(L),
-              b, int(d), 0.0, w, int(d));
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0, z, int(L), b,
+              int(d), 0.0, w, int(d));
 }
 [[maybe_unused]] inline void gemm_rect(int64_t L, int64_t d, const float* z, const float* b,
                                        float* w) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0f, z, int(L),
-              b, int(d), 0.0f, w, int(d));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(L), 1.0f, z, int(L), b,
+              int(d), 0.0f, w, int(d));
 }
 
 // x <- c I - x for an L x L matrix.
@@ -119,13 +119,13 @@ void iterative_pinv(int64_t L, const T* a, int64_t iters, T* z, T* work) {
     for (int64_t j = 0; j < L; ++j) z[i * L + j] = a[j * L + i] * inv;
   T *az = work, *t1 = work + L * L, *t2 = work + 2 * L * L;
   for (int64_t it = 0; it < iters; ++it) {
-    gemm_square(L, a, z, T(0), az);        // AZ
+    gemm_square(L, a, z, T(0), az);  // AZ
     std::memcpy(t1, az, size_t(L * L) * sizeof(T));
-    shifted_negation(L, T(7), t1);         // 7I - AZ
-    gemm_square(L, az, t1, T(0), t2);      // AZ (7I - AZ)
-    shifted_negation(L, T(15), t2);        // 15I - ...
-    gemm_square(L, az, t2, T(0), t1);      // AZ (15I - ...)
-    shifted_negation(L, T(13), t1);        // 13I - ...
+    shifted_negation(L, T(7), t1);             // 7I - AZ
+    gemm_square(L, az, t1, T(0), t2);          // AZ (7I - AZ)
+    shifted_negation(L, T(15), t2);            // 15I - ...
+    gemm_square(L, az, t2, T(0), t1);          // AZ (15I - ...)
+    shifted_negation(L, T(13), t1);            // 13I - ...
     gemm_square(L, z, t1, T(0), t2, T(0.25));  // Z <- Z (13I - ...) / 4
     std::memcpy(z, t2, size_t(L * L) * sizeof(T));
   }
@@ -180,11 +180,12 @@ class Nystrom final : public Variant {
         std::unique_ptr<double[]> acc;
         guard.run([&] { acc.reset(new double[size_t(d)]); });
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < BH; ++bh) guard.run([&] {
-          const int64_t b = bh / H, h = bh % H;
-          segment_means(q.head(b, h), q.stride_row, n, d, L, qt.get() + bh * Ld, acc.get());
-          segment_means(k.head(b, h), k.stride_row, m, d, L, kt.get() + bh * Ld, acc.get());
-        });
+        for (int64_t bh = 0; bh < BH; ++bh)
+          guard.run([&] {
+            const int64_t b = bh / H, h = bh % H;
+            segment_means(q.head(b, h), q.stride_row, n, d, L, qt.get() + bh * Ld, acc.get());
+            segment_means(k.head(b, h), k.stride_row, m, d, L, kt.get() + bh * Ld, acc.get());
+          });
       }
       // step 2: softmax(s Q~ K^T) V over each task's key range, online
       {
@@ -193,37 +194,38 @@ class Nystrom final : public Variant {
         guard.run([&] { sbuf.reset(new float[size_t(L * cols_max)]); });
         float* s = sbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < pl.tasks; ++t) guard.run([&] {
-          const int64_t bh = t / pl.splits, sp = t % pl.splits;
-          const int64_t b = bh / H, h = bh % H;
-          const int64_t c0 = pl.first_chunk(sp), c1 = pl.first_chunk(sp + 1);
-          float* acc = partial.get() + t * part;
-          float* mx = acc + Ld;
-          float* l = mx + L;
-          for (int64_t c = c0; c < c1; ++c) {
-            const int64_t j0 = c * kChunkK, cols = std::min(kChunkK, m - j0);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(cols), int(d), 1.0f,
-                        qt.get() + bh * Ld, int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, s,
-                        int(cols));
-            for (int64_t r = 0; r < L; ++r) {
-              float* row = s + r * cols;
-              const float bm = row_max(row, cols);
-              const float mnew = c == c0 || bm > mx[r] ? bm : mx[r];
-              const float sum = exp_sum(row, cols, scale, mnew);
-              if (c == c0) {
-                l[r] = sum;
-              } else {
-                const float corr = fast_exp((mx[r] - mnew) * scale);
-                l[r] = l[r] * corr + sum;
-                for (int64_t x = 0; x < d; ++x) acc[r * d + x] *= corr;
+        for (int64_t t = 0; t < pl.tasks; ++t)
+          guard.run([&] {
+            const int64_t bh = t / pl.splits, sp = t % pl.splits;
+            const int64_t b = bh / H, h = bh % H;
+            const int64_t c0 = pl.first_chunk(sp), c1 = pl.first_chunk(sp + 1);
+            float* acc = partial.get() + t * part;
+            float* mx = acc + Ld;
+            float* l = mx + L;
+            for (int64_t c = c0; c < c1; ++c) {
+              const int64_t j0 = c * kChunkK, cols = std::min(kChunkK, m - j0);
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(cols), int(d), 1.0f,
+                          qt.get() + bh * Ld, int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, s,
+                          int(cols));
+              for (int64_t r = 0; r < L; ++r) {
+                float* row = s + r * cols;
+                const float bm = row_max(row, cols);
+                const float mnew = c == c0 || bm > mx[r] ? bm : mx[r];
+                const float sum = exp_sum(row, cols, scale, mnew);
+                if (c == c0) {
+                  l[r] = sum;
+                } else {
+                  const float corr = fast_exp((mx[r] - mnew) * scale);
+                  l[r] = l[r] * corr + sum;
+                  for (int64_t x = 0; x < d; ++x) acc[r * d + x] *= corr;
+                }
+                mx[r] = mnew;
               }
-              mx[r] = mnew;
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(cols),
+                          1.0f, s, int(cols), v.row(b, h, j0), int(v.stride_row),
+                          c == c0 ? 0.0f : 1.0f, acc, int(d));
             }
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(cols), 1.0f,
-                        s, int(cols), v.row(b, h, j0), int(v.stride_row), c == c0 ? 0.0f : 1.0f,
-                        acc, int(d));
-          }
-        });
+          });
       }
     }
     guard.rethrow();
@@ -240,36 +242,37 @@ class Nystrom final : public Variant {
           fbuf.reset(new float[size_t(L * L)]);
         });
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < BH; ++bh) guard.run([&] {
-          Real *a = rbuf.get(), *z = a + L * L, *work = z + L * L, *bb = work + 3 * L * L;
-          float* af = fbuf.get();
-          // B = acc / l, the key ranges combined with their running maxima
-          const float* first = partial.get() + bh * pl.splits * part;
-          for (int64_t r = 0; r < L; ++r) {
-            float top = -INFINITY;
-            for (int64_t sp = 0; sp < pl.splits; ++sp)
-              top = std::max(top, first[sp * part + Ld + r]);
-            double sum = 0;
-            std::fill(bb + r * d, bb + (r + 1) * d, Real(0));
-            for (int64_t sp = 0; sp < pl.splits; ++sp) {
-              const float* acc = first + sp * part;
-              const double f = fast_exp((acc[Ld + r] - top) * scale);
-              sum += f * acc[Ld + L + r];
-              for (int64_t x = 0; x < d; ++x) bb[r * d + x] += Real(f * acc[r * d + x]);
+        for (int64_t bh = 0; bh < BH; ++bh)
+          guard.run([&] {
+            Real *a = rbuf.get(), *z = a + L * L, *work = z + L * L, *bb = work + 3 * L * L;
+            float* af = fbuf.get();
+            // B = acc / l, the key ranges combined with their running maxima
+            const float* first = partial.get() + bh * pl.splits * part;
+            for (int64_t r = 0; r < L; ++r) {
+              float top = -INFINITY;
+              for (int64_t sp = 0; sp < pl.splits; ++sp)
+                top = std::max(top, first[sp * part + Ld + r]);
+              double sum = 0;
+              std::fill(bb + r * d, bb + (r + 1) * d, Real(0));
+              for (int64_t sp = 0; sp < pl.splits; ++sp) {
+                const float* acc = first + sp * part;
+                const double f = fast_exp((acc[Ld + r] - top) * scale);
+                sum += f * acc[Ld + L + r];
+                for (int64_t x = 0; x < d; ++x) bb[r * d + x] += Real(f * acc[r * d + x]);
+              }
+              for (int64_t x = 0; x < d; ++x) bb[r * d + x] = Real(bb[r * d + x] / sum);
             }
-            for (int64_t x = 0; x < d; ++x) bb[r * d + x] = Real(bb[r * d + x] / sum);
-          }
-          // A = softmax(s Q~ K~^T)
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(L), int(d), 1.0f,
-                      qt.get() + bh * Ld, int(d), kt.get() + bh * Ld, int(d), 0.0f, af, int(L));
-          for (int64_t r = 0; r < L; ++r) softmax_row(af + r * L, L, scale);
-          for (int64_t i = 0; i < L * L; ++i) a[i] = Real(af[i]);
-          iterative_pinv(L, a, iters_, z, work);
-          // W = Z B (in Real, rounded once)
-          Real* wr = bb + Ld;
-          gemm_rect(L, d, z, bb, wr);
-          for (int64_t i = 0; i < Ld; ++i) w[size_t(bh * Ld + i)] = float(wr[i]);
-        });
+            // A = softmax(s Q~ K~^T)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(L), int(d), 1.0f,
+                        qt.get() + bh * Ld, int(d), kt.get() + bh * Ld, int(d), 0.0f, af, int(L));
+            for (int64_t r = 0; r < L; ++r) softmax_row(af + r * L, L, scale);
+            for (int64_t i = 0; i < L * L; ++i) a[i] = Real(af[i]);
+            iterative_pinv(L, a, iters_, z, work);
+            // W = Z B (in Real, rounded once)
+            Real* wr = bb + Ld;
+            gemm_rect(L, d, z, bb, wr);
+            for (int64_t i = 0; i < Ld; ++i) w[size_t(bh * Ld + i)] = float(wr[i]);
+          });
       }
     }
     guard.rethrow();
@@ -282,17 +285,18 @@ class Nystrom final : public Variant {
         guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockQ, n) * L)]); });
         float* s = sbuf.get();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) guard.run([&] {
-          const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
-          const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(L), int(d), 1.0f,
-                      q.row(b, h, i0), int(q.stride_row), kt.get() + bh * Ld, int(d), 0.0f, s,
-                      int(L));
-          for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * L, L, scale);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(L), 1.0f, s,
-                      int(L), w.get() + bh * Ld, int(d), 0.0f, out.row(b, h, i0),
-                      int(out.stride_row));
-        });
+        for (int64_t t = 0; t < tasks; ++t)
+          guard.run([&] {
+            const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
+            const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(L), int(d), 1.0f,
+                        q.row(b, h, i0), int(q.stride_row), kt.get() + bh * Ld, int(d), 0.0f, s,
+                        int(L));
+            for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * L, L, scale);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(L), 1.0f,
+                        s, int(L), w.get() + bh * Ld, int(d), 0.0f, out.row(b, h, i0),
+                        int(out.stride_row));
+          });
       }
     }
     guard.rethrow();
@@ -306,16 +310,16 @@ class Nystrom final : public Variant {
     // Z B (2 L^2 d), 4 L x L products per pinv iteration (8 L^3); softmax: about 4 operations
     // per score (n L + L m + L^2 scores) plus the online rescaling (L d per key chunk);
     // landmark means: (n + m) d additions.
-    return bh * (4.0 * L * m * d + 4.0 * n * L * d + 4.0 * L * L * d +
-                 8.0 * double(iters_) * L * L * L + 4.0 * (n * L + L * m + L * L) +
-                 double(pl.chunks) * L * d + (n + m) * d);
+    return bh *
+           (4.0 * L * m * d + 4.0 * n * L * d + 4.0 * L * L * d + 8.0 * double(iters_) * L * L * L +
+            4.0 * (n * L + L * m + L * L) + double(pl.chunks) * L * d + (n + m) * d);
   }
 
   double memory_estimate(const Problem& p) const override {
     const Plan pl = plan(p);
     const double L = double(pl.L), d = double(p.dim), f = sizeof(float), T = double(pl.threads);
-    const double shared = 3.0 * double(p.batch * p.heads) * L * d * f +
-                          double(pl.tasks) * (L * d + 2 * L) * f;
+    const double shared =
+        3.0 * double(p.batch * p.heads) * L * d * f + double(pl.tasks) * (L * d + 2 * L) * f;
     // the largest of the per-thread buffers of steps 1-4 (each step frees its own); step 3
     // runs on one thread when there are fewer heads than threads
     const double step1 = T * d * sizeof(double);

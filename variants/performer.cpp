@@ -70,11 +70,12 @@ class Performer final : public Variant {
     std::vector<std::unique_ptr<ka::PerformerFeatureMap>> maps(size_t(p.heads));
     OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t h = 0; h < p.heads; ++h) guard.run([&] {
-      maps[size_t(h)] = std::make_unique<ka::PerformerFeatureMap>(
-          ka::performer_projection(p.seed, h, features_, p.dim, orthogonal_), features_, p.dim,
-          kernel_);
-    });
+    for (int64_t h = 0; h < p.heads; ++h)
+      guard.run([&] {
+        maps[size_t(h)] = std::make_unique<ka::PerformerFeatureMap>(
+            ka::performer_projection(p.seed, h, features_, p.dim, orthogonal_), features_, p.dim,
+            kernel_);
+      });
     guard.rethrow();
     ka::attend(p, q, k, v, out, 0.0f, features_,
                [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; });

@@ -263,7 +263,7 @@ struct HeadBuffers {
   std::vector<int32_t> bucket;  // hashes x n: bucket of token i in round r at r n + i
   std::vector<int32_t> perm;    // the current round's order (sorted position -> token)
   std::vector<int32_t> count;   // buckets + 1
-  Tensor qs, ks, vs;                  // sorted q, unit keys, v: n x d
+  Tensor qs, ks, vs;            // sorted q, unit keys, v: n x d
   std::vector<float> inv_norm, lse, mx, z;
   HeadBuffers(const Plan& pl, int64_t n, int64_t d)
       : bucket(static_cast<size_t>(pl.hashes * n)),
@@ -354,43 +354,44 @@ class Reformer final : public Variant {
       std::optional<HeadBuffers> buffers;
       guard.run([&] { buffers.emplace(pl, n, d); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
-        HeadBuffers& hb = *buffers;
-        const int64_t b = bh / p.heads, h = bh % p.heads;
-        {
-          Phase ph("hash");
-          hash(p, pl, q, b, h, hb);
-        }
-        {
+      for (int64_t bh = 0; bh < heads; ++bh)
+        guard.run([&] {
+          HeadBuffers& hb = *buffers;
+          const int64_t b = bh / p.heads, h = bh % p.heads;
+          {
+            Phase ph("hash");
+            hash(p, pl, q, b, h, hb);
+          }
+          {
+            Phase ph("attend");
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < n; ++i) {
+              const float* qi = q.row(b, h, i);
+              double ss = 0;
+              for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
+              hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
+              hb.mx[size_t(i)] = -INFINITY;
+              hb.z[size_t(i)] = 0.0f;
+              std::fill_n(out.row(b, h, i), d, 0.0f);
+            }
+          }
+          for (int64_t r = 0; r < pl.hashes; ++r) {
+            {
+              Phase ph("hash");
+              sort_round(p, pl, r, hb);
+              gather(p, q, v, b, h, hb);
+            }
+            Phase ph("attend");
+            attend_round(p, pl, v, out, b, h, hb);
+          }
           Phase ph("attend");
 #pragma omp parallel for schedule(static)
           for (int64_t i = 0; i < n; ++i) {
-            const float* qi = q.row(b, h, i);
-            double ss = 0;
-            for (int64_t x = 0; x < d; ++x) ss += double(qi[x]) * double(qi[x]);
-            hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
-            hb.mx[size_t(i)] = -INFINITY;
-            hb.z[size_t(i)] = 0.0f;
-            std::fill_n(out.row(b, h, i), d, 0.0f);
+            float* o = out.row(b, h, i);
+            const float inv = 1.0f / hb.z[size_t(i)];
+            for (int64_t x = 0; x < d; ++x) o[x] *= inv;
           }
-        }
-        for (int64_t r = 0; r < pl.hashes; ++r) {
-          {
-            Phase ph("hash");
-            sort_round(p, pl, r, hb);
-            gather(p, q, v, b, h, hb);
-          }
-          Phase ph("attend");
-          attend_round(p, pl, v, out, b, h, hb);
-        }
-        Phase ph("attend");
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          float* o = out.row(b, h, i);
-          const float inv = 1.0f / hb.z[size_t(i)];
-          for (int64_t x = 0; x < d; ++x) o[x] *= inv;
-        }
-      });
+        });
     }
     guard.rethrow();
   }
@@ -482,8 +483,8 @@ class Reformer final : public Variant {
 
   /// One round: every chunk attends itself and the previous chunk; the result is folded into
   /// out (running max mx and sum z of the round weights per token).
-  void attend_round(const Problem& p, const Plan& pl, ConstTensorView v, TensorView out,
-                    int64_t b, int64_t h, HeadBuffers& hb) const {
+  void attend_round(const Problem& p, const Plan& pl, ConstTensorView v, TensorView out, int64_t b,
+                    int64_t h, HeadBuffers& hb) const {
     const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
     constexpr float kSelfLogit = -1e5f;  // the HF self-mask value
     OmpGuard guard;
@@ -502,61 +503,62 @@ class Reformer final : public Variant {
         for (int64_t t = 0; t < ch; ++t) off_diagonal[size_t(t * ch + t)] = 0;
       });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t c = 0; c < nch; ++c) guard.run([&] {
-        TileAttention& ta = *tile;
-        const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
-        // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
-        for (float pscale = 1.0f;; pscale = kernels::safe_pscale(2 * ch)) {
-          ta.begin(hb.qs.data() + s0 * d, d, rows, pscale);
-          const int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
-          for (int64_t kb : blocks) {
-            if (kb < 0) continue;
-            const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
-            const uint8_t* mask = nullptr;
-            if (p.causal) {
-              uint8_t* mk = ta.mask();
-              causal_mask(p, hb.perm.data() + s0, rows, hb.perm.data() + j0, cols, mk);
-              mask = mk;
-            } else if (kb == c) {
-              // rows x cols corner of the off-diagonal tile (cols == rows here)
-              uint8_t* mk = ta.mask();
-              for (int64_t rr = 0; rr < rows; ++rr)
-                std::copy_n(off_diagonal.data() + rr * ch, cols, mk + rr * cols);
-              mask = mk;
+      for (int64_t c = 0; c < nch; ++c)
+        guard.run([&] {
+          TileAttention& ta = *tile;
+          const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
+          // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
+          for (float pscale = 1.0f;; pscale = kernels::safe_pscale(2 * ch)) {
+            ta.begin(hb.qs.data() + s0 * d, d, rows, pscale);
+            const int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
+            for (int64_t kb : blocks) {
+              if (kb < 0) continue;
+              const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
+              const uint8_t* mask = nullptr;
+              if (p.causal) {
+                uint8_t* mk = ta.mask();
+                causal_mask(p, hb.perm.data() + s0, rows, hb.perm.data() + j0, cols, mk);
+                mask = mk;
+              } else if (kb == c) {
+                // rows x cols corner of the off-diagonal tile (cols == rows here)
+                uint8_t* mk = ta.mask();
+                for (int64_t rr = 0; rr < rows; ++rr)
+                  std::copy_n(off_diagonal.data() + rr * ch, cols, mk + rr * cols);
+                mask = mk;
+              }
+              ta.attend(hb.ks.data() + j0 * d, d, hb.vs.data() + j0 * d, d, cols, mask);
             }
-            ta.attend(hb.ks.data() + j0 * d, d, hb.vs.data() + j0 * d, d, cols, mask);
+            if (ta.finish(o.data(), d, lse.data()) || pscale != 1.0f) break;
           }
-          if (ta.finish(o.data(), d, lse.data()) || pscale != 1.0f) break;
-        }
-        for (int64_t rr = 0; rr < rows; ++rr) {
-          if (rr + 4 < rows)
-            for (int64_t o = 0; o < d; o += 16)
-              __builtin_prefetch(out.row(b, h, hb.perm[size_t(s0 + rr + 4)]) + o, 1);
-          const int32_t i = hb.perm[size_t(s0 + rr)];
-          const float* orow = o.data() + rr * d;
-          float l = lse[size_t(rr)];
-          if (l == -INFINITY) {  // nothing but itself: its own value, at logit -1e5
-            orow = v.row(b, h, i);
-            l = kSelfLogit;
+          for (int64_t rr = 0; rr < rows; ++rr) {
+            if (rr + 4 < rows)
+              for (int64_t o = 0; o < d; o += 16)
+                __builtin_prefetch(out.row(b, h, hb.perm[size_t(s0 + rr + 4)]) + o, 1);
+            const int32_t i = hb.perm[size_t(s0 + rr)];
+            const float* orow = o.data() + rr * d;
+            float l = lse[size_t(rr)];
+            if (l == -INFINITY) {  // nothing but itself: its own value, at logit -1e5
+              orow = v.row(b, h, i);
+              l = kSelfLogit;
+            }
+            float& mx = hb.mx[size_t(i)];
+            float& z = hb.z[size_t(i)];
+            const float nm = std::max(mx, l);
+            const float a = std::exp(mx - nm), w = std::exp(l - nm);
+            float* dst = out.row(b, h, i);
+            for (int64_t x = 0; x < d; ++x) dst[x] = dst[x] * a + orow[x] * w;
+            z = z * a + w;
+            mx = nm;
           }
-          float& mx = hb.mx[size_t(i)];
-          float& z = hb.z[size_t(i)];
-          const float nm = std::max(mx, l);
-          const float a = std::exp(mx - nm), w = std::exp(l - nm);
-          float* dst = out.row(b, h, i);
-          for (int64_t x = 0; x < d; ++x) dst[x] = dst[x] * a + orow[x] * w;
-          z = z * a + w;
-          mx = nm;
-        }
-      });
+        });
     }
     guard.rethrow();
   }
 
   /// mask[r * cols + c] = 1 iff key token kpos[c] is another token than qpos[r] and visible
   /// to it under the causal mask.
-  static void causal_mask(const Problem& p, const int32_t* qpos, int64_t rows,
-                          const int32_t* kpos, int64_t cols, uint8_t* mask) {
+  static void causal_mask(const Problem& p, const int32_t* qpos, int64_t rows, const int32_t* kpos,
+                          int64_t cols, uint8_t* mask) {
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t i = qpos[r], vis = int32_t(p.visible(i));
       uint8_t* m = mask + r * cols;
@@ -566,8 +568,7 @@ class Reformer final : public Variant {
       for (; c + 16 <= cols; c += 16) {
         const __m512i k = _mm512_loadu_si512(kpos + c);
         const __mmask16 keep = _mm512_cmpneq_epi32_mask(k, vi) & _mm512_cmplt_epi32_mask(k, vv);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(m + c),
-                         _mm_maskz_set1_epi8(keep, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(m + c), _mm_maskz_set1_epi8(keep, 1));
       }
 #endif
       for (; c < cols; ++c) m[c] = uint8_t(kpos[c] != i && kpos[c] < vis);

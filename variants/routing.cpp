@@ -65,8 +65,8 @@ constexpr uint64_t kRoutingStream = 0x726f7574696e67ULL;  // "routing"
 /// out[t cp + u] = (sum_j x_t[j] mut[j cp + u]) inv[t], mut = the centroids transposed (d x cp,
 /// zero padded). The same arithmetic for every token, so a score is the
 /// same number wherever it is computed. cp is a multiple of 64.
-void cosines(const float* mut, int64_t cp, int64_t d, const float* x, int64_t ldx,
-             const float* inv, int64_t count, float* out) {
+void cosines(const float* mut, int64_t cp, int64_t d, const float* x, int64_t ldx, const float* inv,
+             int64_t count, float* out) {
 #ifdef __AVX512F__
   // 4 tokens (the last one repeated past `count`) x 64 centroids per register tile
   const float* xr[4];
@@ -151,27 +151,28 @@ void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t l
     std::vector<float> sc;
     guard.run([&] { sc.resize(size_t(4 * cp)); });
 #pragma omp for schedule(static)
-    for (int64_t t0 = 0; t0 < len; t0 += 4) guard.run([&] {
-      const int64_t count = std::min<int64_t>(4, len - t0);
-      cosines(mut.data(), cp, d, x + t0 * ldx, ldx, inv + t0, count, sc.data());
-      for (int64_t t = 0; t < count; ++t) {
-        const float* st = sc.data() + t * cp;
-        for (int64_t g = 0; g < cp; g += 16) {
-          uint32_t keep = 0;
+    for (int64_t t0 = 0; t0 < len; t0 += 4)
+      guard.run([&] {
+        const int64_t count = std::min<int64_t>(4, len - t0);
+        cosines(mut.data(), cp, d, x + t0 * ldx, ldx, inv + t0, count, sc.data());
+        for (int64_t t = 0; t < count; ++t) {
+          const float* st = sc.data() + t * cp;
+          for (int64_t g = 0; g < cp; g += 16) {
+            uint32_t keep = 0;
 #ifdef __AVX512F__
-          keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + g), _mm512_loadu_ps(thr.data() + g),
-                                    _CMP_GE_OQ);
+            keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(st + g), _mm512_loadu_ps(thr.data() + g),
+                                      _CMP_GE_OQ);
 #else
-          for (int l = 0; l < 16; ++l) keep |= uint32_t(st[g + l] >= thr[size_t(g + l)]) << l;
+            for (int l = 0; l < 16; ++l) keep |= uint32_t(st[g + l] >= thr[size_t(g + l)]) << l;
 #endif
-          while (keep) {
-            const int l = __builtin_ctz(keep);
-            keep &= keep - 1;
-            mine[g + l].emplace_back(st[g + l], int32_t(t0 + t));
+            while (keep) {
+              const int l = __builtin_ctz(keep);
+              keep &= keep - 1;
+              mine[g + l].emplace_back(st[g + l], int32_t(t0 + t));
+            }
           }
         }
-      }
-    });
+      });
   }
   guard.rethrow();
   std::vector<std::pair<float, int32_t>> all;
@@ -187,7 +188,8 @@ void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t l
       for (int64_t t0 = 0; t0 < len; t0 += 4) {
         const int64_t count = std::min<int64_t>(4, len - t0);
         cosines(mut.data(), cp, d, x + t0 * ldx, ldx, inv + t0, count, sc.data());
-        for (int64_t t = 0; t < count; ++t) all.emplace_back(sc[size_t(t * cp + u)], int32_t(t0 + t));
+        for (int64_t t = 0; t < count; ++t)
+          all.emplace_back(sc[size_t(t * cp + u)], int32_t(t0 + t));
       }
     }
     auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b2) {
@@ -251,7 +253,8 @@ Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorV
   std::iota(order.begin(), order.end(), 0);
   const int64_t s_count = pl.sample;
   for (int64_t t = 0; t < s_count; ++t)
-    std::swap(order[size_t(t)], order[size_t(t + int64_t(rs.below(uint64_t(t), uint64_t(total - t))))]);
+    std::swap(order[size_t(t)],
+              order[size_t(t + int64_t(rs.below(uint64_t(t), uint64_t(total - t))))]);
   std::vector<float>& xs = ws.xs;
   xs.resize(size_t(s_count * d));
 #pragma omp parallel for schedule(static)
@@ -395,16 +398,17 @@ class RoutingVariant final : public Variant {
       routing::Workspace ws;
       guard.run([&] { ho.emplace(p, pl); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] {
-        const int64_t b = bh / p.heads, h = bh % p.heads;
-        const Routes r = [&] {
-          Phase ph("route");
-          return routing::route(p, pl, iterations_, q, k, b, h, ws);
-        }();
-        Phase ph("attend");
-        attend(p, pl, r, q, k, v, b, h, *ho);
-        unrouted += combine(p, pl, r, out, b, h, *ho);
-      });
+      for (int64_t bh = 0; bh < heads; ++bh)
+        guard.run([&] {
+          const int64_t b = bh / p.heads, h = bh % p.heads;
+          const Routes r = [&] {
+            Phase ph("route");
+            return routing::route(p, pl, iterations_, q, k, b, h, ws);
+          }();
+          Phase ph("attend");
+          attend(p, pl, r, q, k, v, b, h, *ho);
+          unrouted += combine(p, pl, r, out, b, h, *ho);
+        });
     }
     guard.rethrow();
     unrouted_ = unrouted;
@@ -413,9 +417,10 @@ class RoutingVariant final : public Variant {
 
   std::string notes() const override {
     if (rows_ == 0) return "";
-    return fmt::format("{} of {} query rows ({:.2f}%) routed to no cluster holding a key they "
-                       "may see: their output is 0",
-                       unrouted_, rows_, 100.0 * double(unrouted_) / double(rows_));
+    return fmt::format(
+        "{} of {} query rows ({:.2f}%) routed to no cluster holding a key they "
+        "may see: their output is 0",
+        unrouted_, rows_, 100.0 * double(unrouted_) / double(rows_));
   }
 
   double flops(const Problem& p) const override {
@@ -435,8 +440,8 @@ class RoutingVariant final : public Variant {
     const double cp = std::ceil(c / 64) * 64;  // select_top's padded centroid count
     const double w = double(std::max(pl.wq, pl.wk));
     const double select = 4.0 * (d + 512 + 8) * cp + 8.0 * c * (1.5 * w + 16) * 2;
-    const double head = 4.0 * (s * d + s * c + s + (n + m) + c * d) +
-                        8.0 * ((n + m) + c * d + c) + 4.0 * c * double(pl.wq + pl.wk) + select;
+    const double head = 4.0 * (s * d + s * c + s + (n + m) + c * d) + 8.0 * ((n + m) + c * d + c) +
+                        4.0 * c * double(pl.wq + pl.wk) + select;
     const double fwd = HeadOutputs::bytes(p, pl);
     const double per_thread =
         double(TileAttention::bytes(std::min(kTile, pl.wq), std::min(kTile, pl.wk), p.dim)) +
@@ -457,7 +462,8 @@ class RoutingVariant final : public Variant {
         const Routes r = routing::route(p, pl, iterations_, q, k, b, h);
         for (int64_t u = 0; u < pl.c; ++u) {
           const int32_t g = pat->add_group(r.keys.data() + u * pl.wk, pl.wk);
-          for (int64_t t = 0; t < pl.wq; ++t) pat->add_membership(r.queries[size_t(u * pl.wq + t)], g);
+          for (int64_t t = 0; t < pl.wq; ++t)
+            pat->add_membership(r.queries[size_t(u * pl.wq + t)], g);
         }
         pat->finish_head();
       }
@@ -483,8 +489,7 @@ class RoutingVariant final : public Variant {
 
   /// Every cluster: its queries attend its keys (exact softmax, causal mask by position).
   void attend(const Problem& p, const Sizes& pl, const Routes& r, ConstTensorView q,
-              ConstTensorView k, ConstTensorView v, int64_t b, int64_t h,
-              HeadOutputs& ho) const {
+              ConstTensorView k, ConstTensorView v, int64_t b, int64_t h, HeadOutputs& ho) const {
     const int64_t d = p.dim, c = pl.c, wq = pl.wq, wk = pl.wk;
     OmpGuard guard;
 #pragma omp parallel
@@ -499,45 +504,46 @@ class RoutingVariant final : public Variant {
         lse.resize(size_t(kTile));
       });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t u = 0; u < c; ++u) guard.run([&] {
-        TileAttention& ta = *tile;
-        const int32_t* qi = r.queries.data() + u * wq;
-        const int32_t* kj = r.keys.data() + u * wk;
-        for (int64_t t = 0; t < wq; ++t) std::copy_n(q.row(b, h, qi[t]), d, gq.data() + t * d);
-        for (int64_t t = 0; t < wk; ++t) {
-          std::copy_n(k.row(b, h, kj[t]), d, gk.data() + t * d);
-          std::copy_n(v.row(b, h, kj[t]), d, gv.data() + t * d);
-        }
-        for (int64_t r0 = 0; r0 < wq; r0 += kTile) {
-          const int64_t rows = std::min(kTile, wq - r0);
-          // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
-          for (float pscale = 1.0f;; pscale = kernels::safe_pscale(wk)) {
-            ta.begin(gq.data() + r0 * d, d, rows, pscale);
-            // keys are in position order: under a causal mask, blocks every row sees need no
-            // mask and blocks no row sees are skipped
-            const int64_t first_vis = p.visible(qi[r0]), last_vis = p.visible(qi[r0 + rows - 1]);
-            for (int64_t j0 = 0; j0 < wk; j0 += kTile) {
-              const int64_t cols = std::min(kTile, wk - j0);
-              if (kj[j0] >= last_vis) break;
-              const uint8_t* mask = nullptr;
-              if (kj[j0 + cols - 1] >= first_vis) {
-                uint8_t* mk = ta.mask();
-                for (int64_t rr = 0; rr < rows; ++rr) {
-                  const int64_t vis = p.visible(qi[r0 + rr]);
-                  for (int64_t cc = 0; cc < cols; ++cc)
-                    mk[rr * cols + cc] = uint8_t(kj[j0 + cc] < vis);
-                }
-                mask = mk;
-              }
-              ta.attend(gk.data() + j0 * d, d, gv.data() + j0 * d, d, cols, mask);
-            }
-            if (ta.finish(ho.out.data() + (u * wq + r0) * d, d, lse.data()) || pscale != 1.0f)
-              break;
+      for (int64_t u = 0; u < c; ++u)
+        guard.run([&] {
+          TileAttention& ta = *tile;
+          const int32_t* qi = r.queries.data() + u * wq;
+          const int32_t* kj = r.keys.data() + u * wk;
+          for (int64_t t = 0; t < wq; ++t) std::copy_n(q.row(b, h, qi[t]), d, gq.data() + t * d);
+          for (int64_t t = 0; t < wk; ++t) {
+            std::copy_n(k.row(b, h, kj[t]), d, gk.data() + t * d);
+            std::copy_n(v.row(b, h, kj[t]), d, gv.data() + t * d);
           }
-          for (int64_t rr = 0; rr < rows; ++rr)
-            ho.valid[size_t(u * wq + r0 + rr)] = uint8_t(lse[size_t(rr)] > -INFINITY);
-        }
-      });
+          for (int64_t r0 = 0; r0 < wq; r0 += kTile) {
+            const int64_t rows = std::min(kTile, wq - r0);
+            // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
+            for (float pscale = 1.0f;; pscale = kernels::safe_pscale(wk)) {
+              ta.begin(gq.data() + r0 * d, d, rows, pscale);
+              // keys are in position order: under a causal mask, blocks every row sees need no
+              // mask and blocks no row sees are skipped
+              const int64_t first_vis = p.visible(qi[r0]), last_vis = p.visible(qi[r0 + rows - 1]);
+              for (int64_t j0 = 0; j0 < wk; j0 += kTile) {
+                const int64_t cols = std::min(kTile, wk - j0);
+                if (kj[j0] >= last_vis) break;
+                const uint8_t* mask = nullptr;
+                if (kj[j0 + cols - 1] >= first_vis) {
+                  uint8_t* mk = ta.mask();
+                  for (int64_t rr = 0; rr < rows; ++rr) {
+                    const int64_t vis = p.visible(qi[r0 + rr]);
+                    for (int64_t cc = 0; cc < cols; ++cc)
+                      mk[rr * cols + cc] = uint8_t(kj[j0 + cc] < vis);
+                  }
+                  mask = mk;
+                }
+                ta.attend(gk.data() + j0 * d, d, gv.data() + j0 * d, d, cols, mask);
+              }
+              if (ta.finish(ho.out.data() + (u * wq + r0) * d, d, lse.data()) || pscale != 1.0f)
+                break;
+            }
+            for (int64_t rr = 0; rr < rows; ++rr)
+              ho.valid[size_t(u * wq + r0 + rr)] = uint8_t(lse[size_t(rr)] > -INFINITY);
+          }
+        });
     }
     guard.rethrow();
   }
@@ -551,7 +557,8 @@ class RoutingVariant final : public Variant {
     for (int32_t i : r.queries) ++ho.start[size_t(i) + 1];
     for (int64_t i = 0; i < n; ++i) ho.start[size_t(i + 1)] += ho.start[size_t(i)];
     // start[i] serves as row i's cursor, which leaves start[i] = end of row i; then shift back
-    for (int64_t s = 0; s < slots; ++s) ho.slots[size_t(ho.start[size_t(r.queries[size_t(s)])]++)] = int32_t(s);
+    for (int64_t s = 0; s < slots; ++s)
+      ho.slots[size_t(ho.start[size_t(r.queries[size_t(s)])]++)] = int32_t(s);
     for (int64_t i = n; i > 0; --i) ho.start[size_t(i)] = ho.start[size_t(i - 1)];
     ho.start[0] = 0;
     int64_t unrouted = 0;

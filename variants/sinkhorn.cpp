@@ -90,8 +90,7 @@ inline double exp_nonpositive(double x) {
 /// blocks i and pi(i), both whole tiles (the engine masks the causal diagonal).
 class SinkhornPattern final : public SparsePattern {
  public:
-  SinkhornPattern(int64_t block, int64_t heads, int64_t nb)
-      : bs_(block), heads_(heads), nb_(nb) {}
+  SinkhornPattern(int64_t block, int64_t heads, int64_t nb) : bs_(block), heads_(heads), nb_(nb) {}
 
   int64_t block() const override { return bs_; }
 
@@ -192,7 +191,7 @@ inline void normalise(double* x, int64_t len, double* tmp) {
   double mx = -std::numeric_limits<double>::infinity();
 #pragma omp simd reduction(max : mx)
   for (int64_t j = 0; j < len; ++j) mx = x[j] > mx ? x[j] : mx;
-  // the exponentials first, then their sum: GCC leaves a fused exp-and-sum loop scalar
+    // the exponentials first, then their sum: GCC leaves a fused exp-and-sum loop scalar
 #pragma omp simd
   for (int64_t j = 0; j < len; ++j) tmp[j] = exp_nonpositive(x[j] - mx);
   double sum = 0;
@@ -215,15 +214,26 @@ void match_head(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t 
   // queries, or under a causal mask the mean of the b queries ending at its first one
   // (positions max(0, i0 - b + 1) .. i0, seen by every row of the block).
   using Span = std::pair<int64_t, int64_t>;
-  row_means(k.row(b, h, 0), k.stride_row, d,
-            [&](int64_t j) { return Span{j * bs, std::min(n, (j + 1) * bs)}; }, w.sk);
+  row_means(
+      k.row(b, h, 0), k.stride_row, d,
+      [&](int64_t j) {
+        return Span{j * bs, std::min(n, (j + 1) * bs)};
+      },
+      w.sk);
   if (causal)
-    row_means(q.row(b, h, 0), q.stride_row, d,
-              [&](int64_t i) { return Span{std::max<int64_t>(0, i * bs - bs + 1), i * bs + 1}; },
-              w.sq);
+    row_means(
+        q.row(b, h, 0), q.stride_row, d,
+        [&](int64_t i) {
+          return Span{std::max<int64_t>(0, i * bs - bs + 1), i * bs + 1};
+        },
+        w.sq);
   else
-    row_means(q.row(b, h, 0), q.stride_row, d,
-              [&](int64_t i) { return Span{i * bs, std::min(n, (i + 1) * bs)}; }, w.sq);
+    row_means(
+        q.row(b, h, 0), q.stride_row, d,
+        [&](int64_t i) {
+          return Span{i * bs, std::min(n, (i + 1) * bs)};
+        },
+        w.sq);
   // pass 2: L = log(relu(S_q S_k^T / sqrt(d)) + eps) / temperature; causal: j < i only
   w.l.noalias() = w.sq * w.sk.transpose();
   const double inv_sqrt_d = 1.0 / std::sqrt(double(d)), inv_t = 1.0 / temperature;
@@ -239,7 +249,8 @@ void match_head(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t 
   double* cmax = w.colmax.data();
   double* csum = w.colsum.data();
   for (int64_t it = 0; it < iterations; ++it) {
-    for (int64_t i = causal ? 1 : 0; i < nb; ++i) normalise(w.l.row(i).data(), causal ? i : nb, cmax);
+    for (int64_t i = causal ? 1 : 0; i < nb; ++i)
+      normalise(w.l.row(i).data(), causal ? i : nb, cmax);
     std::fill(cmax, cmax + nb, kNegInf);
     std::fill(csum, csum + nb, 0.0);
     if (!causal) {
@@ -294,8 +305,9 @@ class Sinkhorn final : public PatternVariant {
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
                                               ConstTensorView k) const override {
     if (p.keys() != p.n)
-      throw UnsupportedError("sinkhorn: self-attention only (m = n): query block i attends its "
-                             "own key block i");
+      throw UnsupportedError(
+          "sinkhorn: self-attention only (m = n): query block i attends its "
+          "own key block i");
     if (q.data == nullptr || k.data == nullptr)
       throw InputError("sinkhorn: the pattern depends on q and k; make_pattern needs both");
     const int64_t nb = blocks(p), bh = p.batch * p.heads;
@@ -307,10 +319,11 @@ class Sinkhorn final : public PatternVariant {
       std::optional<MatchWork> w;
       guard.run([&] { w.emplace(nb, p.dim); });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < bh; ++t) guard.run([&] {
-        match_head(p, q, k, t / p.heads, t % p.heads, block_, temperature_, iterations_, *w,
-                   pat->head(t / p.heads, t % p.heads));
-      });
+      for (int64_t t = 0; t < bh; ++t)
+        guard.run([&] {
+          match_head(p, q, k, t / p.heads, t % p.heads, block_, temperature_, iterations_, *w,
+                     pat->head(t / p.heads, t % p.heads));
+        });
     }
     guard.rethrow();
     return pat;
@@ -332,8 +345,8 @@ class Sinkhorn final : public PatternVariant {
     const double d = double(p.dim), blocks2 = double(nb) * double(nb);
     // matching: summaries (n + m) d adds, S_q S_k^T 2 nb^2 d, the log per entry and about
     // 6 operations per entry and Sinkhorn step (max, subtract, exp, add, subtract lse)
-    const double matching = double(n + m) * d + 2.0 * blocks2 * d + blocks2 +
-                            6.0 * 2.0 * double(iterations_) * blocks2;
+    const double matching =
+        double(n + m) * d + 2.0 * blocks2 * d + blocks2 + 6.0 * 2.0 * double(iterations_) * blocks2;
     return double(p.batch * p.heads) * (4.0 * d * scores + matching);
   }
 

@@ -88,8 +88,8 @@ class SparseTransformerPattern final : public AlignedBlockPattern {
       const int64_t a = i0 + r + off_, ab = floor_div(a, l_);
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t j = j0 + c, x = a - j;
-        mask[r * cols + c] = fixed_ ? (j / l_ == ab || j % l_ >= l_ - c_)
-                                    : (std::llabs(x) < l_ || pmod(x, l_) == 0);
+        mask[r * cols + c] =
+            fixed_ ? (j / l_ == ab || j % l_ >= l_ - c_) : (std::llabs(x) < l_ || pmod(x, l_) == 0);
       }
     }
   }

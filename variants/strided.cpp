@@ -94,7 +94,8 @@ ATTNBENCH_REGISTER_VARIANT(
     strided,
     VariantInfo{
         .name = "strided",
-        .summary = "dilated: query i sees keys with (a(i) - j) mod stride == 0, optionally |a(i) - j| <= span",
+        .summary = "dilated: query i sees keys with (a(i) - j) mod stride == 0, optionally |a(i) - "
+                   "j| <= span",
         .complexity = "time O(n (m / stride) 2 block d) scored, O(n m d) when stride < 2 block; "
                       "memory O(threads block (block + d))",
         .params = {ParamSpec::Int("stride", 128, 1, int64_t(1) << 30,

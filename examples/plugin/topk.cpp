@@ -97,11 +97,12 @@ class TopkPattern final : public attnbench::SparsePattern {
       std::optional<Scratch> scratch;
       guard.run([&] { scratch.emplace(m_); });
 #pragma omp for schedule(dynamic, 16)
-      for (int64_t r = 0; r < rows; ++r) guard.run([&] {
-        const int64_t bh = r / n_, i = r % n_;
-        const int64_t count = select_keys(p, q, k, bh / heads_, bh % heads_, i, top_k, *scratch);
-        per_row[size_t(r)].assign(scratch->keys.begin(), scratch->keys.begin() + count);
-      });
+      for (int64_t r = 0; r < rows; ++r)
+        guard.run([&] {
+          const int64_t bh = r / n_, i = r % n_;
+          const int64_t count = select_keys(p, q, k, bh / heads_, bh % heads_, i, top_k, *scratch);
+          per_row[size_t(r)].assign(scratch->keys.begin(), scratch->keys.begin() + count);
+        });
     }
     guard.rethrow();
     for (int64_t r = 0; r < rows; ++r)
@@ -112,7 +113,8 @@ class TopkPattern final : public attnbench::SparsePattern {
 
   int64_t block() const override { return kBlock; }
 
-  void key_blocks(int64_t b, int64_t h, int64_t qb, std::vector<attnbench::KeyBlock>& out) const override {
+  void key_blocks(int64_t b, int64_t h, int64_t qb,
+                  std::vector<attnbench::KeyBlock>& out) const override {
     out.clear();
     const int64_t i0 = qb * kBlock, i1 = std::min(n_, i0 + kBlock);
     // pairs of the tile in the pattern, per key block; a block is full only if all are
@@ -167,27 +169,29 @@ class TopkAttention final : public attnbench::Variant {
       std::optional<Scratch> scratch;
       guard.run([&] { scratch.emplace(p.keys()); });
 #pragma omp for schedule(dynamic, 16)
-      for (int64_t r = 0; r < rows; ++r) guard.run([&] {
-        Scratch& s = *scratch;
-        const int64_t bh = r / p.n, i = r % p.n, b = bh / p.heads, h = bh % p.heads;
-        // passes 1 and 2: logits and the selected keys
-        const int64_t count = select_keys(p, q, k, b, h, i, top_k_, s);
-        Eigen::Map<Eigen::VectorXf> o(out.row(b, h, i), d);
-        o.setZero();
-        if (count == 0) return;  // no visible key: a zero row
-        // pass 3: exact softmax over the selected logits (max first, for stability)
-        float max = -INFINITY;
-        for (int64_t t = 0; t < count; ++t) max = std::max(max, s.logits[size_t(s.keys[size_t(t)])]);
-        // pass 4: out_i = sum_t w_t v_{j_t} / sum_t w_t, w_t = exp(scale (s_{j_t} - max))
-        float sum = 0.0f;
-        for (int64_t t = 0; t < count; ++t) {
-          const int32_t j = s.keys[size_t(t)];
-          const float w = std::exp(scale * (s.logits[size_t(j)] - max));
-          sum += w;
-          o += w * Eigen::Map<const Eigen::VectorXf>(v.row(b, h, j), d);
-        }
-        o /= sum;
-      });
+      for (int64_t r = 0; r < rows; ++r)
+        guard.run([&] {
+          Scratch& s = *scratch;
+          const int64_t bh = r / p.n, i = r % p.n, b = bh / p.heads, h = bh % p.heads;
+          // passes 1 and 2: logits and the selected keys
+          const int64_t count = select_keys(p, q, k, b, h, i, top_k_, s);
+          Eigen::Map<Eigen::VectorXf> o(out.row(b, h, i), d);
+          o.setZero();
+          if (count == 0) return;  // no visible key: a zero row
+          // pass 3: exact softmax over the selected logits (max first, for stability)
+          float max = -INFINITY;
+          for (int64_t t = 0; t < count; ++t)
+            max = std::max(max, s.logits[size_t(s.keys[size_t(t)])]);
+          // pass 4: out_i = sum_t w_t v_{j_t} / sum_t w_t, w_t = exp(scale (s_{j_t} - max))
+          float sum = 0.0f;
+          for (int64_t t = 0; t < count; ++t) {
+            const int32_t j = s.keys[size_t(t)];
+            const float w = std::exp(scale * (s.logits[size_t(j)] - max));
+            sum += w;
+            o += w * Eigen::Map<const Eigen::VectorXf>(v.row(b, h, j), d);
+          }
+          o /= sum;
+        });
     }
     guard.rethrow();
   }

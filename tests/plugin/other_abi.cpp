@@ -21,14 +21,13 @@ class Zero final : public attnbench::Variant {
   double memory_estimate(const attnbench::Problem&) const override { return 0; }
 };
 
-[[maybe_unused]] const bool registered = attnbench::ATTNBENCH_CAT(register_variant_abi, BUILT_ABI)(
-    attnbench::VariantInfo{.name = "other_abi",
-                           .summary = "a variant of another ABI",
-                           .complexity = "none",
-                           .params = {},
-                           .caps = {},
-                           .make = [](const attnbench::ParamValues&) {
-                             return std::make_unique<Zero>();
-                           }});
+[[maybe_unused]] const bool registered =
+    attnbench::ATTNBENCH_CAT(register_variant_abi, BUILT_ABI)(attnbench::VariantInfo{
+        .name = "other_abi",
+        .summary = "a variant of another ABI",
+        .complexity = "none",
+        .params = {},
+        .caps = {},
+        .make = [](const attnbench::ParamValues&) { return std::make_unique<Zero>(); }});
 
 }  // namespace
