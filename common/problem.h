@@ -21,6 +21,14 @@ struct Problem {
   int64_t dim = 64;  ///< head dimension d
   /// Bottom-right aligned causal mask: key j is visible to query i iff j <= i + (m - n).
   bool causal = false;
+  // What attention computes grows here, beside `causal`: an attention mask (key padding, an
+  // additive [n, m] mask), the scoring function, grouped kv-heads and the pass (forward,
+  // backward, decode). Each comes with a flag in Capabilities, so check_supported refuses a
+  // variant that cannot honour it, and with its column among the results' key columns.
+
+  // The workload, for the harness only: how the inputs are drawn and how many threads run.
+  // Variants compute from q, k and v and the team they are given (team_threads()); they do
+  // not read these.
   std::string input = "gaussian";  ///< input distribution (see common/inputs.h) or "file"
   double scale = 1.0;              ///< logit sharpening: q is multiplied by scale
   uint64_t seed = 0;
