@@ -146,7 +146,7 @@ def section(ctx):
         ctx.md.append("No variant in these results has a stored attention pattern to draw.\n")
     if without:
         ctx.md.append("\nNot drawn, because the variant has no attention pattern (it does not "
-                      "restrict exact softmax attention to a set of keys): "
+                      "restrict softmax attention to a set of keys): "
                       + ", ".join(code(s) for s in without) + ".\n")
     if missing:
         ctx.md.append("\nNo stored pattern for: " + ", ".join(
