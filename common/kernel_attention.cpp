@@ -22,7 +22,7 @@ namespace attnbench::kernel_attention {
 
 namespace {
 
-constexpr float kLog2e = 1.44269504088896341f;
+[[maybe_unused]] constexpr float kLog2e = 1.44269504088896341f;
 
 int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
