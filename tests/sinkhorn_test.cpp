@@ -239,12 +239,7 @@ TEST(Sinkhorn, OutputIsAttentionOverTheMatchedBlocks) {
 TEST(Sinkhorn, OneBlockIsFullAttention) {
   for (int64_t n : {1, 7, 113, 1000})
     for (bool causal : {false, true}) {
-      const Problem p = test::problem(1, 2, n, 0, 17, causal, 3);
-      SCOPED_TRACE(p.str());
-      Inputs in = generate_inputs(p);
-      const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
-      EXPECT_LE(rel_fro_error(run("sinkhorn:block=1000", p, in).data(), ref),
-                attention_tolerance(p));
+      test::expect_full_attention("sinkhorn:block=1000", test::problem(1, 2, n, 0, 17, causal, 3));
     }
 }
 

@@ -296,6 +296,15 @@ inline void expect_oracle_far_from(const std::string& spec, const Problem& p, co
   EXPECT_GT(rel_fro_error(oracle.data(), other), 100 * e.tolerance) << spec;
 }
 
+/// `spec` on p (inputs from the problem's seed) matches exact attention within the default
+/// error model: for a variant's settings that reduce it to full attention.
+inline void expect_full_attention(const std::string& spec, const Problem& p) {
+  SCOPED_TRACE(spec + " " + p.str());
+  const Inputs in = generate_inputs(p);
+  const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  EXPECT_LE(rel_fro_error(run(spec, p, in).data(), ref), attention_tolerance(p));
+}
+
 /// Result of one run of the attnbench binary.
 struct CliResult {
   int code = -1;  ///< exit status, or -1 if it did not exit normally
