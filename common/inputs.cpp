@@ -150,49 +150,49 @@ std::string describe_distribution(const std::string& name) {
 
 namespace {
 
-Inputs generate(const Problem& p, const Origin& o) {
+Inputs generate(const Problem& p, const Workload& w, const Origin& o) {
   const auto& names = input_distributions();
-  if (std::find(names.begin(), names.end(), p.input) == names.end())
-    throw UsageError(fmt::format("unknown input distribution '{}'; accepted: {}", p.input,
+  if (std::find(names.begin(), names.end(), w.input) == names.end())
+    throw UsageError(fmt::format("unknown input distribution '{}'; accepted: {}", w.input,
                                  fmt::join(names, ", ")));
   Inputs in{Tensor(p.q_shape()), Tensor(p.kv_shape()), Tensor(p.kv_shape())};
-  if (p.input == "gaussian") {
+  if (w.input == "gaussian") {
     fill_gaussian(p, o, kQ, in.q.view());
     fill_gaussian(p, o, kK, in.k.view());
-  } else if (p.input == "local") {
+  } else if (w.input == "local") {
     fill_local(p, o, in);
-  } else if (p.input == "clustered") {
+  } else if (w.input == "clustered") {
     fill_clustered(p, o, in);
   } else {
     fill_lowrank(p, o, in);
   }
   fill_gaussian(p, o, kV, in.v.view());
-  if (p.scale != 1.0) {
+  if (w.scale != 1.0) {
     float* q = in.q.data();
-    const float s = float(p.scale);
+    const float s = float(w.scale);
     for (int64_t i = 0; i < in.q.numel(); ++i) q[i] *= s;
-    // a scale that is finite in float (Problem::validate) can still overflow q
+    // a scale that is finite in float (Workload::validate) can still overflow q
     for (int64_t i = 0; i < in.q.numel(); ++i)
       if (!std::isfinite(q[i]))
         throw InputError(
             fmt::format("scale {} overflows q in float32 (q holds {} at flat index "
                         "{}): use a smaller scale",
-                        p.scale, q[i], i));
+                        w.scale, q[i], i));
   }
   return in;
 }
 
 }  // namespace
 
-Inputs generate_inputs(const Problem& p) { return generate(p, Origin{}); }
+Inputs generate_inputs(const Problem& p, const Workload& w) { return generate(p, w, Origin{}); }
 
-Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h) {
+Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h, const Workload& w) {
   if (b < 0 || b >= p.batch || h < 0 || h >= p.heads)
     throw UsageError(fmt::format("head ({}, {}) is outside a problem of batch {} and {} heads", b,
                                  h, p.batch, p.heads));
   Problem one = p;
   one.batch = 1, one.heads = 1;
-  return generate(one, Origin{b, h});
+  return generate(one, w, Origin{b, h});
 }
 
 }  // namespace attnbench

@@ -435,7 +435,6 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
   p->n = q.shape[2];
   p->m = k.shape[2];
   p->dim = q.shape[3];
-  p->input = "file";
   Inputs in{Tensor(p->q_shape()), Tensor(p->kv_shape()), Tensor(p->kv_shape())};
   auto copy = [&](const char* key, const NpyArray& a, Tensor& t) {
     std::memcpy(t.data(), a.data.data(), a.data.size());

@@ -43,8 +43,8 @@ void write_npz(const std::string& path, const std::map<std::string, NpyArray>& a
 NpyArray to_npy(const Tensor& t);
 
 /// Loads q, k, v from an .npz file: float32 arrays of shape [B, H, len, d], q with n rows and
-/// k, v with m rows, all finite. Fills batch, heads, n, m, dim of *p and sets p->input to
-/// "file". Throws InputError naming what is wrong.
+/// k, v with m rows, all finite. Fills batch, heads, n, m, dim of *p (the workload of
+/// such inputs is input "file"). Throws InputError naming what is wrong.
 Inputs load_inputs_npz(const std::string& path, Problem* p);
 /// The checks and copies of load_inputs_npz on arrays already read; `what` names their source.
 Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::string& what,

@@ -11,10 +11,10 @@ double float32_error(double dim, double logit, double reduction, double steps) {
   return kFloat32Roundoff * (std::sqrt(dim) * logit + std::sqrt(reduction) + steps);
 }
 
-double logit_size(const Problem& p) { return std::max(1.0, std::abs(p.scale)); }
+double logit_size(const Workload& w) { return std::max(1.0, std::abs(w.scale)); }
 
-double attention_tolerance(const Problem& p) {
-  return kErrorMargin * float32_error(double(p.dim), logit_size(p), double(p.keys()), 4.0);
+double attention_tolerance(const Problem& p, const Workload& w) {
+  return kErrorMargin * float32_error(double(p.dim), logit_size(w), double(p.keys()), 4.0);
 }
 
 namespace oracle {

@@ -13,9 +13,9 @@
 // pairwise sum does better, a worst-case bound would be u L). One softmax attention row:
 //   1. logits s_j = q.k_j / sqrt(d): a reduction over d products, each as large as the
 //      logit's own scale, so an absolute error of about u sqrt(d) S, S the typical size of a
-//      logit (1 for the generated inputs, whose entries have unit variance; `Problem::scale`
-//      multiplies q and so S). exp turns an absolute logit error into a relative weight error
-//      of the same size, and for near-uniform weights (the worst case: one-hot weights are
+//      logit (1 for the generated inputs, whose entries have unit variance; the workload's
+//      `scale` multiplies q and so S). exp turns an absolute logit error into a relative weight
+//      error of the same size, and for near-uniform weights (the worst case: one-hot weights are
 //      insensitive to it) the output row moves by that much relative to its norm;
 //   2. exp, the division and the scalings: a few roundings each, u each;
 //   3. the weighted sum over m keys and the normaliser sum: reductions of length m,
@@ -36,6 +36,7 @@
 
 #include "common/problem.h"
 #include "common/tensor.h"
+#include "common/workload.h"
 
 namespace attnbench {
 
@@ -50,12 +51,12 @@ inline constexpr double kErrorMargin = 4.0;
 ///   u (sqrt(dim) logit + sqrt(reduction) + steps).
 double float32_error(double dim, double logit, double reduction, double steps);
 
-/// Typical logit size S of a problem's inputs: max(1, scale) (generated inputs have unit
+/// Typical logit size S of a workload's inputs: max(1, scale) (generated inputs have unit
 /// variance entries, so q.k / sqrt(d) is of order 1 before the scale).
-double logit_size(const Problem& p);
+double logit_size(const Workload& w);
 
 /// The default tolerance: kErrorMargin float32_error(d, S, m, 4) (see the header comment).
-double attention_tolerance(const Problem& p);
+double attention_tolerance(const Problem& p, const Workload& w);
 
 namespace oracle {
 

@@ -1,4 +1,4 @@
-// One attention problem: shapes, masking, inputs, seed and threads.
+// One attention problem: what a variant computes (shapes, masking, seed).
 #pragma once
 
 #include <cstdint>
@@ -26,13 +26,10 @@ struct Problem {
   // backward, decode). Each comes with a flag in Capabilities, so check_supported refuses a
   // variant that cannot honour it, and with its column among the results' key columns.
 
-  // The workload, for the harness only: how the inputs are drawn and how many threads run.
-  // Variants compute from q, k and v and the team they are given (team_threads()); they do
-  // not read these.
-  std::string input = "gaussian";  ///< input distribution (see common/inputs.h) or "file"
-  double scale = 1.0;              ///< logit sharpening: q is multiplied by scale
+  /// Seed of the variant's random choices (features, projections, hashes) and of generated
+  /// inputs. How the inputs are drawn and how many threads run is the workload's
+  /// (common/workload.h), which variants never see.
   uint64_t seed = 0;
-  int threads = 0;  ///< 0 = every core
 
   int64_t keys() const { return m > 0 ? m : n; }
   Shape4 q_shape() const { return {batch, heads, n, dim}; }
@@ -49,7 +46,8 @@ struct Problem {
   float softmax_scale() const;
   /// Checks sizes are positive and sane; throws UsageError naming the bad field.
   void validate() const;
-  /// Canonical "B=1,H=8,n=1024,m=1024,d=64,causal=0,input=gaussian,scale=1,seed=0".
+  /// Canonical "B=1,H=8,n=1024,m=1024,d=64,causal=0,seed=0" (describe() in
+  /// common/workload.h adds the workload).
   std::string str() const;
 };
 

@@ -23,6 +23,7 @@
 #include "common/abi.h"
 #include "common/problem.h"
 #include "common/tensor.h"
+#include "common/workload.h"
 
 namespace attnbench {
 
@@ -86,8 +87,9 @@ using Oracle = std::function<std::vector<double>(const Variant&, const Problem&,
                                                  ConstTensorView k, ConstTensorView v)>;
 /// The largest relative Frobenius error ‖O − O*‖_F / ‖O*‖_F accepted against the oracle on a
 /// problem, derived from an error model of the variant's float32 arithmetic (common/oracle.h).
-/// The variant is passed for its parameters (they can lengthen the chain).
-using Tolerance = std::function<double(const Variant&, const Problem&)>;
+/// The variant is passed for its parameters (they can lengthen the chain), the workload for the
+/// size of the inputs' logits (its scale).
+using Tolerance = std::function<double(const Variant&, const Problem&, const Workload&)>;
 
 /// Everything the registry knows about a variant.
 struct VariantInfo {

@@ -270,12 +270,18 @@ struct ProblemOptions {
   int threads = 0, reps = 3;
   double min_time = 0.1;
 
-  /// The problem these options state (threads still unresolved).
+  /// The problem these options state.
   Problem problem() const {
     Problem p;
     p.batch = batch, p.heads = heads, p.n = seq, p.m = seq_k, p.dim = dim;
-    p.causal = causal, p.input = input, p.scale = scale, p.seed = seed;
+    p.causal = causal, p.seed = seed;
     return p;
+  }
+  /// The workload these options state (threads still unresolved).
+  Workload workload() const {
+    Workload w;
+    w.input = input, w.scale = scale, w.threads = threads;
+    return w;
   }
 };
 
@@ -348,7 +354,7 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
 
 void print_row(const Row& r) {
   fmt::print("variant      {}\n", r.spec);
-  fmt::print("problem      {}\n", r.problem.str());
+  fmt::print("problem      {}\n", describe(r.problem, r.workload));
   fmt::print("status       {}{}\n", r.status, r.message.empty() ? "" : ": " + r.message);
   if (r.status != "ok") return;
   fmt::print(
@@ -445,13 +451,16 @@ struct RunCommand {
   int run() const {
     auto variant = make_variant(spec);
     Problem p = o.problem();
+    Workload w = o.workload();
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
-    p.threads = apply_threads(o.threads);
+    if (given) w.input = "file";
+    w.threads = apply_threads(o.threads);
     p.validate();
-    MachineFigures mf = measure_machine(p.threads, /*quick=*/true);
+    w.validate(p);
+    MachineFigures mf = measure_machine(w.threads, /*quick=*/true);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out;
-    Row row = run_one(*variant, p, given ? &*given : nullptr, mf, opt, &out);
+    Row row = run_one(*variant, p, w, given ? &*given : nullptr, mf, opt, &out);
     if (json)
       fmt::print("{}\n", to_json(row).dump(2));
     else
@@ -519,7 +528,7 @@ struct SweepCommand {
                  plan.duplicates.front());
     ResultsDir results(out_dir, resume);
     PatternStore patterns(out_dir, resume);
-    for (const auto& c : plan.configs) patterns.plan(c.variant->spec(), c.problem);
+    for (const auto& c : plan.configs) patterns.plan(c.variant->spec(), c.problem, c.workload);
     fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
     MachineFigures mf = measure_machine(threads);
     fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
@@ -541,19 +550,21 @@ struct SweepCommand {
       Row probe;
       probe.spec = c.variant->spec();
       probe.problem = c.problem;
+      probe.workload = c.workload;
       if (resume && results.done(probe)) {
         total_work -= sweep_work(c);
         ++counts["kept"];
-        patterns.row_done(*c.variant, c.problem, results.status(probe));
+        patterns.row_done(*c.variant, c.problem, c.workload, results.status(probe));
         continue;
       }
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
       fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, plan.configs.size(),
-                 probe.spec, c.problem.str(), human_seconds(elapsed), human_seconds(eta));
+                 probe.spec, describe(c.problem, c.workload), human_seconds(elapsed),
+                 human_seconds(eta));
       const Row row = measure(c, mf, opt, results);
-      patterns.row_done(*c.variant, c.problem, row.status);
+      patterns.row_done(*c.variant, c.problem, c.workload, row.status);
       ++counts[row.status];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
       done_work += sweep_work(c);
@@ -570,7 +581,7 @@ struct SweepCommand {
   static Row measure(const SweepConfig& c, const MachineFigures& mf, const RunOptions& opt,
                      ResultsDir& results) {
     nlohmann::json bench;
-    Row row = run_one(*c.variant, c.problem, nullptr, mf, opt, nullptr, &bench);
+    Row row = run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, &bench);
     results.append(row, bench);
     return row;
   }
@@ -579,13 +590,13 @@ struct SweepCommand {
 // ----- pattern -----
 
 // The registered variants that have an attention pattern at their defaults on this problem.
-std::vector<std::string> variants_with_patterns(const Problem& p, int64_t head,
+std::vector<std::string> variants_with_patterns(const Problem& p, const Workload& w, int64_t head,
                                                 const Inputs* given) {
   std::vector<std::string> with;
   for (const VariantInfo* v : Registry::instance().all()) {
     auto probe = make_variant(v->name);
     try {
-      if (head_pattern(*probe, p, head, given)) with.push_back(v->name);
+      if (head_pattern(*probe, p, w, head, given)) with.push_back(v->name);
     } catch (const std::exception&) {
     }
   }
@@ -635,8 +646,11 @@ struct PatternCommand {
     if (given && head >= p.heads)
       throw UsageError(
           fmt::format("--head {} is out of range: {} has {} heads", head, inputs_path, p.heads));
-    p.threads = apply_threads(0);
+    Workload w = o.workload();
+    if (given) w.input = "file";
+    w.threads = apply_threads(0);
     p.validate();
+    w.validate(p);
     variant->check_supported(p);
     const double bytes = double(p.n) * double(p.keys());
     if (bytes > 0.5 * available_memory())
@@ -646,9 +660,9 @@ struct PatternCommand {
                       p.n, p.keys(), bytes / double(1 << 30)));
     // Only head `head` is exported, so only its inputs are generated.
     const Inputs* from = given ? &*given : nullptr;
-    auto pat = head_pattern(*variant, p, head, from);
+    auto pat = head_pattern(*variant, p, w, head, from);
     if (!pat) {
-      const auto with = variants_with_patterns(p, head, from);
+      const auto with = variants_with_patterns(p, w, head, from);
       // Any variant whose make_pattern gives one has a pattern, exact or not (reformer's
       // buckets, routing's clusters).
       throw UsageError(fmt::format(

@@ -17,10 +17,11 @@ namespace attnbench {
 
 namespace {
 
-Row key_row(const std::string& spec, const Problem& p) {
+Row key_row(const std::string& spec, const Problem& p, const Workload& w) {
   Row r;
   r.spec = spec;
   r.problem = p;
+  r.workload = w;
   return r;
 }
 
@@ -56,10 +57,10 @@ std::string csv_join(const std::vector<std::string>& fields) {
 
 }  // namespace
 
-std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, int64_t head,
-                                            const Inputs* given) {
+std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, const Workload& w,
+                                            int64_t head, const Inputs* given) {
   if (given) return v.make_pattern(p, given->q.view(), given->k.view());
-  const Inputs in = generate_head_inputs(p, 0, head);
+  const Inputs in = generate_head_inputs(p, 0, head, w);
   ConstTensorView qv(in.q.data(), p.q_shape()), kv(in.k.data(), p.kv_shape());
   qv.stride_b = qv.stride_h = kv.stride_b = kv.stride_h = 0;
   return v.make_pattern(p, qv, kv);
@@ -74,7 +75,7 @@ NpyArray pattern_array(const Problem& p, const SparsePattern& pat, int64_t b, in
   return a;
 }
 
-std::string pattern_file_name(const std::string& spec, const Problem& p) {
+std::string pattern_file_name(const std::string& spec, const Problem& p, const Workload& w) {
   std::string name;
   for (char c : spec) {
     const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -87,7 +88,7 @@ std::string pattern_file_name(const std::string& spec, const Problem& p) {
   // FNV-1a (64 bit) of the results.csv key: two specs or problems that read alike above
   // still get different names.
   uint64_t hash = 0xcbf29ce484222325ULL;
-  for (unsigned char c : row_key(key_row(spec, p))) {
+  for (unsigned char c : row_key(key_row(spec, p, w))) {
     hash ^= c;
     hash *= 0x100000001b3ULL;
   }
@@ -155,8 +156,8 @@ PatternStore::PatternStore(const std::string& results_dir, bool resume)
   write_index();
 }
 
-void PatternStore::plan(const std::string& spec, const Problem& p) {
-  planned_.emplace_back(spec, p);
+void PatternStore::plan(const std::string& spec, const Problem& p, const Workload& w) {
+  planned_.push_back({spec, p, w});
   picked_ = false;
 }
 
@@ -165,35 +166,37 @@ void PatternStore::pick() {
   chosen_.clear();
   std::map<std::string, std::vector<size_t>> groups;
   for (size_t i = 0; i < planned_.size(); ++i)
-    groups[group_of(planned_[i].first, planned_[i].second)].push_back(i);
+    groups[group_of(planned_[i].spec, planned_[i].problem)].push_back(i);
   for (const auto& [g, idx] : groups) {
-    std::string input = planned_[idx.front()].second.input;
+    std::string input = planned_[idx.front()].workload.input;
     for (size_t i : idx)
-      if (planned_[i].second.input == "gaussian") input = "gaussian";
-    const Problem* best = nullptr;
+      if (planned_[i].workload.input == "gaussian") input = "gaussian";
+    const Planned* best = nullptr;
     for (size_t i : idx) {
-      const Problem& p = planned_[i].second;
-      if (p.input != input || double(p.n) * double(p.keys()) > kMaxPatternPairs) continue;
-      if (!best || distance(p.n) < distance(best->n) ||
-          (distance(p.n) == distance(best->n) && p.n < best->n))
-        best = &p;
+      const Planned& c = planned_[i];
+      const Problem& p = c.problem;
+      if (c.workload.input != input || double(p.n) * double(p.keys()) > kMaxPatternPairs) continue;
+      if (!best || distance(p.n) < distance(best->problem.n) ||
+          (distance(p.n) == distance(best->problem.n) && p.n < best->problem.n))
+        best = &c;
     }
-    if (best) chosen_[g] = row_key(key_row(planned_[idx.front()].first, *best));
+    if (best) chosen_[g] = row_key(key_row(best->spec, best->problem, best->workload));
   }
 }
 
-void PatternStore::row_done(const Variant& v, const Problem& p, const std::string& status) {
+void PatternStore::row_done(const Variant& v, const Problem& p, const Workload& w,
+                            const std::string& status) {
   if (!picked_) pick();
   const std::string spec = v.spec(), g = group_of(spec, p);
-  const Row key = key_row(spec, p);
+  const Row key = key_row(spec, p, w);
   auto it = chosen_.find(g);
   if (it == chosen_.end() || it->second != row_key(key) || entries_.count(g) || status != "ok")
     return;
   try {
     Entry e{key_fields(key)};
-    auto pat = head_pattern(v, p, 0, nullptr);
+    auto pat = head_pattern(v, p, w, 0, nullptr);
     if (pat) {
-      const std::string file = pattern_file_name(spec, p);
+      const std::string file = pattern_file_name(spec, p, w);
       write_npy((fs::path(dir_) / file).string(), pattern_array(p, *pat, 0, 0));
       e.fields.insert(e.fields.end(), {file, ""});
     } else {
@@ -202,7 +205,7 @@ void PatternStore::row_done(const Variant& v, const Problem& p, const std::strin
     add(e);
   } catch (const std::exception& ex) {
     fmt::print(stderr, "attnbench: warning: the pattern of {} {} is not stored: {}\n", spec,
-               p.str(), ex.what());
+               describe(p, w), ex.what());
   }
 }
 

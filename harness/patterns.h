@@ -22,6 +22,7 @@
 #include "common/pattern.h"
 #include "common/problem.h"
 #include "common/registry.h"
+#include "common/workload.h"
 
 namespace attnbench {
 
@@ -31,11 +32,11 @@ constexpr int64_t kPatternLength = 1024;
 constexpr double kMaxPatternPairs = double(1 << 24);
 
 /// The pattern `v` uses on head (0, head) of `p`, made from `given` when set, else from the
-/// inputs a run of `p` gives that head (generated for that head alone and shown at every
+/// inputs a run of `p` under `w` gives that head (generated for that head alone and shown at every
 /// head index, so a data-dependent pattern sees exactly what a run gives it). nullptr if the
 /// variant has no pattern.
-std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, int64_t head,
-                                            const Inputs* given);
+std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, const Workload& w,
+                                            int64_t head, const Inputs* given);
 
 /// Head (b, h) of a pattern intersected with the causal mask, as a uint8 [n, m] array
 /// (1 = query i attends key j).
@@ -45,8 +46,8 @@ NpyArray pattern_array(const Problem& p, const SparsePattern& pat, int64_t b, in
 /// every character other than a letter, digit, '=', '.' or '-' replaced by '_' (its first
 /// 120 characters), then
 /// "-n<n>-m<m>-causal" or "-noncausal", then 16 hex digits of the FNV-1a hash of the
-/// results.csv key of (spec, p), then ".npy".
-std::string pattern_file_name(const std::string& spec, const Problem& p);
+/// results.csv key of (spec, p, w), then ".npy".
+std::string pattern_file_name(const std::string& spec, const Problem& p, const Workload& w);
 
 /// DIR/patterns of a sweep and its index.csv.
 class PatternStore {
@@ -59,13 +60,13 @@ class PatternStore {
   PatternStore(const std::string& results_dir, bool resume);
 
   /// Declares one configuration of the sweep, in sweep order (before the first row).
-  void plan(const std::string& spec, const Problem& p);
+  void plan(const std::string& spec, const Problem& p, const Workload& w);
   /// After the row of a configuration is finished (or kept from an earlier sweep, with its
   /// status): stores its pattern if it is the picked problem of its spec and causal
   /// setting, its status is ok and the index holds nothing for that spec and setting yet.
   /// A pattern that cannot be made or written is reported on stderr, never thrown: the
   /// row is already safe in results.csv.
-  void row_done(const Variant& v, const Problem& p, const std::string& status);
+  void row_done(const Variant& v, const Problem& p, const Workload& w, const std::string& status);
 
  private:
   struct Entry {
@@ -76,7 +77,12 @@ class PatternStore {
   void write_index() const;
 
   std::string dir_;
-  std::vector<std::pair<std::string, Problem>> planned_;
+  struct Planned {
+    std::string spec;
+    Problem problem;
+    Workload workload;
+  };
+  std::vector<Planned> planned_;
   bool picked_ = false;
   std::map<std::string, std::string> chosen_;  // (spec, causal) -> results.csv key
   std::map<std::string, Entry> entries_;       // (spec, causal) -> index entry

@@ -192,10 +192,12 @@ nlohmann::json parse_benchmark_json(const std::string& text) {
 
 double available_memory() { return double(available_memory_bytes()); }
 
-Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
-            const RunOptions& opt, Tensor* output, nlohmann::json* bench_json) {
+Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
+            const MachineFigures& mf, const RunOptions& opt, Tensor* output,
+            nlohmann::json* bench_json) {
   Row row;
   row.problem = p;
+  row.workload = w;
   // Every call into the variant below runs on this team; the count is decided here only.
   std::optional<ThreadTeam> team;
   // One try around everything a variant or the problem can throw from, estimates and the
@@ -208,9 +210,10 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
           fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
                       "and min_time in [0, 3600]",
                       opt.reps, opt.min_time));
-    row.problem.threads = resolve_threads(p.threads);
-    team.emplace(row.problem.threads);
+    row.workload.threads = resolve_threads(w.threads);
+    team.emplace(row.workload.threads);
     p.validate();
+    w.validate(p);
     variant.check_supported(p);
     row.flops = variant.flops(p);
     row.estimated_bytes = variant.memory_estimate(p);
@@ -229,7 +232,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     }
 
     Inputs generated;
-    if (!given) generated = generate_inputs(p);
+    if (!given) generated = generate_inputs(p, w);
     const Inputs& in = given ? *given : generated;
     Tensor out(p.q_shape());
     // Checked pass: its output is what the error is measured on.
@@ -248,7 +251,7 @@ Row run_one(Variant& variant, const Problem& p, const Inputs* given, const Machi
     // Timed passes by Google Benchmark. The peak heap above the level at the start of each
     // run is measured here (no MemoryManager: see PeakScope) and reported as the run's
     // `peak_bytes` counter; the row keeps the largest.
-    const std::string name = fmt::format("{}/{}", row.spec, p.str());
+    const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
     double peak = 0;
     PhaseTimes phase_times;  // of every timed pass
     int64_t passes = 0;
@@ -325,6 +328,7 @@ nlohmann::ordered_json to_json(const Row& r) {
   using J = nlohmann::ordered_json;
   auto num = [](double x) -> J { return std::isfinite(x) ? J(x) : J(); };
   const Problem& p = r.problem;
+  const Workload& w = r.workload;
   return J{{"spec", r.spec},
            {"variant", r.variant},
            {"batch", p.batch},
@@ -333,10 +337,10 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"m", p.keys()},
            {"dim", p.dim},
            {"causal", p.causal},
-           {"input", p.input},
-           {"scale", p.scale},
+           {"input", w.input},
+           {"scale", w.scale},
            {"seed", p.seed},
-           {"threads", p.threads},
+           {"threads", w.threads},
            {"status", r.status},
            {"message", r.message},
            {"time_median_s", num(r.time_median)},

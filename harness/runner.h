@@ -10,6 +10,7 @@
 #include "common/inputs.h"
 #include "common/problem.h"
 #include "common/registry.h"
+#include "common/workload.h"
 #include "harness/machine.h"
 #include "harness/metrics.h"
 
@@ -26,6 +27,7 @@ struct RunOptions {
 struct Row {
   std::string spec, variant;
   Problem problem;
+  Workload workload;          ///< threads resolved (never 0) once run_one has run
   std::string status = "ok";  ///< ok | skipped | unsupported | error
   std::string message;
   double time_median = NAN, time_min = NAN, time_max = NAN, time_stddev = NAN;  ///< seconds
@@ -72,13 +74,15 @@ class ThreadTeam {
 /// Bytes of memory the system can give (MemAvailable).
 double available_memory();
 
-/// Runs `variant` on `p`, every call into it with p.threads threads (0 = every core; see
-/// ThreadTeam). Inputs come from `given` if set, else from the problem's generator.
+/// Runs `variant` on `p` under `w`: every call into it with w.threads threads (0 = every core;
+/// see ThreadTeam), inputs from `given` if set (w.input is then "file"), else generated from
+/// w.input and w.scale.
 /// The output of the checked forward pass is moved into *output if requested. The Google
 /// Benchmark JSON of the runs is stored in *bench_json when given. Never throws for a
 /// variant's failure: the row's status says what happened.
-Row run_one(Variant& variant, const Problem& p, const Inputs* given, const MachineFigures& mf,
-            const RunOptions& opt, Tensor* output = nullptr, nlohmann::json* bench_json = nullptr);
+Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
+            const MachineFigures& mf, const RunOptions& opt, Tensor* output = nullptr,
+            nlohmann::json* bench_json = nullptr);
 
 /// Parses Google Benchmark's JSON text, reading the bare NaN and inf its reporter writes for
 /// non-finite figures as null.

@@ -37,16 +37,18 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             for (auto n : axes.seqs)
               for (const auto& v : plan.variants) {
                 Problem p;
-                p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.input = in;
-                p.seed = axes.seed, p.threads = axes.threads;
+                p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.seed = axes.seed;
+                Workload w;
+                w.input = in, w.threads = axes.threads;
                 p.validate();
+                w.validate(p);
                 Row key;
-                key.spec = v->spec(), key.problem = p;
+                key.spec = v->spec(), key.problem = p, key.workload = w;
                 if (!seen.insert(row_key(key)).second) {
-                  plan.duplicates.push_back(fmt::format("{} {}", key.spec, p.str()));
+                  plan.duplicates.push_back(fmt::format("{} {}", key.spec, describe(p, w)));
                   continue;
                 }
-                plan.configs.push_back({v.get(), p});
+                plan.configs.push_back({v.get(), p, w});
               }
   return plan;
 }

@@ -10,6 +10,7 @@
 
 #include "common/problem.h"
 #include "common/registry.h"
+#include "common/workload.h"
 
 namespace attnbench {
 
@@ -23,10 +24,11 @@ struct SweepAxes {
   int threads = 1;  ///< resolved thread count (never 0)
 };
 
-/// One configuration of a sweep: a variant on a problem.
+/// One configuration of a sweep: a variant on a problem under a workload.
 struct SweepConfig {
   Variant* variant = nullptr;  ///< owned by the plan
   Problem problem;
+  Workload workload;  ///< threads resolved (never 0)
 };
 
 /// The configurations of a sweep in run order.
@@ -44,7 +46,8 @@ struct SweepPlan {
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
 /// Expands variants x axes into the plan. Order, outermost first: inputs, causal, dims, heads,
-/// batches, seqs, variants. Throws UsageError for a problem that fails Problem::validate.
+/// batches, seqs, variants. Throws UsageError for a problem that fails Problem::validate
+/// (or a workload that fails Workload::validate).
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.

@@ -114,8 +114,8 @@ struct Result {
 };
 
 // Runs the engine on p with pattern `pat` (output pre-filled with NaN) and checks it.
-Result run_and_check(const Problem& p, const SparsePattern& pat) {
-  const Inputs in = generate_inputs(p);
+Result run_and_check(const Problem& p, const SparsePattern& pat, const Workload& w = Workload{}) {
+  const Inputs in = generate_inputs(p, w);
   Tensor out(p.q_shape());
   std::fill(out.data(), out.data() + out.numel(), NAN);
   block_sparse_attention(p, in.q.view(), in.k.view(), in.v.view(), out.view(), pat);
@@ -170,11 +170,11 @@ TEST(BlockSparse, LargeLogitsStayFinite) {
     for (auto [n, m, d] :
          {std::tuple<int64_t, int64_t, int64_t>{113, 113, 64}, {300, 113, 17}, {113, 300, 64}})
       for (bool causal : {false, true}) {
-        Problem p = test::problem(2, 2, n, m, d, causal, seed++);
-        p.scale = 1000;
+        const Problem p = test::problem(2, 2, n, m, d, causal, seed++);
+        const Workload w = test::workload("gaussian", 1000);
         const TestPattern pat(p, bs, seed * 31);
-        SCOPED_TRACE("block=" + std::to_string(bs) + " " + p.str());
-        const Result r = run_and_check(p, pat);
+        SCOPED_TRACE("block=" + std::to_string(bs) + " " + describe(p, w));
+        const Result r = run_and_check(p, pat, w);
         EXPECT_LE(r.error, 1e-4);
         EXPECT_EQ(r.bad_empty, 0);
         EXPECT_EQ(r.non_finite, 0);

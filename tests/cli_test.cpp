@@ -212,9 +212,10 @@ TEST(Cli, PatternOfOneHeadMatchesTheWholeProblem) {
       ASSERT_EQ(r.code, 0) << r.err;
       NpyArray a = read_npy(out);
       Problem p;
-      p.batch = 1, p.heads = 6, p.n = 48, p.dim = 8, p.seed = 3, p.input = input;
-      Inputs in = generate_inputs(p);
-      Inputs one = generate_head_inputs(p, 0, 5);
+      p.batch = 1, p.heads = 6, p.n = 48, p.dim = 8, p.seed = 3;
+      const Workload w = test::workload(input);
+      Inputs in = generate_inputs(p, w);
+      Inputs one = generate_head_inputs(p, 0, 5, w);
       EXPECT_EQ(0, std::memcmp(one.q.data(), in.q.view().head(0, 5), 48 * 8 * sizeof(float)));
       EXPECT_EQ(0, std::memcmp(one.k.data(), in.k.view().head(0, 5), 48 * 8 * sizeof(float)));
       EXPECT_EQ(0, std::memcmp(one.v.data(), in.v.view().head(0, 5), 48 * 8 * sizeof(float)));
@@ -236,8 +237,8 @@ TEST(Cli, PatternOfOneHeadMatchesTheWholeProblem) {
 TEST(Cli, RunFromAnInputsFile) {
   TempDir dir;
   Problem p;
-  p.batch = 1, p.heads = 2, p.n = 32, p.m = 48, p.dim = 16, p.seed = 99, p.input = "clustered";
-  Inputs in = generate_inputs(p);
+  p.batch = 1, p.heads = 2, p.n = 32, p.m = 48, p.dim = 16, p.seed = 99;
+  Inputs in = generate_inputs(p, test::workload("clustered"));
   const std::string path = dir.file("in.npz"), out = dir.file("out.npy");
   write_npz(path, {{"q", to_npy(in.q)}, {"k", to_npy(in.k)}, {"v", to_npy(in.v)}});
   CliResult r = run_cli("run --variant flash:block_q=5,block_k=7 --inputs " + q(path) +
@@ -370,7 +371,7 @@ Row sample_row(int64_t n, const std::string& status = "ok") {
   r.spec = "flash:block_q=64,block_k=256";
   r.variant = "flash";
   r.problem.batch = 1, r.problem.heads = 2, r.problem.n = n, r.problem.dim = 16;
-  r.problem.threads = 2;
+  r.workload.threads = 2;
   r.status = status;
   r.time_median = r.time_min = r.time_max = 1e-3;
   r.message = status == "ok" ? "" : "needs \"about\" 1 GiB, more than allowed";

@@ -53,10 +53,10 @@ TEST(Clustered, EveryQueryJoinsItsNearestCentroid) {
                                   {113, 64, 100},
                                   {1000, 64, 40},
                                   {7, 1, 3}}) {
-      Problem p = test::problem(1, 2, n, n, d, false, uint64_t(bits + n), "clustered");
+      Problem p = test::problem(1, 2, n, n, d, false, uint64_t(bits + n));
       SCOPED_TRACE(p.str() + " bits=" + std::to_string(bits) +
                    " clusters=" + std::to_string(clusters));
-      Inputs in = generate_inputs(p);
+      Inputs in = generate_inputs(p, test::workload("clustered"));
       const clustered::Clusters cl = clusters_of(p, in.q, 0, 1, {clusters, 10, bits});
       ASSERT_EQ(cl.c, std::min(clusters, n));
       const float* q = in.q.view().head(0, 1);
@@ -106,9 +106,9 @@ TEST(Clustered, SettledCentroidsAreTheMajorityOrMeanOfTheirMembers) {
   // Given enough rounds Lloyd settles (rounds < iterations); the final centroids are then the
   // update of the final assignment: a member majority per bit (ties 0), or the member mean.
   for (int bits : {0, 16, 64}) {
-    Problem p = test::problem(1, 1, 500, 500, 24, false, 3, "clustered");
+    Problem p = test::problem(1, 1, 500, 500, 24, false, 3);
     SCOPED_TRACE(bits);
-    Inputs in = generate_inputs(p);
+    Inputs in = generate_inputs(p, test::workload("clustered"));
     const clustered::Clusters cl = clusters_of(p, in.q, 0, 0, {12, 200, bits});
     ASSERT_LT(cl.rounds, 200);
     const float* q = in.q.view().head(0, 0);
@@ -221,8 +221,8 @@ TEST(Clustered, ErrorFallsAsClustersGrowAndImprovedBeatsPlain) {
   // lowers it by a third or more from 16 clusters on (with 4 clusters, fewer than the data's
   // 8, a centroid's top keys belong to one token cluster and can be wrong for half its members,
   // so improved is not better there).
-  Problem p = test::problem(1, 4, 512, 512, 64, false, 1, "clustered");
-  Inputs in = generate_inputs(p);
+  Problem p = test::problem(1, 4, 512, 512, 64, false, 1);
+  Inputs in = generate_inputs(p, test::workload("clustered"));
   const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   for (int bits : {0, 32}) {
     double last = INFINITY;
@@ -243,8 +243,8 @@ TEST(Clustered, ErrorFallsAsClustersGrowAndImprovedBeatsPlain) {
 // ----- seeds and threads -----
 
 TEST(Clustered, SameSeedSameOutputOtherSeedOtherClustering) {
-  Problem p = test::problem(2, 3, 300, 257, 32, false, 42, "clustered");
-  Inputs in = generate_inputs(p);
+  Problem p = test::problem(2, 3, 300, 257, 32, false, 42);
+  Inputs in = generate_inputs(p, test::workload("clustered"));
   for (const std::string& sp : {spec(16, 10, 32, 0), spec(16, 10, 0, 8), spec(16, 10, 64, 8)}) {
     SCOPED_TRACE(sp);
     Tensor a = run(sp, p, in), b = run(sp, p, in);
@@ -280,9 +280,9 @@ TEST(Clustered, ThreadCountDoesNotChangeTheOutput) {
   // same, so the outputs agree to float rounding; one flipped assignment moves rows by far more.
   for (int64_t heads : {1, 5})
     for (const std::string& sp : {spec(20, 10, 32, 0), spec(20, 10, 0, 16), spec(20, 10, 40, 16)}) {
-      Problem p = test::problem(1, heads, 1500, 700, 32, false, 8, "local");
+      Problem p = test::problem(1, heads, 1500, 700, 32, false, 8);
       SCOPED_TRACE(sp + " " + p.str());
-      Inputs in = generate_inputs(p);
+      Inputs in = generate_inputs(p, test::workload("local"));
       omp_set_num_threads(1);
       Tensor a = run(sp, p, in);
       for (int threads : {2, 3}) {
@@ -308,8 +308,8 @@ TEST(Clustered, CausalIsUnsupported) {
 }
 
 TEST(Clustered, PatternIsEachClustersTopKeys) {
-  Problem p = test::problem(1, 3, 200, 150, 16, false, 4, "clustered");
-  Inputs in = generate_inputs(p);
+  Problem p = test::problem(1, 3, 200, 150, 16, false, 4);
+  Inputs in = generate_inputs(p, test::workload("clustered"));
   EXPECT_EQ(make_variant(spec(10, 10, 32, 0))->make_pattern(p, in.q.view(), in.k.view()), nullptr);
   for (int bits : {0, 32}) {
     auto pat = make_variant(spec(10, 10, bits, 12))->make_pattern(p, in.q.view(), in.k.view());
@@ -362,8 +362,8 @@ TEST(Clustered, PatternCommandExplainsPlainHasNone) {
 TEST(Clustered, OracleIsFarFromExactAttention) {
   // what a plausible wrong variant would give: the oracle differs from exact attention by far
   // more than the tolerance, plain and improved, codes and vectors
-  Problem p = test::problem(1, 2, 300, 200, 32, false, 5, "clustered");
-  Inputs in = generate_inputs(p);
+  Problem p = test::problem(1, 2, 300, 200, 32, false, 5);
+  Inputs in = generate_inputs(p, test::workload("clustered"));
   const auto exact = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   for (const std::string& sp : {spec(16, 10, 32, 0), spec(16, 10, 0, 8)}) {
     const test::Expected e = test::expected(sp, p, in);

@@ -84,10 +84,10 @@ TEST(Efficient, LargeValuesAndOtherInputs) {
   // input distribution, with enough heads to split the keys (1 head, 2 threads) and not.
   for (const auto& dist : input_distributions())
     for (int64_t heads : {1, 3}) {
-      Problem p = test::problem(1, heads, 300, 1500, 32, false, 5, dist);
-      p.scale = 1000;
-      SCOPED_TRACE(p.str());
-      expect_matches_oracle("efficient", p, generate_inputs(p));
+      const Problem p = test::problem(1, heads, 300, 1500, 32, false, 5);
+      const Workload w = test::workload(dist, 1000);
+      SCOPED_TRACE(describe(p, w));
+      expect_matches_oracle("efficient", p, generate_inputs(p, w), w);
     }
 }
 
@@ -247,7 +247,7 @@ TEST(Nystrom, OneTokenPerLandmarkIsExactAttention) {
       Tensor out = run(nystrom_spec(n, 50), p, in);
       const double err =
           rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(), in.v.view()));
-      EXPECT_LE(err, attention_tolerance(p));
+      EXPECT_LE(err, attention_tolerance(p, Workload{}));
       worst = std::max(worst, err);
     }
   std::printf("[ nystrom ] landmarks = n: worst rel. error vs exact attention %.2e\n", worst);
@@ -262,9 +262,10 @@ TEST(Nystrom, MatchesFormulaWithItsOwnIteration) {
                             {1, 7, 17, 3},
                             {1500, 700, 32, 17}})
     for (int64_t iters : {0, 6}) {
-      Problem p = test::problem(1, 3, n, m, d, false, uint64_t(n + m + L), "local");
-      SCOPED_TRACE(nystrom_spec(L, iters) + " " + p.str());
-      expect_matches_oracle(nystrom_spec(L, iters), p, generate_inputs(p));
+      const Problem p = test::problem(1, 3, n, m, d, false, uint64_t(n + m + L));
+      const Workload w = test::workload("local");
+      SCOPED_TRACE(nystrom_spec(L, iters) + " " + describe(p, w));
+      expect_matches_oracle(nystrom_spec(L, iters), p, generate_inputs(p, w), w);
     }
 }
 
@@ -291,10 +292,11 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
         {1000, 1000, 64, 64, "local"},
         {500, 700, 32, 8, "gaussian"},
         {200, 200, 64, 32, "clustered"}}) {
-    Problem p = test::problem(1, 2, n, m, d, false, uint64_t(n + m + L), dist);
+    const Problem p = test::problem(1, 2, n, m, d, false, uint64_t(n + m + L));
+    const Workload w = test::workload(dist);
     const int64_t iters = 40;
-    SCOPED_TRACE(nystrom_spec(L, iters) + " " + p.str());
-    Inputs in = generate_inputs(p);
+    SCOPED_TRACE(nystrom_spec(L, iters) + " " + describe(p, w));
+    Inputs in = generate_inputs(p, w);
     Tensor out = run(nystrom_spec(L, iters), p, in);
     double tol = 0, worst_cond = 0;
     for (int64_t h = 0; h < p.heads; ++h) {
@@ -310,7 +312,7 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
       }
       const double cond = sv(0) / sv(sv.size() - 1);
       worst_cond = std::max(worst_cond, cond);
-      tol = std::max({tol, attention_tolerance(p), unconverged + 2 * cond * eps_f});
+      tol = std::max({tol, attention_tolerance(p, w), unconverged + 2 * cond * eps_f});
     }
     const double err = rel_fro_error(out.data(), nystrom_exact_pinv(p, in, L));
     std::printf("[ nystrom ] %s L=%lld: cond(A2) up to %.1e, tolerance %.1e, error %.1e\n", dist,
@@ -327,8 +329,8 @@ TEST(Nystrom, ErrorFallsAsLandmarksGrow) {
   const int64_t Ls[] = {4, 16, 64, 256};
   std::vector<double> sum(std::size(Ls), 0.0);
   for (uint64_t seed : {1, 2, 3}) {
-    Problem p = test::problem(1, 2, 512, 512, 64, false, seed, "local");
-    Inputs in = generate_inputs(p);
+    Problem p = test::problem(1, 2, 512, 512, 64, false, seed);
+    Inputs in = generate_inputs(p, test::workload("local"));
     const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
     for (size_t i = 0; i < std::size(Ls); ++i)
       sum[i] += rel_fro_error(run(nystrom_spec(Ls[i], 6), p, in).data(), ref) / 3;
@@ -358,9 +360,9 @@ TEST(LowRank, KeyRangesSplitAcrossThreadsGiveTheSameFormula) {
   const int saved = omp_get_max_threads();
   omp_set_num_threads(4);
   for (int64_t heads : {1, 3}) {
-    Problem p = test::problem(1, heads, 300, 2100, 32, false, 12, "local");
+    Problem p = test::problem(1, heads, 300, 2100, 32, false, 12);
     SCOPED_TRACE(p.str());
-    Inputs in = generate_inputs(p);
+    Inputs in = generate_inputs(p, test::workload("local"));
     for (const std::string& spec :
          {std::string("linformer:proj=48"), nystrom_spec(24, 6), std::string("efficient")})
       expect_matches_oracle(spec, p, in);

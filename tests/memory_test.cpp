@@ -201,12 +201,14 @@ TEST(PeakScope, RunOneReportsMeasuredPeaksOnly) {
   ATTNBENCH_SKIP_UNDER_SANITIZER(ATTNBENCH_NO_HEAP_COUNTS);
   auto v = make_variant("full");
   Problem p;
-  p.batch = 1, p.heads = 2, p.n = 256, p.dim = 32, p.threads = 1;
+  p.batch = 1, p.heads = 2, p.n = 256, p.dim = 32;
+  Workload w;
+  w.threads = 1;
   const double scores = double(p.heads * p.n * p.n) * 4;
   MachineFigures mf;
   RunOptions opt{.reps = 4, .min_time = 0.01};
   nlohmann::json bench;
-  Row row = run_one(*v, p, nullptr, mf, opt, nullptr, &bench);
+  Row row = run_one(*v, p, w, nullptr, mf, opt, nullptr, &bench);
   ASSERT_EQ(row.status, "ok") << row.message;
   EXPECT_GE(row.peak_bytes, scores);
   EXPECT_LE(row.peak_bytes, 2 * v->memory_estimate(p));

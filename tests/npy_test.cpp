@@ -206,14 +206,13 @@ TEST(Npz, LoadInputsFillsTheProblem) {
   auto arrays = qkv(2, 3, 17, 9, 8);
   write_npz(dir.file("in.npz"), arrays);
   Problem p;
-  p.batch = 7, p.heads = 7, p.n = 7, p.m = 0, p.dim = 7, p.input = "local";
+  p.batch = 7, p.heads = 7, p.n = 7, p.m = 0, p.dim = 7;
   Inputs in = load_inputs_npz(dir.file("in.npz"), &p);
   EXPECT_EQ(p.batch, 2);
   EXPECT_EQ(p.heads, 3);
   EXPECT_EQ(p.n, 17);
   EXPECT_EQ(p.keys(), 9);
   EXPECT_EQ(p.dim, 8);
-  EXPECT_EQ(p.input, "file");
   EXPECT_EQ(in.q.shape(), (Shape4{2, 3, 17, 8}));
   EXPECT_EQ(in.k.shape(), (Shape4{2, 3, 9, 8}));
   EXPECT_EQ(in.v.shape(), (Shape4{2, 3, 9, 8}));

@@ -98,10 +98,10 @@ TEST_P(ExactNumerics, HugeLogitScaleStaysFiniteAndExact) {
   // separately puts x s - max s past exp's range here; the max must go first.
   for (double scale : {1e9, 1e30})
     for (auto [n, m, d, causal] : kShapes) {
-      Problem p = problem(n, m, d, causal, 21);
-      p.scale = scale;
-      ASSERT_NO_THROW(p.validate());
-      expect_exact(p, generate_inputs(p), 1e-5);
+      const Problem p = problem(n, m, d, causal, 21);
+      const Workload w = test::workload("gaussian", scale);
+      ASSERT_NO_THROW(w.validate(p));
+      expect_exact(p, generate_inputs(p, w), 1e-5);
     }
 }
 
@@ -119,8 +119,7 @@ TEST_P(ExactNumerics, ValuesNearFloatMaxGiveFiniteExactOutput) {
     }
     expect_exact(p, in, 1e-5);
     // and with larger logits too (fewer keys share the weight)
-    p.scale = 4;
-    Inputs in4 = generate_inputs(p);
+    Inputs in4 = generate_inputs(p, test::workload("gaussian", 4));
     std::copy(in.v.data(), in.v.data() + in.v.numel(), in4.v.data());
     expect_exact(p, in4, 1e-5);
   }
@@ -153,17 +152,18 @@ TEST_P(ExactNumerics, LogitsPastFloatAreNeverFiniteAndWrong) {
 
 INSTANTIATE_TEST_SUITE_P(Exact, ExactNumerics, testing::ValuesIn(exact_specs()), test_name);
 
-// ----- the problem's scale, as the kernels see it -----
+// ----- the workload's scale, as the kernels see it -----
 
-TEST(ProblemScale, ValidateChecksTheFloatValue) {
-  Problem p = test::problem(1, 1, 8, 8, 16, false);
+TEST(WorkloadScale, ValidateChecksTheFloatValue) {
+  const Problem p = test::problem(1, 1, 8, 8, 16, false);
+  Workload w;
   for (double ok : {1e-30, 1.0, 1e9, 1e30, 3e38}) {
-    p.scale = ok;
-    EXPECT_NO_THROW(p.validate()) << ok;
+    w.scale = ok;
+    EXPECT_NO_THROW(w.validate(p)) << ok;
   }
   // finite as a double, inf as a float: once status ok with error -nan
-  p.scale = 1e39;
-  const std::string msg = test::error_message<UsageError>([&] { p.validate(); });
+  w.scale = 1e39;
+  const std::string msg = test::error_message<UsageError>([&] { w.validate(p); });
   EXPECT_CONTAINS(msg, "scale");
   EXPECT_CONTAINS(msg, "float32");
   EXPECT_CONTAINS(msg, "accepted range");
@@ -171,17 +171,17 @@ TEST(ProblemScale, ValidateChecksTheFloatValue) {
   EXPECT_CONTAINS(msg, "1e+39");
   // 0 in float, or 0 once divided by sqrt(d); and what was refused before
   for (double bad : {1e-50, 2e-45, 0.0, -1.0, double(NAN), double(INFINITY), 1e300}) {
-    p.scale = bad;
-    EXPECT_THROW(p.validate(), UsageError) << bad;
+    w.scale = bad;
+    EXPECT_THROW(w.validate(p), UsageError) << bad;
   }
 }
 
-TEST(ProblemScale, ScaleThatOverflowsQIsAnInputError) {
+TEST(WorkloadScale, ScaleThatOverflowsQIsAnInputError) {
   // 3e38 is finite in float, but q = N(0, 1) 3e38 is not for |N| > 1.14
-  Problem p = test::problem(1, 1, 64, 64, 16, false);
-  p.scale = 3e38;
-  ASSERT_NO_THROW(p.validate());
-  const std::string msg = test::error_message<InputError>([&] { generate_inputs(p); });
+  const Problem p = test::problem(1, 1, 64, 64, 16, false);
+  const Workload w = test::workload("gaussian", 3e38);
+  ASSERT_NO_THROW(w.validate(p));
+  const std::string msg = test::error_message<InputError>([&] { generate_inputs(p, w); });
   EXPECT_CONTAINS(msg, "overflows q");
 }
 
@@ -214,30 +214,32 @@ TEST(ErrorMetrics, RunOneNeverReportsOkWithANonFiniteError) {
   test::ScopedThreads threads(1);
   MachineFigures mf;
   RunOptions opt{.reps = 1, .min_time = 0.001};
-  Problem p = test::problem(1, 2, 40, 60, 16, false);
-  p.threads = 1;
+  const Problem p = test::problem(1, 2, 40, 60, 16, false);
+  Workload w = test::workload("file");
+  w.threads = 1;
   for (const char* spec : {"full", "flash", "local"}) {
     SCOPED_TRACE(spec);
     auto v = make_variant(spec);
     // inputs whose reference is not finite: an error row
     Inputs bad = generate_inputs(p);
     bad.q.data()[7] = INFINITY;
-    Row row = run_one(*v, p, &bad, mf, opt);
+    Row row = run_one(*v, p, w, &bad, mf, opt);
     EXPECT_EQ(row.status, "error") << row.message;
     EXPECT_FALSE(row.message.empty());
     // v near FLT_MAX: finite, so ok, and the error finite and small
     Inputs big = generate_inputs(p);
     for (int64_t i = 0; i < big.v.numel(); ++i)
       big.v.data()[i] = 3e38f * std::tanh(big.v.data()[i]);
-    row = run_one(*v, p, &big, mf, opt);
+    row = run_one(*v, p, w, &big, mf, opt);
     EXPECT_EQ(row.status, "ok") << row.message;
     EXPECT_TRUE(std::isfinite(row.error.rel_fro));
     EXPECT_LT(row.error.rel_fro, 1e-5);
   }
   // a scale whose q overflows float: an error row, not ok with a NaN error
   auto v = make_variant("flash");
-  p.scale = 3e38;
-  Row row = run_one(*v, p, nullptr, mf, opt);
+  w = test::workload("gaussian", 3e38);
+  w.threads = 1;
+  Row row = run_one(*v, p, w, nullptr, mf, opt);
   EXPECT_EQ(row.status, "error");
   EXPECT_CONTAINS(row.message, "overflows q");
 }

@@ -58,7 +58,7 @@ TEST(Phase, RunOneReportsTheVariantsPhases) {
   for (const auto& [spec, names] : expected) {
     SCOPED_TRACE(spec);
     auto v = make_variant(spec);
-    Row row = run_one(*v, p, nullptr, mf, opt);
+    Row row = run_one(*v, p, Workload{}, nullptr, mf, opt);
     ASSERT_EQ(row.status, "ok") << row.message;
     EXPECT_EQ(phase_sink(), nullptr);
     std::vector<std::string> got;

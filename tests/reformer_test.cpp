@@ -103,7 +103,7 @@ TEST(Reformer, MatchesItsDefinition) {
     std::vector<std::vector<int64_t>> attended;
     const std::vector<double> want = reformer::oracle(
         p, reformer::plan(p, c.factors, c.hashes, c.chunk), in.q.view(), in.v.view(), &attended);
-    EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p));
+    EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p, Workload{}));
 
     // the exported pattern is the set of keys each row attends
     auto pat = make_variant(spec)->make_pattern(p, in.q.view(), in.k.view());
@@ -136,8 +136,8 @@ TEST(Reformer, OneBucketOneChunkIsSharedQkFullAttention) {
 
 TEST(Reformer, MoreHashesMoreMassLessError) {
   // clustered tokens: LSH buckets follow the clusters, and each round adds keys
-  const Problem p = test::problem(1, 2, 1024, 0, 64, false, 7, "clustered");
-  const Inputs in = generate_inputs(p);
+  const Problem p = test::problem(1, 2, 1024, 0, 64, false, 7);
+  const Inputs in = generate_inputs(p, test::workload("clustered"));
   const std::vector<double> exact = shared_full(p, in);
   double last_error = INFINITY, last_mass = 0;
   for (int64_t hashes : {1, 2, 4, 8}) {

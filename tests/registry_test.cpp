@@ -258,7 +258,7 @@ TEST(Registry, CheckSupportedFollowsCapabilities) {
   register_test_variants();
   auto v = make_variant("test_caps_none");
   Problem p;
-  p.batch = 1, p.heads = 1, p.n = 8, p.m = 0, p.dim = 4, p.input = "gaussian";
+  p.batch = 1, p.heads = 1, p.n = 8, p.m = 0, p.dim = 4;
   EXPECT_NO_THROW(v->check_supported(p));
   p.m = 8;  // m given explicitly but equal to n: still self-attention
   EXPECT_NO_THROW(v->check_supported(p));

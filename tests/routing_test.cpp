@@ -48,7 +48,7 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
     const auto want =
         routing::oracle(p, routing::sizes(p, c.clusters, c.window, c.sample), c.iterations,
                         in.q.view(), in.k.view(), in.v.view(), &unrouted);
-    EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p));
+    EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p, Workload{}));
     // the notes report the rows left without keys
     EXPECT_CONTAINS(v->notes(),
                     fmt::format("{} of {} query rows", unrouted, p.batch * p.heads * p.n));
@@ -56,9 +56,9 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
 }
 
 TEST(Routing, EachClusterTakesItsNearestTokens) {
-  Problem p = test::problem(1, 2, 300, 0, 16, false, 7, "clustered");
+  Problem p = test::problem(1, 2, 300, 0, 16, false, 7);
   p.m = 260;
-  const Inputs in = generate_inputs(p);
+  const Inputs in = generate_inputs(p, test::workload("clustered"));
   const routing::Sizes sz = routing::sizes(p, 6, 0, 0);
   for (int64_t h = 0; h < p.heads; ++h) {
     const routing::Routes r = routing::route(p, sz, 3, in.q.view(), in.k.view(), 0, h);

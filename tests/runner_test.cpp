@@ -70,7 +70,7 @@ Row run_tiny(const std::string& spec) {
   const Problem p = test::problem(1, 2, 16, 0, 8, false);
   const RunOptions opt{.reps = 1, .min_time = 0};
   Row row;
-  EXPECT_NO_THROW(row = run_one(*v, p, nullptr, MachineFigures{}, opt));
+  EXPECT_NO_THROW(row = run_one(*v, p, Workload{}, nullptr, MachineFigures{}, opt));
   return row;
 }
 

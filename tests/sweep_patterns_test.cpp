@@ -28,14 +28,20 @@ using test::TempDir;
 struct Config {
   std::string spec;
   Problem p;
+  Workload w;
 };
 
-Problem sweep_problem(int64_t n, bool causal, const std::string& input, int64_t dim = 8) {
-  Problem p = test::problem(1, 2, n, 0, dim, causal, 3);
-  p.input = input;
-  p.threads = 1;
-  return p;
+Problem sweep_problem(int64_t n, bool causal, int64_t dim = 8) {
+  return test::problem(1, 2, n, 0, dim, causal, 3);
 }
+
+Workload sweep_workload(const std::string& input) {
+  Workload w = test::workload(input);
+  w.threads = 1;
+  return w;
+}
+
+const Workload kGaussian = sweep_workload("gaussian");
 
 // index.csv as column -> value maps, one per line.
 std::vector<std::map<std::string, std::string>> read_index(const std::string& results_dir) {
@@ -78,9 +84,10 @@ void sweep(const std::string& dir, bool resume, const std::vector<Config>& confi
   std::vector<std::unique_ptr<Variant>> variants;
   for (const auto& c : configs) {
     variants.push_back(make_variant(c.spec));
-    store.plan(variants.back()->spec(), c.p);
+    store.plan(variants.back()->spec(), c.p, c.w);
   }
-  for (size_t i = 0; i < configs.size(); ++i) store.row_done(*variants[i], configs[i].p, status);
+  for (size_t i = 0; i < configs.size(); ++i)
+    store.row_done(*variants[i], configs[i].p, configs[i].w, status);
 }
 
 // Two input distributions, three lengths, both causal settings, a pattern variant and one
@@ -91,7 +98,7 @@ std::vector<Config> grid() {
     for (bool causal : {false, true})
       for (int64_t n : {256, 2048, 512})
         for (const char* spec : {"local:window=2,block=3", "linear"})
-          out.push_back({spec, sweep_problem(n, causal, input)});
+          out.push_back({spec, sweep_problem(n, causal), sweep_workload(input)});
   return out;
 }
 
@@ -116,8 +123,8 @@ TEST(SweepPatterns, OnePerSpecAndCausalAtTheLengthNearest1024WithGaussianInputs)
       EXPECT_EQ(row.at("message"), "no attention pattern");
     } else {
       EXPECT_EQ(row.at("message"), "");
-      Problem p = sweep_problem(512, row.at("causal") == "1", "gaussian");
-      EXPECT_EQ(row.at("file"), pattern_file_name(row.at("spec"), p));
+      Problem p = sweep_problem(512, row.at("causal") == "1");
+      EXPECT_EQ(row.at("file"), pattern_file_name(row.at("spec"), p, kGaussian));
     }
   }
   EXPECT_EQ(npy_files(out).size(), 2u);
@@ -126,7 +133,7 @@ TEST(SweepPatterns, OnePerSpecAndCausalAtTheLengthNearest1024WithGaussianInputs)
   for (bool causal : {false, true}) {
     const std::string file =
         out + "/patterns/" +
-        pattern_file_name("local:window=2,block=3", sweep_problem(512, causal, "gaussian"));
+        pattern_file_name("local:window=2,block=3", sweep_problem(512, causal), kGaussian);
     NpyArray a = read_npy(file);
     EXPECT_EQ(a.dtype, "|u1");
     ASSERT_EQ(a.shape, (std::vector<int64_t>{512, 512}));
@@ -147,7 +154,7 @@ TEST(SweepPatterns, FirstInputWithoutGaussianAndOnlyOkRows) {
   std::vector<Config> configs;
   for (const char* input : {"clustered", "local"})
     for (int64_t n : {64, 128})
-      configs.push_back({"local:window=2,block=3", sweep_problem(n, false, input)});
+      configs.push_back({"local:window=2,block=3", sweep_problem(n, false), sweep_workload(input)});
   sweep(out, false, configs);
   auto index = read_index(out);
   ASSERT_EQ(index.size(), 1u);
@@ -182,7 +189,8 @@ TEST(SweepPatterns, ResumeNeitherLosesNorDuplicates) {
   // a resumed sweep with other lengths keeps the stored ones: one per spec and causal setting
   std::vector<Config> longer;
   for (bool causal : {false, true})
-    longer.push_back({"local:window=2,block=3", sweep_problem(1024, causal, "gaussian")});
+    longer.push_back(
+        {"local:window=2,block=3", sweep_problem(1024, causal), sweep_workload("gaussian")});
   sweep(out, true, longer);
   EXPECT_EQ(sorted_index(out), index);
   EXPECT_EQ(npy_files(out), files);
@@ -210,17 +218,17 @@ TEST(SweepPatterns, AFailedPatternIsReportedNotThrown) {
   TempDir dir;
   const std::string out = dir.file("results");
   // sinkhorn's pattern needs m = n: its make_pattern refuses this problem
-  Problem p = sweep_problem(64, false, "gaussian");
+  Problem p = sweep_problem(64, false);
   p.m = 128;
   testing::internal::CaptureStderr();
-  EXPECT_NO_THROW(sweep(out, false, {{"sinkhorn", p}}));
+  EXPECT_NO_THROW(sweep(out, false, {{"sinkhorn", p, kGaussian}}));
   const std::string err = testing::internal::GetCapturedStderr();
   EXPECT_CONTAINS(err, "is not stored");
   EXPECT_CONTAINS(err, "sinkhorn");
   EXPECT_TRUE(read_index(out).empty());
   // and a resumed sweep tries again (nothing was recorded for it)
   testing::internal::CaptureStderr();
-  sweep(out, true, {{"sinkhorn", p}});
+  sweep(out, true, {{"sinkhorn", p, kGaussian}});
   EXPECT_CONTAINS(testing::internal::GetCapturedStderr(), "is not stored");
 }
 
@@ -228,27 +236,30 @@ TEST(SweepPatterns, LargeProblemsAreNotStored) {
   test::ScopedThreads one(1);
   TempDir dir;
   const std::string out = dir.file("results");
-  sweep(out, false, {{"local:window=2,block=64", sweep_problem(8192, false, "gaussian")}});
+  sweep(out, false,
+        {{"local:window=2,block=64", sweep_problem(8192, false), sweep_workload("gaussian")}});
   EXPECT_TRUE(read_index(out).empty());
   EXPECT_TRUE(npy_files(out).empty());
 }
 
 TEST(SweepPatterns, FileNamesFollowSpecAndProblem) {
-  const Problem p = sweep_problem(512, true, "gaussian");
-  const std::string name = pattern_file_name("local:window=2,block=3", p);
+  const Problem p = sweep_problem(512, true);
+  const std::string name = pattern_file_name("local:window=2,block=3", p, kGaussian);
   EXPECT_EQ(name.rfind("local_window=2_block=3-n512-m512-causal-", 0), 0u) << name;
   EXPECT_EQ(name.size(), std::string("local_window=2_block=3-n512-m512-causal-").size() + 16 + 4);
-  EXPECT_EQ(name, pattern_file_name("local:window=2,block=3", p));  // deterministic
+  EXPECT_EQ(name, pattern_file_name("local:window=2,block=3", p, kGaussian));  // deterministic
   // specs or problems that read alike in the name still differ in the hash
-  EXPECT_NE(name, pattern_file_name("local:window=2_block=3", p));
+  EXPECT_NE(name, pattern_file_name("local:window=2_block=3", p, kGaussian));
   // a long spec is cut, and the hash keeps two such names apart
-  const std::string a = pattern_file_name("global:positions=" + std::string(300, '1') + "+2", p),
-                    b = pattern_file_name("global:positions=" + std::string(300, '1') + "+3", p);
+  const std::string a = pattern_file_name("global:positions=" + std::string(300, '1') + "+2", p,
+                                          kGaussian),
+                    b = pattern_file_name("global:positions=" + std::string(300, '1') + "+3", p,
+                                          kGaussian);
   EXPECT_LT(a.size(), 200u);
   EXPECT_NE(a, b);
   Problem other = p;
   other.seed = 4;
-  EXPECT_NE(name, pattern_file_name("local:window=2,block=3", other));
+  EXPECT_NE(name, pattern_file_name("local:window=2,block=3", other, kGaussian));
 }
 
 TEST(SweepPatterns, AResumedIndexWithOtherColumnsIsRefused) {

@@ -36,8 +36,8 @@ SweepAxes small_axes() {
 // A configuration as "spec|input|causal|d|H|B|n", the axes outermost first.
 std::string describe(const SweepConfig& c) {
   const Problem& p = c.problem;
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}", c.variant->info().name, p.input, int(p.causal), p.dim,
-                     p.heads, p.batch, p.n);
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}", c.variant->info().name, c.workload.input,
+                     int(p.causal), p.dim, p.heads, p.batch, p.n);
 }
 
 TEST(SweepPlan, CrossProductInRunOrder) {
@@ -60,14 +60,14 @@ TEST(SweepPlan, CrossProductInRunOrder) {
   EXPECT_EQ(plan.configs[1].variant, plan.variants[1].get());
 }
 
-TEST(SweepPlan, EveryProblemCarriesSeedThreadsAndSelfAttention) {
+TEST(SweepPlan, EveryConfigurationCarriesSeedThreadsAndSelfAttention) {
   const SweepPlan plan = plan_sweep(variants({"full"}), small_axes());
   ASSERT_EQ(plan.configs.size(), 32u);
   for (const SweepConfig& c : plan.configs) {
     EXPECT_EQ(c.problem.seed, 7u);
-    EXPECT_EQ(c.problem.threads, 3);
+    EXPECT_EQ(c.workload.threads, 3);
     EXPECT_EQ(c.problem.keys(), c.problem.n);
-    EXPECT_EQ(c.problem.scale, 1.0);
+    EXPECT_EQ(c.workload.scale, 1.0);
   }
   EXPECT_EQ(plan.axes.threads, 3);
 }
@@ -168,7 +168,7 @@ TEST(SweepPlan, WorkIsTheFlopsPlusAFixedCostPerRow) {
   // full: q k^T and p v, 4 B H n m d
   EXPECT_DOUBLE_EQ(sweep_work(c), 4.0 * 4 * 64 * 64 * 16 + 1e8);
   NoFlops none;
-  EXPECT_EQ(sweep_work({&none, c.problem}), 1e8);
+  EXPECT_EQ(sweep_work({&none, c.problem, c.workload}), 1e8);
 }
 
 }  // namespace

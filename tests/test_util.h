@@ -54,12 +54,12 @@ inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bo
   return p;
 }
 
-/// The same problem with inputs drawn from the named distribution (common/inputs.h).
-inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
-                       uint64_t seed, const std::string& input) {
-  Problem p = problem(b, h, n, m, d, causal, seed);
-  p.input = input;
-  return p;
+/// A workload drawing inputs from the named distribution (common/inputs.h), q scaled by
+/// `scale`.
+inline Workload workload(const std::string& input, double scale = 1.0) {
+  Workload w;
+  w.input = input, w.scale = scale;
+  return w;
 }
 
 /// Sets the OpenMP thread count for a scope. Many small problems run faster on one thread:
@@ -143,7 +143,9 @@ struct Expected {
   std::vector<double> out;
   double tolerance = 0;
 };
-inline Expected expected(const Variant& v, const Problem& p, const Inputs& in) {
+/// `w` is the workload the inputs came from (its scale sets the size of the logits).
+inline Expected expected(const Variant& v, const Problem& p, const Inputs& in,
+                         const Workload& w = Workload{}) {
   const VariantInfo& info = v.info();
   Expected e;
   if (info.oracle) {
@@ -152,16 +154,18 @@ inline Expected expected(const Variant& v, const Problem& p, const Inputs& in) {
     auto pattern = v.make_pattern(p, in.q.view(), in.k.view());
     e.out = reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
   }
-  e.tolerance = info.tolerance ? info.tolerance(v, p) : attention_tolerance(p);
+  e.tolerance = info.tolerance ? info.tolerance(v, p, w) : attention_tolerance(p, w);
   return e;
 }
-inline Expected expected(const std::string& spec, const Problem& p, const Inputs& in) {
-  return expected(*make_variant(spec), p, in);
+inline Expected expected(const std::string& spec, const Problem& p, const Inputs& in,
+                         const Workload& w = Workload{}) {
+  return expected(*make_variant(spec), p, in, w);
 }
 
 /// Runs `spec` on p and expects its output within its tolerance of its oracle; returns the
-/// relative Frobenius error.
-inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in);
+/// relative Frobenius error. `w` is the workload the inputs came from.
+inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in,
+                                    const Workload& w = Workload{});
 
 /// An approximation that supports m != n but refuses causal masking says so in its
 /// capabilities, and run() throws UnsupportedError on a causal problem.
@@ -257,9 +261,10 @@ inline double rel_fro_error(const float* out, const std::vector<double>& ref) {
   return ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
 }
 
-inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in) {
+inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in,
+                                    const Workload& w) {
   const Tensor out = run(spec, p, in);
-  const Expected e = expected(spec, p, in);
+  const Expected e = expected(spec, p, in, w);
   const double err = rel_fro_error(out.data(), e.out);
   EXPECT_LE(err, e.tolerance) << spec;
   return err;
@@ -302,7 +307,7 @@ inline void expect_full_attention(const std::string& spec, const Problem& p) {
   SCOPED_TRACE(spec + " " + p.str());
   const Inputs in = generate_inputs(p);
   const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
-  EXPECT_LE(rel_fro_error(run(spec, p, in).data(), ref), attention_tolerance(p));
+  EXPECT_LE(rel_fro_error(run(spec, p, in).data(), ref), attention_tolerance(p, Workload{}));
 }
 
 /// Result of one run of the attnbench binary.

@@ -91,9 +91,9 @@ class VariantTest : public testing::TestWithParam<std::string> {
 
   // Checks the variant on p against its oracle (or that it refuses p, if its capabilities say
   // so).
-  void check(const Problem& p) {
-    SCOPED_TRACE(p.str());
-    Inputs in = generate_inputs(p);
+  void check(const Problem& p, const Workload& w = Workload{}) {
+    SCOPED_TRACE(describe(p, w));
+    Inputs in = generate_inputs(p, w);
     Tensor out(p.q_shape());
     if (!supports(*info_, p)) {
       EXPECT_THROW(variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()),
@@ -102,13 +102,14 @@ class VariantTest : public testing::TestWithParam<std::string> {
     }
     variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
     ASSERT_TRUE(all_finite(out));
-    expect_matches_oracle(out.data(), p, in);
+    expect_matches_oracle(out.data(), p, in, w);
   }
 
   // Its oracle's output (for an exact variant softmax attention restricted to its own
   // pattern), within the tolerance of its error model.
-  void expect_matches_oracle(const float* out, const Problem& p, const Inputs& in) const {
-    const test::Expected e = test::expected(*variant_, p, in);
+  void expect_matches_oracle(const float* out, const Problem& p, const Inputs& in,
+                             const Workload& w = Workload{}) const {
+    const test::Expected e = test::expected(*variant_, p, in, w);
     EXPECT_LE(rel_fro_error(out, e.out), e.tolerance);
   }
 
@@ -167,7 +168,7 @@ TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {
   // max subtracted overflows to inf/NaN here. Float32 logits then carry an absolute error
   // proportional to their size (a float32 GEMM accumulating 64 products of size ~1e3 is off by
   // ~1e-4 in the logit), which moves the weights of near-tied keys by as much; the error model
-  // (common/oracle.h) takes that from the problem's scale: u sqrt(d) S, 4.8e-4 at d = 64 and
+  // (common/oracle.h) takes that from the workload's scale: u sqrt(d) S, 4.8e-4 at d = 64 and
   // S = 1e3, so the default bound is about 2e-3. (Measured at n = m = 1000, d = 64, seed 7:
   // correctly rounded float32 logits, everything else in double, give 2.4e-6, full and flash
   // 1.2e-5: one-hot weights move less than the near-uniform worst case the model assumes.)
@@ -178,9 +179,7 @@ TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {
                                  {7, 113, 64, true},
                                  {113, 7, 64, true},
                                  {1000, 1000, 64, false}}) {
-    Problem p = problem(1, 2, n, m, d, causal, 7);
-    p.scale = 1000;
-    check(p);
+    check(problem(1, 2, n, m, d, causal, 7), test::workload("gaussian", 1000));
   }
 }
 
@@ -204,9 +203,7 @@ TEST_P(VariantTest, SameInputsGiveBitIdenticalOutput) {
 TEST_P(VariantTest, EveryInputDistribution) {
   for (const auto& dist : input_distributions())
     for (bool causal : {false, true}) {
-      Problem p = problem(2, 2, 64, 96, 32, causal, 3);
-      p.input = dist;
-      check(p);
+      check(problem(2, 2, 64, 96, 32, causal, 3), test::workload(dist));
     }
 }
 
@@ -281,12 +278,11 @@ TEST(Oracles, ApproximationWithoutAnOracleIsRefused) {
 TEST(ErrorModel, DefaultToleranceGrowsWithTheProblem) {
   // u (sqrt(d) S + sqrt(m) + 4) with a margin of 4: 1.0e-5 at d = 64, m = 1000, S = 1
   const Problem p = problem(1, 1, 1000, 1000, 64, false);
-  EXPECT_NEAR(attention_tolerance(p), 4 * 0x1.0p-24 * (8 + std::sqrt(1000.0) + 4), 1e-12);
-  EXPECT_LT(attention_tolerance(problem(1, 1, 7, 7, 17, false)), attention_tolerance(p));
-  Problem sharp = p;
-  sharp.scale = 1000;
-  EXPECT_GT(attention_tolerance(sharp), 100 * attention_tolerance(p));
-  EXPECT_LT(attention_tolerance(sharp), 1e-2);
+  const Workload w, sharp = test::workload("gaussian", 1000);
+  EXPECT_NEAR(attention_tolerance(p, w), 4 * 0x1.0p-24 * (8 + std::sqrt(1000.0) + 4), 1e-12);
+  EXPECT_LT(attention_tolerance(problem(1, 1, 7, 7, 17, false), w), attention_tolerance(p, w));
+  EXPECT_GT(attention_tolerance(p, sharp), 100 * attention_tolerance(p, w));
+  EXPECT_LT(attention_tolerance(p, sharp), 1e-2);
 }
 
 // ----- flash with other tile sizes -----
@@ -305,7 +301,7 @@ TEST(Flash, NonDefaultBlocksAreStillExact) {
         ASSERT_TRUE(all_finite(out));
         EXPECT_LE(rel_fro_error(out.data(),
                                 reference_attention(p, in.q.view(), in.k.view(), in.v.view())),
-                  attention_tolerance(p));
+                  attention_tolerance(p, Workload{}));
       }
   }
 }
@@ -333,13 +329,13 @@ TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
   for (const auto& dist : input_distributions()) {
     SCOPED_TRACE(dist);
     Problem p = problem(2, 2, 50, 70, 16, false, 123);
-    p.input = dist;
-    Inputs a = generate_inputs(p), b = generate_inputs(p);
+    const Workload w = test::workload(dist);
+    Inputs a = generate_inputs(p, w), b = generate_inputs(p, w);
     EXPECT_TRUE(same_tensor(a.q, b.q));
     EXPECT_TRUE(same_tensor(a.k, b.k));
     EXPECT_TRUE(same_tensor(a.v, b.v));
     p.seed = 124;
-    Inputs c = generate_inputs(p);
+    Inputs c = generate_inputs(p, w);
     EXPECT_FALSE(same_tensor(a.q, c.q));
     EXPECT_FALSE(same_tensor(a.k, c.k));
     EXPECT_FALSE(same_tensor(a.v, c.v));
@@ -352,10 +348,15 @@ TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
 
 TEST(Inputs, ThreadCountDoesNotChangeInputs) {
   Problem p = problem(2, 3, 40, 40, 8, false, 9);
-  p.threads = 1;
-  Inputs a = generate_inputs(p);
-  p.threads = 2;
-  Inputs b = generate_inputs(p);
+  Inputs a, b;
+  {
+    test::ScopedThreads one(1);
+    a = generate_inputs(p);
+  }
+  {
+    test::ScopedThreads two(2);
+    b = generate_inputs(p);
+  }
   EXPECT_TRUE(same_tensor(a.q, b.q));
   EXPECT_TRUE(same_tensor(a.v, b.v));
 }
@@ -366,9 +367,9 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
     for (auto [n, m, d] :
          {std::tuple<int64_t, int64_t, int64_t>{100, 100, 64}, {1, 7, 1}, {33, 5, 17}}) {
       Problem p = problem(2, 2, n, m, d, false, 77);
-      p.input = dist;
-      SCOPED_TRACE(p.str());
-      Inputs in = generate_inputs(p);
+      const Workload w = test::workload(dist);
+      SCOPED_TRACE(describe(p, w));
+      Inputs in = generate_inputs(p, w);
       EXPECT_EQ(in.q.shape(), p.q_shape());
       EXPECT_EQ(in.k.shape(), p.kv_shape());
       EXPECT_EQ(in.v.shape(), p.kv_shape());
@@ -388,8 +389,7 @@ TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
 TEST(Inputs, ScaleMultipliesQOnly) {
   Problem p = problem(1, 2, 20, 30, 8, false, 4);
   Inputs a = generate_inputs(p);
-  p.scale = 1000;
-  Inputs b = generate_inputs(p);
+  Inputs b = generate_inputs(p, test::workload("gaussian", 1000));
   for (int64_t i = 0; i < a.q.numel(); ++i) ASSERT_EQ(b.q.data()[i], a.q.data()[i] * 1000.0f);
   EXPECT_TRUE(same_tensor(a.k, b.k));
   EXPECT_TRUE(same_tensor(a.v, b.v));
@@ -397,8 +397,7 @@ TEST(Inputs, ScaleMultipliesQOnly) {
 
 TEST(Inputs, UnknownDistributionIsAUsageError) {
   Problem p = problem(1, 1, 4, 4, 4, false);
-  p.input = "bogus";
-  EXPECT_THROW(generate_inputs(p), UsageError);
+  EXPECT_THROW(generate_inputs(p, test::workload("bogus")), UsageError);
 }
 
 // ----- the reference itself, on cases small enough to check by hand -----

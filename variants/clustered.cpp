@@ -789,8 +789,8 @@ ATTNBENCH_REGISTER_VARIANT(
         // float32 sum of topk weights) and added to the residual: a second such chain whose
         // error adds to the first, hence twice the default.
         .tolerance =
-            [](const Variant& var, const Problem& p) {
-              return (var.params().get_int("topk") > 0 ? 2.0 : 1.0) * attention_tolerance(p);
+            [](const Variant& var, const Problem& p, const Workload& wl) {
+              return (var.params().get_int("topk") > 0 ? 2.0 : 1.0) * attention_tolerance(p, wl);
             }});
 
 }  // namespace

@@ -230,10 +230,10 @@ std::vector<double> compressed_oracle(const Variant& var, const Problem& p, Cons
   });
 }
 
-double compressed_tolerance(const Variant& var, const Problem& p) {
+double compressed_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
   const double r = double(var.params().get_int("ratio")), d = double(p.dim);
   const double pooling = var.params().get_choice("pool") == "conv" ? r * d : r;
-  return kErrorMargin * float32_error(d + pooling, logit_size(p), double(p.keys()), 4.0);
+  return kErrorMargin * float32_error(d + pooling, logit_size(wl), double(p.keys()), 4.0);
 }
 
 ATTNBENCH_REGISTER_VARIANT(

@@ -388,9 +388,9 @@ std::vector<double> linformer_oracle(const Variant& var, const Problem& p, Const
   });
 }
 
-double linformer_tolerance(const Variant& var, const Problem& p) {
+double linformer_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
   const double kp = double(var.params().get_int("proj")), m = double(p.keys());
-  const double logit = logit_size(p) * std::sqrt(std::max(1.0, m / kp));
+  const double logit = logit_size(wl) * std::sqrt(std::max(1.0, m / kp));
   return kErrorMargin * float32_error(double(p.dim) + m, logit, m + kp, 4.0);
 }
 

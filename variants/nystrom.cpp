@@ -389,12 +389,12 @@ std::vector<double> nystrom_oracle(const Variant& var, const Problem& p, ConstTe
   });
 }
 
-double nystrom_tolerance(const Variant& var, const Problem& p) {
+double nystrom_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
   const double L = double(std::min({var.params().get_int("landmarks"), p.n, p.keys()}));
   const double t = double(var.params().get_int("pinv_iterations"));
   const double segment = std::ceil(double(std::max(p.n, p.keys())) / L);
   return kErrorMargin * std::pow(13.0 / 4.0, t / 2) *
-         float32_error(double(p.dim), logit_size(p), double(p.keys()) + segment, 6.0);
+         float32_error(double(p.dim), logit_size(wl), double(p.keys()) + segment, 6.0);
 }
 
 ATTNBENCH_REGISTER_VARIANT(

@@ -153,10 +153,10 @@ std::vector<double> performer_oracle(const Variant& var, const Problem& p, Const
   });
 }
 
-double performer_tolerance(const Variant& var, const Problem& p) {
+double performer_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
   const double f = double(var.params().get_int("features")), d = double(p.dim);
   const double exponent =
-      std::pow(d, 0.25) * logit_size(p) * std::sqrt(2.0 * std::log(std::max(f, 2.0))) +
+      std::pow(d, 0.25) * logit_size(wl) * std::sqrt(2.0 * std::log(std::max(f, 2.0))) +
       std::sqrt(d) / 2;
   return kErrorMargin * float32_error(d, exponent, double(p.keys()) + f, 6.0);
 }

@@ -616,9 +616,9 @@ ATTNBENCH_REGISTER_VARIANT(
         // of about u L, which exp turns into a relative error of the weights, and the weighted sum
         // runs over `hashes` rounds: float32_error(1, L, hashes, 4) on top of the round's own.
         .tolerance =
-            [](const Variant& var, const Problem& p) {
+            [](const Variant& var, const Problem& p, const Workload& wl) {
               const ParamValues& pv = var.params();
-              const double w = double(std::min(2 * pv.get_int("chunk"), p.n)), S = logit_size(p);
+              const double w = double(std::min(2 * pv.get_int("chunk"), p.n)), S = logit_size(wl);
               const double L = S * std::sqrt(2 * std::log(w)) + std::log(w);
               return kErrorMargin * (float32_error(double(p.dim), S, w, 5) +
                                      float32_error(1, L, double(pv.get_int("hashes")), 4));

@@ -619,8 +619,8 @@ ATTNBENCH_REGISTER_VARIANT(
         // row's mean over the clusters that selected it: a float32 sum of at most c rows and a
         // scaling, float32_error(0, 0, c, 1) more.
         .tolerance =
-            [](const Variant& var, const Problem& p) {
-              return attention_tolerance(p) +
+            [](const Variant& var, const Problem& p, const Workload& wl) {
+              return attention_tolerance(p, wl) +
                      kErrorMargin * float32_error(0, 0, double(sizes_of(var, p).c), 1);
             }});
 
