@@ -16,6 +16,27 @@ namespace {
 constexpr int64_t kMaxElements = int64_t(1) << 56;
 }  // namespace
 
+std::string_view score_name(Score s) {
+  switch (s) {
+    case Score::scaled_dot:
+      return "scaled_dot";
+    case Score::dot:
+      return "dot";
+    case Score::bilinear:
+      return "bilinear";
+    case Score::additive:
+      return "additive";
+  }
+  return "?";
+}
+
+Score parse_score(std::string_view name) {
+  for (Score s : {Score::scaled_dot, Score::dot, Score::bilinear, Score::additive})
+    if (score_name(s) == name) return s;
+  throw UsageError(fmt::format(
+      "unknown scoring function '{}'; accepted: scaled_dot, dot, bilinear, additive", name));
+}
+
 std::string Shape4::str() const { return fmt::format("[{}, {}, {}, {}]", batch, heads, len, dim); }
 
 double Problem::visible_pairs() const {
@@ -57,6 +78,43 @@ void Problem::validate() const {
   product({batch, heads, n, dim}, "q (B x H x n x d)");
   product({batch, heads, keys(), dim}, "k and v (B x H x m x d)");
   product({batch, heads, n, keys()}, "the scores (B x H x n x m)");
+  if (score_hidden < 0 || score_hidden > kMaxElements / std::max<int64_t>(1, dim))
+    throw UsageError(fmt::format("score hidden size must be 0 (= d) or a positive integer, got {}",
+                                 score_hidden));
+  if (!key_lengths.empty()) {
+    if (int64_t(key_lengths.size()) != batch)
+      throw UsageError(
+          fmt::format("key padding gives {} lengths for a batch of {}; accepted: one "
+                      "length per batch element (or one for all)",
+                      key_lengths.size(), batch));
+    for (int64_t len : key_lengths)
+      if (len < 0 || len > keys())
+        throw UsageError(fmt::format("key padding length {} is out of range; accepted: 0 .. m = {}",
+                                     len, keys()));
+  }
+  if (attn_mask) {
+    const AttnMask& a = *attn_mask;
+    if ((a.batch != 1 && a.batch != batch) || (a.heads != 1 && a.heads != heads) || a.n != n ||
+        a.m != keys() || int64_t(a.bias.size()) != a.batch * a.heads * a.n * a.m)
+      throw UsageError(fmt::format(
+          "attention mask of shape [{}, {}, {}, {}] does not fit the problem; accepted: "
+          "[{} or 1, {} or 1, n = {}, m = {}]",
+          a.batch, a.heads, a.n, a.m, batch, heads, n, keys()));
+  }
+  const bool weighted = score == Score::bilinear || score == Score::additive;
+  if (weighted && score_weights) {
+    const ScoreWeights& w = *score_weights;
+    const bool fits =
+        w.heads == heads && w.dim == dim &&
+        (score == Score::bilinear
+             ? int64_t(w.w_bilinear.size()) == heads * dim * dim
+             : w.hidden == hidden() && int64_t(w.w_q.size()) == heads * hidden() * dim &&
+                   int64_t(w.w_k.size()) == heads * hidden() * dim &&
+                   int64_t(w.w_score.size()) == heads * hidden());
+    if (!fits)
+      throw UsageError(fmt::format("the {} score weights do not fit H = {}, d = {}, hidden = {}",
+                                   score_name(score), heads, dim, hidden()));
+  }
 }
 
 std::string Problem::str() const {

@@ -2,11 +2,48 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "common/tensor.h"
 
 namespace attnbench {
+
+/// The scoring function a(q, k) whose softmax weights the values (VARIANTS.md, "Scoring
+/// functions"). dot and bilinear are a linear map of q followed by scaled_dot, so every
+/// variant runs them through that map (Variant::compute); additive needs its own kernels and
+/// a variant says it has them (Capabilities::additive).
+enum class Score { scaled_dot, dot, bilinear, additive };
+
+/// "scaled_dot", "dot", "bilinear" or "additive".
+std::string_view score_name(Score s);
+/// The score named `name`; throws UsageError naming it and the accepted names.
+Score parse_score(std::string_view name);
+
+/// The weights of the bilinear and additive scores, one set per head, row-major:
+///   bilinear  qᵀ W k:             w_bilinear [H, d, d]
+///   additive  wᵀ tanh(W_q q + W_k k): w_q, w_k [H, hidden, d], w_score [H, hidden]
+/// (the arrays of an inputs file carry the same names and shapes). Only the score's own
+/// arrays are filled.
+struct ScoreWeights {
+  int64_t heads = 0, dim = 0, hidden = 0;
+  std::vector<float> w_bilinear, w_q, w_k, w_score;
+};
+
+/// An attention mask over [B or 1, H or 1, n, m] (a size of 1 broadcasts), stored additive:
+/// 0 keeps a logit, -inf masks its key out, any other value is added to the logit. A boolean
+/// mask (true = masked out, torch.nn.MultiheadAttention's convention) is stored as 0 / -inf.
+struct AttnMask {
+  int64_t batch = 1, heads = 1, n = 0, m = 0;
+  std::vector<float> bias;  ///< [batch, heads, n, m]
+  bool is_bool = false;     ///< read from a bool/uint8 mask: every entry 0 or -inf
+
+  float at(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return bias[size_t((((batch == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h)) * n + i) * m + j)];
+  }
+};
 
 /// One attention problem. q is [B, H, n, d]; k and v are [B, H, m, d]; out is [B, H, n, d].
 struct Problem {
@@ -21,9 +58,20 @@ struct Problem {
   int64_t dim = 64;  ///< head dimension d
   /// Bottom-right aligned causal mask: key j is visible to query i iff j <= i + (m - n).
   bool causal = false;
-  // What attention computes grows here, beside `causal`: an attention mask (key padding, an
-  // additive [n, m] mask), the scoring function, grouped kv-heads and the pass (forward,
-  // backward, decode). Each comes with a flag in Capabilities, so check_supported refuses a
+  /// The scoring function (default: today's q.k / sqrt(d)).
+  Score score = Score::scaled_dot;
+  /// Hidden size h of the additive score; 0 means h = d.
+  int64_t score_hidden = 0;
+  /// The bilinear or additive weights (shared, never changed once set); null for the other
+  /// scores. Set by whoever makes the inputs (generated from the seed or read from a file).
+  std::shared_ptr<const ScoreWeights> score_weights;
+  /// Key padding: valid key lengths, one per batch element (keys j >= key_lengths[b] are
+  /// invisible to batch element b); empty means none.
+  std::vector<int64_t> key_lengths;
+  /// An attention mask combined with causal and key padding; null for none.
+  std::shared_ptr<const AttnMask> attn_mask;
+  // What attention computes grows here: grouped kv-heads and the pass (forward, backward,
+  // decode) are next. Each comes with a flag in Capabilities, so check_supported refuses a
   // variant that cannot honour it, and with its column among the results' key columns.
 
   /// Seed of the variant's random choices (features, projections, hashes) and of generated
@@ -34,17 +82,31 @@ struct Problem {
   int64_t keys() const { return m > 0 ? m : n; }
   Shape4 q_shape() const { return {batch, heads, n, dim}; }
   Shape4 kv_shape() const { return {batch, heads, keys(), dim}; }
-  /// Number of keys visible to query i (keys 0 .. count-1 are the visible ones).
+  /// Number of keys visible to query i under the causal mask (keys 0 .. count-1 are the
+  /// visible ones). Key padding and the attention mask are not in it: see visible(b, i).
   int64_t visible(int64_t i) const {
     if (!causal) return keys();
     int64_t last = i + (keys() - n);
     return last < 0 ? 0 : (last + 1 < keys() ? last + 1 : keys());
   }
+  /// Number of keys visible to query i of batch element b under the causal mask and key
+  /// padding (still a prefix 0 .. count-1; the attention mask may hide more of them).
+  int64_t visible(int64_t b, int64_t i) const {
+    const int64_t v = visible(i);
+    if (key_lengths.empty()) return v;
+    const int64_t len = key_lengths[size_t(b)];
+    return len < v ? len : v;
+  }
+  /// Hidden size of the additive score (score_hidden, or d when 0).
+  int64_t hidden() const { return score_hidden > 0 ? score_hidden : dim; }
+  /// True when nothing but the causal mask restricts the keys.
+  bool unmasked() const { return key_lengths.empty() && !attn_mask; }
   /// Number of (query, key) pairs visible, summed over one head.
   double visible_pairs() const;
   /// Softmax scale 1/sqrt(d).
   float softmax_scale() const;
-  /// Checks sizes are positive and sane; throws UsageError naming the bad field.
+  /// Checks sizes are positive and sane, and that key_lengths, the mask and the score
+  /// weights fit the shape; throws UsageError naming the bad field and what is accepted.
   void validate() const;
   /// Canonical "B=1,H=8,n=1024,m=1024,d=64,causal=0,seed=0" (describe() in
   /// common/workload.h adds the workload).

@@ -198,6 +198,64 @@ void Variant::check_supported(const Problem& p) const {
   if (p.keys() != p.n && !info_->caps.cross)
     throw UnsupportedError(
         fmt::format("{} does not support m != n (got n = {}, m = {})", info_->name, p.n, p.keys()));
+  const Capabilities& c = info_->caps;
+  if ((p.score == Score::dot || p.score == Score::bilinear) && !c.linear_score)
+    throw UnsupportedError(fmt::format("{} does not support the {} score (its keys are not k)",
+                                       info_->name, score_name(p.score)));
+  if (p.score == Score::additive && !c.additive)
+    throw UnsupportedError(fmt::format(
+        "{} does not support the additive score; variants that do: those whose `list` entry "
+        "says additive",
+        info_->name));
+  if ((p.score == Score::bilinear || p.score == Score::additive) && !p.score_weights)
+    throw UsageError(
+        fmt::format("the {} score needs its weights (generated from the seed or "
+                    "read from the inputs file); none were given",
+                    score_name(p.score)));
+  if (!p.key_lengths.empty() && !c.key_padding)
+    throw UnsupportedError(fmt::format("{} does not support key padding", info_->name));
+  if (p.attn_mask && !c.attn_mask)
+    throw UnsupportedError(
+        fmt::format("{} does not support an attention mask (--attn-mask)", info_->name));
+}
+
+void Variant::compute(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                      TensorView out) {
+  if (p.score != Score::dot && p.score != Score::bilinear) {
+    forward(p, q, k, v, out);
+    return;
+  }
+  // scaled_dot on q' = sqrt(d) q (dot) or q'_i = sqrt(d) W^T q_i per head (bilinear, with
+  // q^T W k = (W^T q)^T k): one pass over q, then the variant's own scaled_dot kernels.
+  Problem scaled = p;
+  scaled.score = Score::scaled_dot;
+  scaled.score_weights = nullptr;
+  const int64_t d = p.dim, rows = p.n;
+  const float root = float(std::sqrt(double(d)));
+  Tensor mapped(p.q_shape());
+  TensorView mv = mapped.view();
+  const float* w = p.score == Score::bilinear ? p.score_weights->w_bilinear.data() : nullptr;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const float* wh = w ? w + h * d * d : nullptr;
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* qi = q.row(b, h, i);
+        float* oi = mv.row(b, h, i);
+        if (!wh) {
+          for (int64_t c = 0; c < d; ++c) oi[c] = root * qi[c];
+          continue;
+        }
+        // (W^T q)_c = sum_r W[r, c] q_r
+        for (int64_t c = 0; c < d; ++c) oi[c] = 0;
+        for (int64_t r = 0; r < d; ++r) {
+          const float qr = root * qi[r];
+          const float* wr = wh + r * d;
+          for (int64_t c = 0; c < d; ++c) oi[c] += qr * wr[c];
+        }
+      }
+    }
+  forward(scaled, mapped.view(), k, v, out);
 }
 
 void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -211,7 +269,7 @@ void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstT
   expect("k", k.shape, p.kv_shape());
   expect("v", v.shape, p.kv_shape());
   expect("out", out.shape, p.q_shape());
-  forward(p, q, k, v, out);
+  compute(p, q, k, v, out);
 }
 
 Registry& Registry::instance() {

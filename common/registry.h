@@ -75,6 +75,16 @@ struct Capabilities {
   /// one), so the tests hold it to the reference at float rounding. Approximations say false
   /// and must give VariantInfo::oracle, the float64 statement of their own function, instead.
   bool exact = true;
+  /// Runs the dot and bilinear scores: Variant::compute maps q once (they are scaled_dot on a
+  /// linear map of q), so this holds for every variant whose function is attention of q over
+  /// k; a variant whose keys are not k (shared-QK attention) says false and refuses them.
+  bool linear_score = true;
+  /// Computes the additive score wᵀ tanh(W_q q + W_k k) itself.
+  bool additive = false;
+  /// Honours key padding (Problem::key_lengths): padded keys contribute nothing.
+  bool key_padding = false;
+  /// Honours an arbitrary attention mask (Problem::attn_mask).
+  bool attn_mask = false;
 };
 
 class Variant;
@@ -143,7 +153,12 @@ class Variant {
 
   /// Throws UnsupportedError if this variant cannot run the problem.
   void check_supported(const Problem& p) const;
-  /// Checks shapes and support, then calls forward().
+  /// forward() under the problem's scoring function: the dot and bilinear scores map q once
+  /// (q' = sqrt(d) q, or q' = sqrt(d) Wᵀ q per head) and run forward() on the scaled_dot
+  /// problem; every other score goes to forward() as it is. What the harness times.
+  void compute(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out);
+  /// Checks shapes and support, then calls compute().
   void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
            TensorView out);
 

@@ -260,7 +260,7 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       {
         InstallPhaseSink sink(&phase_times);
         for (auto _ : st) {
-          variant.forward(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+          variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view());
           benchmark::ClobberMemory();
         }
       }
