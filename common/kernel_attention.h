@@ -1,5 +1,6 @@
-// Kernelised ("linear") attention shared by variants/linear.cpp and variants/performer.cpp:
-// feature maps, the random projection of the Performer, and one chunked engine that computes
+// Kernelised ("linear") attention shared by variants/linear.cpp, variants/performer.cpp and
+// variants/rfa.cpp: feature maps, the random projection of the Performer, and one chunked
+// engine that computes
 //
 //   out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps),   S_i = sum_{j visible to i} phi(k_j) v_j^T,
 //                                                      z_i = sum_{j visible to i} phi(k_j)
@@ -19,7 +20,8 @@
 //       A   = phi(Q_c) phi(K_c)^T, causal mask    (GEMM C x w x F, w <= C keys on the diagonal)
 //       out += A V_c, den += row sums of A        (GEMM C x d x w)
 //       S += phi(K_c)^T V_c, z += colsum phi(K_c) (GEMM F x d x w)
-//     then out /= den + eps, and rows that see no key are set to exactly 0.
+//     then out /= den + eps (raised to the map's floor, FeatureMap::denominator_floor, if it
+//     has one), and rows that see no key are set to exactly 0.
 // Non-causal attention is the same walk with every key folded before the first query block.
 // The causal mask is the bottom-right aligned one of Problem::visible (m != n works, rows
 // with no visible key give 0). Time O((n + m) F d + n C (F + d)); memory per thread

@@ -123,7 +123,7 @@ TEST(Rfa, SoftmaxErrorOnUnitVectorsFallsAsOneOverSqrtFeatures) {
   for (int64_t i = 0; i < qs.numel(); ++i) qs.data()[i] *= up;
   ASSERT_FLOAT_EQ(p.softmax_scale(), float(1.0 / std::sqrt(double(p.dim))));
   const auto ref = reference_attention(p, qs.view(), in.k.view(), in.v.view());
-  std::vector<double> lx, ly;
+  std::vector<double> counts, errors;
   double prev = INFINITY;
   for (int64_t D : {16, 64, 256, 1024}) {
     double err = 0;
@@ -135,13 +135,9 @@ TEST(Rfa, SoftmaxErrorOnUnitVectorsFallsAsOneOverSqrtFeatures) {
     }
     EXPECT_LT(err, prev) << "features " << D;
     prev = err;
-    lx.push_back(std::log(double(D))), ly.push_back(std::log(err));
+    counts.push_back(double(D)), errors.push_back(err);
   }
-  const double n = double(lx.size());
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (size_t i = 0; i < lx.size(); ++i)
-    sx += lx[i], sy += ly[i], sxx += lx[i] * lx[i], sxy += lx[i] * ly[i];
-  const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  const double slope = test::loglog_slope(counts, errors);
   RecordProperty("slope", std::to_string(slope));
   std::printf("[ law ] rfa error against softmax: slope %.3f, error %.4f at D = 1024\n", slope,
               prev);

@@ -55,9 +55,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -150,19 +148,6 @@ class RfaFeatureMap final : public ka::FeatureMap {
   std::vector<float> w_;  // W, freqs x d
   int64_t freqs_, d_;
   float floor_;
-};
-
-/// A 64-byte aligned float buffer.
-struct Buffer {
-  explicit Buffer(int64_t floats)
-      : p(static_cast<float*>(
-            std::aligned_alloc(64, size_t((std::max<int64_t>(floats, 1) * 4 + 63) / 64 * 64)))) {
-    if (!p) throw std::bad_alloc();
-  }
-  ~Buffer() { std::free(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  float* p;
 };
 
 int64_t gated_workspace_floats(int64_t features, int64_t d) {
@@ -260,15 +245,15 @@ class Rfa final : public Variant {
     OmpGuard guard;
 #pragma omp parallel
     {
-      std::optional<Buffer> work;
-      guard.run([&] { work.emplace(gated_workspace_floats(f, p.dim)); });
+      std::vector<float> work;
+      guard.run([&] { work.resize(size_t(gated_workspace_floats(f, p.dim))); });
 #pragma omp for schedule(dynamic, 1) reduction(+ : clamped)
       for (int64_t bh = 0; bh < heads; ++bh)
         guard.run([&] {
           const int64_t b = bh / p.heads, h = bh % p.heads;
           clamped += gated_head(*maps[size_t(h)], gates[size_t(h)], p, q.head(b, h), q.stride_row,
                                 k.head(b, h), k.stride_row, v.head(b, h), v.stride_row,
-                                out.head(b, h), out.stride_row, work->p);
+                                out.head(b, h), out.stride_row, work.data());
         });
     }
     guard.rethrow();
