@@ -25,9 +25,10 @@
 // it would blow the row up. notes() counts the rows raised to the floor. Never NaN or inf: a
 // floor that underflows (large sigma^-2 with huge gates) leaves a 0 row, as a zero denominator.
 //
-// Parameters: features = D = 128 (the paper reports feature sizes of the order of the head
-// dimension; 128 is our default, and phi has 2 D = 256 entries, as many as performer's default
-// F), sigma = 1 (the paper learns sigma; here it is fixed, and the kernel identity needs the
+// Parameters: features = D = 128 (attnbench's default, not a figure taken from the paper: phi
+// then has 2 D = 256 entries, as many as performer's default F, so the two compare at equal
+// state size), sigma = 1 (the paper treats sigma as a parameter of the model; with nothing
+// trained here it is fixed, 1 giving logits q^.k^ in [-1, 1]; the kernel identity needs the
 // entries of W to have variance sigma^-2, where the paper writes sigma^2), gate = false.
 // Random draws: W per head from RandomStream(seed, mix64(kRfaStream + 2 h)) (value f d + c is
 // W[f][c] sigma, so W for D rows is the first rows of W for more); the gate per head from
