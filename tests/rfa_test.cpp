@@ -232,6 +232,12 @@ TEST(Rfa, NotesCountTheRowsRaisedToTheFloor) {
   EXPECT_CONTAINS(plain->notes(), " of " + std::to_string(rows) + " query rows");
   // the oracle applies the same floor
   test::expect_matches_oracle("rfa:features=1", p, in);
+  // non-causal: every row of the same heads (each causal row here sees at least one key)
+  Problem full = p;
+  full.causal = false;
+  plain->run(full, in.q.view(), in.k.view(), in.v.view(), out.view());
+  EXPECT_EQ(clamped_in_notes(*plain), not_mean) << plain->notes();
+  test::expect_matches_oracle("rfa:features=1", full, in);
   // gated: the same W, so the same heads fall below the floor, every row of them
   auto gated = make_variant("rfa:features=1,gate=true");
   gated->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
