@@ -262,9 +262,9 @@ int64_t workspace_floats(const Schedule& s, int64_t features, int64_t d) {
   return Layout(s, features, d).total;
 }
 
-void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, const float* q,
-                 int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv, float* out,
-                 int64_t ldo, float eps, float* work) {
+int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, const float* q,
+                    int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                    float* out, int64_t ldo, float eps, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, R = sc.block, C = sc.chunk;
   const Layout L(sc, f, d);
   float *phq = work + L.phq, *phk = work + L.phk, *a = work + L.a, *s = work + L.s, *z = work + L.z,
@@ -273,6 +273,8 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
   std::fill(z, z + f, 0.0f);
   float shift = -INFINITY;
   int64_t kdone = 0;  // keys [0, kdone) are in S and z
+  const float floor = fm.denominator_floor();
+  int64_t clamped = 0;
 
   // maps keys [j0, j0 + cnt) into phk, bringing S and z to the new key scale
   auto map_keys = [&](int64_t j0, int64_t cnt) {
@@ -344,16 +346,20 @@ void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, con
       }
       for (int64_t r = 0; r < c; ++r) {
         float* orow = o + r * ldo;
-        const float dn = den[r] + eps;
+        const int64_t seen = p.visible(i + r);
+        float dn = den[r] + eps;
+        if (floor > 0 && seen > 0 && !(dn >= floor * float(seen)))
+          dn = floor * float(seen), ++clamped;
         // rows that see no key (and a denominator that underflowed to 0) give exactly 0; a
         // division, not a reciprocal, so that a subnormal denominator still gives num / den
-        if (p.visible(i + r) > 0 && dn > 0)
+        if (seen > 0 && dn > 0)
           for (int64_t x = 0; x < d; ++x) orow[x] /= dn;
         else
           std::fill(orow, orow + d, 0.0f);
       }
     }
   }
+  return clamped;
 }
 
 int attend_threads(const Problem& p) {
@@ -362,27 +368,30 @@ int attend_threads(const Problem& p) {
   return heads >= threads ? threads : 1;
 }
 
-void attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-            TensorView out, float eps, int64_t features,
-            const std::function<const FeatureMap&(int64_t head)>& map_for_head) {
+int64_t attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out, float eps, int64_t features,
+               const std::function<const FeatureMap&(int64_t head)>& map_for_head) {
   const Schedule sc = Schedule::for_features(features);
   const int64_t heads = p.batch * p.heads, floats = workspace_floats(sc, features, p.dim);
   // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
   const bool per_head = heads >= team_threads();
+  int64_t clamped = 0;
   OmpGuard guard;
 #pragma omp parallel if (per_head)
   {
     std::optional<Aligned> work;
     guard.run([&] { work.emplace(floats); });
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) reduction(+ : clamped)
     for (int64_t bh = 0; bh < heads; ++bh)
       guard.run([&] {
         const int64_t b = bh / p.heads, h = bh % p.heads;
-        attend_head(map_for_head(h), p, sc, q.head(b, h), q.stride_row, k.head(b, h), k.stride_row,
-                    v.head(b, h), v.stride_row, out.head(b, h), out.stride_row, eps, work->get());
+        clamped += attend_head(map_for_head(h), p, sc, q.head(b, h), q.stride_row, k.head(b, h),
+                               k.stride_row, v.head(b, h), v.stride_row, out.head(b, h),
+                               out.stride_row, eps, work->get());
       });
   }
   guard.rethrow();
+  return clamped;
 }
 
 double attend_flops(const Problem& p, int64_t features, double query_map_flops,

@@ -1,5 +1,6 @@
-// Kernelised ("linear") attention shared by variants/linear.cpp and variants/performer.cpp:
-// feature maps, the random projection of the Performer, and one chunked engine that computes
+// Kernelised ("linear") attention shared by variants/linear.cpp, variants/performer.cpp and
+// variants/rfa.cpp: feature maps, the random projection of the Performer, and one chunked
+// engine that computes
 //
 //   out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps),   S_i = sum_{j visible to i} phi(k_j) v_j^T,
 //                                                      z_i = sum_{j visible to i} phi(k_j)
@@ -19,7 +20,8 @@
 //       A   = phi(Q_c) phi(K_c)^T, causal mask    (GEMM C x w x F, w <= C keys on the diagonal)
 //       out += A V_c, den += row sums of A        (GEMM C x d x w)
 //       S += phi(K_c)^T V_c, z += colsum phi(K_c) (GEMM F x d x w)
-//     then out /= den + eps, and rows that see no key are set to exactly 0.
+//     then out /= den + eps (raised to the map's floor, FeatureMap::denominator_floor, if it
+//     has one), and rows that see no key are set to exactly 0.
 // Non-causal attention is the same walk with every key folded before the first query block.
 // The causal mask is the bottom-right aligned one of Problem::visible (m != n works, rows
 // with no visible key give 0). Time O((n + m) F d + n C (F + d)); memory per thread
@@ -63,6 +65,11 @@ class FeatureMap {
   /// Floating-point operations to map one query row / one key row.
   virtual double query_flops() const = 0;
   virtual double key_flops() const = 0;
+  /// Denominator floor per visible key, for maps whose features can be negative (so that
+  /// phi(q)^T z can approach 0 or fall below it): a row that sees c keys divides by
+  /// max(phi(q)^T z + eps, floor c), and attend counts the rows it raised. 0 (the default):
+  /// no floor; a denominator <= 0 gives a 0 row.
+  virtual float denominator_floor() const { return 0.0f; }
 };
 
 /// Katharopoulos et al. 2020: phi(x) = elu(x) + 1 (x + 1 for x > 0, exp(x) otherwise),
@@ -135,17 +142,19 @@ struct Schedule {
 int64_t workspace_floats(const Schedule& s, int64_t features, int64_t d);
 
 /// One (batch, head): q is n x d (row stride ldq), k and v m x d, out n x d. `work` holds
-/// workspace_floats(s, fm.features(), p.dim) floats, 64-byte aligned.
-void attend_head(const FeatureMap& fm, const Problem& p, const Schedule& s, const float* q,
-                 int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv, float* out,
-                 int64_t ldo, float eps, float* work);
+/// workspace_floats(s, fm.features(), p.dim) floats, 64-byte aligned. Returns the number of
+/// rows whose denominator was raised to the map's floor (FeatureMap::denominator_floor).
+int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& s, const float* q,
+                    int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                    float* out, int64_t ldo, float eps, float* work);
 
 /// Every (batch, head) of the problem: OpenMP over (batch, head) with BLAS single-threaded
 /// inside, or one head at a time with multi-threaded BLAS when there are fewer heads than
 /// threads. map_for_head(h) gives the feature map of head h (the same for every batch item).
-void attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-            TensorView out, float eps, int64_t features,
-            const std::function<const FeatureMap&(int64_t head)>& map_for_head);
+/// Returns the number of rows (over every batch item and head) raised to the map's floor.
+int64_t attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out, float eps, int64_t features,
+               const std::function<const FeatureMap&(int64_t head)>& map_for_head);
 
 /// Threads attend() runs on: min(threads, B H) when there are at least as many heads as
 /// threads, else 1 (multi-threaded BLAS).

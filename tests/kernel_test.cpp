@@ -212,7 +212,7 @@ TEST(Performer, SoftmaxErrorFallsAsOneOverSqrtFeatures) {
   const Inputs in = scaled_inputs(p, 1.0);
   const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   const int64_t feature_counts[] = {16, 64, 256, 1024};
-  std::vector<double> lx, ly;
+  std::vector<double> counts, errors;
   double prev = INFINITY;
   for (int64_t f : feature_counts) {
     double err = 0;
@@ -223,14 +223,9 @@ TEST(Performer, SoftmaxErrorFallsAsOneOverSqrtFeatures) {
     err /= seeds;
     EXPECT_LT(err, prev) << "features " << f;
     prev = err;
-    lx.push_back(std::log(double(f))), ly.push_back(std::log(err));
+    counts.push_back(double(f)), errors.push_back(err);
   }
-  // least-squares slope of log(error) against log(features)
-  const double n = double(lx.size());
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (size_t i = 0; i < lx.size(); ++i)
-    sx += lx[i], sy += ly[i], sxx += lx[i] * lx[i], sxy += lx[i] * ly[i];
-  const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  const double slope = test::loglog_slope(counts, errors);
   RecordProperty("slope", std::to_string(slope));
   EXPECT_GE(slope, -0.75);
   EXPECT_LE(slope, -0.3);

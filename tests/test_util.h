@@ -261,6 +261,17 @@ inline double rel_fro_error(const float* out, const std::vector<double>& ref) {
   return ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
 }
 
+/// Least-squares slope of log(y) against log(x): the exponent of a power law y ~ x^slope.
+inline double loglog_slope(const std::vector<double>& x, const std::vector<double>& y) {
+  const double n = double(x.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double lx = std::log(x[i]), ly = std::log(y[i]);
+    sx += lx, sy += ly, sxx += lx * lx, sxy += lx * ly;
+  }
+  return (n * sxy - sx * sy) / (n * sxx - sx * sx);
+}
+
 inline double expect_matches_oracle(const std::string& spec, const Problem& p, const Inputs& in,
                                     const Workload& w) {
   const Tensor out = run(spec, p, in);

@@ -1,0 +1,394 @@
+// rfa: Random Feature Attention (Peng, Pappas, Yogatama, Schwartz, Smith & Kong 2021, "Random
+// Feature Attention", ICLR): random Fourier features of L2-normalised queries and keys.
+//
+//   x^ = x / |x|  (x^ = 0 for x = 0),   W: D x d with entries N(0, sigma^-2)   (D = features)
+//   phi(x) = D^-1/2 [sin(W x^), cos(W x^)]   (2 D features; |phi(x)| = 1 exactly)
+//   E_W[phi(x)^T phi(y)] = exp(-|x^ - y^|^2 / (2 sigma^2)) = exp(-1/sigma^2) exp(x^.y^ / sigma^2)
+//
+// so the ratio below estimates softmax(q^.k^ / sigma^2) attention (the constant cancels):
+//   plain:  out_i = phi(q_i)^T S_i / den_i,   S_i = sum_j phi(k_j) v_j^T,  z_i = sum_j phi(k_j)
+//   gated (gate=true, causal only): key j carries the gate g_j = sigmoid(w_g . k_j + b_g),
+//           S_j = g_j S_{j-1} + (1 - g_j) phi(k_j) v_j^T,   z_j = g_j z_{j-1} + (1 - g_j) phi(k_j),
+//           out_i = phi(q_i)^T S_a / den_i   with a = a(i) = i + (m - n), the last key row i sees
+// the sums running over the keys query i sees (bottom-right aligned causal mask; m != n works,
+// rows with no visible key give exactly 0). The gated form is a recurrence over positions: the
+// paper defines it for causal (decoder) attention only, and a non-causal gated problem is
+// refused with UnsupportedError.
+//
+// Denominator floor. Sines and cosines make phi(q)^T z an estimate that can be small or
+// negative (a known weakness of these features). Each key of weight omega (1 plain; the
+// product of the later gates times 1 - g_j gated) has a true kernel of at least
+// exp(-2 / sigma^2) (unit vectors are at most 2 apart), so
+//   den_i = max(phi(q_i)^T z_i, tau exp(-2 / sigma^2) M_i),   tau = 1/4,
+// M_i the sum of the weights row i sees (its visible key count plain; 1 - prod g gated): a
+// denominator below a quarter of the smallest possible expectation is noise, and dividing by
+// it would blow the row up. notes() counts the rows raised to the floor. Never NaN or inf: a
+// floor that underflows (large sigma^-2 with huge gates) leaves a 0 row, as a zero denominator.
+//
+// Parameters: features = D = 128 (attnbench's default, not a figure taken from the paper: phi
+// then has 2 D = 256 entries, as many as performer's default F, so the two compare at equal
+// state size), sigma = 1 (the paper treats sigma as a parameter of the model; with nothing
+// trained here it is fixed, 1 giving logits q^.k^ in [-1, 1]; the kernel identity needs the
+// entries of W to have variance sigma^-2, where the paper writes sigma^2), gate = false.
+// Random draws: W per head from RandomStream(seed, mix64(kRfaStream + 2 h)) (value f d + c is
+// W[f][c] sigma, so W for D rows is the first rows of W for more); the gate per head from
+// RandomStream(seed, mix64(kRfaStream + 2 h + 1)): w_g[c] = N(0, 1/d) (so w_g . k is of order 1
+// for unit-variance keys) and b_g = N(0, 1). The same draws serve every batch item of a head.
+//
+// Oracle: the formulas above in double (rfa_oracle): the same W and gates (rfa_projection,
+// rfa_gate), explicit sums over the visible keys with each key's weight written out as a
+// product of gates (not the recurrence), and the same floor.
+// Tolerance (rfa_tolerance): the float32 error model of common/oracle.h for this chain, a
+// norm and a projection over d whose results, of size up to A = sqrt(2 ln 2D) / sigma (the
+// largest of D Gaussians of deviation 1 / sigma) enter sin and cos as logits enter exp;
+// reductions over the 2 D features and the m keys; a few roundings (norm, sin/cos, scaling,
+// division; gated also the gate and the two products of each step). Every term of phi(q)^T z
+// is at most M_i in size (|phi| = 1), so an error relative to M_i is amplified by at most
+// M_i / den_i <= exp(2 / sigma^2) / tau, which multiplies the model (about 30 at sigma = 1).
+//
+// Plain: the chunked engine of common/kernel_attention.h with 2 D features (its denominator
+// floor hook). Time O((n + m) D d + n 16 (D + d)), memory O(H D d + threads D (4 R + 2 d)),
+// R = min(1024, 32768 / D). Gated: a recurrence over the keys of each (batch, head), features
+// mapped in blocks of 256 rows. Time O((n + m) D d), memory O(H D d + threads D (1024 + 2 d)).
+#include <cblas.h>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/kernel_attention.h"
+#include "common/omp_guard.h"
+#include "common/oracle.h"
+#include "common/random.h"
+#include "common/registry.h"
+#include "common/threads.h"
+
+namespace attnbench {
+namespace {
+
+namespace ka = kernel_attention;
+
+// Stream ids of the projection and the gate: "rfa_feat" mixed with the head index.
+constexpr uint64_t kRfaStream = 0x7266615f66656174ULL;
+// The floor is this fraction of the smallest expected kernel, exp(-2 / sigma^2), per unit of
+// key weight.
+constexpr double kFloorFraction = 0.25;
+// Rows per block of mapped features in the gated recurrence.
+constexpr int64_t kGatedBlock = 256;
+
+/// W (features x d, row-major) of head `head`: entries N(0, sigma^-2).
+std::vector<float> rfa_projection(uint64_t seed, int64_t head, int64_t features, int64_t d,
+                                  double sigma) {
+  const RandomStream rs(seed, mix64(kRfaStream + 2 * uint64_t(head)));
+  std::vector<float> w(size_t(features * d));
+  for (int64_t i = 0; i < features * d; ++i) w[size_t(i)] = float(rs.normal(uint64_t(i)) / sigma);
+  return w;
+}
+
+/// The gate of head `head`: w_g (d entries, N(0, 1/d)) followed by b_g (N(0, 1)).
+std::vector<float> rfa_gate(uint64_t seed, int64_t head, int64_t d) {
+  const RandomStream rs(seed, mix64(kRfaStream + 2 * uint64_t(head) + 1));
+  std::vector<float> g(size_t(d + 1));
+  const double s = 1.0 / std::sqrt(double(d));
+  for (int64_t c = 0; c < d; ++c) g[size_t(c)] = float(rs.normal(uint64_t(c)) * s);
+  g[size_t(d)] = float(rs.normal(uint64_t(d)));
+  return g;
+}
+
+/// The denominator floor per unit of key weight: tau exp(-2 / sigma^2).
+double floor_per_weight(double sigma) { return kFloorFraction * std::exp(-2.0 / (sigma * sigma)); }
+
+/// phi(x) = D^-1/2 [sin(W x^), cos(W x^)] over rows; 2 D features.
+class RfaFeatureMap final : public ka::FeatureMap {
+ public:
+  RfaFeatureMap(std::vector<float> w, int64_t freqs, int64_t d, float floor)
+      : w_(std::move(w)), freqs_(freqs), d_(d), floor_(floor) {}
+  int64_t features() const override { return 2 * freqs_; }
+  void queries(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo) const override {
+    map(x, ldx, rows, out, ldo);
+  }
+  // |phi| = 1: no stabiliser, the shift is left alone
+  void keys(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo,
+            float&) const override {
+    map(x, ldx, rows, out, ldo);
+  }
+  // projection GEMM, |x|^2, scaling, sin, cos and two scalings per frequency
+  double query_flops() const override {
+    return 2.0 * double(freqs_ * d_) + 2.0 * double(d_) + 5.0 * double(freqs_);
+  }
+  double key_flops() const override { return query_flops(); }
+  float denominator_floor() const override { return floor_; }
+
+ private:
+  void map(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo) const {
+    const int64_t D = freqs_, d = d_;
+    // 1. W x into the first D entries of each output row
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(D), int(d), 1.0f, x,
+                int(ldx), w_.data(), int(d), 0.0f, out, int(ldo));
+    const float ratio = float(1.0 / std::sqrt(double(D)));
+    for (int64_t r = 0; r < rows; ++r) {
+      // 2. W x^ = W x / |x| (0 for x = 0), then sin into entry f and cos into entry D + f
+      const float* xr = x + r * ldx;
+      float ss = 0.0f;
+      for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
+      const float inv = ss > 0.0f ? 1.0f / std::sqrt(ss) : 0.0f;
+      float* y = out + r * ldo;
+      for (int64_t f = 0; f < D; ++f) {
+        const float a = y[f] * inv;
+        y[D + f] = std::cos(a) * ratio;
+        y[f] = std::sin(a) * ratio;
+      }
+    }
+  }
+
+  std::vector<float> w_;  // W, freqs x d
+  int64_t freqs_, d_;
+  float floor_;
+};
+
+int64_t gated_workspace_floats(int64_t features, int64_t d) {
+  return 2 * kGatedBlock * features + features * d + features;
+}
+
+/// Gated RFA on one (batch, head) (causal): the recurrence over keys j, and each query i read
+/// right after its last visible key a(i) = i + (m - n). Returns the rows raised to the floor.
+int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, const Problem& p,
+                   const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                   int64_t ldv, float* out, int64_t ldo, float* work) {
+  const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), off = m - n;
+  const float floor = fm.denominator_floor();
+  float *phk = work, *phq = phk + kGatedBlock * f, *s = phq + kGatedBlock * f, *z = s + f * d;
+  std::fill(s, s + f * d, 0.0f);
+  std::fill(z, z + f, 0.0f);
+  float mass = 0.0f;  // sum of the key weights in S and z
+  int64_t clamped = 0;
+  // rows before the first key: a(i) < 0
+  for (int64_t i = 0; i < std::min(n, -off); ++i) std::fill(out + i * ldo, out + i * ldo + d, 0.0f);
+  float shift = 0.0f;
+  for (int64_t j0 = 0; j0 < m; j0 += kGatedBlock) {
+    const int64_t cnt = std::min(kGatedBlock, m - j0);
+    // 1. features of the block's keys and of the queries read after them
+    fm.keys(k + j0 * ldk, ldk, cnt, phk, f, shift);
+    const int64_t i0 = std::max<int64_t>(0, j0 - off), i1 = std::min(n, j0 + cnt - off);
+    if (i1 > i0) fm.queries(q + i0 * ldq, ldq, i1 - i0, phq, f);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const int64_t j = j0 + t;
+      // 2. the gate of key j: g and 1 - g, each as a sigmoid (no cancellation in 1 - g)
+      const float* kj = k + j * ldk;
+      float x = gate[size_t(d)];
+      for (int64_t c = 0; c < d; ++c) x += gate[size_t(c)] * kj[c];
+      const float g = 1.0f / (1.0f + std::exp(-x)), h = 1.0f / (1.0f + std::exp(x));
+      // 3. S = g S + h phi(k_j) v_j^T, z = g z + h phi(k_j)
+      const float* pk = phk + t * f;
+      const float* vj = v + j * ldv;
+      for (int64_t e = 0; e < f; ++e) {
+        float* srow = s + e * d;
+        const float c = h * pk[e];
+        for (int64_t x2 = 0; x2 < d; ++x2) srow[x2] = g * srow[x2] + c * vj[x2];
+        z[e] = g * z[e] + c;
+      }
+      mass = g * mass + h;
+      // 4. the query that reads the state after key j
+      const int64_t i = j - off;
+      if (i < 0 || i >= n) continue;
+      const float* pq = phq + (i - i0) * f;
+      float* o = out + i * ldo;
+      std::fill(o, o + d, 0.0f);
+      float den = 0.0f;
+      for (int64_t e = 0; e < f; ++e) {
+        const float a = pq[e];
+        const float* srow = s + e * d;
+        for (int64_t x2 = 0; x2 < d; ++x2) o[x2] += a * srow[x2];
+        den += a * z[e];
+      }
+      if (!(den >= floor * mass)) den = floor * mass, ++clamped;
+      if (den > 0)
+        for (int64_t x2 = 0; x2 < d; ++x2) o[x2] /= den;
+      else
+        std::fill(o, o + d, 0.0f);
+    }
+  }
+  return clamped;
+}
+
+class Rfa final : public Variant {
+ public:
+  explicit Rfa(const ParamValues& pv)
+      : freqs_(pv.get_int("features")), sigma_(pv.get_float("sigma")), gate_(pv.get_bool("gate")) {}
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    if (gate_ && !p.causal)
+      throw UnsupportedError(
+          "rfa: gate=true is a recurrence over positions (S_j = g_j S_{j-1} + (1 - g_j) "
+          "phi(k_j) v_j^T), defined for causal attention only; use causal masking, or gate=false");
+    const float floor = float(floor_per_weight(sigma_));
+    std::vector<std::unique_ptr<RfaFeatureMap>> maps(size_t(p.heads));
+    std::vector<std::vector<float>> gates(size_t(p.heads));
+    for (int64_t h = 0; h < p.heads; ++h) {
+      maps[size_t(h)] = std::make_unique<RfaFeatureMap>(
+          rfa_projection(p.seed, h, freqs_, p.dim, sigma_), freqs_, p.dim, floor);
+      if (gate_) gates[size_t(h)] = rfa_gate(p.seed, h, p.dim);
+    }
+    rows_ = p.batch * p.heads * p.n;
+    if (!gate_) {
+      clamped_ = ka::attend(p, q, k, v, out, 0.0f, 2 * freqs_,
+                            [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; });
+      return;
+    }
+    const int64_t heads = p.batch * p.heads, f = 2 * freqs_;
+    int64_t clamped = 0;
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::vector<float> work;
+      guard.run([&] { work.resize(size_t(gated_workspace_floats(f, p.dim))); });
+#pragma omp for schedule(dynamic, 1) reduction(+ : clamped)
+      for (int64_t bh = 0; bh < heads; ++bh)
+        guard.run([&] {
+          const int64_t b = bh / p.heads, h = bh % p.heads;
+          clamped += gated_head(*maps[size_t(h)], gates[size_t(h)], p, q.head(b, h), q.stride_row,
+                                k.head(b, h), k.stride_row, v.head(b, h), v.stride_row,
+                                out.head(b, h), out.stride_row, work.data());
+        });
+    }
+    guard.rethrow();
+    clamped_ = clamped;
+  }
+
+  std::string notes() const override {
+    if (clamped_ == 0) return "";
+    return fmt::format(
+        "{} of {} query rows ({:.2f}%) had a denominator phi(q)^T z below the floor "
+        "(1/4 exp(-2/sigma^2) per unit of key weight) and were divided by the floor",
+        clamped_, rows_, 100.0 * double(clamped_) / double(rows_));
+  }
+
+  double flops(const Problem& p) const override {
+    const RfaFeatureMap fm({}, freqs_, p.dim, 0.0f);
+    const double f = double(fm.features()), d = double(p.dim);
+    if (!gate_) return ka::attend_flops(p, fm.features(), fm.query_flops(), fm.key_flops());
+    // per key: its map, the gate (2 d + 8), the state update (3 per element of S and z);
+    // per query read: its map, phi(q)^T S and phi(q)^T z, the division
+    const double per_key = fm.key_flops() + 2.0 * d + 8.0 + 3.0 * f * (d + 1.0);
+    const double per_query = fm.query_flops() + 2.0 * f * (d + 1.0) + d;
+    const double reads = double(std::min(p.n, p.keys()));
+    return double(p.batch * p.heads) * (double(p.keys()) * per_key + reads * per_query);
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const double proj = double(p.heads) * double(freqs_ * p.dim) * 4.0;
+    if (!gate_) return proj + ka::attend_bytes(p, 2 * freqs_);
+    const int threads = std::min<int64_t>(team_threads(), p.batch * p.heads);
+    return proj + double(p.heads) * double(p.dim + 1) * 4.0 +
+           double(threads) * double(gated_workspace_floats(2 * freqs_, p.dim)) * 4.0;
+  }
+
+ private:
+  int64_t freqs_;
+  double sigma_;
+  bool gate_;
+  int64_t clamped_ = 0, rows_ = 0;
+};
+
+// The formulas in double: phi of every row with the same W, then per query the explicit sum
+// over its visible keys, each weighted by 1 (plain) or (1 - g_j) prod_{j < l <= a(i)} g_l
+// (gated), and the floor.
+std::vector<double> rfa_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                               ConstTensorView k, ConstTensorView v) {
+  const int64_t D = var.params().get_int("features"), d = p.dim, f = 2 * D;
+  const double sigma = var.params().get_float("sigma");
+  const bool gated = var.params().get_bool("gate");
+  const double floor = floor_per_weight(sigma), ratio = 1.0 / std::sqrt(double(D));
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    const std::vector<float> w32 = rfa_projection(p.seed, h, D, d, sigma);
+    auto phi = [&](const oracle::Matrix& x) {
+      oracle::Matrix out(x.rows, f);
+      for (int64_t i = 0; i < x.rows; ++i) {
+        double ss = 0;
+        for (int64_t c = 0; c < d; ++c) ss += x(i, c) * x(i, c);
+        const double inv = ss > 0 ? 1.0 / std::sqrt(ss) : 0.0;
+        for (int64_t e = 0; e < D; ++e) {
+          double a = 0;
+          for (int64_t c = 0; c < d; ++c) a += double(w32[size_t(e * d + c)]) * x(i, c) * inv;
+          out(i, e) = ratio * std::sin(a);
+          out(i, D + e) = ratio * std::cos(a);
+        }
+      }
+      return out;
+    };
+    const oracle::Matrix kx = oracle::head(k, b, h), vx = oracle::head(v, b, h);
+    const oracle::Matrix fq = phi(oracle::head(q, b, h)), fk = phi(kx);
+    // the gate of every key: g_j and 1 - g_j
+    std::vector<double> g(size_t(kx.rows), 1.0), keep(size_t(kx.rows), 1.0);
+    if (gated) {
+      const std::vector<float> gw = rfa_gate(p.seed, h, d);
+      for (int64_t j = 0; j < kx.rows; ++j) {
+        double x = gw[size_t(d)];
+        for (int64_t c = 0; c < d; ++c) x += double(gw[size_t(c)]) * kx(j, c);
+        g[size_t(j)] = 1.0 / (1.0 + std::exp(-x));
+        keep[size_t(j)] = 1.0 / (1.0 + std::exp(x));
+      }
+    }
+    oracle::Matrix out(p.n, d);
+    for (int64_t i = 0; i < p.n; ++i) {
+      const int64_t seen = p.visible(i);
+      if (seen == 0) continue;
+      double den = 0, mass = 0, later = 1;  // later: product of the gates after key j
+      std::vector<double> num(size_t(d), 0.0);
+      for (int64_t j = seen - 1; j >= 0; --j) {
+        const double weight = gated ? keep[size_t(j)] * later : 1.0;
+        if (gated) later *= g[size_t(j)];
+        double a = 0;
+        for (int64_t e = 0; e < f; ++e) a += fq(i, e) * fk(j, e);
+        den += weight * a, mass += weight;
+        for (int64_t c = 0; c < d; ++c) num[size_t(c)] += weight * a * vx(j, c);
+      }
+      den = std::max(den, floor * mass);
+      if (den > 0)
+        for (int64_t c = 0; c < d; ++c) out(i, c) = num[size_t(c)] / den;
+    }
+    return out;
+  });
+}
+
+double rfa_tolerance(const Variant& var, const Problem& p, const Workload&) {
+  const double D = double(var.params().get_int("features")), d = double(p.dim);
+  const double sigma = var.params().get_float("sigma");
+  const bool gated = var.params().get_bool("gate");
+  // the largest projection of a unit vector, and for the gate an argument of order 1
+  const double logit = std::sqrt(2.0 * std::log(2.0 * D)) / sigma + (gated ? 1.0 : 0.0);
+  const double steps = gated ? 10.0 : 6.0;
+  const double amplification = 1.0 / floor_per_weight(sigma);
+  return kErrorMargin * float32_error(d, logit, double(p.keys()) + 2.0 * D, steps) * amplification;
+}
+
+ATTNBENCH_REGISTER_VARIANT(
+    rfa,
+    VariantInfo{
+        .name = "rfa",
+        .summary = "random Fourier features of unit q, k approximating softmax(q^.k^/sigma^2) "
+                   "(RFA, Peng et al. 2021); gate=true: gated recurrence, causal only",
+        .complexity = "time O((n + m) D d), memory O(H D d + threads D (4 R + 2 d)), "
+                      "R = min(1024, 32768 / D)",
+        .params = {ParamSpec::Int("features", 128, 1, int64_t(1) << 15,
+                                  "random frequencies D (rows of W); phi has 2 D entries, sin "
+                                  "and cos"),
+                   ParamSpec::Float("sigma", 1.0, 0.25, 1000.0,
+                                    "kernel width: W ~ N(0, sigma^-2 I), approximates "
+                                    "softmax(q^.k^ / sigma^2) of unit vectors"),
+                   ParamSpec::Bool("gate", false,
+                                   "gated RFA: S_j = g_j S_{j-1} + (1 - g_j) phi(k_j) v_j^T with "
+                                   "g_j = sigmoid(w_g.k_j + b_g) (seeded); causal only")},
+        .caps = {.causal = true, .cross = true, .exact = false},
+        .make = [](const ParamValues& pv) { return std::make_unique<Rfa>(pv); },
+        .oracle = rfa_oracle,
+        .tolerance = rfa_tolerance});
+
+}  // namespace
+}  // namespace attnbench
