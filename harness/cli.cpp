@@ -27,6 +27,7 @@
 #include "common/pattern.h"
 #include "common/plugin.h"
 #include "common/registry.h"
+#include "harness/layer.h"
 #include "harness/machine.h"
 #include "harness/patterns.h"
 #include "harness/results.h"
@@ -355,6 +356,9 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
 void print_row(const Row& r) {
   fmt::print("variant      {}\n", r.spec);
   fmt::print("problem      {}\n", describe(r.problem, r.workload));
+  if (r.embed > 0)
+    fmt::print("layer        E={}: {} heads of d={}, in- and out-projection around the variant\n",
+               r.embed, r.problem.heads, r.problem.dim);
   fmt::print("status       {}{}\n", r.status, r.message.empty() ? "" : ": " + r.message);
   if (r.status != "ok") return;
   fmt::print(
@@ -374,6 +378,9 @@ void print_row(const Row& r) {
         "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
         "variant's pattern\n",
         r.error.mass_mean, r.error.mass_min);
+  if (r.embed > 0)
+    fmt::print("core share   {:.1f}% of the layer's time in the attention core (measured)\n",
+               100 * r.attention_share);
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
   if (!r.phases.empty()) {
     double total = 0;
@@ -470,6 +477,98 @@ struct RunCommand {
       return 1;
     }
     if (!output_path.empty()) write_npy(output_path, to_npy(out));
+    return 0;
+  }
+};
+
+// ----- layer -----
+
+struct LayerCommand {
+  ProblemOptions o;
+  int64_t embed = 0;
+  std::string spec, inputs_path, output_path;
+  bool json = false, need_weights = false;
+  std::vector<CLI::Option*> size_opts;  // the sizes an --inputs file decides
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand(
+        "layer", "a multi-head attention layer (torch.nn.MultiheadAttention) around a variant");
+    cmd->add_option("--variant", spec, "variant spec of the attention core")->required();
+    size_opts = {cmd->add_option("--embed", embed,
+                                 "embedding size E (d = E / H); required "
+                                 "without --inputs")
+                     ->check(int_in(1, kMaxExtent)),
+                 cmd->add_option("--batch", o.batch, "batch size B")
+                     ->capture_default_str()
+                     ->check(int_in(1, kMaxHeads)),
+                 cmd->add_option("--seq", o.seq, "query length L")
+                     ->capture_default_str()
+                     ->check(int_in(1, kMaxExtent)),
+                 cmd->add_option("--seq-k", o.seq_k,
+                                 "key length S: cross-attention with its own key and value "
+                                 "(default: self-attention, key = value = query)")
+                     ->check(int_in(1, kMaxExtent))};
+    cmd->add_option("--heads", o.heads, "heads H")
+        ->capture_default_str()
+        ->check(int_in(1, kMaxHeads));
+    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask in the attention core");
+    cmd->add_flag("--need-weights", need_weights,
+                  "also give the attention probabilities averaged over heads [B, L, S] (exact "
+                  "variants only)");
+    add_timing_options(cmd, o);
+    cmd->add_option("--inputs", inputs_path,
+                    ".npz with PyTorch's names: query, key, value, in_proj_weight, "
+                    "in_proj_bias, out_proj.weight, out_proj.bias")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--output", output_path,
+                    "write output [B, L, E] (and attn_weights [B, L, S]) to this .npz");
+    cmd->add_flag("--json", json, "print the result row as JSON");
+    return cmd;
+  }
+
+  int run() const {
+    auto variant = make_variant(spec);
+    LayerProblem lp;
+    lp.batch = o.batch, lp.embed = embed, lp.heads = o.heads, lp.n = o.seq, lp.m = o.seq_k;
+    lp.causal = o.causal, lp.seed = o.seed;
+    Workload w;
+    std::optional<LayerData> given;
+    if (!inputs_path.empty()) {
+      given = load_layer_npz(inputs_path, &lp);
+      w.input = "file";
+      for (const CLI::Option* opt : size_opts) {
+        if (opt->count() == 0) continue;
+        const std::string name = opt->get_name();
+        const int64_t value = opt->as<int64_t>(), file = name == "--embed"   ? lp.embed
+                                                         : name == "--batch" ? lp.batch
+                                                         : name == "--seq"   ? lp.n
+                                                                             : lp.keys();
+        if (value != file)
+          throw UsageError(fmt::format(
+              "{} {} disagrees with --inputs {}, whose query is [B, L, E] = [{}, {}, "
+              "{}] and key [B, S, E] = [{}, {}, {}]; with --inputs leave the size "
+              "options out or give the file's sizes",
+              name, value, inputs_path, lp.batch, lp.n, lp.embed, lp.batch, lp.keys(), lp.embed));
+      }
+    } else if (embed == 0) {
+      throw UsageError("layer: --embed E is required (or --inputs FILE, whose arrays give E)");
+    }
+    w.threads = apply_threads(o.threads);
+    lp.validate();
+    MachineFigures mf = measure_machine(w.threads, /*quick=*/true);
+    RunOptions opt{.reps = o.reps, .min_time = o.min_time};
+    Tensor out, weights;
+    Row row = run_layer(*variant, lp, w, given ? &*given : nullptr, mf, opt, need_weights, &out,
+                        &weights);
+    if (json)
+      fmt::print("{}\n", to_json(row).dump(2));
+    else
+      print_row(row);
+    if (row.status != "ok") {
+      fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
+      return 1;
+    }
+    if (!output_path.empty()) write_layer_npz(output_path, out, need_weights ? &weights : nullptr);
     return 0;
   }
 };
@@ -794,12 +893,14 @@ int cli_main(int argc, char** argv) {
   ListCommand list;
   RunCommand run;
   SweepCommand sweep;
+  LayerCommand layer;
   PatternCommand pattern;
   MachineCommand machine;
   std::vector<std::pair<const CLI::App*, std::function<int()>>> commands;
   commands.emplace_back(list.add(app), [&] { return list.run(); });
   commands.emplace_back(run.add(app), [&] { return run.run(); });
   commands.emplace_back(sweep.add(app), [&] { return sweep.run(argc, argv); });
+  commands.emplace_back(layer.add(app), [&] { return layer.run(); });
   commands.emplace_back(pattern.add(app), [&] { return pattern.run(); });
   commands.emplace_back(machine.add(app), [&] { return machine.run(); });
 

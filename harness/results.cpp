@@ -25,8 +25,9 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec",   "batch", "heads", "n",    "m",      "dim",
-                                              "causal", "input", "scale", "seed", "threads"};
+const std::vector<std::string> kKeyColumns = {"spec",  "batch", "heads", "n",
+                                              "m",     "dim",   "embed", "causal",
+                                              "input", "scale", "seed",  "threads"};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -56,7 +57,7 @@ std::string malformed_reason(const std::vector<std::string>& header,
   if (at("spec").empty()) return "empty spec";
   for (const char* c : {"batch", "heads", "n", "m", "dim"})
     if (!integer(at(c), 1)) return fmt::format("{} is '{}', not a positive integer", c, at(c));
-  for (const char* c : {"seed", "threads"})
+  for (const char* c : {"seed", "threads", "embed"})
     if (!integer(at(c), 0)) return fmt::format("{} is '{}', not an integer", c, at(c));
   if (at("causal") != "0" && at("causal") != "1")
     return fmt::format("causal is '{}', not 0 or 1", at("causal"));
