@@ -579,7 +579,7 @@ struct SweepCommand {
   ProblemOptions o;
   std::vector<std::string> specs;
   std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
-              causal_mode = "off", input_list = "gaussian", out_dir;
+              embed_list, causal_mode = "off", input_list = "gaussian", out_dir;
   bool resume = false;
 
   CLI::App* add(CLI::App& app) {
@@ -588,7 +588,11 @@ struct SweepCommand {
     cmd->add_option("--seq", seq_list, "query lengths n")->capture_default_str();
     cmd->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
     cmd->add_option("--heads", heads_list, "head counts")->capture_default_str();
-    cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    auto* dim_opt = cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    cmd->add_option("--embed", embed_list,
+                    "embedding sizes E: multi-head layer rows (torch.nn.MultiheadAttention "
+                    "around each variant), d = E / H in place of --dim")
+        ->excludes(dim_opt);
     cmd->add_option("--causal", causal_mode, "causal mask: off, on or both")
         ->capture_default_str()
         ->check(CLI::IsMember({"off", "on", "both"}));
@@ -609,6 +613,7 @@ struct SweepCommand {
     axes.batches = parse_int_list(batch_list, "--batch");
     axes.heads = parse_int_list(heads_list, "--heads");
     axes.dims = parse_int_list(dim_list, "--dim");
+    if (!embed_list.empty()) axes.embeds = parse_int_list(embed_list, "--embed");
     axes.inputs = parse_input_list(input_list);
     axes.causals = parse_causal_mode(causal_mode);
     axes.seed = o.seed;
@@ -627,7 +632,9 @@ struct SweepCommand {
                  plan.duplicates.front());
     ResultsDir results(out_dir, resume);
     PatternStore patterns(out_dir, resume);
-    for (const auto& c : plan.configs) patterns.plan(c.variant->spec(), c.problem, c.workload);
+    // Patterns are those of plain attention rows: a layer's heads attend projected inputs.
+    for (const auto& c : plan.configs)
+      if (c.embed == 0) patterns.plan(c.variant->spec(), c.problem, c.workload);
     fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
     MachineFigures mf = measure_machine(threads);
     fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
@@ -650,20 +657,22 @@ struct SweepCommand {
       probe.spec = c.variant->spec();
       probe.problem = c.problem;
       probe.workload = c.workload;
+      probe.embed = c.embed;
       if (resume && results.done(probe)) {
         total_work -= sweep_work(c);
         ++counts["kept"];
-        patterns.row_done(*c.variant, c.problem, c.workload, results.status(probe));
+        if (c.embed == 0)
+          patterns.row_done(*c.variant, c.problem, c.workload, results.status(probe));
         continue;
       }
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
-      fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, plan.configs.size(),
-                 probe.spec, describe(c.problem, c.workload), human_seconds(elapsed),
-                 human_seconds(eta));
+      fmt::print(stderr, "[{}/{}] {} {}{} | elapsed {} | ETA {}\n", index, plan.configs.size(),
+                 probe.spec, c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
+                 describe(c.problem, c.workload), human_seconds(elapsed), human_seconds(eta));
       const Row row = measure(c, mf, opt, results);
-      patterns.row_done(*c.variant, c.problem, c.workload, row.status);
+      if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
       ++counts[row.status];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
       done_work += sweep_work(c);
@@ -680,7 +689,10 @@ struct SweepCommand {
   static Row measure(const SweepConfig& c, const MachineFigures& mf, const RunOptions& opt,
                      ResultsDir& results) {
     nlohmann::json bench;
-    Row row = run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, &bench);
+    Row row = c.embed > 0
+                  ? run_layer(*c.variant, layer_problem(c), c.workload, nullptr, mf, opt,
+                              /*need_weights=*/false, nullptr, nullptr, &bench)
+                  : run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, &bench);
     results.append(row, bench);
     return row;
   }

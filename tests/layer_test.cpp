@@ -13,6 +13,8 @@
 
 #include "common/error.h"
 #include "common/random.h"
+#include "harness/results.h"
+#include "harness/sweep_plan.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -363,6 +365,50 @@ TEST(LayerCli, RefusesBadSizesWithAClearMessage) {
   const auto written = read_npz(out);
   EXPECT_EQ(written.at("output").shape, (std::vector<int64_t>{1, 5, 12}));
   EXPECT_EQ(written.at("attn_weights").shape, (std::vector<int64_t>{1, 5, 5}));
+}
+
+TEST(LayerSweep, EmbedRowsReplaceTheHeadDimensions) {
+  SweepAxes a;
+  a.seqs = {32};
+  a.batches = {1};
+  a.heads = {4};
+  a.dims = {16};  // not used by layer rows
+  a.embeds = {64, 96};
+  a.causals = {false};
+  a.inputs = {"gaussian"};
+  a.threads = 1;
+  std::vector<std::unique_ptr<Variant>> vs;
+  vs.push_back(make_variant("flash"));
+  const SweepPlan plan = plan_sweep(std::move(vs), a);
+  ASSERT_EQ(plan.configs.size(), 2u);
+  EXPECT_EQ(plan.configs[0].embed, 64);
+  EXPECT_EQ(plan.configs[0].problem.dim, 16);
+  EXPECT_EQ(plan.configs[1].embed, 96);
+  EXPECT_EQ(plan.configs[1].problem.dim, 24);
+  EXPECT_EQ(layer_problem(plan.configs[1]).keys(), 32);  // self-attention
+  EXPECT_GT(sweep_work(plan.configs[1]), sweep_work(plan.configs[0]));
+
+  a.embeds = {66};
+  std::vector<std::unique_ptr<Variant>> more;
+  more.push_back(make_variant("flash"));
+  EXPECT_THROW(plan_sweep(std::move(more), a), UsageError);
+  a.embeds = {64};
+  a.inputs = {"lowrank"};
+  std::vector<std::unique_ptr<Variant>> again;
+  again.push_back(make_variant("flash"));
+  const std::string msg = error_message<UsageError>([&] { plan_sweep(std::move(again), a); });
+  EXPECT_NE(msg.find("gaussian"), std::string::npos) << msg;
+}
+
+TEST(LayerSweep, EmbedIsAKeyColumnAndAttentionShareAColumn) {
+  const auto& keys = key_columns();
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "embed"), keys.end());
+  const auto& cols = csv_columns();
+  EXPECT_NE(std::find(cols.begin(), cols.end(), "attention_share"), cols.end());
+  Row plain, layer;
+  plain.spec = layer.spec = "flash";
+  layer.embed = 64;
+  EXPECT_NE(row_key(plain), row_key(layer));
 }
 
 }  // namespace
