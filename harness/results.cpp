@@ -71,6 +71,54 @@ std::string malformed_reason(const std::vector<std::string>& header,
   return "";
 }
 
+// Columns results.csv gained after its first version, with the field a row of an older file
+// stands for: resuming such a file rewrites it with them (embed 0 is plain attention).
+const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"}, {"attention_share", ""}};
+
+// Rewrites a results.csv whose header lacks only columns of kAddedColumns into the current
+// columns, filling them in; leaves any other file as it is (the caller then compares headers).
+void add_missing_columns(const fs::path& csv_path, const std::vector<std::string>& current) {
+  std::ifstream in(csv_path);
+  std::string line;
+  std::getline(in, line);
+  const auto header = split_csv_line(line);
+  if (header == current) return;
+  std::vector<int> from;  // per current column: its index in the old header, or -1
+  for (const auto& c : current) {
+    const auto it = std::find(header.begin(), header.end(), c);
+    if (it == header.end() && !kAddedColumns.count(c)) return;
+    from.push_back(it == header.end() ? -1 : int(it - header.begin()));
+  }
+  for (const auto& c : header)
+    if (std::find(current.begin(), current.end(), c) == current.end()) return;
+  std::string text;
+  for (size_t i = 0; i < current.size(); ++i) {
+    if (i) text += ',';
+    text += current[i];
+  }
+  text += '\n';
+  while (std::getline(in, line)) {
+    const auto f = split_csv_line(line);
+    if (line.empty() || f.size() != header.size()) {  // malformed: the caller reports it
+      text += line + '\n';
+      continue;
+    }
+    for (size_t i = 0; i < current.size(); ++i) {
+      if (i) text += ',';
+      text += csv_quote(from[i] < 0 ? kAddedColumns.at(current[i]) : f[size_t(from[i])]);
+    }
+    text += '\n';
+  }
+  in.close();
+  const fs::path tmp = csv_path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+  }
+  fs::rename(tmp, csv_path);
+}
+
 // Throws UsageError if `path` exists but is not a regular file (a directory, say).
 void require_regular_file(const fs::path& path) {
   std::error_code ec;
@@ -178,6 +226,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       fs::resize_file(csv_path, keep);
     }
   }
+  if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0)
+    add_missing_columns(csv_path, csv_columns());
   if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
     std::ifstream in(csv_path);
     std::string line;

@@ -411,5 +411,39 @@ TEST(LayerSweep, EmbedIsAKeyColumnAndAttentionShareAColumn) {
   EXPECT_NE(row_key(plain), row_key(layer));
 }
 
+TEST(LayerSweep, ResumeKeepsTheRowsOfAResultsFileWithoutTheLayerColumns) {
+  test::TempDir dir;
+  Row row;
+  row.spec = "full";
+  row.variant = "full";
+  row.status = "unsupported";
+  {
+    ResultsDir results(dir.path().string(), false);
+    results.append(row, nlohmann::json());
+  }
+  // The file as attnbench wrote it before the layer: without embed and attention_share.
+  const std::string path = dir.file("results.csv");
+  const auto lines = test::read_lines(path);
+  ASSERT_EQ(lines.size(), 2u);
+  const auto header = split_csv_line(lines[0]);
+  std::string old;
+  for (const auto& line : lines) {
+    const auto f = split_csv_line(line);
+    std::string out;
+    for (size_t i = 0; i < f.size(); ++i)
+      if (header[i] != "embed" && header[i] != "attention_share") {
+        if (!out.empty()) out += ',';
+        out += csv_quote(f[i]);
+      }
+    old += out + "\n";
+  }
+  test::write_text(path, old);
+  ResultsDir resumed(dir.path().string(), true);
+  EXPECT_EQ(resumed.rows_kept(), 1u);
+  EXPECT_TRUE(resumed.done(row));
+  EXPECT_EQ(split_csv_line(test::read_lines(path)[0]), csv_columns());
+  EXPECT_EQ(test::read_lines(path)[1], csv_line(row));
+}
+
 }  // namespace
 }  // namespace attnbench
