@@ -304,6 +304,24 @@ void add_timing_options(CLI::App* app, ProblemOptions& o) {
       ->check(number_in(0.0, 3600.0));
 }
 
+// The size options of run and layer.
+CLI::Option* add_batch_option(CLI::App* cmd, ProblemOptions& o) {
+  return cmd->add_option("--batch", o.batch, "batch size B")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxHeads));
+}
+CLI::Option* add_heads_option(CLI::App* cmd, ProblemOptions& o) {
+  return cmd->add_option("--heads", o.heads, "heads H")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxHeads));
+}
+CLI::Option* add_seq_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
+  return cmd->add_option("--seq", o.seq, help)->capture_default_str()->check(int_in(1, kMaxExtent));
+}
+CLI::Option* add_seq_k_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
+  return cmd->add_option("--seq-k", o.seq_k, help)->check(int_in(1, kMaxExtent));
+}
+
 // With --inputs the file decides the sizes: a size option given beside it must agree.
 void check_sizes_agree(const std::vector<CLI::Option*>& opts, const Problem& p,
                        const std::string& path) {
@@ -424,17 +442,9 @@ struct RunCommand {
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("run", "one variant on one problem");
     cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
-    shape_opts = {cmd->add_option("--batch", o.batch, "batch size B")
-                      ->capture_default_str()
-                      ->check(int_in(1, kMaxHeads)),
-                  cmd->add_option("--heads", o.heads, "heads H")
-                      ->capture_default_str()
-                      ->check(int_in(1, kMaxHeads)),
-                  cmd->add_option("--seq", o.seq, "query length n")
-                      ->capture_default_str()
-                      ->check(int_in(1, kMaxExtent)),
-                  cmd->add_option("--seq-k", o.seq_k, "key length m (default: n)")
-                      ->check(int_in(1, kMaxExtent)),
+    shape_opts = {add_batch_option(cmd, o), add_heads_option(cmd, o),
+                  add_seq_option(cmd, o, "query length n"),
+                  add_seq_k_option(cmd, o, "key length m (default: n)"),
                   cmd->add_option("--dim", o.dim, "head dimension d")
                       ->capture_default_str()
                       ->check(int_in(1, kMaxExtent))};
@@ -498,19 +508,11 @@ struct LayerCommand {
                                  "embedding size E (d = E / H); required "
                                  "without --inputs")
                      ->check(int_in(1, kMaxExtent)),
-                 cmd->add_option("--batch", o.batch, "batch size B")
-                     ->capture_default_str()
-                     ->check(int_in(1, kMaxHeads)),
-                 cmd->add_option("--seq", o.seq, "query length L")
-                     ->capture_default_str()
-                     ->check(int_in(1, kMaxExtent)),
-                 cmd->add_option("--seq-k", o.seq_k,
-                                 "key length S: cross-attention with its own key and value "
-                                 "(default: self-attention, key = value = query)")
-                     ->check(int_in(1, kMaxExtent))};
-    cmd->add_option("--heads", o.heads, "heads H")
-        ->capture_default_str()
-        ->check(int_in(1, kMaxHeads));
+                 add_batch_option(cmd, o), add_seq_option(cmd, o, "query length L"),
+                 add_seq_k_option(cmd, o,
+                                  "key length S: cross-attention with its own key and value "
+                                  "(default: self-attention, key = value = query)")};
+    add_heads_option(cmd, o);
     cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask in the attention core");
     cmd->add_flag("--need-weights", need_weights,
                   "also give the attention probabilities averaged over heads [B, L, S] (exact "
