@@ -49,9 +49,10 @@ struct LayerProblem {
   /// Bottom-right aligned causal mask of the attention core (common/problem.h).
   bool causal = false;
   uint64_t seed = 0;
-  // Masks of the layer (key_padding_mask [B, S], attn_mask [L, S] or [B H, L, S]) are
-  // attention problem fields: they join here when the Problem carries them, and
-  // load_layer_npz refuses them until then.
+  // Masks of the layer (key_padding_mask [B, S], attn_mask [L, S] or [B H, L, S]) and the
+  // scoring function are attention problem fields: they join here when the Problem carries
+  // them, and attention() passes them on to the core (load_layer_npz refuses the masks until
+  // then).
 
   int64_t keys() const { return m > 0 ? m : n; }
   int64_t head_dim() const { return heads > 0 ? embed / heads : 0; }
