@@ -27,6 +27,7 @@
 #include "common/pattern.h"
 #include "common/plugin.h"
 #include "common/registry.h"
+#include "harness/layer.h"
 #include "harness/machine.h"
 #include "harness/patterns.h"
 #include "harness/results.h"
@@ -303,6 +304,24 @@ void add_timing_options(CLI::App* app, ProblemOptions& o) {
       ->check(number_in(0.0, 3600.0));
 }
 
+// The size options of run and layer.
+CLI::Option* add_batch_option(CLI::App* cmd, ProblemOptions& o) {
+  return cmd->add_option("--batch", o.batch, "batch size B")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxHeads));
+}
+CLI::Option* add_heads_option(CLI::App* cmd, ProblemOptions& o) {
+  return cmd->add_option("--heads", o.heads, "heads H")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxHeads));
+}
+CLI::Option* add_seq_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
+  return cmd->add_option("--seq", o.seq, help)->capture_default_str()->check(int_in(1, kMaxExtent));
+}
+CLI::Option* add_seq_k_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
+  return cmd->add_option("--seq-k", o.seq_k, help)->check(int_in(1, kMaxExtent));
+}
+
 // With --inputs the file decides the sizes: a size option given beside it must agree.
 void check_sizes_agree(const std::vector<CLI::Option*>& opts, const Problem& p,
                        const std::string& path) {
@@ -355,6 +374,9 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
 void print_row(const Row& r) {
   fmt::print("variant      {}\n", r.spec);
   fmt::print("problem      {}\n", describe(r.problem, r.workload));
+  if (r.embed > 0)
+    fmt::print("layer        E={}: {} heads of d={}, in- and out-projection around the variant\n",
+               r.embed, r.problem.heads, r.problem.dim);
   fmt::print("status       {}{}\n", r.status, r.message.empty() ? "" : ": " + r.message);
   if (r.status != "ok") return;
   fmt::print(
@@ -374,6 +396,9 @@ void print_row(const Row& r) {
         "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
         "variant's pattern\n",
         r.error.mass_mean, r.error.mass_min);
+  if (r.embed > 0)
+    fmt::print("core share   {:.1f}% of the layer's time in the attention core (measured)\n",
+               100 * r.attention_share);
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
   if (!r.phases.empty()) {
     double total = 0;
@@ -417,17 +442,9 @@ struct RunCommand {
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("run", "one variant on one problem");
     cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
-    shape_opts = {cmd->add_option("--batch", o.batch, "batch size B")
-                      ->capture_default_str()
-                      ->check(int_in(1, kMaxHeads)),
-                  cmd->add_option("--heads", o.heads, "heads H")
-                      ->capture_default_str()
-                      ->check(int_in(1, kMaxHeads)),
-                  cmd->add_option("--seq", o.seq, "query length n")
-                      ->capture_default_str()
-                      ->check(int_in(1, kMaxExtent)),
-                  cmd->add_option("--seq-k", o.seq_k, "key length m (default: n)")
-                      ->check(int_in(1, kMaxExtent)),
+    shape_opts = {add_batch_option(cmd, o), add_heads_option(cmd, o),
+                  add_seq_option(cmd, o, "query length n"),
+                  add_seq_k_option(cmd, o, "key length m (default: n)"),
                   cmd->add_option("--dim", o.dim, "head dimension d")
                       ->capture_default_str()
                       ->check(int_in(1, kMaxExtent))};
@@ -474,13 +491,97 @@ struct RunCommand {
   }
 };
 
+// ----- layer -----
+
+struct LayerCommand {
+  ProblemOptions o;
+  int64_t embed = 0;
+  std::string spec, inputs_path, output_path;
+  bool json = false, need_weights = false;
+  std::vector<CLI::Option*> size_opts;  // the sizes an --inputs file decides
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand(
+        "layer", "a multi-head attention layer (torch.nn.MultiheadAttention) around a variant");
+    cmd->add_option("--variant", spec, "variant spec of the attention core")->required();
+    size_opts = {cmd->add_option("--embed", embed,
+                                 "embedding size E (d = E / H); required "
+                                 "without --inputs")
+                     ->check(int_in(1, kMaxExtent)),
+                 add_batch_option(cmd, o), add_seq_option(cmd, o, "query length L"),
+                 add_seq_k_option(cmd, o,
+                                  "key length S: cross-attention with its own key and value "
+                                  "(default: self-attention, key = value = query)")};
+    add_heads_option(cmd, o);
+    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask in the attention core");
+    cmd->add_flag("--need-weights", need_weights,
+                  "also give the attention probabilities averaged over heads [B, L, S] (exact "
+                  "variants only)");
+    add_timing_options(cmd, o);
+    cmd->add_option("--inputs", inputs_path,
+                    ".npz with PyTorch's names: query, key, value, in_proj_weight, "
+                    "in_proj_bias, out_proj.weight, out_proj.bias")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--output", output_path,
+                    "write output [B, L, E] (and attn_weights [B, L, S]) to this .npz");
+    cmd->add_flag("--json", json, "print the result row as JSON");
+    return cmd;
+  }
+
+  int run() const {
+    auto variant = make_variant(spec);
+    LayerProblem lp;
+    lp.batch = o.batch, lp.embed = embed, lp.heads = o.heads, lp.n = o.seq, lp.m = o.seq_k;
+    lp.causal = o.causal, lp.seed = o.seed;
+    Workload w;
+    std::optional<LayerData> given;
+    if (!inputs_path.empty()) {
+      given = load_layer_npz(inputs_path, &lp);
+      w.input = "file";
+      for (const CLI::Option* opt : size_opts) {
+        if (opt->count() == 0) continue;
+        const std::string name = opt->get_name();
+        const int64_t value = opt->as<int64_t>(), file = name == "--embed"   ? lp.embed
+                                                         : name == "--batch" ? lp.batch
+                                                         : name == "--seq"   ? lp.n
+                                                                             : lp.keys();
+        if (value != file)
+          throw UsageError(fmt::format(
+              "{} {} disagrees with --inputs {}, whose query is [B, L, E] = [{}, {}, "
+              "{}] and key [B, S, E] = [{}, {}, {}]; with --inputs leave the size "
+              "options out or give the file's sizes",
+              name, value, inputs_path, lp.batch, lp.n, lp.embed, lp.batch, lp.keys(), lp.embed));
+      }
+    } else if (embed == 0) {
+      throw UsageError("layer: --embed E is required (or --inputs FILE, whose arrays give E)");
+    }
+    w.threads = apply_threads(o.threads);
+    lp.validate();
+    MachineFigures mf = measure_machine(w.threads, /*quick=*/true);
+    RunOptions opt{.reps = o.reps, .min_time = o.min_time};
+    Tensor out, weights;
+    Row row = run_layer(*variant, lp, w, given ? &*given : nullptr, mf, opt, need_weights, &out,
+                        &weights);
+    if (json)
+      fmt::print("{}\n", to_json(row).dump(2));
+    else
+      print_row(row);
+    if (row.status != "ok") {
+      fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
+      return 1;
+    }
+    if (!output_path.empty()) write_layer_npz(output_path, out, need_weights ? &weights : nullptr);
+    return 0;
+  }
+};
+
 // ----- sweep -----
 
 struct SweepCommand {
   ProblemOptions o;
   std::vector<std::string> specs;
   std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
-              causal_mode = "off", input_list = "gaussian", out_dir;
+              embed_list, causal_mode = "off", input_list = "gaussian", out_dir;
   bool resume = false;
 
   CLI::App* add(CLI::App& app) {
@@ -489,7 +590,11 @@ struct SweepCommand {
     cmd->add_option("--seq", seq_list, "query lengths n")->capture_default_str();
     cmd->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
     cmd->add_option("--heads", heads_list, "head counts")->capture_default_str();
-    cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    auto* dim_opt = cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    cmd->add_option("--embed", embed_list,
+                    "embedding sizes E: multi-head layer rows (torch.nn.MultiheadAttention "
+                    "around each variant), d = E / H in place of --dim")
+        ->excludes(dim_opt);
     cmd->add_option("--causal", causal_mode, "causal mask: off, on or both")
         ->capture_default_str()
         ->check(CLI::IsMember({"off", "on", "both"}));
@@ -510,6 +615,7 @@ struct SweepCommand {
     axes.batches = parse_int_list(batch_list, "--batch");
     axes.heads = parse_int_list(heads_list, "--heads");
     axes.dims = parse_int_list(dim_list, "--dim");
+    if (!embed_list.empty()) axes.embeds = parse_int_list(embed_list, "--embed");
     axes.inputs = parse_input_list(input_list);
     axes.causals = parse_causal_mode(causal_mode);
     axes.seed = o.seed;
@@ -528,7 +634,9 @@ struct SweepCommand {
                  plan.duplicates.front());
     ResultsDir results(out_dir, resume);
     PatternStore patterns(out_dir, resume);
-    for (const auto& c : plan.configs) patterns.plan(c.variant->spec(), c.problem, c.workload);
+    // Patterns are those of plain attention rows: a layer's heads attend projected inputs.
+    for (const auto& c : plan.configs)
+      if (c.embed == 0) patterns.plan(c.variant->spec(), c.problem, c.workload);
     fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
     MachineFigures mf = measure_machine(threads);
     fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
@@ -551,20 +659,22 @@ struct SweepCommand {
       probe.spec = c.variant->spec();
       probe.problem = c.problem;
       probe.workload = c.workload;
+      probe.embed = c.embed;
       if (resume && results.done(probe)) {
         total_work -= sweep_work(c);
         ++counts["kept"];
-        patterns.row_done(*c.variant, c.problem, c.workload, results.status(probe));
+        if (c.embed == 0)
+          patterns.row_done(*c.variant, c.problem, c.workload, results.status(probe));
         continue;
       }
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
-      fmt::print(stderr, "[{}/{}] {} {} | elapsed {} | ETA {}\n", index, plan.configs.size(),
-                 probe.spec, describe(c.problem, c.workload), human_seconds(elapsed),
-                 human_seconds(eta));
+      fmt::print(stderr, "[{}/{}] {} {}{} | elapsed {} | ETA {}\n", index, plan.configs.size(),
+                 probe.spec, c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
+                 describe(c.problem, c.workload), human_seconds(elapsed), human_seconds(eta));
       const Row row = measure(c, mf, opt, results);
-      patterns.row_done(*c.variant, c.problem, c.workload, row.status);
+      if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
       ++counts[row.status];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
       done_work += sweep_work(c);
@@ -581,7 +691,10 @@ struct SweepCommand {
   static Row measure(const SweepConfig& c, const MachineFigures& mf, const RunOptions& opt,
                      ResultsDir& results) {
     nlohmann::json bench;
-    Row row = run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, &bench);
+    Row row = c.embed > 0
+                  ? run_layer(*c.variant, layer_problem(c), c.workload, nullptr, mf, opt,
+                              /*need_weights=*/false, nullptr, nullptr, &bench)
+                  : run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, &bench);
     results.append(row, bench);
     return row;
   }
@@ -794,12 +907,14 @@ int cli_main(int argc, char** argv) {
   ListCommand list;
   RunCommand run;
   SweepCommand sweep;
+  LayerCommand layer;
   PatternCommand pattern;
   MachineCommand machine;
   std::vector<std::pair<const CLI::App*, std::function<int()>>> commands;
   commands.emplace_back(list.add(app), [&] { return list.run(); });
   commands.emplace_back(run.add(app), [&] { return run.run(); });
   commands.emplace_back(sweep.add(app), [&] { return sweep.run(argc, argv); });
+  commands.emplace_back(layer.add(app), [&] { return layer.run(); });
   commands.emplace_back(pattern.add(app), [&] { return pattern.run(); });
   commands.emplace_back(machine.add(app), [&] { return machine.run(); });
 

@@ -13,9 +13,6 @@
 
 namespace attnbench {
 
-namespace {
-
-// Query rows of each head to compare: all of them, or a seeded sample.
 std::vector<std::vector<int64_t>> pick_rows(const Problem& p, double exact_limit) {
   const int64_t heads = p.batch * p.heads;
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(heads));
@@ -41,8 +38,6 @@ std::vector<std::vector<int64_t>> pick_rows(const Problem& p, double exact_limit
   }
   return rows;
 }
-
-}  // namespace
 
 double error_memory_estimate(const Problem& p, double exact_limit) {
   // one head's reference rows in double, plus the row lists

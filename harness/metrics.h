@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "common/pattern.h"
 #include "common/problem.h"
@@ -24,6 +25,10 @@ struct ErrorStats {
   /// (mean and minimum over the rows used); NaN for other variants.
   double mass_mean = NAN, mass_min = NAN;
 };
+
+/// The query rows of each head (b, h) the error is measured on, indexed b * H + h, sorted:
+/// every row up to `exact_limit` pairs, else a seeded sample of about exact_limit / m rows.
+std::vector<std::vector<int64_t>> pick_rows(const Problem& p, double exact_limit);
 
 /// Compares `out` with the double-precision reference. Rows are sampled with p.seed when the
 /// problem exceeds `exact_limit` pairs.

@@ -25,8 +25,9 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec",   "batch", "heads", "n",    "m",      "dim",
-                                              "causal", "input", "scale", "seed", "threads"};
+const std::vector<std::string> kKeyColumns = {"spec",  "batch", "heads", "n",
+                                              "m",     "dim",   "embed", "causal",
+                                              "input", "scale", "seed",  "threads"};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -56,7 +57,7 @@ std::string malformed_reason(const std::vector<std::string>& header,
   if (at("spec").empty()) return "empty spec";
   for (const char* c : {"batch", "heads", "n", "m", "dim"})
     if (!integer(at(c), 1)) return fmt::format("{} is '{}', not a positive integer", c, at(c));
-  for (const char* c : {"seed", "threads"})
+  for (const char* c : {"seed", "threads", "embed"})
     if (!integer(at(c), 0)) return fmt::format("{} is '{}', not an integer", c, at(c));
   if (at("causal") != "0" && at("causal") != "1")
     return fmt::format("causal is '{}', not 0 or 1", at("causal"));
@@ -68,6 +69,54 @@ std::string malformed_reason(const std::vector<std::string>& header,
     for (const char* c : {"time_median_s", "time_min_s", "time_max_s"})
       if (!number(at(c))) return fmt::format("an ok row whose {} is '{}'", c, at(c));
   return "";
+}
+
+// Columns results.csv gained after its first version, with the field a row of an older file
+// stands for: resuming such a file rewrites it with them (embed 0 is plain attention).
+const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"}, {"attention_share", ""}};
+
+// Rewrites a results.csv whose header lacks only columns of kAddedColumns into the current
+// columns, filling them in; leaves any other file as it is (the caller then compares headers).
+void add_missing_columns(const fs::path& csv_path, const std::vector<std::string>& current) {
+  std::ifstream in(csv_path);
+  std::string line;
+  std::getline(in, line);
+  const auto header = split_csv_line(line);
+  if (header == current) return;
+  std::vector<int> from;  // per current column: its index in the old header, or -1
+  for (const auto& c : current) {
+    const auto it = std::find(header.begin(), header.end(), c);
+    if (it == header.end() && !kAddedColumns.count(c)) return;
+    from.push_back(it == header.end() ? -1 : int(it - header.begin()));
+  }
+  for (const auto& c : header)
+    if (std::find(current.begin(), current.end(), c) == current.end()) return;
+  std::string text;
+  for (size_t i = 0; i < current.size(); ++i) {
+    if (i) text += ',';
+    text += current[i];
+  }
+  text += '\n';
+  while (std::getline(in, line)) {
+    const auto f = split_csv_line(line);
+    if (line.empty() || f.size() != header.size()) {  // malformed: the caller reports it
+      text += line + '\n';
+      continue;
+    }
+    for (size_t i = 0; i < current.size(); ++i) {
+      if (i) text += ',';
+      text += csv_quote(from[i] < 0 ? kAddedColumns.at(current[i]) : f[size_t(from[i])]);
+    }
+    text += '\n';
+  }
+  in.close();
+  const fs::path tmp = csv_path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+  }
+  fs::rename(tmp, csv_path);
 }
 
 // Throws UsageError if `path` exists but is not a regular file (a directory, say).
@@ -177,6 +226,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       fs::resize_file(csv_path, keep);
     }
   }
+  if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0)
+    add_missing_columns(csv_path, csv_columns());
   if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
     std::ifstream in(csv_path);
     std::string line;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -192,6 +193,87 @@ nlohmann::json parse_benchmark_json(const std::string& text) {
 
 double available_memory() { return double(available_memory_bytes()); }
 
+bool time_passes(const std::string& name, const RunOptions& opt, const MachineFigures& mf,
+                 const std::function<void()>& pass, Row& row, nlohmann::json* bench_json) {
+  // Timed passes by Google Benchmark. The peak heap above the level at the start of each
+  // run is measured here (no MemoryManager: see PeakScope) and reported as the run's
+  // `peak_bytes` counter; the row keeps the largest.
+  double peak = 0;
+  PhaseTimes phase_times;  // of every timed pass
+  int64_t passes = 0;
+  auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
+    PeakScope scope;
+    {
+      InstallPhaseSink sink(&phase_times);
+      for (auto _ : st) {
+        pass();
+        benchmark::ClobberMemory();
+      }
+    }
+    passes += int64_t(st.iterations());
+    const double run_peak = double(scope.peak_bytes());
+    peak = std::max(peak, run_peak);
+    st.counters["FLOPS"] =
+        benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
+    if (heap_counting()) st.counters["peak_bytes"] = benchmark::Counter(run_peak);
+  });
+  bm->Repetitions(std::max(1, opt.reps));
+  // Google Benchmark requires a positive MinTime; 0 means one pass per repetition.
+  if (opt.min_time > 0)
+    bm->MinTime(opt.min_time);
+  else
+    bm->Iterations(1);
+  bm->UseRealTime()->Unit(benchmark::kMillisecond)->Threads(1);
+  CaptureReporter rep;
+  benchmark::RunSpecifiedBenchmarks(&rep);
+  benchmark::ClearRegisteredBenchmarks();
+  if (!rep.error_.empty() || rep.times_.empty()) {
+    row.status = "error";
+    row.message = rep.error_.empty() ? "benchmark produced no runs" : rep.error_;
+    return false;
+  }
+  if (bench_json) *bench_json = parse_benchmark_json(rep.json_text_.str());
+  auto& t = rep.times_;
+  row.reps = int(t.size());
+  row.iterations = rep.iterations_;
+  row.time_median = median(t);
+  row.time_min = *std::min_element(t.begin(), t.end());
+  row.time_max = *std::max_element(t.begin(), t.end());
+  double mean = 0, var = 0;
+  for (double x : t) mean += x / double(t.size());
+  for (double x : t) var += (x - mean) * (x - mean);
+  row.time_stddev = t.size() > 1 ? std::sqrt(var / double(t.size() - 1)) : 0.0;
+  row.gflops = row.flops / row.time_median / 1e9;
+  row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
+  row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
+  phase_times.check();
+  row.phases = phase_times.per_pass(passes);
+  return true;
+}
+
+void check_run_options(const RunOptions& opt) {
+  if (!(opt.min_time >= 0 && opt.min_time <= 3600) || opt.reps < 1)
+    throw UsageError(
+        fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
+                    "and min_time in [0, 3600]",
+                    opt.reps, opt.min_time));
+}
+
+std::string too_large(double need, double estimate, const RunOptions& opt) {
+  const double limit = opt.memory_limit > 0 ? opt.memory_limit : 0.8 * available_memory();
+  if (need <= limit) return "";
+  return fmt::format(
+      "needs about {} (inputs, output and the variant's estimate of {}), "
+      "more than the {} allowed",
+      gib(need), gib(estimate), gib(limit));
+}
+
+void record_failure(Row& row, const std::exception& e) {
+  const bool unsupported = dynamic_cast<const UnsupportedError*>(&e) != nullptr;
+  row.status = unsupported ? "unsupported" : "error";
+  row.message = dynamic_cast<const std::bad_alloc*>(&e) ? "out of memory" : e.what();
+}
+
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output,
             nlohmann::json* bench_json) {
@@ -205,11 +287,7 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
   try {
     row.spec = variant.spec();
     row.variant = variant.info().name;
-    if (!(opt.min_time >= 0 && opt.min_time <= 3600) || opt.reps < 1)
-      throw UsageError(
-          fmt::format("run options: reps {} and min_time {} s; accepted: reps >= 1 "
-                      "and min_time in [0, 3600]",
-                      opt.reps, opt.min_time));
+    check_run_options(opt);
     row.workload.threads = resolve_threads(w.threads);
     team.emplace(row.workload.threads);
     p.validate();
@@ -221,13 +299,9 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4;
     const double need =
         row.estimated_bytes + (given ? 0 : io_bytes) + error_memory_estimate(p, opt.exact_limit);
-    const double limit = opt.memory_limit > 0 ? opt.memory_limit : 0.8 * available_memory();
-    if (need > limit) {
+    if (std::string why = too_large(need, row.estimated_bytes, opt); !why.empty()) {
       row.status = "skipped";
-      row.message = fmt::format(
-          "needs about {} (inputs, output and the variant's estimate of {}), "
-          "more than the {} allowed",
-          gib(need), gib(row.estimated_bytes), gib(limit));
+      row.message = why;
       return row;
     }
 
@@ -248,71 +322,15 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
                               pattern.get());
     pattern.reset();
 
-    // Timed passes by Google Benchmark. The peak heap above the level at the start of each
-    // run is measured here (no MemoryManager: see PeakScope) and reported as the run's
-    // `peak_bytes` counter; the row keeps the largest.
-    const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
-    double peak = 0;
-    PhaseTimes phase_times;  // of every timed pass
-    int64_t passes = 0;
-    auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
-      PeakScope scope;
-      {
-        InstallPhaseSink sink(&phase_times);
-        for (auto _ : st) {
-          variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-          benchmark::ClobberMemory();
-        }
-      }
-      passes += int64_t(st.iterations());
-      const double run_peak = double(scope.peak_bytes());
-      peak = std::max(peak, run_peak);
-      st.counters["FLOPS"] =
-          benchmark::Counter(row.flops, benchmark::Counter::kIsIterationInvariantRate);
-      if (heap_counting()) st.counters["peak_bytes"] = benchmark::Counter(run_peak);
-    });
-    bm->Repetitions(std::max(1, opt.reps));
-    // Google Benchmark requires a positive MinTime; 0 means one pass per repetition.
-    if (opt.min_time > 0)
-      bm->MinTime(opt.min_time);
-    else
-      bm->Iterations(1);
-    bm->UseRealTime()->Unit(benchmark::kMillisecond)->Threads(1);
-    CaptureReporter rep;
-    benchmark::RunSpecifiedBenchmarks(&rep);
-    benchmark::ClearRegisteredBenchmarks();
-    if (!rep.error_.empty() || rep.times_.empty()) {
-      row.status = "error";
-      row.message = rep.error_.empty() ? "benchmark produced no runs" : rep.error_;
+    if (!time_passes(
+            fmt::format("{}/{}", row.spec, describe(p, w)), opt, mf,
+            [&] { variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view()); }, row,
+            bench_json))
       return row;
-    }
-    if (bench_json) *bench_json = parse_benchmark_json(rep.json_text_.str());
-    auto& t = rep.times_;
-    row.reps = int(t.size());
-    row.iterations = rep.iterations_;
-    row.time_median = median(t);
-    row.time_min = *std::min_element(t.begin(), t.end());
-    row.time_max = *std::max_element(t.begin(), t.end());
-    double mean = 0, var = 0;
-    for (double x : t) mean += x / double(t.size());
-    for (double x : t) var += (x - mean) * (x - mean);
-    row.time_stddev = t.size() > 1 ? std::sqrt(var / double(t.size() - 1)) : 0.0;
-    row.gflops = row.flops / row.time_median / 1e9;
-    row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
-    row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
-    row.notes = variant.notes();                    // of the last timed pass
-    phase_times.check();
-    row.phases = phase_times.per_pass(passes);
+    row.notes = variant.notes();  // of the last timed pass
     if (output) *output = std::move(out);
-  } catch (const UnsupportedError& e) {
-    row.status = "unsupported";
-    row.message = e.what();
-  } catch (const std::bad_alloc&) {
-    row.status = "error";
-    row.message = "out of memory";
   } catch (const std::exception& e) {
-    row.status = "error";
-    row.message = e.what();
+    record_failure(row, e);
   }
   return row;
 }
@@ -336,6 +354,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"n", p.n},
            {"m", p.keys()},
            {"dim", p.dim},
+           {"embed", r.embed},
            {"causal", p.causal},
            {"input", w.input},
            {"scale", w.scale},
@@ -362,7 +381,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"mass_mean", num(r.error.mass_mean)},
            {"mass_min", num(r.error.mass_min)},
            {"notes", r.notes},
-           {"phases", phases_text(r.phases)}};
+           {"phases", phases_text(r.phases)},
+           {"attention_share", num(r.attention_share)}};
 }
 
 }  // namespace attnbench

@@ -2,6 +2,8 @@
 // and timing and peak memory through Google Benchmark.
 #pragma once
 
+#include <exception>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -40,6 +42,12 @@ struct Row {
   /// Seconds per timed pass in each phase the variant marks (common/phase.h), summed over
   /// the threads that ran it; the mean over every timed pass. Empty if it marks none.
   std::map<std::string, double> phases;
+  /// A multi-head layer row (harness/layer.h): its embedding size E (d = E / H); 0 for a row
+  /// of plain attention.
+  int64_t embed = 0;
+  /// A layer row: the attention core's share of the layer's time, measured around the core
+  /// within the timed passes; NaN for plain attention.
+  double attention_share = NAN;
 };
 
 /// Threads per core a run may ask for: more only measures the scheduler, and far more makes
@@ -83,6 +91,25 @@ double available_memory();
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output = nullptr,
             nlohmann::json* bench_json = nullptr);
+
+/// Throws UsageError for repetitions below 1 or a min_time outside [0, 3600] s.
+void check_run_options(const RunOptions& opt);
+
+/// Why `need` bytes (of which `estimate` is the variant's) will not fit under opt's memory
+/// limit, or "" if they do.
+std::string too_large(double need, double estimate, const RunOptions& opt);
+
+/// Times `pass` with Google Benchmark under `name`: opt.reps repetitions of at least
+/// opt.min_time seconds each, with the heap peak and the phases marked inside it counted.
+/// Fills row's time, reps, iterations, gflops (from row.flops), gemm_fraction, peak_bytes and
+/// phases, and *bench_json if given. Returns false with row.status "error" when Google
+/// Benchmark reports an error or no run.
+bool time_passes(const std::string& name, const RunOptions& opt, const MachineFigures& mf,
+                 const std::function<void()>& pass, Row& row, nlohmann::json* bench_json);
+
+/// Sets row.status and message for an exception that ended a run: "unsupported" for an
+/// UnsupportedError, "error" otherwise ("out of memory" for std::bad_alloc).
+void record_failure(Row& row, const std::exception& e);
 
 /// Parses Google Benchmark's JSON text, reading the bare NaN and inf its reporter writes for
 /// non-finite figures as null.

@@ -29,26 +29,46 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   // Two specs that name the same canonical variant, or a value listed twice, would measure
   // one configuration twice: keep the first.
   std::set<std::string> seen;
+  // Layer rows take the place of the head dimensions: d = E / H.
+  const bool layer = !axes.embeds.empty();
+  if (layer)
+    for (const auto& in : axes.inputs)
+      if (in != "gaussian")
+        throw UsageError(fmt::format(
+            "--input {}: layer rows (--embed) draw gaussian inputs and parameters; accepted "
+            "with --embed: gaussian",
+            in));
+  const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   for (const auto& in : axes.inputs)
     for (bool c : axes.causals)
-      for (auto d : axes.dims)
+      for (auto size : sizes)
         for (auto h : axes.heads)
           for (auto b : axes.batches)
             for (auto n : axes.seqs)
               for (const auto& v : plan.variants) {
                 Problem p;
-                p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.seed = axes.seed;
+                p.batch = b, p.heads = h, p.n = n, p.dim = size, p.causal = c, p.seed = axes.seed;
+                const int64_t embed = layer ? size : 0;
+                if (layer) {
+                  LayerProblem lp;
+                  lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.causal = c;
+                  lp.seed = axes.seed;
+                  lp.validate();
+                  p = lp.attention();
+                }
                 Workload w;
                 w.input = in, w.threads = axes.threads;
                 p.validate();
                 w.validate(p);
                 Row key;
-                key.spec = v->spec(), key.problem = p, key.workload = w;
+                key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
                 if (!seen.insert(row_key(key)).second) {
-                  plan.duplicates.push_back(fmt::format("{} {}", key.spec, describe(p, w)));
+                  plan.duplicates.push_back(fmt::format("{} {}{}", key.spec,
+                                                        layer ? fmt::format("E={},", embed) : "",
+                                                        describe(p, w)));
                   continue;
                 }
-                plan.configs.push_back({v.get(), p, w});
+                plan.configs.push_back({v.get(), p, w, embed});
               }
   return plan;
 }
@@ -72,11 +92,20 @@ std::vector<std::string> parse_input_list(const std::string& text) {
   return inputs;
 }
 
+LayerProblem layer_problem(const SweepConfig& config) {
+  const Problem& p = config.problem;
+  LayerProblem lp;
+  lp.batch = p.batch, lp.embed = config.embed, lp.heads = p.heads, lp.n = p.n, lp.m = p.m;
+  lp.causal = p.causal, lp.seed = p.seed;
+  return lp;
+}
+
 double sweep_work(const SweepConfig& config) {
   // An estimate that fails counts as the fixed cost; run_one reports the failure in the row.
   double f = 0;
   try {
-    f = config.variant->flops(config.problem);
+    f = config.embed > 0 ? layer_flops(*config.variant, layer_problem(config))
+                         : config.variant->flops(config.problem);
   } catch (const std::exception&) {
   }
   return (std::isfinite(f) && f > 0 ? f : 0) + 1e8;

@@ -11,6 +11,7 @@
 #include "common/problem.h"
 #include "common/registry.h"
 #include "common/workload.h"
+#include "harness/layer.h"
 
 namespace attnbench {
 
@@ -18,6 +19,9 @@ namespace attnbench {
 struct SweepAxes {
   std::vector<int64_t> seqs;  ///< query lengths n (m = n)
   std::vector<int64_t> batches, heads, dims;
+  /// Embedding sizes E of multi-head layer rows (harness/layer.h), with d = E / H in place of
+  /// `dims`; empty: rows of plain attention.
+  std::vector<int64_t> embeds;
   std::vector<bool> causals;
   std::vector<std::string> inputs;  ///< input distributions
   uint64_t seed = 0;
@@ -29,6 +33,7 @@ struct SweepConfig {
   Variant* variant = nullptr;  ///< owned by the plan
   Problem problem;
   Workload workload;  ///< threads resolved (never 0)
+  int64_t embed = 0;  ///< a multi-head layer row of this E around the variant; 0: plain
 };
 
 /// The configurations of a sweep in run order.
@@ -45,9 +50,9 @@ struct SweepPlan {
 /// `specs` is empty. Throws SpecError for a bad spec (before any work is planned).
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
-/// Expands variants x axes into the plan. Order, outermost first: inputs, causal, dims, heads,
-/// batches, seqs, variants. Throws UsageError for a problem that fails Problem::validate
-/// (or a workload that fails Workload::validate).
+/// Expands variants x axes into the plan. Order, outermost first: inputs, causal, dims (or
+/// embeds), heads, batches, seqs, variants. Throws UsageError for a problem that fails
+/// Problem::validate (or a workload that fails Workload::validate).
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.
@@ -56,6 +61,9 @@ std::vector<bool> parse_causal_mode(const std::string& mode);
 /// --input of the sweep: comma-separated input distribution names, in the order given.
 /// Throws UsageError naming an unknown one and the accepted names.
 std::vector<std::string> parse_input_list(const std::string& text);
+
+/// The layer a configuration with embed > 0 runs (self-attention, as the sweep's m = n).
+LayerProblem layer_problem(const SweepConfig& config);
 
 /// The work of a configuration, for the sweep's ETA: its FLOPs (0 if the variant cannot
 /// estimate them) plus a fixed cost per row.

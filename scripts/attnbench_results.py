@@ -15,16 +15,20 @@ import sys
 import pandas as pd
 
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
-PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed", "threads"]
+PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "input", "scale", "seed",
+                   "threads"]
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
+# Key columns added after results were first written, with the value an older file's rows
+# stand for: `embed` is the embedding size of a multi-head layer row, 0 for plain attention.
+ADDED_COLUMNS = {"embed": 0}
 # Timing columns, in seconds: the median of the repetitions and their spread.
 TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
 REQUIRED_COLUMNS = KEY_COLUMNS + ["status", "message"] + TIME_COLUMNS + [
     "reps", "peak_bytes", "rel_fro_error"]
-NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "scale", "seed", "threads",
-                   "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
-INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "seed", "threads", "reps"]
+NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "scale", "seed",
+                   "threads", "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
+INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "seed", "threads", "reps"]
 
 
 class ResultsError(Exception):
@@ -92,6 +96,9 @@ def read_csv(path, text_columns, required, contents):
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResultsError(f"'{path}' is not a readable CSV file ({first})") from None
+    for c, value in ADDED_COLUMNS.items():
+        if c not in df.columns:
+            df[c] = value
     missing = [c for c in required if c not in df.columns]
     if missing:
         raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "

@@ -3,8 +3,9 @@
 
     scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--fail-on-regression]
 
-Rows are joined on the variant spec and the problem columns (batch, heads, n, m, dim, causal,
-input, scale, seed, threads), the key `attnbench sweep` itself uses. For every row measured in
+Rows are joined on the variant spec and the problem columns (batch, heads, n, m, dim, embed,
+causal, input, scale, seed, threads; embed is 0 for plain attention and for results written
+before layer rows existed), the key `attnbench sweep` itself uses. For every row measured in
 both runs it prints the median times, the ratio B/A and the speed-up A/B, and flags the change
 when it is beyond the measured spread: each run's repetitions span [time_min_s, time_max_s],
 and a row is flagged "slower" or "faster" when the two spans do not overlap (and, with
@@ -26,7 +27,7 @@ from attnbench_results import (KEY_COLUMNS, PROBLEM_COLUMNS, format_seconds, loa
                                load_results, problem_label, run_main, spec_order)
 
 PROG = "compare.py"
-SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "causal": "causal",
+SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E", "causal": "causal",
          "input": "input", "scale": "scale", "seed": "seed", "threads": "threads"}
 
 
@@ -120,7 +121,8 @@ def main():
     m_is_n = bool((joined["m"] == joined["n"]).all())
     shown = [c for c in PROBLEM_COLUMNS
              if c == "n" or (joined[c].nunique() > 1 and not (c == "m" and m_is_n))]
-    fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m"]
+    fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m" and
+             not (c == "embed" and (joined[c] == 0).all())]
     first = joined.iloc[0]
     print("all rows: " + ", ".join((["m=n"] if m_is_n else []) +
                                    [f"{c}={_plain(first[c])}" for c in fixed]), file=out)

@@ -8,6 +8,7 @@ packages=(
   libeigen3-dev libopenblas-openmp-dev libbenchmark-dev libfmt-dev nlohmann-json3-dev
   libcli11-dev libgtest-dev libzip-dev
   libbenchmark-tools python3 python3-scipy python3-matplotlib python3-pandas
+  python3-numpy python3-torch
 )
 
 # --dev adds what the clang build, the sanitizer runs and the fuzzers need (scripts/clang_build.sh,

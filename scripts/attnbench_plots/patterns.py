@@ -17,7 +17,7 @@ from .style import causal_name, code, fmt_n, md_table, remove, warn
 # DIR/patterns/index.csv (harness/patterns.h): the results.csv key of the row a pattern belongs
 # to, the file (empty for a variant without a pattern) and why there is no file.
 INDEX_COLUMNS = KEY_COLUMNS + ["file", "message"]
-INDEX_NUMERIC = ["batch", "heads", "n", "m", "dim", "causal", "scale", "seed", "threads"]
+INDEX_NUMERIC = ["batch", "heads", "n", "m", "dim", "embed", "causal", "scale", "seed", "threads"]
 TILE_PIXELS = 256  # largest side of one pattern image in the gallery
 
 
