@@ -6,7 +6,7 @@ import re
 
 from attnbench_results import problem_label
 
-from . import crossover, error, patterns, time_memory
+from . import crossover, error, layer, patterns, time_memory
 from .context import Context
 from .style import code, md_table, remove, unit
 
@@ -14,7 +14,7 @@ FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossove
 # The report's sections after its header, in order; each draws its own figures.
 SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
             error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
-            patterns.section]
+            layer.section, patterns.section]
 
 
 def header(ctx):

@@ -1,0 +1,106 @@
+"""The multi-head layer (rows with embed > 0, from `sweep --embed`): layer time and the
+attention core's share of it against n, and the length at which each variant makes the layer
+twice as fast as with `full`."""
+
+import math
+
+from attnbench_results import format_seconds
+
+from .crossover import crossover, ratio_series
+from .style import code, finish, fmt_n, log2_n_axis, md_table, new_grid, remove, series
+
+# The speed-up of the layer the table asks for (time with full / time with the variant).
+TARGET_SPEEDUP = 2.0
+
+
+def layer_rows(ctx):
+    if "embed" not in ctx.timed.columns:
+        return ctx.timed.iloc[0:0]
+    return ctx.timed[ctx.timed["embed"] > 0]
+
+
+def twice_as_fast_text(ns, ratio):
+    """Where time / time with full first drops below 1 / TARGET_SPEEDUP."""
+    if len(ns) == 0:
+        return "— (no common n)"
+    kind, n, again = crossover(ns, ratio * TARGET_SPEEDUP)
+    rng = f"{fmt_n(ns[0])}–{fmt_n(ns[-1])}"
+    if kind == "never":
+        return f"not in range ({rng})"
+    text = f"at every n ({rng})" if kind == "always" else f"≈ {n:,.0f}"
+    return text + (" (not at a larger n)" if again else "")
+
+
+def panel_title(ctx, rows, cfg, causal):
+    """The panel's title, with the embedding size when every layer row has the same one (the
+    layout then leaves it out of the configuration)."""
+    title = ctx.panel_title(cfg, causal)
+    if "embed" not in ctx.layout.cols:
+        title += f", E={int(rows['embed'].iloc[0])}"
+    return title
+
+
+def section(ctx):
+    rows = layer_rows(ctx)
+    name = "layer"
+    ctx.md.append("## Multi-head layer\n")
+    if rows.empty:
+        ctx.md.append("No multi-head layer rows (`sweep --embed`) in these results.\n")
+        remove(ctx.fig_path(name))
+        return
+    lay = ctx.layout
+    panels = [(cfg, causal) for cfg in lay.configs for causal in lay.causals
+              if not lay.select(rows, cfg, causal).empty]
+    fig, axes = new_grid(len(panels), 2, sharey=False)
+    present = set()
+    for r, (cfg, causal) in enumerate(panels):
+        sub = lay.select(rows, cfg, causal)
+        ax_t, ax_s = axes[r][0], axes[r][1]
+        for spec in ctx.styles.order:
+            ns, ts = series(sub, spec, "time_median_s")
+            if len(ns) == 0:
+                continue
+            st = ctx.styles(spec)
+            ax_t.plot(ns, ts, label=spec, **st)
+            ns_s, share = series(sub, spec, "attention_share")
+            if len(ns_s):
+                ax_s.plot(ns_s, share, label=spec, **st)
+            present.add(spec)
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel("median layer time (s)")
+        ax_s.set_ylim(0, 1)
+        ax_s.set_ylabel("attention core's share of the layer time")
+        for ax, what in ((ax_t, "layer time"), (ax_s, "attention share")):
+            log2_n_axis(ax, sub["n"].unique())
+            ax.set_title(f"{what}: {panel_title(ctx, rows, cfg, causal)}")
+    handles = [ctx.styles.handle(s) for s in ctx.styles.order if s in present]
+    finish(fig, ctx.fig_path(name), handles,
+           f"Multi-head layer: in-projection, attention, out-projection ({ctx.title_suffix()})")
+    ctx.embed(name, "multi-head layer")
+    ctx.md.append("The whole layer as `attnbench layer` runs it (in-projection, attention by "
+                  "the variant, out-projection), and the share of its time spent in the "
+                  "attention core, both measured in the same timed passes.\n")
+    full = [s for s in ctx.styles.order if s.split(":")[0] == "full"]
+    for cfg, causal in panels:
+        sub = lay.select(rows, cfg, causal)
+        title = panel_title(ctx, rows, cfg, causal)
+        ctx.md.append(f"\n{title}, layer time:\n\n")
+        ctx.md.append(ctx.table_by_n(sub, "time_median_s", format_seconds))
+        ctx.md.append(f"\n{title}, attention share:\n\n")
+        ctx.md.append(ctx.table_by_n(
+            sub, "attention_share", lambda x: "—" if math.isnan(x) else f"{x:.2f}"))
+        if not full or not (sub["spec"] == full[0]).any():
+            ctx.md.append("\nNo `full` layer rows here, so no length at which a variant makes "
+                          "the layer twice as fast.\n")
+            continue
+        out = []
+        for spec in ctx.styles.order:
+            if spec == full[0] or not (sub["spec"] == spec).any():
+                continue
+            ns, ratio = ratio_series(sub, spec, full[0])
+            out.append([code(spec), twice_as_fast_text(ns, ratio)])
+        ctx.md.append(f"\n{title}: the smallest n at which the layer with the variant is "
+                      f"{TARGET_SPEEDUP:g}× as fast as with `{full[0]}` (interpolated in "
+                      f"log-log between measured lengths):\n\n")
+        ctx.md.append(md_table(["variant", f"layer {TARGET_SPEEDUP:g}× faster than full"], out))
+    ctx.md.append("\n")
