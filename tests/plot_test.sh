@@ -236,6 +236,23 @@ expect_error() {  # directory, text the message must hold
       fail "$script on $dir: message lacks '$text': $(cat "$tmp/err.txt")"
   done
 }
+# --- the multi-head layer section ---------------------------------------------------------------
+# layer rows (sweep --embed) get their figure, their time and share tables, and the length at
+# which local makes the layer twice as fast as with full (or a plain "not in range")
+"$bin" sweep --out "$tmp/layer" --variant full --variant local:window=8,block=8 --embed 32 \
+  --heads 2 --seq 64,128,256 --reps 1 --min-time 0 --threads 1 2>/dev/null
+plot "$tmp/layer" 2>"$tmp/plot.err" ||
+  { cat "$tmp/plot.err" >&2; fail "plot.py failed on layer rows"; }
+layer_report="$tmp/layer/report.md"
+[ -s "$tmp/layer/plots/layer.png" ] || fail "plot.py drew no layer.png for layer rows"
+for text in "## Multi-head layer" "](plots/layer.png)" "E=32, layer time:" \
+  "E=32, attention share:" "| variant | layer 2× faster than full |"; do
+  grep -qF -- "$text" "$layer_report" || fail "the layer section lacks '$text'"
+done
+grep -qE '^\| `local:window=8,block=8` \| (≈ [0-9,]+|at every n|not in range)' "$layer_report" ||
+  fail "the layer section gives local no length at which the layer is twice as fast"
+grep -qF "No multi-head layer rows" "$report" || fail "report.md without layer rows says nothing"
+
 expect_error "$tmp/missing" "is not a directory"
 expect_error "$tmp/empty" "results.csv' does not exist"
 expect_error "$tmp/header" "has a header but no rows"
