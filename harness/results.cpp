@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <iterator>
+#include <map>
+#include <utility>
 
 #include "common/error.h"
 
@@ -25,8 +27,52 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec",   "batch", "heads", "n",    "m",      "dim",
-                                              "causal", "input", "scale", "seed", "threads"};
+const std::vector<std::string> kKeyColumns = {
+    "spec",  "batch", "heads", "n",    "m",      "dim", "causal", "score", "score_hidden",
+    "input", "scale", "seed",  "threads"};
+
+// Columns later versions added, with the value a row of an older results.csv (written
+// before the column existed) stands for: such a file is rewritten with them on --resume.
+const std::vector<std::pair<std::string, std::string>> kAddedColumns = {{"score", "scaled_dot"},
+                                                                        {"score_hidden", "0"}};
+
+// The lines of an older results.csv whose header lacks some of kAddedColumns, with those
+// columns inserted where csv_columns() has them; empty if the header is not such an older
+// one (or already current).
+std::vector<std::string> upgrade_lines(const std::vector<std::string>& header,
+                                       const std::vector<std::string>& lines) {
+  const auto& cols = csv_columns();
+  std::vector<std::string> older;
+  std::map<std::string, std::string> added;
+  for (const auto& c : cols) {
+    auto it = std::find_if(kAddedColumns.begin(), kAddedColumns.end(),
+                           [&](const auto& a) { return a.first == c; });
+    if (it != kAddedColumns.end() && std::find(header.begin(), header.end(), c) == header.end())
+      added[c] = it->second;
+    else
+      older.push_back(c);
+  }
+  if (added.empty() || header != older) return {};
+  std::vector<std::string> out;
+  std::string head;
+  for (const auto& c : cols) head += (head.empty() ? "" : ",") + c;
+  out.push_back(head);
+  for (const auto& line : lines) {
+    const auto f = split_csv_line(line);
+    if (line.empty() || f.size() != older.size()) {  // left to the malformed-line check
+      out.push_back(line);
+      continue;
+    }
+    std::string text;
+    size_t i = 0;
+    for (size_t c = 0; c < cols.size(); ++c) {
+      if (c > 0) text += ',';
+      text += added.count(cols[c]) ? csv_quote(added[cols[c]]) : csv_quote(f[i++]);
+    }
+    out.push_back(text);
+  }
+  return out;
+}
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -61,6 +107,13 @@ std::string malformed_reason(const std::vector<std::string>& header,
   if (at("causal") != "0" && at("causal") != "1")
     return fmt::format("causal is '{}', not 0 or 1", at("causal"));
   if (!number(at("scale"))) return fmt::format("scale is '{}', not a number", at("scale"));
+  try {
+    parse_score(at("score"));
+  } catch (const UsageError&) {
+    return fmt::format("score is '{}', not a scoring function", at("score"));
+  }
+  if (!integer(at("score_hidden"), 0))
+    return fmt::format("score_hidden is '{}', not an integer", at("score_hidden"));
   const std::string& status = at("status");
   if (status != "ok" && status != "skipped" && status != "unsupported" && status != "error")
     return fmt::format("status is '{}', not ok, skipped, unsupported or error", status);
@@ -178,6 +231,25 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     }
   }
   if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
+    {
+      // an older file without the columns added since: rewritten with their values
+      std::ifstream old(csv_path);
+      std::string first, line;
+      std::getline(old, first);
+      std::vector<std::string> lines;
+      while (std::getline(old, line)) lines.push_back(line);
+      const auto upgraded = upgrade_lines(split_csv_line(first), lines);
+      old.close();
+      if (!upgraded.empty()) {
+        const fs::path tmp = fs::path(dir) / "results.csv.tmp";
+        {
+          std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+          for (const auto& l : upgraded) out << l << '\n';
+          if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+        }
+        fs::rename(tmp, csv_path);
+      }
+    }
     std::ifstream in(csv_path);
     std::string line;
     std::getline(in, line);

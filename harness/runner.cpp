@@ -337,6 +337,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"m", p.keys()},
            {"dim", p.dim},
            {"causal", p.causal},
+           {"score", std::string(score_name(p.score))},
+           {"score_hidden", p.score == Score::additive ? p.hidden() : 0},
            {"input", w.input},
            {"scale", w.scale},
            {"seed", p.seed},

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/inputs.h"
@@ -29,28 +31,47 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   // Two specs that name the same canonical variant, or a value listed twice, would measure
   // one configuration twice: keep the first.
   std::set<std::string> seen;
+  // the weights depend on the score, H, d and h only: one set per such shape
+  std::map<std::tuple<Score, int64_t, int64_t>, std::shared_ptr<const ScoreWeights>> weights;
   for (const auto& in : axes.inputs)
     for (bool c : axes.causals)
-      for (auto d : axes.dims)
-        for (auto h : axes.heads)
-          for (auto b : axes.batches)
-            for (auto n : axes.seqs)
-              for (const auto& v : plan.variants) {
-                Problem p;
-                p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.seed = axes.seed;
-                Workload w;
-                w.input = in, w.threads = axes.threads;
-                p.validate();
-                w.validate(p);
-                Row key;
-                key.spec = v->spec(), key.problem = p, key.workload = w;
-                if (!seen.insert(row_key(key)).second) {
-                  plan.duplicates.push_back(fmt::format("{} {}", key.spec, describe(p, w)));
-                  continue;
+      for (Score s : axes.scores)
+        for (auto d : axes.dims)
+          for (auto h : axes.heads)
+            for (auto b : axes.batches)
+              for (auto n : axes.seqs)
+                for (const auto& v : plan.variants) {
+                  Problem p;
+                  p.batch = b, p.heads = h, p.n = n, p.dim = d, p.causal = c, p.seed = axes.seed;
+                  p.score = s, p.score_hidden = axes.score_hidden;
+                  Workload w;
+                  w.input = in, w.threads = axes.threads;
+                  p.validate();
+                  w.validate(p);
+                  auto& sw = weights[{s, h, d}];
+                  if (!sw) sw = make_score_weights(p);
+                  p.score_weights = sw;
+                  Row key;
+                  key.spec = v->spec(), key.problem = p, key.workload = w;
+                  if (!seen.insert(row_key(key)).second) {
+                    plan.duplicates.push_back(fmt::format("{} {}", key.spec, describe(p, w)));
+                    continue;
+                  }
+                  plan.configs.push_back({v.get(), p, w});
                 }
-                plan.configs.push_back({v.get(), p, w});
-              }
   return plan;
+}
+
+std::vector<Score> parse_score_list(const std::string& text) {
+  std::vector<Score> out;
+  for (auto& s : split_csv_line(text)) {
+    try {
+      out.push_back(parse_score(s));
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("--score: {}", e.what()));
+    }
+  }
+  return out;
 }
 
 std::vector<bool> parse_causal_mode(const std::string& mode) {

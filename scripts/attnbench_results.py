@@ -15,16 +15,21 @@ import sys
 import pandas as pd
 
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
-PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed", "threads"]
+PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "score", "score_hidden", "input",
+                   "scale", "seed", "threads"]
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
+# Key columns later versions added, with the value a row of an older file (written before the
+# column existed) stands for: read_csv fills them in, so old and new results join.
+ADDED_COLUMNS = {"score": "scaled_dot", "score_hidden": 0}
 # Timing columns, in seconds: the median of the repetitions and their spread.
 TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
 REQUIRED_COLUMNS = KEY_COLUMNS + ["status", "message"] + TIME_COLUMNS + [
     "reps", "peak_bytes", "rel_fro_error"]
-NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "scale", "seed", "threads",
-                   "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
-INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "seed", "threads", "reps"]
+NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "score_hidden", "scale", "seed",
+                   "threads", "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
+INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "score_hidden", "seed", "threads",
+                   "reps"]
 
 
 class ResultsError(Exception):
@@ -46,7 +51,7 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "input", "status", "message"], REQUIRED_COLUMNS,
+    df = read_csv(path, ["spec", "score", "input", "status", "message"], REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
     if len(df) == 0:
         raise ResultsError(f"'{path}' has a header but no rows; expected one row per "
@@ -92,6 +97,9 @@ def read_csv(path, text_columns, required, contents):
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResultsError(f"'{path}' is not a readable CSV file ({first})") from None
+    for c, value in ADDED_COLUMNS.items():
+        if c not in df.columns:
+            df[c] = value
     missing = [c for c in required if c not in df.columns]
     if missing:
         raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "

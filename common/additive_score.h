@@ -1,0 +1,102 @@
+// The additive (Bahdanau) score of VARIANTS.md, "Scoring functions", as the float kernels
+// compute it:
+//
+//   a(q_i, k_j) = sum_c w_c tanh(q'_ic + k'_jc),   q' = W_q q_i, k' = W_k k_j  (c = 1 .. h)
+//
+// per head, with W_q, W_k [h, d] and w [h] (ScoreWeights). The projections q' and k' are formed
+// once per call (O((n + m) h d) per head, AdditiveProjections); a score tile then costs
+// h tanh evaluations per (query, key) pair and never needs more than the tile: the engine's
+// score-tile hook (common/block_sparse.cpp) and `full` call additive_tile on their own tiles.
+//
+// The tanh is fast_tanh, vectorised over the keys of a tile: an AVX-512 path (16 lanes) when
+// the compiler targets it, otherwise a branch-free scalar form the compiler vectorises. Both
+// compute tanh|x| = (1 - e) / (1 + e) with e = exp(-2|x|) (the sign restored after), and for
+// |x| < 1/8, where 1 - e would cancel, the odd Taylor polynomial to x^7 (truncation below
+// 3e-9 relative). Error: within about 4e-7 relative and 1.5e-7 absolute of tanh on all of R
+// (tests/additive_test.cpp measures it); |x| > 9 gives exactly +-1.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+#include "common/problem.h"
+#include "common/softmax.h"
+#include "common/tensor.h"
+
+#ifdef __AVX512F__
+#include "common/simd.h"
+#endif
+
+namespace attnbench {
+
+/// tanh(x) in float within about 4e-7 relative (see the note at the top); NaN stays NaN.
+inline float fast_tanh(float x) {
+  const float a = std::fabs(x);
+  const float a2 = a * a;
+  // |x| < 1/8: x (1 - x^2/3 + 2 x^4/15 - 17 x^6/315)
+  const float small = a * (1.0f + a2 * (-0.333333333f + a2 * (0.133333333f + a2 * -0.053968254f)));
+  const float e = fast_exp(-2.0f * (a < 9.0f ? a : 9.0f));
+  const float large = a < 9.0f ? (1.0f - e) / (1.0f + e) : 1.0f;
+  const float t = a < 0.125f ? small : large;
+  return std::isnan(x) ? x : std::copysign(t, x);
+}
+
+/// s[j] += w tanh(qc + k[j]) for j < cols: one hidden unit's share of a row of additive scores.
+inline void add_tanh_row(float* s, const float* k, float qc, float w, int64_t cols) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512 vq = _mm512_set1_ps(qc), vw = _mm512_set1_ps(w);
+  const __m512 one = _mm512_set1_ps(1.0f), eighth = _mm512_set1_ps(0.125f);
+  const __m512 m2log2e = _mm512_set1_ps(-2.0f * 1.44269504088896341f);
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+  for (; j + simd::kLanes <= cols; j += simd::kLanes) {
+    const __m512 x = _mm512_add_ps(vq, _mm512_loadu_ps(k + j));
+    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_bits));
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    __m512 p = _mm512_set1_ps(-0.053968254f);
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(0.133333333f));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.333333333f));
+    p = _mm512_fmadd_ps(p, a2, one);
+    const __m512 small = _mm512_mul_ps(a, p);
+    // e = 2^(-2 |x| log2 e) <= 1; 1 for tiny |x| is never selected (small covers it)
+    const __m512 e = simd::exp2_nonpos_ps(_mm512_mul_ps(a, m2log2e));
+    const __m512 large = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 t = _mm512_mask_mov_ps(large, _mm512_cmp_ps_mask(a, eighth, _CMP_LT_OQ), small);
+    // the sign of x back on t (a NaN x gives NaN through e)
+    const __m512 sign = _mm512_castsi512_ps(_mm512_andnot_si512(abs_bits, _mm512_castps_si512(x)));
+    const __m512 th =
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_castps_si512(sign)));
+    _mm512_storeu_ps(s + j, _mm512_fmadd_ps(vw, th, _mm512_loadu_ps(s + j)));
+  }
+#endif
+  for (; j < cols; ++j) s[j] += w * fast_tanh(qc + k[j]);
+}
+
+/// The additive score's projections of one problem: q' = W_q q as [B, H, n, h] and k' = W_k k
+/// stored transposed, [B, H, h, m] (so that one hidden unit's values over the keys are
+/// contiguous). Formed in float with float accumulation over d.
+struct AdditiveProjections {
+  Tensor qp;       ///< [B, H, n, h]
+  Tensor kt;       ///< [B, H, h, m]
+  const float* w;  ///< ScoreWeights::w_score, [H, h]
+  int64_t hidden;
+
+  /// Projects q and k of p (p.score == Score::additive, with its weights). OpenMP over heads.
+  AdditiveProjections(const Problem& p, ConstTensorView q, ConstTensorView k);
+  /// Bytes the projections hold.
+  static double bytes(const Problem& p);
+};
+
+/// The additive scores of query rows i0 .. i0 + rows - 1 and keys j0 .. j0 + cols - 1 of head
+/// (b, h): row r, key c at s[r rs + c cs] (cs = 1: row-major; rs = 1: transposed).
+void additive_tile(const AdditiveProjections& a, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                   int64_t j0, int64_t cols, float* s, int64_t rs, int64_t cs);
+
+/// Flops of one logit: 2 d for the dot-product scores, 3 h for the additive one (per hidden
+/// unit an add, a tanh counted as one, a multiply-add; the projections, O((n + m) h d), aside).
+inline double logit_flops(const Problem& p) {
+  return p.score == Score::additive ? 3.0 * double(p.hidden()) : 2.0 * double(p.dim);
+}
+
+}  // namespace attnbench
