@@ -30,10 +30,10 @@ using test::with_score;
 
 TEST(FastTanh, WithinItsStatedErrorOnAllOfR) {
   // every 1e-4 of [-12, 12], tiny and huge values, both signs; the array path (add_tanh_row,
-  // vectorised) and the scalar one agree with std::tanh within 4e-7 relative, 1.5e-7 absolute
+  // vectorised) and the scalar one agree with std::tanh within 3e-7 relative, 1.5e-7 absolute
   std::vector<float> x;
   for (int i = -120000; i <= 120000; ++i) x.push_back(float(i) * 1e-4f);
-  for (float t : {1e-30f, 1e-8f, 3e-3f, 0.1249f, 0.125f, 8.99f, 9.0f, 50.0f, 1e30f}) {
+  for (float t : {1e-30f, 1e-8f, 3e-3f, 0.2499f, 0.25f, 8.99f, 9.0f, 50.0f, 1e30f}) {
     x.push_back(t);
     x.push_back(-t);
   }
@@ -48,7 +48,7 @@ TEST(FastTanh, WithinItsStatedErrorOnAllOfR) {
       if (ref != 0) worst_rel = std::max(worst_rel, err / std::fabs(ref));
     }
   }
-  EXPECT_LE(worst_rel, 4e-7);
+  EXPECT_LE(worst_rel, 3e-7);
   EXPECT_LE(worst_abs, 1.5e-7);
   EXPECT_TRUE(std::isnan(fast_tanh(NAN)));
   std::printf("[ tanh ] worst error %.3g relative, %.3g absolute\n", worst_rel, worst_abs);
@@ -281,25 +281,20 @@ TEST(Score, SweepPlansEveryScoreWithItsWeights) {
 
 TEST(Score, OlderResultsWithoutTheScoreColumnResumeAsScaledDot) {
   test::TempDir dir;
-  // a results.csv as written before the score columns: every column but those two
-  std::vector<std::string> cols;
-  for (const auto& c : csv_columns())
-    if (c != "score" && c != "score_hidden") cols.push_back(c);
+  // a results.csv as written before the score columns
   Row row;
   row.spec = "flash";
   row.problem = problem(1, 8, 256, 0, 64, false, 0);
   row.workload.threads = 1;
   row.status = "unsupported";
-  const auto j = to_json(row);
+  // the line this version writes, less the two fields
+  const auto fields = split_csv_line(csv_line(row));
   std::string header, line;
-  for (const auto& c : cols) {
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const std::string& c = csv_columns()[i];
+    if (c == "score" || c == "score_hidden") continue;
     header += (header.empty() ? "" : ",") + c;
-    const auto& v = j[c];
-    std::string text = v.is_string()    ? v.get<std::string>()
-                       : v.is_boolean() ? (v.get<bool>() ? "1" : "0")
-                       : v.is_null()    ? ""
-                                        : v.dump();
-    line += (line.empty() && c == cols.front() ? "" : ",") + csv_quote(text);
+    line += (i == 0 ? "" : ",") + csv_quote(fields[i]);
   }
   test::write_text(dir.file("results.csv"), header + "\n" + line + "\n");
   ResultsDir results(dir.path().string(), /*resume=*/true);
