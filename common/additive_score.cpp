@@ -3,7 +3,44 @@
 #include <algorithm>
 #include <vector>
 
+#ifdef __AVX512F__
+#include "common/simd.h"
+#endif
+
 namespace attnbench {
+
+// This file is compiled with -fno-trapping-math (CMakeLists.txt): without it GCC keeps
+// fast_tanh's division under a branch and the portable loop below does not vectorise.
+void add_tanh_row(float* s, const float* k, float qc, float w, int64_t cols) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512 vq = _mm512_set1_ps(qc), vw = _mm512_set1_ps(w);
+  const __m512 one = _mm512_set1_ps(1.0f), quarter = _mm512_set1_ps(0.25f);
+  const __m512 m2log2e = _mm512_set1_ps(-2.0f * 1.44269504088896341f);
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+  for (; j + simd::kLanes <= cols; j += simd::kLanes) {
+    const __m512 x = _mm512_add_ps(vq, _mm512_loadu_ps(k + j));
+    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_bits));
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    __m512 p = _mm512_set1_ps(0.021869489f);
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.053968254f));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(0.133333333f));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.333333333f));
+    p = _mm512_fmadd_ps(p, a2, one);
+    const __m512 small = _mm512_mul_ps(a, p);
+    // e = 2^(-2 |x| log2 e) <= 1; 1 for tiny |x| is never selected (small covers it)
+    const __m512 e = simd::exp2_nonpos_ps(_mm512_mul_ps(a, m2log2e));
+    const __m512 large = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 t = _mm512_mask_mov_ps(large, _mm512_cmp_ps_mask(a, quarter, _CMP_LT_OQ), small);
+    // the sign of x back on t (a NaN x gives NaN through e)
+    const __m512 sign = _mm512_castsi512_ps(_mm512_andnot_si512(abs_bits, _mm512_castps_si512(x)));
+    const __m512 th =
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_castps_si512(sign)));
+    _mm512_storeu_ps(s + j, _mm512_fmadd_ps(vw, th, _mm512_loadu_ps(s + j)));
+  }
+#endif
+  for (; j < cols; ++j) s[j] += w * fast_tanh(qc + k[j]);
+}
 
 AdditiveProjections::AdditiveProjections(const Problem& p, ConstTensorView q, ConstTensorView k)
     : qp(Shape4{p.batch, p.heads, p.n, p.hidden()}),

@@ -16,6 +16,7 @@
 // (tests/additive_test.cpp measures it); |x| > 9 gives exactly +-1.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -23,10 +24,6 @@
 #include "common/problem.h"
 #include "common/softmax.h"
 #include "common/tensor.h"
-
-#ifdef __AVX512F__
-#include "common/simd.h"
-#endif
 
 namespace attnbench {
 
@@ -38,43 +35,18 @@ inline float fast_tanh(float x) {
   const float small =
       a * (1.0f +
            a2 * (-0.333333333f + a2 * (0.133333333f + a2 * (-0.053968254f + a2 * 0.021869489f))));
-  const float e = fast_exp(-2.0f * (a < 9.0f ? a : 9.0f));
-  const float large = a < 9.0f ? (1.0f - e) / (1.0f + e) : 1.0f;
-  const float t = a < 0.25f ? small : large;
-  return std::isnan(x) ? x : std::copysign(t, x);
+  // tanh 9 rounds to 1; a NaN x stays NaN through the min and e
+  const float e = fast_exp_in_range(-2.0f * std::min(a, 9.0f));
+  const float large = (1.0f - e) / (1.0f + e);
+  // a blend, not a select: a select of a division keeps a branch (the division may trap), and
+  // a loop with a branch does not vectorise
+  const float use_small = float(a < 0.25f);
+  return std::copysign(large + use_small * (small - large), x);
 }
 
-/// s[j] += w tanh(qc + k[j]) for j < cols: one hidden unit's share of a row of additive scores.
-inline void add_tanh_row(float* s, const float* k, float qc, float w, int64_t cols) {
-  int64_t j = 0;
-#ifdef __AVX512F__
-  const __m512 vq = _mm512_set1_ps(qc), vw = _mm512_set1_ps(w);
-  const __m512 one = _mm512_set1_ps(1.0f), quarter = _mm512_set1_ps(0.25f);
-  const __m512 m2log2e = _mm512_set1_ps(-2.0f * 1.44269504088896341f);
-  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
-  for (; j + simd::kLanes <= cols; j += simd::kLanes) {
-    const __m512 x = _mm512_add_ps(vq, _mm512_loadu_ps(k + j));
-    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), abs_bits));
-    const __m512 a2 = _mm512_mul_ps(a, a);
-    __m512 p = _mm512_set1_ps(0.021869489f);
-    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.053968254f));
-    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(0.133333333f));
-    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-0.333333333f));
-    p = _mm512_fmadd_ps(p, a2, one);
-    const __m512 small = _mm512_mul_ps(a, p);
-    // e = 2^(-2 |x| log2 e) <= 1; 1 for tiny |x| is never selected (small covers it)
-    const __m512 e = simd::exp2_nonpos_ps(_mm512_mul_ps(a, m2log2e));
-    const __m512 large = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    const __m512 t = _mm512_mask_mov_ps(large, _mm512_cmp_ps_mask(a, quarter, _CMP_LT_OQ), small);
-    // the sign of x back on t (a NaN x gives NaN through e)
-    const __m512 sign = _mm512_castsi512_ps(_mm512_andnot_si512(abs_bits, _mm512_castps_si512(x)));
-    const __m512 th =
-        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_castps_si512(sign)));
-    _mm512_storeu_ps(s + j, _mm512_fmadd_ps(vw, th, _mm512_loadu_ps(s + j)));
-  }
-#endif
-  for (; j < cols; ++j) s[j] += w * fast_tanh(qc + k[j]);
-}
+/// s[j] += w tanh(qc + k[j]) for j < cols: one hidden unit's share of a row of additive scores
+/// (fast_tanh, vectorised: see additive_score.cpp).
+void add_tanh_row(float* s, const float* k, float qc, float w, int64_t cols);
 
 /// The additive score's projections of one problem: q' = W_q q as [B, H, n, h] and k' = W_k k
 /// stored transposed, [B, H, h, m] (so that one hidden unit's values over the keys are

@@ -169,7 +169,12 @@ inline Expected expected(const Variant& v, const Problem& p, const Inputs& in,
   if (info.oracle) {
     e.out = info.oracle(v, p, in.q.view(), in.k.view(), in.v.view());
   } else {
-    auto pattern = v.make_pattern(p, in.q.view(), in.k.view());
+    // a data-dependent pattern (sinkhorn) is made from the q the variant sees: the mapped one
+    // under dot and bilinear (the reference forms those logits itself)
+    const bool linear = p.score == Score::dot || p.score == Score::bilinear;
+    const Tensor mapped = linear ? linear_score_query(p, in.q.view()) : Tensor();
+    auto pattern = linear ? v.make_pattern(linear_score_problem(p), mapped.view(), in.k.view())
+                          : v.make_pattern(p, in.q.view(), in.k.view());
     e.out = reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
   }
   e.tolerance = info.tolerance ? info.tolerance(v, p, w) : attention_tolerance(p, w);
