@@ -393,9 +393,9 @@ void score_weights_from_arrays(const std::map<std::string, NpyArray>& arrays,
                                const std::string& path, Problem* p) {
   if (p->score != Score::bilinear && p->score != Score::additive) return;
   const bool bilinear = p->score == Score::bilinear;
-  const std::vector<std::string> names =
-      bilinear ? std::vector<std::string>{"w_bilinear"}
-               : std::vector<std::string>{"w_q", "w_k", "w_score"};
+  const std::vector<std::string> names = bilinear
+                                             ? std::vector<std::string>{"w_bilinear"}
+                                             : std::vector<std::string>{"w_q", "w_k", "w_score"};
   int present = 0;
   for (const auto& name : names) present += arrays.count(name) ? 1 : 0;
   if (present == 0) return;
@@ -415,20 +415,19 @@ void score_weights_from_arrays(const std::map<std::string, NpyArray>& arrays,
   sw->heads = H, sw->dim = d, sw->hidden = bilinear ? 0 : hd;
   for (const auto& name : names) {
     const std::vector<int64_t> want = expected(name);
-    const std::string accepted = fmt::format(
-        "the {} score reads float32 arrays {} (H = {}, d = {}{})", score_name(p->score),
-        bilinear ? "w_bilinear [H, d, d]" : "w_q, w_k [H, h, d] and w_score [H, h]", H, d,
-        bilinear ? "" : fmt::format(", h = {}", hd));
+    const std::string accepted =
+        fmt::format("the {} score reads float32 arrays {} (H = {}, d = {}{})", score_name(p->score),
+                    bilinear ? "w_bilinear [H, d, d]" : "w_q, w_k [H, h, d] and w_score [H, h]", H,
+                    d, bilinear ? "" : fmt::format(", h = {}", hd));
     auto it = arrays.find(name);
     if (it == arrays.end())
       throw InputError(fmt::format("{}: no array '{}'; {}", path, name, accepted));
     const NpyArray& a = it->second;
-    if (a.dtype != "<f4" || a.shape != want ||
-        a.data.size() != size_t(a.numel()) * sizeof(float))
-      throw InputError(fmt::format("{}: '{}' has dtype {} and shape ({}); expected float32 of "
-                                   "shape ({}): {}",
-                                   path, name, a.dtype, fmt::join(a.shape, ", "),
-                                   fmt::join(want, ", "), accepted));
+    if (a.dtype != "<f4" || a.shape != want || a.data.size() != size_t(a.numel()) * sizeof(float))
+      throw InputError(fmt::format(
+          "{}: '{}' has dtype {} and shape ({}); expected float32 of "
+          "shape ({}): {}",
+          path, name, a.dtype, fmt::join(a.shape, ", "), fmt::join(want, ", "), accepted));
     std::vector<float>& dst = name == "w_bilinear" ? sw->w_bilinear
                               : name == "w_q"      ? sw->w_q
                               : name == "w_k"      ? sw->w_k
@@ -437,9 +436,10 @@ void score_weights_from_arrays(const std::map<std::string, NpyArray>& arrays,
     std::memcpy(dst.data(), a.data.data(), a.data.size());
     for (size_t i = 0; i < dst.size(); ++i)
       if (!std::isfinite(dst[i]))
-        throw InputError(fmt::format("{}: '{}' holds a non-finite value ({}) at flat index {}; "
-                                     "weights must be finite",
-                                     path, name, dst[i], i));
+        throw InputError(
+            fmt::format("{}: '{}' holds a non-finite value ({}) at flat index {}; "
+                        "weights must be finite",
+                        path, name, dst[i], i));
   }
   if (!bilinear) p->score_hidden = hd;
   p->score_weights = std::move(sw);

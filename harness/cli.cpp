@@ -308,8 +308,7 @@ struct ProblemOptions {
 
 // --score-hidden, on run and sweep.
 void add_score_hidden_option(CLI::App* app, ProblemOptions& o) {
-  app->add_option("--score-hidden", o.score_hidden,
-                  "hidden size h of the additive score (0 = d)")
+  app->add_option("--score-hidden", o.score_hidden, "hidden size h of the additive score (0 = d)")
       ->capture_default_str()
       ->check(int_in(0, kMaxExtent));
 }

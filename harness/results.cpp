@@ -28,8 +28,8 @@ std::string field_text(const nlohmann::ordered_json& v) {
 }
 
 const std::vector<std::string> kKeyColumns = {
-    "spec",  "batch", "heads", "n",    "m",      "dim", "causal", "score", "score_hidden",
-    "input", "scale", "seed",  "threads"};
+    "spec",  "batch",        "heads", "n",     "m",    "dim",    "causal",
+    "score", "score_hidden", "input", "scale", "seed", "threads"};
 
 // Columns later versions added, with the value a row of an older results.csv (written
 // before the column existed) stands for: such a file is rewritten with them on --resume.

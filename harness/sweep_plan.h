@@ -20,8 +20,8 @@ struct SweepAxes {
   std::vector<int64_t> batches, heads, dims;
   std::vector<bool> causals;
   std::vector<Score> scores = {Score::scaled_dot};  ///< scoring functions
-  int64_t score_hidden = 0;                          ///< additive hidden size (0: d)
-  std::vector<std::string> inputs;  ///< input distributions
+  int64_t score_hidden = 0;                         ///< additive hidden size (0: d)
+  std::vector<std::string> inputs;                  ///< input distributions
   uint64_t seed = 0;
   int threads = 1;  ///< resolved thread count (never 0)
 };
@@ -49,8 +49,8 @@ std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std:
 
 /// Expands variants x axes into the plan. Order, outermost first: inputs, causal, scores, dims,
 /// heads, batches, seqs, variants. The bilinear and additive problems carry their seeded
-/// weights (make_score_weights, one set per shape shared by the configurations). Throws UsageError for a problem that fails Problem::validate
-/// (or a workload that fails Workload::validate).
+/// weights (make_score_weights, one set per shape shared by the configurations). Throws UsageError
+/// for a problem that fails Problem::validate (or a workload that fails Workload::validate).
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.

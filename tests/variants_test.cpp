@@ -40,8 +40,7 @@ std::string missing_oracle(const VariantInfo& info) {
 bool supports(const VariantInfo& info, const Problem& p) {
   const bool linear = p.score == Score::dot || p.score == Score::bilinear;
   return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross) &&
-         (!linear || info.caps.linear_score) &&
-         (p.score != Score::additive || info.caps.additive);
+         (!linear || info.caps.linear_score) && (p.score != Score::additive || info.caps.additive);
 }
 
 using test::problem;

@@ -39,8 +39,8 @@ class Full final : public Variant {
       const AdditiveProjections add(p, q, k);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < heads * n; ++r)
-        additive_tile(add, r / n / p.heads, r / n % p.heads, r % n, 1, 0, m,
-                      scores.get() + r * m, m, 1);
+        additive_tile(add, r / n / p.heads, r / n % p.heads, r % n, 1, 0, m, scores.get() + r * m,
+                      m, 1);
     } else {
 #pragma omp parallel for schedule(dynamic) if (per_head)
       for (int64_t bh = 0; bh < heads; ++bh) {
