@@ -52,6 +52,7 @@
 #include <new>
 #include <utility>
 
+#include "common/additive_score.h"
 #include "common/problem.h"
 #include "common/simd.h"
 #include "common/softmax.h"
@@ -73,6 +74,18 @@ inline int64_t causal_first(const Problem& p, int64_t i0, int64_t j0) {
 inline float safe_pscale(int64_t keys) {
   return std::ldexp(1.0f, -(int(std::bit_width(uint64_t(std::max<int64_t>(keys, 1)))) + 1));
 }
+
+/// The score-tile hook: when a caller passes one, pass 1 takes the tile's raw scores from it
+/// instead of Q K^T (the additive score of head (b, h), query rows from i0, keys from j0), and
+/// the other passes run unchanged on them; the caller's scale is then the logits' own (1).
+struct ScoreHook {
+  const AdditiveProjections* additive;
+  int64_t b, h, i0, j0;
+  /// Row r, key c of the tile at s[r rs + c cs].
+  void fill(int64_t rows, int64_t cols, float* s, int64_t rs, int64_t cs) const {
+    additive_tile(*additive, b, h, i0, rows, j0, cols, s, rs, cs);
+  }
+};
 
 /// One 64-byte aligned heap block (its size rounded up to whole 64-byte lines).
 class AlignedBuffer {
@@ -445,6 +458,22 @@ inline void pv_block(const Tiles& tl, const Workspace& w, int64_t rows, const fl
   }
 }
 
+// Pass 1 from a score-tile hook: S^T of the tile's rows and cols keys (rows past `rows`, up to
+// whole vectors, get 0, as the zero rows of Q^T give in scores_block), and the block row max.
+inline void hook_scores(const Tiles& tl, const Workspace& w, int64_t rows, int64_t nrv,
+                        int64_t cols, const ScoreHook& hook) {
+  const int64_t ld = tl.bqp;
+  hook.fill(rows, cols, w.st, 1, ld);
+  std::fill(w.bmax, w.bmax + nrv * kLanes, -INFINITY);
+  for (int64_t c = 0; c < cols; ++c) {
+    float* s = w.st + c * ld;
+    std::fill(s + rows, s + nrv * kLanes, 0.0f);
+    for (int64_t rv = 0; rv < nrv; ++rv)
+      _mm512_storeu_ps(w.bmax + rv * kLanes, _mm512_max_ps(_mm512_loadu_ps(w.bmax + rv * kLanes),
+                                                           _mm512_loadu_ps(s + rv * kLanes)));
+  }
+}
+
 /// Passes 1-4 for one key block: cols <= bk keys, key c at kb + c ldk and vb + c ldv, for
 /// the tile's `rows` query rows. Row r sees the keys c < causal_first + r of the block
 /// (causal_first >= cols: every key), and, if mask is not null, only those with
@@ -452,10 +481,14 @@ inline void pv_block(const Tiles& tl, const Workspace& w, int64_t rows, const fl
 /// scale = log2(e) / sqrt(d); every p is multiplied by pscale (1, or safe_pscale).
 inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* kb,
                          int64_t ldk, const float* vb, int64_t ldv, int64_t cols, float scale,
-                         int64_t causal_first, const uint8_t* mask, float pscale = 1.0f) {
+                         int64_t causal_first, const uint8_t* mask, float pscale = 1.0f,
+                         const ScoreHook* hook = nullptr) {
   const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp;
-  // pass 1: S^T = K Q^T
-  scores_block(tl, w, nrv, kb, ldk, cols);
+  // pass 1: S^T = K Q^T, or the hook's scores
+  if (hook)
+    hook_scores(tl, w, rows, nrv, cols, *hook);
+  else
+    scores_block(tl, w, nrv, kb, ldk, cols);
   // pass 2: only blocks reaching past the keys every row sees, or with a mask
   const bool causal = causal_first < cols;
   if (mask) {
@@ -535,13 +568,16 @@ inline void begin_tile(Workspace& w, int64_t rows) {
 inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t rows, int64_t d,
                          const float* kb, int64_t ldk, const float* vb, int64_t ldv, int64_t cols,
                          float scale, int64_t causal_first, const uint8_t* mask,
-                         float pscale = 1.0f) {
+                         float pscale = 1.0f, const ScoreHook* hook = nullptr) {
   ConstMap qm(q0, rows, d, Eigen::OuterStride<>(ldq));
   ConstMap km(kb, cols, d, Eigen::OuterStride<>(ldk));
   ConstMap vm(vb, cols, d, Eigen::OuterStride<>(ldv));
   auto sb = w.s.topLeftCorner(rows, cols);
-  // pass 1: raw scores
-  sb.noalias() = qm * km.transpose();
+  // pass 1: raw scores, or the hook's
+  if (hook)
+    hook->fill(rows, cols, w.s.data(), w.s.cols(), 1);
+  else
+    sb.noalias() = qm * km.transpose();
   // pass 2-3: per row, mask, new max, exponentials, rescale the running state
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = w.s.row(r).data();

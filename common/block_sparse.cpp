@@ -18,6 +18,22 @@ namespace {
 /// block at most once.
 int64_t max_key_blocks(const Problem& p, int64_t block) { return (p.keys() + block - 1) / block; }
 
+using kernels::ScoreHook;
+
+/// The additive score's projections, formed once per call (the score-tile hook reads them);
+/// none for the dot-product scores.
+std::optional<AdditiveProjections> additive_projections(const Problem& p, ConstTensorView q,
+                                                        ConstTensorView k) {
+  if (p.score != Score::additive) return std::nullopt;
+  return std::optional<AdditiveProjections>(std::in_place, p, q, k);
+}
+
+/// The factor of the raw scores in the softmax: 1/sqrt(d) for q . k, 1 for the additive
+/// score (its logits are the scores).
+float logit_scale(const Problem& p) {
+  return p.score == Score::additive ? 1.0f : p.softmax_scale();
+}
+
 /// Query rows and keys of one thread's tiles: block_q and block_k clipped to the problem (a
 /// tile larger than n or m is never filled).
 int64_t tile_rows(const Problem& p, int64_t block_q) { return std::min(block_q, p.n); }
@@ -94,7 +110,8 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
          int64_t bq, int64_t bk, const SparsePattern* pat) {
   const Tiles tl = tiles(p, bq, bk);
   const int64_t n = p.n, qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
-  const float scale = p.softmax_scale() * kLog2e;  // applied in pass 3: base-2 weights
+  const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
+  const float scale = logit_scale(p) * kLog2e;  // applied in pass 3: base-2 weights
 
   OmpGuard guard;
 #pragma omp parallel
@@ -144,8 +161,9 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
             int64_t j0, cols;
             const uint8_t* mk;
             if (!walk->block(i, j0, cols, mk)) continue;
+            const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
             attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
-                         cols, scale, causal_first(p, i0, j0), mk, pscale);
+                         cols, scale, causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr);
           }
           if (kPrefetch && pscale == 1.0f) prefetch_upto(rows);
           if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
@@ -176,7 +194,8 @@ template <bool kDense>
                           TensorView out, int64_t bq, int64_t bk, const SparsePattern* pat) {
   const int64_t n = p.n, d = p.dim;
   const int64_t qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
-  const float scale = p.softmax_scale();
+  const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
+  const float scale = logit_scale(p);
 
   OmpGuard guard;
 #pragma omp parallel
@@ -205,9 +224,10 @@ template <bool kDense>
             int64_t j0, cols;
             const uint8_t* mk;
             if (!walk->block(i, j0, cols, mk)) continue;
+            const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
             attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
                          v.row(b, h, j0), v.stride_row, cols, scale,
-                         kernels::causal_first(p, i0, j0), mk, pscale);
+                         kernels::causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr);
           }
           if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
         }
@@ -237,7 +257,8 @@ double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
   const double tile_bytes = double(portable::thread_bytes(p, bq, bk, dense));
 #endif
   const double list = dense ? 0.0 : double(max_key_blocks(p, bk)) * sizeof(KeyBlock);
-  return (tile_bytes + list) * threads;
+  const double additive = p.score == Score::additive ? AdditiveProjections::bytes(p) : 0.0;
+  return (tile_bytes + list) * threads + additive;
 }
 
 }  // namespace
@@ -271,7 +292,7 @@ double PatternVariant::flops(const Problem& p) const {
   double scores = 0;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) scores += pattern_scores(p, *pat, b, h);
-  return 4.0 * double(p.dim) * scores;
+  return (logit_flops(p) + 2.0 * double(p.dim)) * scores;
 }
 
 double PatternVariant::memory_estimate(const Problem& p) const {

@@ -17,6 +17,11 @@
 // tile's last row sees are not computed, and a block crossing the diagonal is masked element
 // by element. Rows that attend no key are 0.
 //
+// Under the additive score (Problem::score) the engine projects q' = W_q q and k' = W_k k once
+// per call and pass 1 of every tile takes its logits from the score-tile hook
+// (kernels::ScoreHook, common/additive_score.h) instead of Q K^T, with softmax scale 1; every
+// case of the engine, dense or block-sparse, so gets the additive score.
+//
 // The tiles run the passes of common/attention_kernels.h (AVX-512 register-blocked kernels on
 // transposed score tiles, or the portable Eigen passes), so per computed score the sparse case
 // runs at close to the dense rate.

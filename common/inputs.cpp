@@ -15,7 +15,21 @@ namespace attnbench {
 namespace {
 
 // Stream ids: one per (tensor role, batch, head) so every head is independent.
-enum Role : uint64_t { kQ = 1, kK, kV, kLatent, kCenters, kAssign, kBasis, kNoiseQ, kNoiseK };
+enum Role : uint64_t {
+  kQ = 1,
+  kK,
+  kV,
+  kLatent,
+  kCenters,
+  kAssign,
+  kBasis,
+  kNoiseQ,
+  kNoiseK,
+  kWBilinear,
+  kWQuery,
+  kWKey,
+  kWScore
+};
 // Generated tensors may start at head (b0, h0) of the problem's full input (see
 // generate_head_inputs); stream ids are those of the full input.
 struct Origin {
@@ -185,6 +199,44 @@ Inputs generate(const Problem& p, const Workload& w, const Origin& o) {
 }  // namespace
 
 Inputs generate_inputs(const Problem& p, const Workload& w) { return generate(p, w, Origin{}); }
+
+double additive_tanh_variance() {
+  // the integral of tanh(u)^2 against the N(0, 2) density, trapezoids on [-20, 20] (the tails
+  // beyond hold less than 1e-40)
+  constexpr int kSteps = 8000;
+  constexpr double kHalf = 20.0, kStep = 2 * kHalf / kSteps;
+  const double norm = 1.0 / std::sqrt(4.0 * M_PI);
+  double sum = 0;
+  for (int i = 0; i <= kSteps; ++i) {
+    const double u = -kHalf + i * kStep, t = std::tanh(u);
+    sum += (i == 0 || i == kSteps ? 0.5 : 1.0) * t * t * norm * std::exp(-u * u / 4.0);
+  }
+  return sum * kStep;
+}
+
+std::shared_ptr<const ScoreWeights> make_score_weights(const Problem& p) {
+  if (p.score != Score::bilinear && p.score != Score::additive) return nullptr;
+  auto sw = std::make_shared<ScoreWeights>();
+  const int64_t d = p.dim, hd = p.hidden();
+  sw->heads = p.heads, sw->dim = d, sw->hidden = hd;
+  // one stream per (role, head): batch 0 of stream_id, the weights being shared by the batch
+  auto fill = [&](std::vector<float>& out, Role role, int64_t per_head, double sd) {
+    out.resize(size_t(p.heads * per_head));
+    for (int64_t h = 0; h < p.heads; ++h) {
+      RandomStream rs(p.seed, stream_id(role, Origin{}, 0, h));
+      for (int64_t i = 0; i < per_head; ++i)
+        out[size_t(h * per_head + i)] = float(sd * rs.normal(uint64_t(i)));
+    }
+  };
+  if (p.score == Score::bilinear) {
+    fill(sw->w_bilinear, kWBilinear, d * d, 1.0 / double(d));
+  } else {
+    fill(sw->w_q, kWQuery, hd * d, 1.0 / std::sqrt(double(d)));
+    fill(sw->w_k, kWKey, hd * d, 1.0 / std::sqrt(double(d)));
+    fill(sw->w_score, kWScore, hd, 1.0 / std::sqrt(double(hd) * additive_tanh_variance()));
+  }
+  return sw;
+}
 
 Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h, const Workload& w) {
   if (b < 0 || b >= p.batch || h < 0 || h >= p.heads)

@@ -1,6 +1,7 @@
 // Seeded input generators for q, k, v.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,5 +29,19 @@ Inputs generate_inputs(const Problem& p, const Workload& w = Workload{});
 /// Head (b, h) of generate_inputs(p, w) alone, as [1, 1, len, d] tensors: the same numbers
 /// without generating (or holding) the other heads.
 Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h, const Workload& w = Workload{});
+
+/// E[tanh(u)^2] for u ~ N(0, 2), by quadrature (about 0.52): the variance factor of one
+/// hidden unit of the additive score on gaussian inputs.
+double additive_tanh_variance();
+
+/// The score weights of p drawn from p.seed, for the bilinear and additive scores (null for
+/// the others), each head from a random stream of its own, independent of the inputs' streams.
+/// Scaled so that on inputs with iid N(0, 1) entries the logits have unit variance, like
+/// q.k / sqrt(d):
+///   bilinear  W entries N(0, 1/d^2): Var(q^T W k) = d^2 Var(W_rc) = 1;
+///   additive  W_q, W_k entries N(0, 1/d), so W_q q + W_k k has entries of variance 2, and w
+///             entries N(0, 1 / (h E[tanh^2(N(0, 2))])) = N(0, 1 / (0.52 h)): the logit
+///             sum_c w_c tanh(.) then has variance h Var(w_c) E[tanh^2] = 1.
+std::shared_ptr<const ScoreWeights> make_score_weights(const Problem& p);
 
 }  // namespace attnbench

@@ -383,6 +383,70 @@ NpyArray to_npy(const Tensor& t) {
   return a;
 }
 
+namespace {
+
+// The weights of p's score from the arrays w_bilinear [H, d, d] (bilinear) or w_q, w_k [H, h, d]
+// and w_score [H, h] (additive), float32 and finite. A file holding none of the score's arrays
+// leaves the weights to the seed (p->score_weights untouched); one holding some must hold all.
+// The additive hidden size comes from w_q when p->score_hidden is 0, and must agree otherwise.
+void score_weights_from_arrays(const std::map<std::string, NpyArray>& arrays,
+                               const std::string& path, Problem* p) {
+  if (p->score != Score::bilinear && p->score != Score::additive) return;
+  const bool bilinear = p->score == Score::bilinear;
+  const std::vector<std::string> names = bilinear
+                                             ? std::vector<std::string>{"w_bilinear"}
+                                             : std::vector<std::string>{"w_q", "w_k", "w_score"};
+  int present = 0;
+  for (const auto& name : names) present += arrays.count(name) ? 1 : 0;
+  if (present == 0) return;
+  const int64_t H = p->heads, d = p->dim;
+  int64_t hd = p->hidden();
+  if (!bilinear && p->score_hidden == 0) {
+    auto it = arrays.find("w_q");
+    if (it != arrays.end() && it->second.shape.size() == 3 && it->second.shape[1] > 0)
+      hd = it->second.shape[1];
+  }
+  auto expected = [&](const std::string& name) -> std::vector<int64_t> {
+    if (name == "w_bilinear") return {H, d, d};
+    if (name == "w_score") return {H, hd};
+    return {H, hd, d};
+  };
+  auto sw = std::make_shared<ScoreWeights>();
+  sw->heads = H, sw->dim = d, sw->hidden = bilinear ? 0 : hd;
+  for (const auto& name : names) {
+    const std::vector<int64_t> want = expected(name);
+    const std::string accepted =
+        fmt::format("the {} score reads float32 arrays {} (H = {}, d = {}{})", score_name(p->score),
+                    bilinear ? "w_bilinear [H, d, d]" : "w_q, w_k [H, h, d] and w_score [H, h]", H,
+                    d, bilinear ? "" : fmt::format(", h = {}", hd));
+    auto it = arrays.find(name);
+    if (it == arrays.end())
+      throw InputError(fmt::format("{}: no array '{}'; {}", path, name, accepted));
+    const NpyArray& a = it->second;
+    if (a.dtype != "<f4" || a.shape != want || a.data.size() != size_t(a.numel()) * sizeof(float))
+      throw InputError(fmt::format(
+          "{}: '{}' has dtype {} and shape ({}); expected float32 of "
+          "shape ({}): {}",
+          path, name, a.dtype, fmt::join(a.shape, ", "), fmt::join(want, ", "), accepted));
+    std::vector<float>& dst = name == "w_bilinear" ? sw->w_bilinear
+                              : name == "w_q"      ? sw->w_q
+                              : name == "w_k"      ? sw->w_k
+                                                   : sw->w_score;
+    dst.resize(size_t(a.numel()));
+    std::memcpy(dst.data(), a.data.data(), a.data.size());
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (!std::isfinite(dst[i]))
+        throw InputError(
+            fmt::format("{}: '{}' holds a non-finite value ({}) at flat index {}; "
+                        "weights must be finite",
+                        path, name, dst[i], i));
+  }
+  if (!bilinear) p->score_hidden = hd;
+  p->score_weights = std::move(sw);
+}
+
+}  // namespace
+
 Inputs load_inputs_npz(const std::string& path, Problem* p) {
   return inputs_from_arrays(read_npz(path), path, p);
 }
@@ -452,6 +516,7 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
   copy("q", q, in.q);
   copy("k", k, in.k);
   copy("v", v, in.v);
+  score_weights_from_arrays(arrays, path, p);
   return in;
 }
 

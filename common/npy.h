@@ -47,6 +47,9 @@ NpyArray to_npy(const Tensor& t);
 /// such inputs is input "file"). Throws InputError naming what is wrong.
 Inputs load_inputs_npz(const std::string& path, Problem* p);
 /// The checks and copies of load_inputs_npz on arrays already read; `what` names their source.
+/// For the bilinear and additive scores (p->score set before the call) it also reads the
+/// score weights if the file holds them (w_bilinear [H, d, d]; w_q, w_k [H, h, d], w_score
+/// [H, h]) into p->score_weights, all of the score's arrays or none.
 Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::string& what,
                           Problem* p);
 

@@ -14,7 +14,24 @@ double float32_error(double dim, double logit, double reduction, double steps) {
 double logit_size(const Workload& w) { return std::max(1.0, std::abs(w.scale)); }
 
 double attention_tolerance(const Problem& p, const Workload& w) {
-  return kErrorMargin * float32_error(double(p.dim), logit_size(w), double(p.keys()), 4.0);
+  const double d = double(p.dim), S = logit_size(w), m = double(p.keys());
+  switch (p.score) {
+    case Score::scaled_dot:
+      break;
+    case Score::dot:  // scaled_dot on sqrt(d) q: logits sqrt(d) times larger
+      return kErrorMargin * float32_error(d, S * std::sqrt(d), m, 5.0);
+    case Score::bilinear:  // q' = sqrt(d) W^T q, a reduction over d, before the logit's own
+      return kErrorMargin * float32_error(2.0 * d, S, m, 5.0);
+    case Score::additive: {
+      // q'_c, k'_c: reductions over d each, of unit-variance terms (error u sqrt(2d) on their
+      // sum); tanh: fast_tanh's 4e-7 = 7u; w_c of size 1/sqrt(0.52 h) over h terms turns
+      // both into u (sqrt(2d) + 7) / sqrt(0.52) on the logit, plus the reduction over h,
+      // u sqrt(h). In float32_error's form: dim 2d/0.52 + h, 7/sqrt(0.52) = 10 steps more.
+      const double h = double(p.hidden());
+      return kErrorMargin * float32_error(2.0 * d / 0.52 + h, S, m, 14.0);
+    }
+  }
+  return kErrorMargin * float32_error(d, S, m, 4.0);
 }
 
 namespace oracle {

@@ -55,7 +55,10 @@ double float32_error(double dim, double logit, double reduction, double steps);
 /// variance entries, so q.k / sqrt(d) is of order 1 before the scale).
 double logit_size(const Workload& w);
 
-/// The default tolerance: kErrorMargin float32_error(d, S, m, 4) (see the header comment).
+/// The default tolerance: kErrorMargin float32_error(d, S, m, 4) (see the header comment) for
+/// scaled_dot; the other scores lengthen the chain of the logits (their terms in oracle.cpp):
+/// dot makes them sqrt(d) times larger, bilinear adds the map of q (a reduction over d), and
+/// additive the projections, the tanh and a reduction over h.
 double attention_tolerance(const Problem& p, const Workload& w);
 
 namespace oracle {

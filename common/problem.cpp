@@ -117,9 +117,15 @@ void Problem::validate() const {
   }
 }
 
+std::string Problem::score_str() const {
+  if (score == Score::scaled_dot) return "";
+  if (score == Score::additive) return fmt::format(",score=additive,h={}", hidden());
+  return fmt::format(",score={}", score_name(score));
+}
+
 std::string Problem::str() const {
-  return fmt::format("B={},H={},n={},m={},d={},causal={},seed={}", batch, heads, n, keys(), dim,
-                     int(causal), seed);
+  return fmt::format("B={},H={},n={},m={},d={},causal={}{},seed={}", batch, heads, n, keys(), dim,
+                     int(causal), score_str(), seed);
 }
 
 }  // namespace attnbench

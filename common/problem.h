@@ -111,6 +111,9 @@ struct Problem {
   /// Canonical "B=1,H=8,n=1024,m=1024,d=64,causal=0,seed=0" (describe() in
   /// common/workload.h adds the workload).
   std::string str() const;
+  /// ",score=NAME" (and ",h=H" for additive) after causal in str() and describe(); empty for
+  /// scaled_dot, so the names of scaled_dot problems stay as they were.
+  std::string score_str() const;
 };
 
 }  // namespace attnbench

@@ -2,29 +2,85 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "common/omp_guard.h"
 
 namespace attnbench {
 
+namespace {
+
+/// The logits a(q_i, k) of one query row under the problem's scoring function, in float64
+/// (VARIANTS.md, "Scoring functions"): q.k / sqrt(d), q.k, q^T W k, or w^T tanh(W_q q + W_k k).
+/// The query side (W_q q, or W^T q) is formed once per row.
+class Logits {
+ public:
+  Logits(const Problem& p, const float* qi, int64_t h) : p_(p), d_(p.dim) {
+    const ScoreWeights* sw = p.score_weights.get();
+    switch (p.score) {
+      case Score::scaled_dot:
+      case Score::dot: {
+        const double f = p.score == Score::dot ? 1.0 : 1.0 / std::sqrt(double(d_));
+        for (int64_t c = 0; c < d_; ++c) qs_.push_back(f * double(qi[c]));
+        break;
+      }
+      case Score::bilinear: {  // q^T W k = (W^T q) . k
+        const float* w = sw->w_bilinear.data() + h * d_ * d_;
+        qs_.assign(size_t(d_), 0.0);
+        for (int64_t r = 0; r < d_; ++r)
+          for (int64_t c = 0; c < d_; ++c) qs_[size_t(c)] += double(qi[r]) * double(w[r * d_ + c]);
+        break;
+      }
+      case Score::additive: {
+        hidden_ = p.hidden();
+        wk_ = sw->w_k.data() + h * hidden_ * d_;
+        ws_ = sw->w_score.data() + h * hidden_;
+        const float* wq = sw->w_q.data() + h * hidden_ * d_;
+        qs_.assign(size_t(hidden_), 0.0);
+        for (int64_t c = 0; c < hidden_; ++c)
+          for (int64_t x = 0; x < d_; ++x) qs_[size_t(c)] += double(wq[c * d_ + x]) * double(qi[x]);
+        break;
+      }
+    }
+  }
+
+  double operator()(const float* kj) const {
+    double s = 0;
+    if (p_.score != Score::additive) {
+      for (int64_t c = 0; c < d_; ++c) s += qs_[size_t(c)] * double(kj[c]);
+      return s;
+    }
+    for (int64_t c = 0; c < hidden_; ++c) {
+      double u = qs_[size_t(c)];
+      for (int64_t x = 0; x < d_; ++x) u += double(wk_[c * d_ + x]) * double(kj[x]);
+      s += double(ws_[c]) * std::tanh(u);
+    }
+    return s;
+  }
+
+ private:
+  const Problem& p_;
+  int64_t d_, hidden_ = 0;
+  std::vector<double> qs_;
+  const float *wk_ = nullptr, *ws_ = nullptr;
+};
+
+}  // namespace
+
 std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             int64_t b, int64_t h, int64_t i,
                                             const SparsePattern* pattern) {
-  const int64_t d = p.dim, visible = p.visible(i);
-  const double scale = 1.0 / std::sqrt(double(d));
+  const int64_t visible = p.visible(i);
   std::vector<double> prob(size_t(p.keys()), 0.0);
   if (visible == 0) return prob;
   std::vector<uint8_t> allowed(size_t(p.keys()), 1);
   if (pattern) pattern_row(p, *pattern, b, h, i, allowed.data());
-  const float* qi = q.row(b, h, i);
-  // pass 1: scaled logits and their max
+  const Logits logit(p, q.row(b, h, i), h);
+  // pass 1: logits and their max
   double mx = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
     if (!allowed[size_t(j)]) continue;
-    const float* kj = k.row(b, h, j);
-    double s = 0;
-    for (int64_t c = 0; c < d; ++c) s += double(qi[c]) * double(kj[c]);
-    prob[size_t(j)] = s * scale;
+    prob[size_t(j)] = logit(k.row(b, h, j));
     mx = std::max(mx, prob[size_t(j)]);
   }
   if (mx == -INFINITY) return prob;  // the pattern leaves this row no key

@@ -1,5 +1,7 @@
 // The exact reference: softmax(QK^T / sqrt(d) + mask) V in double precision, written plainly
-// so it can be trusted. Every variant is checked against it.
+// so it can be trusted. Every variant is checked against it. The logits follow the problem's
+// scoring function (scaled_dot, dot, bilinear or additive; reference_probabilities is the one
+// place they are formed).
 #pragma once
 
 #include <cstdint>

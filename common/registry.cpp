@@ -219,17 +219,16 @@ void Variant::check_supported(const Problem& p) const {
         fmt::format("{} does not support an attention mask (--attn-mask)", info_->name));
 }
 
-void Variant::compute(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                      TensorView out) {
-  if (p.score != Score::dot && p.score != Score::bilinear) {
-    forward(p, q, k, v, out);
-    return;
-  }
-  // scaled_dot on q' = sqrt(d) q (dot) or q'_i = sqrt(d) W^T q_i per head (bilinear, with
-  // q^T W k = (W^T q)^T k): one pass over q, then the variant's own scaled_dot kernels.
+Problem linear_score_problem(const Problem& p) {
   Problem scaled = p;
   scaled.score = Score::scaled_dot;
   scaled.score_weights = nullptr;
+  return scaled;
+}
+
+Tensor linear_score_query(const Problem& p, ConstTensorView q) {
+  // scaled_dot on q' = sqrt(d) q (dot) or q'_i = sqrt(d) W^T q_i per head (bilinear, with
+  // q^T W k = (W^T q)^T k): one pass over q
   const int64_t d = p.dim, rows = p.n;
   const float root = float(std::sqrt(double(d)));
   Tensor mapped(p.q_shape());
@@ -255,7 +254,17 @@ void Variant::compute(const Problem& p, ConstTensorView q, ConstTensorView k, Co
         }
       }
     }
-  forward(scaled, mapped.view(), k, v, out);
+  return mapped;
+}
+
+void Variant::compute(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                      TensorView out) {
+  if (p.score != Score::dot && p.score != Score::bilinear) {
+    forward(p, q, k, v, out);
+    return;
+  }
+  const Tensor mapped = linear_score_query(p, q);
+  forward(linear_score_problem(p), mapped.view(), k, v, out);
 }
 
 void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,

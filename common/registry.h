@@ -88,6 +88,14 @@ struct Capabilities {
 };
 
 class Variant;
+
+/// The dot and bilinear scores as scaled_dot on a mapped q (VARIANTS.md, "Scoring
+/// functions"): q' = sqrt(d) q (dot) or q'_i = sqrt(d) Wᵀ q_i per head (bilinear), formed in
+/// float. linear_score_problem is p with score scaled_dot and no weights.
+Problem linear_score_problem(const Problem& p);
+/// q' of p (p.score is dot or bilinear, with its weights), [B, H, n, d].
+Tensor linear_score_query(const Problem& p, ConstTensorView q);
+
 class SparsePattern;
 
 /// A float64 statement of a variant's own function, independent of its kernels: the output

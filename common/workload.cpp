@@ -29,8 +29,9 @@ void Workload::validate(const Problem& p) const {
 }
 
 std::string describe(const Problem& p, const Workload& w) {
-  return fmt::format("B={},H={},n={},m={},d={},causal={},input={},scale={},seed={}", p.batch,
-                     p.heads, p.n, p.keys(), p.dim, int(p.causal), w.input, w.scale, p.seed);
+  return fmt::format("B={},H={},n={},m={},d={},causal={}{},input={},scale={},seed={}", p.batch,
+                     p.heads, p.n, p.keys(), p.dim, int(p.causal), p.score_str(), w.input, w.scale,
+                     p.seed);
 }
 
 }  // namespace attnbench

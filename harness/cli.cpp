@@ -183,6 +183,8 @@ nlohmann::ordered_json variants_json() {
                    {"causal", v->caps.causal},
                    {"cross", v->caps.cross},
                    {"exact", v->caps.exact},
+                   {"linear_score", v->caps.linear_score},
+                   {"additive", v->caps.additive},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
                                                 : nlohmann::ordered_json(v->plugin)},
                    {"params", params}});
@@ -190,15 +192,31 @@ nlohmann::ordered_json variants_json() {
   return all;
 }
 
+// The capability columns of `list`, one line each: header and flag.
+const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColumns = {
+    {"causal", &Capabilities::causal},
+    {"m!=n", &Capabilities::cross},
+    {"exact", &Capabilities::exact},
+    {"additive", &Capabilities::additive},
+};
+
 void print_list() {
   size_t w = 7;
   for (const VariantInfo* v : Registry::instance().all()) w = std::max(w, v->name.size());
-  const size_t indent = w + 1 + 7 + 1 + 6 + 1 + 6;
-  fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", "variant", w, "causal", "m!=n", "exact",
-             "summary / parameters");
+  // each capability column as wide as its header and a space, at least 6
+  auto width = [](const std::string& h) { return std::max<size_t>(h.size() + 1, 6); };
+  size_t indent = w;
+  std::string head = fmt::format("{:<{}}", "variant", w);
+  for (const auto& [h, flag] : kCapabilityColumns) {
+    head += fmt::format(" {:<{}}", h, width(h));
+    indent += 1 + width(h);
+  }
+  fmt::print("{} {}\n", head, "summary / parameters");
   for (const VariantInfo* v : Registry::instance().all()) {
-    fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", v->name, w, v->caps.causal ? "yes" : "no",
-               v->caps.cross ? "yes" : "no", v->caps.exact ? "yes" : "no", v->summary);
+    std::string line = fmt::format("{:<{}}", v->name, w);
+    for (const auto& [h, flag] : kCapabilityColumns)
+      line += fmt::format(" {:<{}}", v->caps.*flag ? "yes" : "no", width(h));
+    fmt::print("{} {}\n", line, v->summary);
     fmt::print("{:<{}} {}\n", "", indent, v->complexity);
     if (!v->plugin.empty()) fmt::print("{:<{}} from plugin {}\n", "", indent, v->plugin);
     for (const auto& p : v->params)
@@ -265,6 +283,8 @@ constexpr int64_t kMaxHeads = Problem::kMaxBatchOrHeads;             // B and H 
 struct ProblemOptions {
   int64_t batch = 1, heads = 8, seq = 1024, seq_k = 0, dim = 64;
   bool causal = false;
+  std::string score = "scaled_dot";
+  int64_t score_hidden = 0;
   std::string input = "gaussian";
   double scale = 1.0;
   uint64_t seed = 0;
@@ -276,6 +296,7 @@ struct ProblemOptions {
     Problem p;
     p.batch = batch, p.heads = heads, p.n = seq, p.m = seq_k, p.dim = dim;
     p.causal = causal, p.seed = seed;
+    p.score = parse_score(score), p.score_hidden = score_hidden;
     return p;
   }
   /// The workload these options state (threads still unresolved).
@@ -285,6 +306,13 @@ struct ProblemOptions {
     return w;
   }
 };
+
+// --score-hidden, on run and sweep.
+void add_score_hidden_option(CLI::App* app, ProblemOptions& o) {
+  app->add_option("--score-hidden", o.score_hidden, "hidden size h of the additive score (0 = d)")
+      ->capture_default_str()
+      ->check(int_in(0, kMaxExtent));
+}
 
 void add_timing_options(CLI::App* app, ProblemOptions& o) {
   app->add_option("--seed", o.seed, "seed of every random choice")
@@ -449,6 +477,10 @@ struct RunCommand {
                       ->capture_default_str()
                       ->check(int_in(1, kMaxExtent))};
     cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
+    cmd->add_option("--score", o.score, "scoring function")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"scaled_dot", "dot", "bilinear", "additive"}));
+    add_score_hidden_option(cmd, o);
     auto* input_opt = cmd->add_option("--input", o.input, "input distribution")
                           ->capture_default_str()
                           ->check(CLI::IsMember(input_distributions()));
@@ -474,6 +506,7 @@ struct RunCommand {
     w.threads = apply_threads(o.threads);
     p.validate();
     w.validate(p);
+    if (!p.score_weights) p.score_weights = make_score_weights(p);  // else from the file
     MachineFigures mf = measure_machine(w.threads, /*quick=*/true);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out;
@@ -581,7 +614,8 @@ struct SweepCommand {
   ProblemOptions o;
   std::vector<std::string> specs;
   std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
-              embed_list, causal_mode = "off", input_list = "gaussian", out_dir;
+              embed_list, causal_mode = "off", score_list = "scaled_dot", input_list = "gaussian",
+              out_dir;
   bool resume = false;
 
   CLI::App* add(CLI::App& app) {
@@ -598,6 +632,10 @@ struct SweepCommand {
     cmd->add_option("--causal", causal_mode, "causal mask: off, on or both")
         ->capture_default_str()
         ->check(CLI::IsMember({"off", "on", "both"}));
+    cmd->add_option("--score", score_list,
+                    "scoring functions, comma-separated (scaled_dot, dot, bilinear, additive)")
+        ->capture_default_str();
+    add_score_hidden_option(cmd, o);
     cmd->add_option("--input", input_list, "input distributions, comma-separated")
         ->capture_default_str();
     add_timing_options(cmd, o);
@@ -618,6 +656,8 @@ struct SweepCommand {
     if (!embed_list.empty()) axes.embeds = parse_int_list(embed_list, "--embed");
     axes.inputs = parse_input_list(input_list);
     axes.causals = parse_causal_mode(causal_mode);
+    axes.scores = parse_score_list(score_list);
+    axes.score_hidden = o.score_hidden;
     axes.seed = o.seed;
     axes.threads = apply_threads(o.threads);
     return plan_sweep(std::move(variants), axes);

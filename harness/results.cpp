@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <iterator>
+#include <map>
+#include <utility>
 
 #include "common/error.h"
 
@@ -25,9 +27,9 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec",  "batch", "heads", "n",
-                                              "m",     "dim",   "embed", "causal",
-                                              "input", "scale", "seed",  "threads"};
+const std::vector<std::string> kKeyColumns = {"spec",  "batch", "heads",  "n",      "m",
+                                              "dim",   "embed", "causal", "score",  "score_hidden",
+                                              "input", "scale", "seed",   "threads"};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -62,6 +64,13 @@ std::string malformed_reason(const std::vector<std::string>& header,
   if (at("causal") != "0" && at("causal") != "1")
     return fmt::format("causal is '{}', not 0 or 1", at("causal"));
   if (!number(at("scale"))) return fmt::format("scale is '{}', not a number", at("scale"));
+  try {
+    parse_score(at("score"));
+  } catch (const UsageError&) {
+    return fmt::format("score is '{}', not a scoring function", at("score"));
+  }
+  if (!integer(at("score_hidden"), 0))
+    return fmt::format("score_hidden is '{}', not an integer", at("score_hidden"));
   const std::string& status = at("status");
   if (status != "ok" && status != "skipped" && status != "unsupported" && status != "error")
     return fmt::format("status is '{}', not ok, skipped, unsupported or error", status);
@@ -73,7 +82,8 @@ std::string malformed_reason(const std::vector<std::string>& header,
 
 // Columns results.csv gained after its first version, with the field a row of an older file
 // stands for: resuming such a file rewrites it with them (embed 0 is plain attention).
-const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"}, {"attention_share", ""}};
+const std::map<std::string, std::string> kAddedColumns = {
+    {"embed", "0"}, {"attention_share", ""}, {"score", "scaled_dot"}, {"score_hidden", "0"}};
 
 // Rewrites a results.csv whose header lacks only columns of kAddedColumns into the current
 // columns, filling them in; leaves any other file as it is (the caller then compares headers).

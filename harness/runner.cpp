@@ -356,6 +356,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"dim", p.dim},
            {"embed", r.embed},
            {"causal", p.causal},
+           {"score", std::string(score_name(p.score))},
+           {"score_hidden", p.score == Score::additive ? p.hidden() : 0},
            {"input", w.input},
            {"scale", w.scale},
            {"seed", p.seed},

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/inputs.h"
@@ -31,46 +33,75 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   std::set<std::string> seen;
   // Layer rows take the place of the head dimensions: d = E / H.
   const bool layer = !axes.embeds.empty();
-  if (layer)
+  if (layer) {
     for (const auto& in : axes.inputs)
       if (in != "gaussian")
         throw UsageError(fmt::format(
             "--input {}: layer rows (--embed) draw gaussian inputs and parameters; accepted "
             "with --embed: gaussian",
             in));
+    for (Score s : axes.scores)
+      if (s != Score::scaled_dot)
+        throw UsageError(fmt::format(
+            "--score {}: layer rows (--embed) score as torch.nn.MultiheadAttention does; "
+            "accepted with --embed: scaled_dot",
+            score_name(s)));
+  }
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
+  // the weights depend on the score, H, d and h only: one set per such shape
+  std::map<std::tuple<Score, int64_t, int64_t>, std::shared_ptr<const ScoreWeights>> weights;
   for (const auto& in : axes.inputs)
     for (bool c : axes.causals)
-      for (auto size : sizes)
-        for (auto h : axes.heads)
-          for (auto b : axes.batches)
-            for (auto n : axes.seqs)
-              for (const auto& v : plan.variants) {
-                Problem p;
-                p.batch = b, p.heads = h, p.n = n, p.dim = size, p.causal = c, p.seed = axes.seed;
-                const int64_t embed = layer ? size : 0;
-                if (layer) {
-                  LayerProblem lp;
-                  lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.causal = c;
-                  lp.seed = axes.seed;
-                  lp.validate();
-                  p = lp.attention();
+      for (Score s : axes.scores)
+        for (auto size : sizes)
+          for (auto h : axes.heads)
+            for (auto b : axes.batches)
+              for (auto n : axes.seqs)
+                for (const auto& v : plan.variants) {
+                  Problem p;
+                  p.batch = b, p.heads = h, p.n = n, p.dim = size, p.causal = c;
+                  p.seed = axes.seed;
+                  const int64_t embed = layer ? size : 0;
+                  if (layer) {
+                    LayerProblem lp;
+                    lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.causal = c;
+                    lp.seed = axes.seed;
+                    lp.validate();
+                    p = lp.attention();
+                  }
+                  p.score = s, p.score_hidden = axes.score_hidden;
+                  Workload w;
+                  w.input = in, w.threads = axes.threads;
+                  p.validate();
+                  w.validate(p);
+                  if (s == Score::bilinear || s == Score::additive) {
+                    auto& sw = weights[{s, h, p.dim}];
+                    if (!sw) sw = make_score_weights(p);
+                    p.score_weights = sw;
+                  }
+                  Row key;
+                  key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
+                  if (!seen.insert(row_key(key)).second) {
+                    plan.duplicates.push_back(fmt::format("{} {}{}", key.spec,
+                                                          layer ? fmt::format("E={},", embed) : "",
+                                                          describe(p, w)));
+                    continue;
+                  }
+                  plan.configs.push_back({v.get(), p, w, embed});
                 }
-                Workload w;
-                w.input = in, w.threads = axes.threads;
-                p.validate();
-                w.validate(p);
-                Row key;
-                key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
-                if (!seen.insert(row_key(key)).second) {
-                  plan.duplicates.push_back(fmt::format("{} {}{}", key.spec,
-                                                        layer ? fmt::format("E={},", embed) : "",
-                                                        describe(p, w)));
-                  continue;
-                }
-                plan.configs.push_back({v.get(), p, w, embed});
-              }
   return plan;
+}
+
+std::vector<Score> parse_score_list(const std::string& text) {
+  std::vector<Score> out;
+  for (auto& s : split_csv_line(text)) {
+    try {
+      out.push_back(parse_score(s));
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("--score: {}", e.what()));
+    }
+  }
+  return out;
 }
 
 std::vector<bool> parse_causal_mode(const std::string& mode) {

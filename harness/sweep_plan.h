@@ -23,7 +23,9 @@ struct SweepAxes {
   /// `dims`; empty: rows of plain attention.
   std::vector<int64_t> embeds;
   std::vector<bool> causals;
-  std::vector<std::string> inputs;  ///< input distributions
+  std::vector<Score> scores = {Score::scaled_dot};  ///< scoring functions
+  int64_t score_hidden = 0;                         ///< additive hidden size (0: d)
+  std::vector<std::string> inputs;                  ///< input distributions
   uint64_t seed = 0;
   int threads = 1;  ///< resolved thread count (never 0)
 };
@@ -50,13 +52,20 @@ struct SweepPlan {
 /// `specs` is empty. Throws SpecError for a bad spec (before any work is planned).
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
-/// Expands variants x axes into the plan. Order, outermost first: inputs, causal, dims (or
-/// embeds), heads, batches, seqs, variants. Throws UsageError for a problem that fails
-/// Problem::validate (or a workload that fails Workload::validate).
+/// Expands variants x axes into the plan. Order, outermost first: inputs, causal, scores, dims
+/// (or embeds), heads, batches, seqs, variants. The bilinear and additive problems carry their
+/// seeded weights (make_score_weights, one set per shape shared by the configurations). Throws
+/// UsageError for a problem that fails Problem::validate (or a workload that fails
+/// Workload::validate), and for layer rows (embeds) with another input than gaussian or
+/// another score than scaled_dot.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.
 std::vector<bool> parse_causal_mode(const std::string& mode);
+
+/// --score of the sweep: comma-separated scoring function names, in the order given. Throws
+/// UsageError naming an unknown one and the accepted names.
+std::vector<Score> parse_score_list(const std::string& text);
 
 /// --input of the sweep: comma-separated input distribution names, in the order given.
 /// Throws UsageError naming an unknown one and the accepted names.

@@ -4,8 +4,9 @@
     scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--fail-on-regression]
 
 Rows are joined on the variant spec and the problem columns (batch, heads, n, m, dim, embed,
-causal, input, scale, seed, threads; embed is 0 for plain attention and for results written
-before layer rows existed), the key `attnbench sweep` itself uses. For every row measured in
+causal, score, score_hidden, input, scale, seed, threads; embed is 0 for plain attention), the
+key `attnbench sweep` itself uses (a results.csv written before the embed or score columns reads
+as embed 0 and scaled_dot). For every row measured in
 both runs it prints the median times, the ratio B/A and the speed-up A/B, and flags the change
 when it is beyond the measured spread: each run's repetitions span [time_min_s, time_max_s],
 and a row is flagged "slower" or "faster" when the two spans do not overlap (and, with
@@ -27,8 +28,9 @@ from attnbench_results import (KEY_COLUMNS, PROBLEM_COLUMNS, format_seconds, loa
                                load_results, problem_label, run_main, spec_order)
 
 PROG = "compare.py"
-SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E", "causal": "causal",
-         "input": "input", "scale": "scale", "seed": "seed", "threads": "threads"}
+SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E",
+         "causal": "causal", "score": "score", "score_hidden": "h", "input": "input",
+         "scale": "scale", "seed": "seed", "threads": "threads"}
 
 
 def describe(directory, meta):
@@ -114,7 +116,8 @@ def main():
     # one block per variant, in the order of run A, then by problem
     rank = {s: i for i, s in enumerate(spec_order(a))}
     measured = measured.assign(_rank=measured["spec"].map(rank)).sort_values(
-        ["_rank", "causal", "input", "dim", "heads", "batch", "n", "m"], kind="stable")
+        ["_rank", "causal", "score", "score_hidden", "input", "dim", "heads", "batch", "n", "m"],
+        kind="stable")
 
     # Show the problem columns that differ between rows; the others once, above the table.
     # m is left out when it equals n everywhere (self-attention).

@@ -54,6 +54,13 @@ inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bo
   return p;
 }
 
+/// p under the scoring function `score` (hidden size `hidden`, 0 = d), with its seeded weights.
+inline Problem with_score(Problem p, Score score, int64_t hidden = 0) {
+  p.score = score, p.score_hidden = hidden;
+  p.score_weights = make_score_weights(p);
+  return p;
+}
+
 /// A workload drawing inputs from the named distribution (common/inputs.h), q scaled by
 /// `scale`.
 inline Workload workload(const std::string& input, double scale = 1.0) {
@@ -148,10 +155,26 @@ inline Expected expected(const Variant& v, const Problem& p, const Inputs& in,
                          const Workload& w = Workload{}) {
   const VariantInfo& info = v.info();
   Expected e;
+  if (info.oracle && (p.score == Score::dot || p.score == Score::bilinear)) {
+    // the approximation's own function on the mapped q (Variant::compute), whose logits are
+    // sqrt(d) times larger for dot
+    const Problem scaled = linear_score_problem(p);
+    const Tensor mapped = linear_score_query(p, in.q.view());
+    Workload ws = w;
+    if (p.score == Score::dot) ws.scale *= std::sqrt(double(p.dim));
+    e.out = info.oracle(v, scaled, mapped.view(), in.k.view(), in.v.view());
+    e.tolerance = info.tolerance ? info.tolerance(v, scaled, ws) : attention_tolerance(p, w);
+    return e;
+  }
   if (info.oracle) {
     e.out = info.oracle(v, p, in.q.view(), in.k.view(), in.v.view());
   } else {
-    auto pattern = v.make_pattern(p, in.q.view(), in.k.view());
+    // a data-dependent pattern (sinkhorn) is made from the q the variant sees: the mapped one
+    // under dot and bilinear (the reference forms those logits itself)
+    const bool linear = p.score == Score::dot || p.score == Score::bilinear;
+    const Tensor mapped = linear ? linear_score_query(p, in.q.view()) : Tensor();
+    auto pattern = linear ? v.make_pattern(linear_score_problem(p), mapped.view(), in.k.view())
+                          : v.make_pattern(p, in.q.view(), in.k.view());
     e.out = reference_attention(p, in.q.view(), in.k.view(), in.v.view(), pattern.get());
   }
   e.tolerance = info.tolerance ? info.tolerance(v, p, w) : attention_tolerance(p, w);

@@ -38,7 +38,9 @@ std::string missing_oracle(const VariantInfo& info) {
 }
 
 bool supports(const VariantInfo& info, const Problem& p) {
-  return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross);
+  const bool linear = p.score == Score::dot || p.score == Score::bilinear;
+  return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross) &&
+         (!linear || info.caps.linear_score) && (p.score != Score::additive || info.caps.additive);
 }
 
 using test::problem;
@@ -128,6 +130,22 @@ TEST_P(VariantTest, MatchesReferenceOnRaggedShapes) {
           // m = 0 means m = n; pass it explicitly anyway, both spellings must work
           check(problem(bh, bh, n, m == n && d == 17 ? 0 : m, d, causal));
         }
+}
+
+// Every scoring function on ragged shapes: dot and bilinear through Variant::compute's map of
+// q (an exact variant against the float64 reference, which forms those logits itself; an
+// approximation against its oracle on the mapped q), additive against the reference where
+// the variant computes it, refused (UnsupportedError) where it does not.
+TEST_P(VariantTest, ScoringFunctions) {
+  for (Score score : {Score::dot, Score::bilinear, Score::additive})
+    for (int64_t n : {1, 7, 113})
+      for (int64_t m : {7, 113})
+        for (int64_t d : {1, 17})
+          for (bool causal : {false, true}) {
+            const int64_t hidden = score == Score::additive && d == 17 ? 5 : 0;
+            check(test::with_score(problem(2, 2, n, m, d, causal, uint64_t(n + m + d)), score,
+                                   hidden));
+          }
 }
 
 TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {

@@ -4,6 +4,8 @@
 //
 //   out = softmax(Q K^T / sqrt(d) + mask) V
 //
+// The additive score (common/additive_score.h) fills the same n x m matrix with its logits.
+//
 // Time O(B H n m d) through BLAS GEMM; memory O(B H n m) for the scores.
 #include <cblas.h>
 #include <omp.h>
@@ -12,6 +14,7 @@
 #include <cstring>
 #include <memory>
 
+#include "common/additive_score.h"
 #include "common/registry.h"
 #include "common/softmax.h"
 #include "common/threads.h"
@@ -24,20 +27,28 @@ class Full final : public Variant {
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     const int64_t n = p.n, m = p.keys(), d = p.dim, heads = p.batch * p.heads;
-    const float scale = p.softmax_scale();
+    const float scale = p.score == Score::additive ? 1.0f : p.softmax_scale();
     // scores is [B, H, n, m], like the tensor q @ k.transpose(-2, -1) in PyTorch.
     // Left uninitialised (as torch.empty would be): every element is written by pass 1.
     std::unique_ptr<float[]> scores(new float[size_t(heads * n * m)]);
     // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
     const bool per_head = heads >= team_threads();
 
-    // pass 1: S = Q K^T (scaling is folded into the softmax)
+    // pass 1: S = Q K^T (scaling is folded into the softmax), or the additive scores
+    if (p.score == Score::additive) {
+      const AdditiveProjections add(p, q, k);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < heads * n; ++r)
+        additive_tile(add, r / n / p.heads, r / n % p.heads, r % n, 1, 0, m, scores.get() + r * m,
+                      m, 1);
+    } else {
 #pragma omp parallel for schedule(dynamic) if (per_head)
-    for (int64_t bh = 0; bh < heads; ++bh) {
-      const int64_t b = bh / p.heads, h = bh % p.heads;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(m), int(d), 1.0f,
-                  q.head(b, h), int(q.stride_row), k.head(b, h), int(k.stride_row), 0.0f,
-                  scores.get() + bh * n * m, int(m));
+      for (int64_t bh = 0; bh < heads; ++bh) {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(m), int(d), 1.0f,
+                    q.head(b, h), int(q.stride_row), k.head(b, h), int(k.stride_row), 0.0f,
+                    scores.get() + bh * n * m, int(m));
+      }
     }
     // pass 2: causal mask and row softmax in place; hidden keys get probability 0
 #pragma omp parallel for schedule(static)
@@ -58,12 +69,14 @@ class Full final : public Variant {
   }
 
   double flops(const Problem& p) const override {
-    // two GEMMs over the whole score matrix; the mask does not save work here
-    return 4.0 * double(p.batch * p.heads) * double(p.n) * double(p.keys()) * double(p.dim);
+    // the logits and one GEMM over the whole score matrix; the mask does not save work here
+    return (logit_flops(p) + 2.0 * double(p.dim)) * double(p.batch * p.heads) * double(p.n) *
+           double(p.keys());
   }
 
   double memory_estimate(const Problem& p) const override {
-    return double(p.batch * p.heads) * double(p.n) * double(p.keys()) * sizeof(float);
+    return double(p.batch * p.heads) * double(p.n) * double(p.keys()) * sizeof(float) +
+           (p.score == Score::additive ? AdditiveProjections::bytes(p) : 0.0);
   }
 };
 
@@ -73,7 +86,7 @@ ATTNBENCH_REGISTER_VARIANT(
                 .summary = "exact softmax attention, n x m scores materialised (PyTorch style)",
                 .complexity = "time O(n m d), memory O(B H n m)",
                 .params = {},
-                .caps = {.causal = true, .cross = true},
+                .caps = {.causal = true, .cross = true, .additive = true},
                 .make = [](const ParamValues&) { return std::make_unique<Full>(); }});
 
 }  // namespace

@@ -594,7 +594,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("chunk", 64, 1, 4096,
                                   "chunk length of the sorted sequence (attends itself and the "
                                   "previous chunk)")},
-        .caps = {.causal = true, .cross = false, .exact = false},
+        .caps = {.causal = true, .cross = false, .exact = false, .linear_score = false},
         .make =
             [](const ParamValues& pv) {
               return std::make_unique<Reformer>(pv.get_int_list("buckets"), pv.get_int("hashes"),

@@ -379,7 +379,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                     "divides log(R + 1e-6) before the Sinkhorn steps"),
                    ParamSpec::Int("iterations", 5, 0, 1000,
                                   "Sinkhorn steps (each a row then a column normalisation)")},
-        .caps = {.causal = true, .cross = false},
+        .caps = {.causal = true, .cross = false, .additive = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Sinkhorn>(v.get_int("block"), v.get_float("temperature"),
                                             v.get_int("iterations"));

@@ -17,7 +17,8 @@ from .style import causal_name, code, fmt_n, md_table, remove, warn
 # DIR/patterns/index.csv (harness/patterns.h): the results.csv key of the row a pattern belongs
 # to, the file (empty for a variant without a pattern) and why there is no file.
 INDEX_COLUMNS = KEY_COLUMNS + ["file", "message"]
-INDEX_NUMERIC = ["batch", "heads", "n", "m", "dim", "embed", "causal", "scale", "seed", "threads"]
+INDEX_NUMERIC = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score_hidden", "scale",
+                 "seed", "threads"]
 TILE_PIXELS = 256  # largest side of one pattern image in the gallery
 
 
@@ -31,7 +32,7 @@ def load_index(directory):
     path = index_path(directory)
     if not os.path.isfile(path):
         return None
-    idx = read_csv(path, ["spec", "input", "file", "message"], INDEX_COLUMNS,
+    idx = read_csv(path, ["spec", "score", "input", "file", "message"], INDEX_COLUMNS,
                    "a header line and one line per variant spec and causal setting")
     idx["file"] = idx["file"].fillna("")
     idx["message"] = idx["message"].fillna("")
