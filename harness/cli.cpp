@@ -182,6 +182,8 @@ nlohmann::ordered_json variants_json() {
                    {"causal", v->caps.causal},
                    {"cross", v->caps.cross},
                    {"exact", v->caps.exact},
+                   {"key_padding", v->caps.key_padding},
+                   {"attn_mask", v->caps.attn_mask},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
                                                 : nlohmann::ordered_json(v->plugin)},
                    {"params", params}});
@@ -192,12 +194,14 @@ nlohmann::ordered_json variants_json() {
 void print_list() {
   size_t w = 7;
   for (const VariantInfo* v : Registry::instance().all()) w = std::max(w, v->name.size());
-  const size_t indent = w + 1 + 7 + 1 + 6 + 1 + 6;
-  fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", "variant", w, "causal", "m!=n", "exact",
-             "summary / parameters");
+  const size_t indent = w + 1 + 7 + 1 + 6 + 1 + 6 + 1 + 8 + 1 + 5;
+  fmt::print("{:<{}} {:<7} {:<6} {:<6} {:<8} {:<5} {}\n", "variant", w, "causal", "m!=n", "exact",
+             "padding", "mask", "summary / parameters");
   for (const VariantInfo* v : Registry::instance().all()) {
-    fmt::print("{:<{}} {:<7} {:<6} {:<6} {}\n", v->name, w, v->caps.causal ? "yes" : "no",
-               v->caps.cross ? "yes" : "no", v->caps.exact ? "yes" : "no", v->summary);
+    fmt::print("{:<{}} {:<7} {:<6} {:<6} {:<8} {:<5} {}\n", v->name, w,
+               v->caps.causal ? "yes" : "no", v->caps.cross ? "yes" : "no",
+               v->caps.exact ? "yes" : "no", v->caps.key_padding ? "yes" : "no",
+               v->caps.attn_mask ? "yes" : "no", v->summary);
     fmt::print("{:<{}} {}\n", "", indent, v->complexity);
     if (!v->plugin.empty()) fmt::print("{:<{}} from plugin {}\n", "", indent, v->plugin);
     for (const auto& p : v->params)
@@ -410,7 +414,7 @@ struct ListCommand {
 
 struct RunCommand {
   ProblemOptions o;
-  std::string spec, inputs_path, output_path;
+  std::string spec, inputs_path, output_path, key_padding, mask_path;
   bool json = false;
   std::vector<CLI::Option*> shape_opts;
 
@@ -444,6 +448,13 @@ struct RunCommand {
         ->excludes(input_opt)
         ->excludes(scale_opt);
     cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+    cmd->add_option("--key-padding", key_padding,
+                    "valid key lengths, one per batch element or one for all (700,1024): "
+                    "keys j >= len_b are invisible to batch element b");
+    cmd->add_option("--attn-mask", mask_path,
+                    ".npy (or .npz array attn_mask) of [n, m] or [B|1, H|1, n, m]: float32 "
+                    "added to the logits, or bool/uint8 with true = masked out")
+        ->check(CLI::ExistingFile);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
   }
@@ -454,6 +465,8 @@ struct RunCommand {
     Workload w = o.workload();
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
     if (given) w.input = "file";
+    if (!key_padding.empty()) p.key_lengths = parse_key_lengths(key_padding, p.batch);
+    if (!mask_path.empty()) p.attn_mask = load_attn_mask(mask_path, p);
     w.threads = apply_threads(o.threads);
     p.validate();
     w.validate(p);
@@ -480,7 +493,8 @@ struct SweepCommand {
   ProblemOptions o;
   std::vector<std::string> specs;
   std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
-              causal_mode = "off", input_list = "gaussian", out_dir;
+              causal_mode = "off", input_list = "gaussian", out_dir, key_padding_lists,
+              padding_fractions;
   bool resume = false;
 
   CLI::App* add(CLI::App& app) {
@@ -496,6 +510,12 @@ struct SweepCommand {
     cmd->add_option("--input", input_list, "input distributions, comma-separated")
         ->capture_default_str();
     add_timing_options(cmd, o);
+    cmd->add_option("--key-padding", key_padding_lists,
+                    "key padding settings separated by ';', each a comma list of valid key "
+                    "lengths (one per batch element or one for all) or none: 700,1024;none");
+    cmd->add_option("--padding-fraction", padding_fractions,
+                    "padding fractions in [0, 1), comma-separated: lengths drawn from the seed "
+                    "so that the expected padded share of the keys is F");
     cmd->add_option("--out", out_dir, "results directory")->required();
     cmd->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
     return cmd;
@@ -512,6 +532,7 @@ struct SweepCommand {
     axes.dims = parse_int_list(dim_list, "--dim");
     axes.inputs = parse_input_list(input_list);
     axes.causals = parse_causal_mode(causal_mode);
+    axes.paddings = parse_padding_settings(key_padding_lists, padding_fractions);
     axes.seed = o.seed;
     axes.threads = apply_threads(o.threads);
     return plan_sweep(std::move(variants), axes);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iterator>
+#include <optional>
 
 #include "common/error.h"
 
@@ -25,8 +26,38 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec",   "batch", "heads", "n",    "m",      "dim",
-                                              "causal", "input", "scale", "seed", "threads"};
+const std::vector<std::string> kKeyColumns = {"spec",    "batch",       "heads",    "n",     "m",
+                                              "dim",     "causal",      "input",    "scale", "seed",
+                                              "threads", "key_padding", "attn_mask"};
+
+// Columns added after results files were first written, with the value an older file's rows
+// take for them (what the row meant before the column existed), so that such a file still
+// resumes: its lines are rewritten with the current columns on the way in.
+const std::vector<std::pair<std::string, std::string>> kAddedColumns = {{"key_padding", ""},
+                                                                        {"attn_mask", ""}};
+
+// The current columns of an older header's line f, or nothing if the header is not an older
+// layout (every current column either in it or added since, nothing else).
+std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::string>& header,
+                                                     const std::vector<std::string>& f) {
+  std::vector<std::string> out;
+  for (const auto& c : csv_columns()) {
+    const auto it = std::find(header.begin(), header.end(), c);
+    if (it != header.end()) {
+      const size_t i = size_t(it - header.begin());
+      out.push_back(i < f.size() ? f[i] : std::string());
+      continue;
+    }
+    const auto added = std::find_if(kAddedColumns.begin(), kAddedColumns.end(),
+                                    [&](const auto& a) { return a.first == c; });
+    if (added == kAddedColumns.end()) return std::nullopt;
+    out.push_back(added->second);
+  }
+  for (const auto& c : header)
+    if (std::find(csv_columns().begin(), csv_columns().end(), c) == csv_columns().end())
+      return std::nullopt;
+  return out;
+}
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -182,6 +213,10 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     std::string line;
     std::getline(in, line);
     auto header = split_csv_line(line);
+    // an older layout (columns added since): every line is rewritten with the current ones
+    const bool upgrade = header != csv_columns() && upgrade_line(header, header).has_value();
+    const std::vector<std::string> old_header = header;
+    if (upgrade) header = csv_columns();
     if (header != csv_columns())
       throw UsageError(
           fmt::format("cannot resume: '{}' has different columns than this version of "
@@ -196,12 +231,19 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     // A complete line that cannot stand for a finished row (hand-edited, or written by
     // something else) is reported, moved to results.malformed.csv and its configuration runs
     // again; every other line is kept as it is.
-    std::string kept = line + '\n', rejected;
+    std::string kept, rejected;
+    for (const auto& c : header) kept += (kept.empty() ? "" : ",") + c;
+    kept += '\n';
     int64_t line_no = 1, n_rejected = 0;
     while (std::getline(in, line)) {
       ++line_no;
       if (line.empty()) continue;
       auto f = split_csv_line(line);
+      if (upgrade && f.size() == old_header.size()) {
+        f = *upgrade_line(old_header, f);
+        line.clear();
+        for (size_t i = 0; i < f.size(); ++i) line += (i ? "," : "") + csv_quote(f[i]);
+      }
       if (std::string why = malformed_reason(header, f); !why.empty()) {
         fmt::print(stderr,
                    "attnbench: warning: {} line {} is malformed ({}); it is moved to "
@@ -217,8 +259,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       done_[join_key(key)] = f[status_idx];
     }
     in.close();
-    if (n_rejected > 0) {
-      {
+    if (n_rejected > 0 || upgrade) {
+      if (n_rejected > 0) {
         std::ofstream bad(fs::path(dir) / "results.malformed.csv", std::ios::app);
         bad << rejected;
         if (!bad)

@@ -301,6 +301,10 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
     row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
     row.notes = variant.notes();                    // of the last timed pass
+    if (!p.unmasked())
+      if (const int64_t empty = p.rows_without_keys(); empty > 0)
+        row.notes += fmt::format("{}{} masked rows without keys (output 0)",
+                                 row.notes.empty() ? "" : "; ", empty);
     phase_times.check();
     row.phases = phase_times.per_pass(passes);
     if (output) *output = std::move(out);
@@ -341,6 +345,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"scale", w.scale},
            {"seed", p.seed},
            {"threads", w.threads},
+           {"key_padding", key_padding_text(p)},
+           {"attn_mask", p.attn_mask ? p.attn_mask->name : std::string()},
            {"status", r.status},
            {"message", r.message},
            {"time_median_s", num(r.time_median)},

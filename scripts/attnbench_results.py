@@ -15,12 +15,16 @@ import sys
 import pandas as pd
 
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
-PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed", "threads"]
+# Key columns added after the first results files (harness/results.cpp, kAddedColumns): a file
+# without them reads as their empty value (no key padding, no attention mask).
+ADDED_COLUMNS = ["key_padding", "attn_mask"]
+PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed",
+                   "threads"] + ADDED_COLUMNS
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # Timing columns, in seconds: the median of the repetitions and their spread.
 TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
-REQUIRED_COLUMNS = KEY_COLUMNS + ["status", "message"] + TIME_COLUMNS + [
+REQUIRED_COLUMNS = [c for c in KEY_COLUMNS if c not in ADDED_COLUMNS] + ["status", "message"] + TIME_COLUMNS + [
     "reps", "peak_bytes", "rel_fro_error"]
 NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "causal", "scale", "seed", "threads",
                    "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
@@ -46,8 +50,10 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "input", "status", "message"], REQUIRED_COLUMNS,
+    df = read_csv(path, ["spec", "input", "status", "message"] + ADDED_COLUMNS, REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
+    for c in ADDED_COLUMNS:
+        df[c] = df[c].fillna("").astype(str) if c in df.columns else ""
     if len(df) == 0:
         raise ResultsError(f"'{path}' has a header but no rows; expected one row per "
                            f"(variant, problem) from a sweep")

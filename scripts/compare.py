@@ -22,12 +22,13 @@ import sys
 
 import numpy as np
 
-from attnbench_results import (KEY_COLUMNS, PROBLEM_COLUMNS, format_seconds, load_meta,
-                               load_results, problem_label, run_main, spec_order)
+from attnbench_results import (ADDED_COLUMNS, KEY_COLUMNS, PROBLEM_COLUMNS, format_seconds,
+                               load_meta, load_results, problem_label, run_main, spec_order)
 
 PROG = "compare.py"
 SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "causal": "causal",
-         "input": "input", "scale": "scale", "seed": "seed", "threads": "threads"}
+         "input": "input", "scale": "scale", "seed": "seed", "threads": "threads",
+         "key_padding": "padding", "attn_mask": "mask"}
 
 
 def describe(directory, meta):
@@ -120,7 +121,8 @@ def main():
     m_is_n = bool((joined["m"] == joined["n"]).all())
     shown = [c for c in PROBLEM_COLUMNS
              if c == "n" or (joined[c].nunique() > 1 and not (c == "m" and m_is_n))]
-    fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m"]
+    fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m" and
+             not (c in ADDED_COLUMNS and (joined[c] == "").all())]
     first = joined.iloc[0]
     print("all rows: " + ", ".join((["m=n"] if m_is_n else []) +
                                    [f"{c}={_plain(first[c])}" for c in fixed]), file=out)

@@ -211,7 +211,7 @@ ATTNBENCH_REGISTER_VARIANT(
                             "random key blocks per (head, query block), outside window and global"),
              ParamSpec::Int("global_blocks", 2, 0, int64_t(1) << 20,
                             "global blocks: the first ceil(G/2) and the last floor(G/2)")},
-        .caps = {.causal = true, .cross = false},
+        .caps = {.causal = true, .cross = false, .key_padding = true, .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<BigBird>(v.get_int("block"), v.get_int("window_blocks"),
                                            v.get_int("random_blocks"), v.get_int("global_blocks"));
