@@ -17,6 +17,11 @@
 // tile's last row sees are not computed, and a block crossing the diagonal is masked element
 // by element. Rows that attend no key are 0.
 //
+// Masks (Problem::key_lengths, Problem::attn_mask): key padding shortens each task's key range
+// (blocks past batch element b's length are never visited); an attention mask gives every key
+// block an element mask (its -inf entries, with the pattern's) and a bias tile added to the
+// scores, and a block it hides wholly is skipped.
+//
 // The tiles run the passes of common/attention_kernels.h (AVX-512 register-blocked kernels on
 // transposed score tiles, or the portable Eigen passes), so per computed score the sparse case
 // runs at close to the dense rate.
