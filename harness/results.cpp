@@ -36,29 +36,6 @@ const std::vector<std::string> kKeyColumns = {"spec",    "batch",       "heads",
 const std::vector<std::pair<std::string, std::string>> kAddedColumns = {{"key_padding", ""},
                                                                         {"attn_mask", ""}};
 
-// The current columns of an older header's line f, or nothing if the header is not an older
-// layout (every current column either in it or added since, nothing else).
-std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::string>& header,
-                                                     const std::vector<std::string>& f) {
-  std::vector<std::string> out;
-  for (const auto& c : csv_columns()) {
-    const auto it = std::find(header.begin(), header.end(), c);
-    if (it != header.end()) {
-      const size_t i = size_t(it - header.begin());
-      out.push_back(i < f.size() ? f[i] : std::string());
-      continue;
-    }
-    const auto added = std::find_if(kAddedColumns.begin(), kAddedColumns.end(),
-                                    [&](const auto& a) { return a.first == c; });
-    if (added == kAddedColumns.end()) return std::nullopt;
-    out.push_back(added->second);
-  }
-  for (const auto& c : header)
-    if (std::find(csv_columns().begin(), csv_columns().end(), c) == csv_columns().end())
-      return std::nullopt;
-  return out;
-}
-
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
   for (const auto& f : fields) k += f + '\x1f';
@@ -171,6 +148,27 @@ std::vector<std::string> split_csv_line(const std::string& line) {
 
 const std::vector<std::string>& key_columns() { return kKeyColumns; }
 
+std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::string>& header,
+                                                     const std::vector<std::string>& f,
+                                                     const std::vector<std::string>& columns) {
+  std::vector<std::string> out;
+  for (const auto& c : columns) {
+    const auto it = std::find(header.begin(), header.end(), c);
+    if (it != header.end()) {
+      const size_t i = size_t(it - header.begin());
+      out.push_back(i < f.size() ? f[i] : std::string());
+      continue;
+    }
+    const auto added = std::find_if(kAddedColumns.begin(), kAddedColumns.end(),
+                                    [&](const auto& a) { return a.first == c; });
+    if (added == kAddedColumns.end()) return std::nullopt;
+    out.push_back(added->second);
+  }
+  for (const auto& c : header)
+    if (std::find(columns.begin(), columns.end(), c) == columns.end()) return std::nullopt;
+  return out;
+}
+
 std::vector<std::string> key_fields(const Row& row) {
   auto j = to_json(row);
   std::vector<std::string> f;
@@ -214,7 +212,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     std::getline(in, line);
     auto header = split_csv_line(line);
     // an older layout (columns added since): every line is rewritten with the current ones
-    const bool upgrade = header != csv_columns() && upgrade_line(header, header).has_value();
+    const bool upgrade =
+        header != csv_columns() && upgrade_line(header, header, csv_columns()).has_value();
     const std::vector<std::string> old_header = header;
     if (upgrade) header = csv_columns();
     if (header != csv_columns())
@@ -240,7 +239,7 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       if (line.empty()) continue;
       auto f = split_csv_line(line);
       if (upgrade && f.size() == old_header.size()) {
-        f = *upgrade_line(old_header, f);
+        f = *upgrade_line(old_header, f, csv_columns());
         line.clear();
         for (size_t i = 0; i < f.size(); ++i) line += (i ? "," : "") + csv_quote(f[i]);
       }
