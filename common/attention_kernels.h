@@ -478,17 +478,24 @@ inline void hook_scores(const Tiles& tl, const Workspace& w, int64_t rows, int64
 /// the tile's `rows` query rows. Row r sees the keys c < causal_first + r of the block
 /// (causal_first >= cols: every key), and, if mask is not null, only those with
 /// mask[r * cols + c] != 0 (mask: rows x cols bytes, mask_tile_bytes(rows, cols) readable).
-/// scale = log2(e) / sqrt(d); every p is multiplied by pscale (1, or safe_pscale).
+/// scale = log2(e) / sqrt(d); every p is multiplied by pscale (1, or safe_pscale). bias, if
+/// not null (then mask is not null either), is rows x cols finite values in raw score units
+/// added to the scores (an attention mask's bias times sqrt(d)).
 inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* kb,
                          int64_t ldk, const float* vb, int64_t ldv, int64_t cols, float scale,
                          int64_t causal_first, const uint8_t* mask, float pscale = 1.0f,
-                         const ScoreHook* hook = nullptr) {
+                         const ScoreHook* hook = nullptr, const float* bias = nullptr) {
   const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp;
   // pass 1: S^T = K Q^T, or the hook's scores
   if (hook)
     hook_scores(tl, w, rows, nrv, cols, *hook);
   else
     scores_block(tl, w, nrv, kb, ldk, cols);
+  // the attention mask's finite bias, added in raw score units (the element mask, never
+  // null with a bias, recomputes the block max in pass 2)
+  if (bias)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) w.st[c * ld + r] += bias[r * cols + c];
   // pass 2: only blocks reaching past the keys every row sees, or with a mask
   const bool causal = causal_first < cols;
   if (mask) {
@@ -563,21 +570,26 @@ inline void begin_tile(Workspace& w, int64_t rows) {
 /// Passes 1-4 for one key block (cols keys at kb / vb with row strides ldk / ldv) and the
 /// tile's `rows` query rows (at q0, stride ldq): row r sees the keys c < causal_first + r,
 /// and if mask is not null only those with mask[r * cols + c] != 0. scale = 1/sqrt(d); every
-/// p is multiplied by pscale (1, or safe_pscale). The max is kept in raw score units and
+/// p is multiplied by pscale (1, or safe_pscale), and bias (rows x cols, raw score units; not
+/// null only with a mask) is added to the scores. The max is kept in raw score units and
 /// subtracted before scaling, as in the AVX-512 passes.
 inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t rows, int64_t d,
                          const float* kb, int64_t ldk, const float* vb, int64_t ldv, int64_t cols,
                          float scale, int64_t causal_first, const uint8_t* mask,
-                         float pscale = 1.0f, const ScoreHook* hook = nullptr) {
+                         float pscale = 1.0f, const ScoreHook* hook = nullptr,
+                         const float* bias = nullptr) {
   ConstMap qm(q0, rows, d, Eigen::OuterStride<>(ldq));
   ConstMap km(kb, cols, d, Eigen::OuterStride<>(ldk));
   ConstMap vm(vb, cols, d, Eigen::OuterStride<>(ldv));
   auto sb = w.s.topLeftCorner(rows, cols);
-  // pass 1: raw scores, or the hook's
+  // pass 1: raw scores, or the hook's, plus the attention mask's bias (raw score units)
   if (hook)
     hook->fill(rows, cols, w.s.data(), w.s.cols(), 1);
   else
     sb.noalias() = qm * km.transpose();
+  if (bias)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) sb(r, c) += bias[r * cols + c];
   // pass 2-3: per row, mask, new max, exponentials, rescale the running state
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = w.s.row(r).data();

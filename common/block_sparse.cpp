@@ -40,15 +40,24 @@ int64_t tile_rows(const Problem& p, int64_t block_q) { return std::min(block_q, 
 int64_t tile_cols(const Problem& p, int64_t block_k) { return std::min(block_k, p.keys()); }
 
 /// The key blocks one thread's tasks walk. kDense: every block of bk keys up to the last key
-/// the tile's last row sees, none masked, and no pattern (pat is null). Otherwise the blocks
-/// pat lists (bk = pat->block()), a partial one masked element by element into `mask` (rows x
-/// cols bytes).
+/// the tile's last row sees, and no pattern (pat is null). Otherwise the blocks pat lists
+/// (bk = pat->block()), a partial one masked element by element into `mask` (rows x cols
+/// bytes). With an attention mask, every block gets its element mask (what the pattern keeps
+/// and the attention mask does not set to -inf) and its bias tile (rows x cols floats, the
+/// mask's finite values in raw score units), and a block the mask hides wholly is skipped.
 template <bool kDense>
 class KeyWalk {
  public:
   /// One per thread (the block list is reserved for every key block, so it never grows).
-  KeyWalk(const Problem& p, int64_t bk, const SparsePattern* pat, uint8_t* mask)
-      : bk_(bk), pat_(pat), mask_(mask) {
+  /// mask and bias: the thread's tiles (mask null in the dense case without attention mask,
+  /// bias null without attention mask).
+  KeyWalk(const Problem& p, int64_t bk, const SparsePattern* pat, uint8_t* mask, float* bias)
+      : bk_(bk),
+        pat_(pat),
+        am_(p.attn_mask.get()),
+        root_(1.0f / logit_scale(p)),
+        mask_(mask),
+        bias_(bias) {
     if constexpr (!kDense) blocks_.reserve(size_t(max_key_blocks(p, bk)));
   }
 
@@ -62,10 +71,13 @@ class KeyWalk {
   }
 
   /// Key block i of the task: its first key j0, its keys cols (none past kend: they are hidden
-  /// from every row, not computed) and its element mask (null: none). False if the block lies
-  /// wholly past kend (past the causal diagonal, or past m).
-  bool block(int64_t i, int64_t& j0, int64_t& cols, const uint8_t*& mask) const {
+  /// from every row, not computed), its element mask (null: none) and bias (null: none).
+  /// False if the block lies wholly past kend (past the causal diagonal, the key padding or
+  /// m) or the attention mask hides all of it.
+  bool block(int64_t i, int64_t& j0, int64_t& cols, const uint8_t*& mask,
+             const float*& bias) const {
     mask = nullptr;
+    bias = nullptr;
     if constexpr (kDense) {
       j0 = i * bk_;
     } else {
@@ -79,13 +91,32 @@ class KeyWalk {
         mask = mask_;
       }
     }
+    if (am_) {
+      if (!mask) std::fill(mask_, mask_ + rows_ * cols, uint8_t(1));
+      bool any = false;
+      for (int64_t r = 0; r < rows_; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const float x = am_->at(b_, h_, i0_ + r, j0 + c);
+          const bool keep = mask_[r * cols + c] && x != -INFINITY;
+          mask_[r * cols + c] = uint8_t(keep);
+          bias_[r * cols + c] = keep ? x * root_ : 0.0f;
+          any |= keep;
+        }
+      if (!any) return false;
+      mask = mask_;
+      bias = bias_;
+    }
     return true;
   }
 
  private:
   int64_t bk_;
   const SparsePattern* pat_;
+  const AttnMask* am_;
+  float root_;  // 1 / the softmax scale (sqrt(d), or 1 for the additive score): the mask's bias in
+                // raw score units
   uint8_t* mask_;
+  float* bias_;
   std::vector<KeyBlock> blocks_;
   int64_t b_ = 0, h_ = 0, i0_ = 0, rows_ = 0, kend_ = 0;
 };
@@ -99,10 +130,11 @@ Tiles tiles(const Problem& p, int64_t bq, int64_t bk) {
   return Tiles(tile_rows(p, bq), tile_cols(p, bk), p.dim);
 }
 
-/// One thread's working block: the tiles of the shared kernels, then (pattern case) the
-/// element-mask tile.
-int64_t thread_bytes(const Tiles& tl, bool dense) {
-  return tl.bytes() + (dense ? 0 : mask_tile_bytes(tl.bq, tl.bk));
+/// One thread's working block: the tiles of the shared kernels, then (pattern case, or an
+/// attention mask) the element-mask tile, then (attention mask) the bias tile.
+int64_t thread_bytes(const Tiles& tl, bool dense, bool biased) {
+  return tl.bytes() + (dense && !biased ? 0 : mask_tile_bytes(tl.bq, tl.bk)) +
+         (biased ? round_up(tl.bq * tl.bk * int64_t(sizeof(float)), 64) : 0);
 }
 
 template <bool kDense>
@@ -120,8 +152,12 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
     std::optional<AlignedBuffer> buf;
     std::optional<KeyWalk<kDense>> walk;
     guard.run([&] {
-      buf.emplace(thread_bytes(tl, kDense));
-      walk.emplace(p, bk, pat, buf->bytes() + tl.bytes());
+      const bool biased = p.attn_mask != nullptr;
+      buf.emplace(thread_bytes(tl, kDense, biased));
+      uint8_t* mask = buf->bytes() + tl.bytes();
+      float* bias =
+          biased ? reinterpret_cast<float*>(mask + mask_tile_bytes(tl.bq, tl.bk)) : nullptr;
+      walk.emplace(p, bk, pat, mask, bias);
     });
 
 #pragma omp for schedule(dynamic, 1)
@@ -135,7 +171,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
         const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bq;
         const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
         // keys visible to some row of the tile (the last row sees the most)
-        const int64_t kend = p.visible(i0 + rows - 1);
+        const int64_t kend = p.visible(b, i0 + rows - 1);
         const int64_t nb = walk->start(b, h, qb, i0, rows, kend);
         // Pattern case: Q and out are touched once per task, fetch this task's output tile and
         // the Q tiles of the next query tiles of this head (the next tasks, of this thread or
@@ -160,10 +196,12 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
             if (kPrefetch && pscale == 1.0f) prefetch_upto(rows * (i + 1) / nb);
             int64_t j0, cols;
             const uint8_t* mk;
-            if (!walk->block(i, j0, cols, mk)) continue;
+            const float* bias;
+            if (!walk->block(i, j0, cols, mk, bias)) continue;
             const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
             attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
-                         cols, scale, causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr);
+                         cols, scale, causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr,
+                         bias);
           }
           if (kPrefetch && pscale == 1.0f) prefetch_upto(rows);
           if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
@@ -183,10 +221,13 @@ namespace portable {
 
 using namespace kernels::portable;
 
-/// One thread's working bytes: the tiles, then (pattern case) the element-mask tile.
+/// One thread's working bytes: the tiles, then (pattern case, or an attention mask) the
+/// element-mask tile, then (attention mask) the bias tile.
 [[maybe_unused]] int64_t thread_bytes(const Problem& p, int64_t bq, int64_t bk, bool dense) {
   const int64_t rows = tile_rows(p, bq), cols = tile_cols(p, bk);
-  return floats(rows, cols, p.dim) * int64_t(sizeof(float)) + (dense ? 0 : rows * cols);
+  const bool biased = p.attn_mask != nullptr;
+  return floats(rows, cols, p.dim) * int64_t(sizeof(float)) + (dense && !biased ? 0 : rows * cols) +
+         (biased ? rows * cols * int64_t(sizeof(float)) : 0);
 }
 
 template <bool kDense>
@@ -204,11 +245,13 @@ template <bool kDense>
     const int64_t max_rows = tile_rows(p, bq), max_cols = tile_cols(p, bk);
     std::optional<Workspace> ws;
     std::vector<uint8_t> mask;
+    std::vector<float> bias;
     std::optional<KeyWalk<kDense>> walk;
     guard.run([&] {
       ws.emplace(max_rows, max_cols, d);
-      if constexpr (!kDense) mask.resize(size_t(max_rows * max_cols));
-      walk.emplace(p, bk, pat, mask.data());
+      if (!kDense || p.attn_mask) mask.resize(size_t(max_rows * max_cols));
+      if (p.attn_mask) bias.resize(size_t(max_rows * max_cols));
+      walk.emplace(p, bk, pat, mask.data(), bias.data());
     });
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t)
@@ -216,18 +259,19 @@ template <bool kDense>
         Workspace& w = *ws;
         const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bq;
         const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
-        const int64_t kend = p.visible(i0 + rows - 1);
+        const int64_t kend = p.visible(b, i0 + rows - 1);
         const int64_t nb = walk->start(b, h, qb, i0, rows, kend);
         for (float pscale = 1.0f;; pscale = kernels::safe_pscale(kend)) {
           begin_tile(w, rows);
           for (int64_t i = 0; i < nb; ++i) {
             int64_t j0, cols;
             const uint8_t* mk;
-            if (!walk->block(i, j0, cols, mk)) continue;
+            const float* bias;
+            if (!walk->block(i, j0, cols, mk, bias)) continue;
             const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
             attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
                          v.row(b, h, j0), v.stride_row, cols, scale,
-                         kernels::causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr);
+                         kernels::causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr, bias);
           }
           if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
         }
@@ -252,7 +296,8 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
 double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
   const int threads = team_threads();
 #ifdef __AVX512F__
-  const double tile_bytes = double(fast::thread_bytes(fast::tiles(p, bq, bk), dense));
+  const double tile_bytes =
+      double(fast::thread_bytes(fast::tiles(p, bq, bk), dense, p.attn_mask != nullptr));
 #else
   const double tile_bytes = double(portable::thread_bytes(p, bq, bk, dense));
 #endif

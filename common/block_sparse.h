@@ -22,6 +22,11 @@
 // (kernels::ScoreHook, common/additive_score.h) instead of Q K^T, with softmax scale 1; every
 // case of the engine, dense or block-sparse, so gets the additive score.
 //
+// Masks (Problem::key_lengths, Problem::attn_mask): key padding shortens each task's key range
+// (blocks past batch element b's length are never visited); an attention mask gives every key
+// block an element mask (its -inf entries, with the pattern's) and a bias tile added to the
+// scores (divided by the softmax scale), and a block it hides wholly is skipped.
+//
 // The tiles run the passes of common/attention_kernels.h (AVX-512 register-blocked kernels on
 // transposed score tiles, or the portable Eigen passes), so per computed score the sparse case
 // runs at close to the dense rate.

@@ -262,9 +262,9 @@ int64_t workspace_floats(const Schedule& s, int64_t features, int64_t d) {
   return Layout(s, features, d).total;
 }
 
-int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, const float* q,
-                    int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
-                    float* out, int64_t ldo, float eps, float* work) {
+int64_t attend_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& sc,
+                    const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                    int64_t ldv, float* out, int64_t ldo, float eps, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, R = sc.block, C = sc.chunk;
   const Layout L(sc, f, d);
   float *phq = work + L.phq, *phk = work + L.phk, *a = work + L.a, *s = work + L.s, *z = work + L.z,
@@ -298,7 +298,7 @@ int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, 
 
   for (int64_t i0 = 0; i0 < n; i0 += R) {
     const int64_t rows = std::min(R, n - i0);
-    const int64_t kv = p.visible(i0), ke = p.visible(i0 + rows - 1);
+    const int64_t kv = p.visible(b, i0), ke = p.visible(b, i0 + rows - 1);
     // 1. keys every row of the block sees go straight into the state
     while (kdone < kv) {
       const int64_t cnt = std::min(R, kv - kdone);
@@ -325,7 +325,7 @@ int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, 
                   int(f), s, int(d), 0.0f, o, int(ldo));
       cblas_sgemv(CblasRowMajor, CblasNoTrans, int(c), int(f), 1.0f, pq, int(f), z, 1, 0.0f, den,
                   1);
-      const int64_t je = p.visible(i + c - 1);
+      const int64_t je = p.visible(b, i + c - 1);
       if (je > kdone) {
         const int64_t w = je - kdone;  // <= c keys
         const float* pk = phk + (kdone - kb) * f;
@@ -333,7 +333,7 @@ int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, 
                     int(f), pk, int(f), 0.0f, a, int(w));
         for (int64_t r = 0; r < c; ++r) {
           float* ar = a + r * w;
-          const int64_t vis = std::clamp<int64_t>(p.visible(i + r) - kdone, 0, w);
+          const int64_t vis = std::clamp<int64_t>(p.visible(b, i + r) - kdone, 0, w);
           float sum = 0.0f;
           for (int64_t t = 0; t < vis; ++t) sum += ar[t];
           std::fill(ar + vis, ar + w, 0.0f);
@@ -346,7 +346,7 @@ int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& sc, 
       }
       for (int64_t r = 0; r < c; ++r) {
         float* orow = o + r * ldo;
-        const int64_t seen = p.visible(i + r);
+        const int64_t seen = p.visible(b, i + r);
         float dn = den[r] + eps;
         if (floor > 0 && seen > 0 && !(dn >= floor * float(seen)))
           dn = floor * float(seen), ++clamped;
@@ -385,7 +385,7 @@ int64_t attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTens
     for (int64_t bh = 0; bh < heads; ++bh)
       guard.run([&] {
         const int64_t b = bh / p.heads, h = bh % p.heads;
-        clamped += attend_head(map_for_head(h), p, sc, q.head(b, h), q.stride_row, k.head(b, h),
+        clamped += attend_head(map_for_head(h), p, b, sc, q.head(b, h), q.stride_row, k.head(b, h),
                                k.stride_row, v.head(b, h), v.stride_row, out.head(b, h),
                                out.stride_row, eps, work->get());
       });

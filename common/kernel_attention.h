@@ -141,12 +141,13 @@ struct Schedule {
 /// Floats of one thread's workspace for attend_head.
 int64_t workspace_floats(const Schedule& s, int64_t features, int64_t d);
 
-/// One (batch, head): q is n x d (row stride ldq), k and v m x d, out n x d. `work` holds
+/// One (batch, head) of batch element b: q is n x d (row stride ldq), k and v m x d, out
+/// n x d; the keys past b's key padding length are never mapped nor summed. `work` holds
 /// workspace_floats(s, fm.features(), p.dim) floats, 64-byte aligned. Returns the number of
 /// rows whose denominator was raised to the map's floor (FeatureMap::denominator_floor).
-int64_t attend_head(const FeatureMap& fm, const Problem& p, const Schedule& s, const float* q,
-                    int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv,
-                    float* out, int64_t ldo, float eps, float* work);
+int64_t attend_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& s,
+                    const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                    int64_t ldv, float* out, int64_t ldo, float eps, float* work);
 
 /// Every (batch, head) of the problem: OpenMP over (batch, head) with BLAS single-threaded
 /// inside, or one head at a time with multi-threaded BLAS when there are fewer heads than

@@ -520,4 +520,66 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
   return in;
 }
 
+std::shared_ptr<const AttnMask> attn_mask_from_array(const NpyArray& a, const std::string& what,
+                                                     const Problem& p) {
+  const int64_t m = p.keys();
+  const std::string accepted = fmt::format(
+      "accepted: float32 (added to the logits, -inf = masked out) or bool/uint8 (true = "
+      "masked out) of shape [n, m] = [{}, {}] or [B or 1, H or 1, n, m] = [{} or 1, {} or 1, "
+      "{}, {}]",
+      p.n, m, p.batch, p.heads, p.n, m);
+  const bool is_float = a.dtype == "<f4", is_bool = a.dtype == "|b1" || a.dtype == "|u1";
+  if (!is_float && !is_bool)
+    throw InputError(fmt::format("{}: attention mask of dtype '{}'; {}", what, a.dtype, accepted));
+  auto mask = std::make_shared<AttnMask>();
+  const auto& sh = a.shape;
+  if (sh.size() == 2) {
+    mask->n = sh[0], mask->m = sh[1];
+  } else if (sh.size() == 4) {
+    mask->batch = sh[0], mask->heads = sh[1], mask->n = sh[2], mask->m = sh[3];
+  } else {
+    mask->n = -1;
+  }
+  if (mask->n != p.n || mask->m != m || (mask->batch != 1 && mask->batch != p.batch) ||
+      (mask->heads != 1 && mask->heads != p.heads))
+    throw InputError(
+        fmt::format("{}: attention mask of shape [{}]; {}", what, fmt::join(sh, ", "), accepted));
+  const int64_t count = a.numel();
+  mask->bias.resize(size_t(count));
+  mask->is_bool = is_bool;
+  if (is_bool) {
+    for (int64_t e = 0; e < count; ++e)
+      mask->bias[size_t(e)] = a.data[size_t(e)] != 0 ? -INFINITY : 0.0f;
+  } else {
+    std::memcpy(mask->bias.data(), a.data.data(), size_t(count) * sizeof(float));
+    for (int64_t e = 0; e < count; ++e) {
+      const float x = mask->bias[size_t(e)];
+      if (std::isnan(x) || x == INFINITY)
+        throw InputError(fmt::format(
+            "{}: attention mask holds {} at flat index {}; {} (finite values and -inf only)", what,
+            x, e, accepted));
+    }
+  }
+  return mask;
+}
+
+std::shared_ptr<const AttnMask> load_attn_mask(const std::string& path, const Problem& p) {
+  std::shared_ptr<AttnMask> mask;
+  const bool npz = path.size() >= 4 && path.compare(path.size() - 4, 4, ".npz") == 0;
+  std::shared_ptr<const AttnMask> read;
+  if (npz) {
+    auto arrays = read_npz(path);
+    auto it = arrays.find("attn_mask");
+    if (it == arrays.end())
+      throw InputError(fmt::format(
+          "{}: no array 'attn_mask'; an .npz attention mask holds it under that name", path));
+    read = attn_mask_from_array(it->second, path, p);
+  } else {
+    read = attn_mask_from_array(read_npy(path), path, p);
+  }
+  mask = std::make_shared<AttnMask>(*read);
+  mask->name = std::filesystem::path(path).filename().string();
+  return mask;
+}
+
 }  // namespace attnbench

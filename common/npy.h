@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,5 +53,16 @@ Inputs load_inputs_npz(const std::string& path, Problem* p);
 /// [H, h]) into p->score_weights, all of the score's arrays or none.
 Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::string& what,
                           Problem* p);
+
+/// Reads the attention mask of --attn-mask: a .npy file, or the array `attn_mask` of an .npz.
+/// Accepted: float32 added to the logits (-inf masks a key out; NaN and +inf are refused), or
+/// bool / uint8 where true (non-zero) means masked out (torch.nn.MultiheadAttention's
+/// convention; F.scaled_dot_product_attention's bool mask is the opposite), of shape [n, m]
+/// or [B or 1, H or 1, n, m] for problem p. Throws InputError naming what is wrong and what
+/// is accepted. The mask's name is the file name without its directories.
+std::shared_ptr<const AttnMask> load_attn_mask(const std::string& path, const Problem& p);
+/// load_attn_mask on an array already read; `what` names its source.
+std::shared_ptr<const AttnMask> attn_mask_from_array(const NpyArray& a, const std::string& what,
+                                                     const Problem& p);
 
 }  // namespace attnbench

@@ -1,6 +1,7 @@
 #include "common/problem.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -125,7 +126,36 @@ std::string Problem::score_str() const {
 
 std::string Problem::str() const {
   return fmt::format("B={},H={},n={},m={},d={},causal={}{},seed={}", batch, heads, n, keys(), dim,
-                     int(causal), score_str(), seed);
+                     int(causal), score_str(), seed) +
+         mask_suffix(*this);
+}
+
+std::string key_padding_text(const Problem& p) {
+  return fmt::format("{}", fmt::join(p.key_lengths, "+"));
+}
+
+std::string mask_suffix(const Problem& p) {
+  std::string s;
+  if (!p.key_lengths.empty()) s += ",key_padding=" + key_padding_text(p);
+  if (p.attn_mask) s += ",attn_mask=" + p.attn_mask->name;
+  return s;
+}
+
+int64_t Problem::rows_without_keys() const {
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t vis = visible(b, i);
+        bool any = vis > 0;
+        if (any && attn_mask) {
+          any = false;
+          for (int64_t j = 0; j < vis && !any; ++j) any = attn_mask->at(b, h, i, j) != -INFINITY;
+        }
+        rows += !any;
+      }
+    }
+  return rows;
 }
 
 }  // namespace attnbench

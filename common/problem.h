@@ -39,11 +39,20 @@ struct AttnMask {
   int64_t batch = 1, heads = 1, n = 0, m = 0;
   std::vector<float> bias;  ///< [batch, heads, n, m]
   bool is_bool = false;     ///< read from a bool/uint8 mask: every entry 0 or -inf
+  std::string name;         ///< where it came from (the file name), for results and names
 
   float at(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return bias[size_t((((batch == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h)) * n + i) * m + j)];
   }
 };
+
+/// The key padding as results and names show it: the lengths joined by '+' ("700+1024"),
+/// "" for none.
+struct Problem;
+std::string key_padding_text(const Problem& p);
+/// ",key_padding=700+1024,attn_mask=NAME" with the parts that are set ("" for neither): what
+/// Problem::str() and describe() append, so unmasked problems keep their names.
+std::string mask_suffix(const Problem& p);
 
 /// One attention problem. q is [B, H, n, d]; k and v are [B, H, m, d]; out is [B, H, n, d].
 struct Problem {
@@ -101,6 +110,9 @@ struct Problem {
   int64_t hidden() const { return score_hidden > 0 ? score_hidden : dim; }
   /// True when nothing but the causal mask restricts the keys.
   bool unmasked() const { return key_lengths.empty() && !attn_mask; }
+  /// Number of query rows, over every batch element and head, that see no key at all
+  /// (causal, key padding and the attention mask together): their output is 0.
+  int64_t rows_without_keys() const;
   /// Number of (query, key) pairs visible, summed over one head.
   double visible_pairs() const;
   /// Softmax scale 1/sqrt(d).

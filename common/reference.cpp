@@ -70,20 +70,25 @@ class Logits {
 std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             int64_t b, int64_t h, int64_t i,
                                             const SparsePattern* pattern) {
-  const int64_t visible = p.visible(i);
+  const int64_t visible = p.visible(b, i);
   std::vector<double> prob(size_t(p.keys()), 0.0);
   if (visible == 0) return prob;
   std::vector<uint8_t> allowed(size_t(p.keys()), 1);
   if (pattern) pattern_row(p, *pattern, b, h, i, allowed.data());
+  // the attention mask adds its bias to the logit; -inf hides the key like the pattern does
+  const AttnMask* mask = p.attn_mask.get();
+  if (mask)
+    for (int64_t j = 0; j < visible; ++j)
+      if (mask->at(b, h, i, j) == -INFINITY) allowed[size_t(j)] = 0;
   const Logits logit(p, q.row(b, h, i), h);
   // pass 1: logits and their max
   double mx = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
     if (!allowed[size_t(j)]) continue;
-    prob[size_t(j)] = logit(k.row(b, h, j));
+    prob[size_t(j)] = logit(k.row(b, h, j)) + (mask ? double(mask->at(b, h, i, j)) : 0.0);
     mx = std::max(mx, prob[size_t(j)]);
   }
-  if (mx == -INFINITY) return prob;  // the pattern leaves this row no key
+  if (mx == -INFINITY) return prob;  // the pattern or the mask leaves this row no key
   // pass 2: exponentials and their sum
   double sum = 0;
   for (int64_t j = 0; j < visible; ++j)
@@ -107,8 +112,9 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
       pattern_row(p, pattern, b, h, i, allowed.data());
       double in = 0;
       for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
-      // a row with no visible key has nothing to lose: its mass is 1
-      mass[r] = p.visible(i) == 0 ? 1.0 : in;
+      // a row with no visible key (causal, padding or the mask) has nothing to lose: mass 1
+      const bool empty = std::all_of(prob.begin(), prob.end(), [](double x) { return x == 0; });
+      mass[r] = empty ? 1.0 : in;
     });
   guard.rethrow();
   return mass;
@@ -126,7 +132,7 @@ void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Cons
       std::vector<double> prob = reference_probabilities(p, q, k, b, h, i, pattern);
       double* o = out + int64_t(r) * d;
       std::fill(o, o + d, 0.0);
-      for (int64_t j = 0; j < p.visible(i); ++j) {
+      for (int64_t j = 0; j < p.visible(b, i); ++j) {
         const float* vj = v.row(b, h, j);
         for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
       }

@@ -31,7 +31,8 @@ void Workload::validate(const Problem& p) const {
 std::string describe(const Problem& p, const Workload& w) {
   return fmt::format("B={},H={},n={},m={},d={},causal={}{},input={},scale={},seed={}", p.batch,
                      p.heads, p.n, p.keys(), p.dim, int(p.causal), p.score_str(), w.input, w.scale,
-                     p.seed);
+                     p.seed) +
+         mask_suffix(p);
 }
 
 }  // namespace attnbench

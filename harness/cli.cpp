@@ -185,6 +185,8 @@ nlohmann::ordered_json variants_json() {
                    {"exact", v->caps.exact},
                    {"linear_score", v->caps.linear_score},
                    {"additive", v->caps.additive},
+                   {"key_padding", v->caps.key_padding},
+                   {"attn_mask", v->caps.attn_mask},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
                                                 : nlohmann::ordered_json(v->plugin)},
                    {"params", params}});
@@ -194,10 +196,9 @@ nlohmann::ordered_json variants_json() {
 
 // The capability columns of `list`, one line each: header and flag.
 const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColumns = {
-    {"causal", &Capabilities::causal},
-    {"m!=n", &Capabilities::cross},
-    {"exact", &Capabilities::exact},
-    {"additive", &Capabilities::additive},
+    {"causal", &Capabilities::causal},       {"m!=n", &Capabilities::cross},
+    {"exact", &Capabilities::exact},         {"additive", &Capabilities::additive},
+    {"padding", &Capabilities::key_padding}, {"mask", &Capabilities::attn_mask},
 };
 
 void print_list() {
@@ -463,7 +464,7 @@ struct ListCommand {
 
 struct RunCommand {
   ProblemOptions o;
-  std::string spec, inputs_path, output_path;
+  std::string spec, inputs_path, output_path, key_padding, mask_path;
   bool json = false;
   std::vector<CLI::Option*> shape_opts;
 
@@ -493,6 +494,13 @@ struct RunCommand {
         ->excludes(input_opt)
         ->excludes(scale_opt);
     cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+    cmd->add_option("--key-padding", key_padding,
+                    "valid key lengths, one per batch element or one for all (700,1024): "
+                    "keys j >= len_b are invisible to batch element b");
+    cmd->add_option("--attn-mask", mask_path,
+                    ".npy (or .npz array attn_mask) of [n, m] or [B|1, H|1, n, m]: float32 "
+                    "added to the logits, or bool/uint8 with true = masked out")
+        ->check(CLI::ExistingFile);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
   }
@@ -503,6 +511,8 @@ struct RunCommand {
     Workload w = o.workload();
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
     if (given) w.input = "file";
+    if (!key_padding.empty()) p.key_lengths = parse_key_lengths(key_padding, p.batch);
+    if (!mask_path.empty()) p.attn_mask = load_attn_mask(mask_path, p);
     w.threads = apply_threads(o.threads);
     p.validate();
     w.validate(p);
@@ -615,7 +625,7 @@ struct SweepCommand {
   std::vector<std::string> specs;
   std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
               embed_list, causal_mode = "off", score_list = "scaled_dot", input_list = "gaussian",
-              out_dir;
+              out_dir, key_padding_lists, padding_fractions;
   bool resume = false;
 
   CLI::App* add(CLI::App& app) {
@@ -639,6 +649,12 @@ struct SweepCommand {
     cmd->add_option("--input", input_list, "input distributions, comma-separated")
         ->capture_default_str();
     add_timing_options(cmd, o);
+    cmd->add_option("--key-padding", key_padding_lists,
+                    "key padding settings separated by ';', each a comma list of valid key "
+                    "lengths (one per batch element or one for all) or none: 700,1024;none");
+    cmd->add_option("--padding-fraction", padding_fractions,
+                    "padding fractions in [0, 1), comma-separated: lengths drawn from the seed "
+                    "so that the expected padded share of the keys is F");
     cmd->add_option("--out", out_dir, "results directory")->required();
     cmd->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
     return cmd;
@@ -658,6 +674,7 @@ struct SweepCommand {
     axes.causals = parse_causal_mode(causal_mode);
     axes.scores = parse_score_list(score_list);
     axes.score_hidden = o.score_hidden;
+    axes.paddings = parse_padding_settings(key_padding_lists, padding_fractions);
     axes.seed = o.seed;
     axes.threads = apply_threads(o.threads);
     return plan_sweep(std::move(variants), axes);

@@ -121,7 +121,11 @@ PatternStore::PatternStore(const std::string& results_dir, bool resume)
     std::ifstream in(index);
     std::string line;
     std::getline(in, line);
-    if (split_csv_line(line) != index_columns())
+    // an index written before the mask columns: its lines are read with them empty
+    const std::vector<std::string> header = split_csv_line(line);
+    const bool upgrade =
+        header != index_columns() && upgrade_line(header, header, index_columns()).has_value();
+    if (header != index_columns() && !upgrade)
       throw UsageError(
           fmt::format("cannot resume: '{}' has different columns than this version "
                       "of attnbench writes; use a new --out directory",
@@ -132,6 +136,8 @@ PatternStore::PatternStore(const std::string& results_dir, bool resume)
       ++line_no;
       if (line.empty()) continue;
       Entry e{split_csv_line(line)};
+      if (upgrade && e.fields.size() == header.size())
+        e.fields = *upgrade_line(header, e.fields, index_columns());
       if (e.fields.size() != index_columns().size()) {
         fmt::print(stderr,
                    "attnbench: warning: {} line {} has {} fields where the header has {}; "

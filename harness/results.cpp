@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include "common/error.h"
@@ -27,9 +28,16 @@ std::string field_text(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-const std::vector<std::string> kKeyColumns = {"spec",  "batch", "heads",  "n",      "m",
-                                              "dim",   "embed", "causal", "score",  "score_hidden",
-                                              "input", "scale", "seed",   "threads"};
+const std::vector<std::string> kKeyColumns = {
+    "spec",  "batch",        "heads", "n",     "m",    "dim",     "embed",       "causal",
+    "score", "score_hidden", "input", "scale", "seed", "threads", "key_padding", "attn_mask"};
+
+// Columns results.csv (and patterns/index.csv) gained after their first version, with the
+// field a row of an older file stands for (what the row meant before the column existed):
+// resuming such a file rewrites its lines with the current columns (upgrade_line).
+const std::map<std::string, std::string> kAddedColumns = {
+    {"embed", "0"},        {"attention_share", ""}, {"score", "scaled_dot"},
+    {"score_hidden", "0"}, {"key_padding", ""},     {"attn_mask", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -78,55 +86,6 @@ std::string malformed_reason(const std::vector<std::string>& header,
     for (const char* c : {"time_median_s", "time_min_s", "time_max_s"})
       if (!number(at(c))) return fmt::format("an ok row whose {} is '{}'", c, at(c));
   return "";
-}
-
-// Columns results.csv gained after its first version, with the field a row of an older file
-// stands for: resuming such a file rewrites it with them (embed 0 is plain attention).
-const std::map<std::string, std::string> kAddedColumns = {
-    {"embed", "0"}, {"attention_share", ""}, {"score", "scaled_dot"}, {"score_hidden", "0"}};
-
-// Rewrites a results.csv whose header lacks only columns of kAddedColumns into the current
-// columns, filling them in; leaves any other file as it is (the caller then compares headers).
-void add_missing_columns(const fs::path& csv_path, const std::vector<std::string>& current) {
-  std::ifstream in(csv_path);
-  std::string line;
-  std::getline(in, line);
-  const auto header = split_csv_line(line);
-  if (header == current) return;
-  std::vector<int> from;  // per current column: its index in the old header, or -1
-  for (const auto& c : current) {
-    const auto it = std::find(header.begin(), header.end(), c);
-    if (it == header.end() && !kAddedColumns.count(c)) return;
-    from.push_back(it == header.end() ? -1 : int(it - header.begin()));
-  }
-  for (const auto& c : header)
-    if (std::find(current.begin(), current.end(), c) == current.end()) return;
-  std::string text;
-  for (size_t i = 0; i < current.size(); ++i) {
-    if (i) text += ',';
-    text += current[i];
-  }
-  text += '\n';
-  while (std::getline(in, line)) {
-    const auto f = split_csv_line(line);
-    if (line.empty() || f.size() != header.size()) {  // malformed: the caller reports it
-      text += line + '\n';
-      continue;
-    }
-    for (size_t i = 0; i < current.size(); ++i) {
-      if (i) text += ',';
-      text += csv_quote(from[i] < 0 ? kAddedColumns.at(current[i]) : f[size_t(from[i])]);
-    }
-    text += '\n';
-  }
-  in.close();
-  const fs::path tmp = csv_path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
-  }
-  fs::rename(tmp, csv_path);
 }
 
 // Throws UsageError if `path` exists but is not a regular file (a directory, say).
@@ -199,6 +158,26 @@ std::vector<std::string> split_csv_line(const std::string& line) {
 
 const std::vector<std::string>& key_columns() { return kKeyColumns; }
 
+std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::string>& header,
+                                                     const std::vector<std::string>& f,
+                                                     const std::vector<std::string>& columns) {
+  std::vector<std::string> out;
+  for (const auto& c : columns) {
+    const auto it = std::find(header.begin(), header.end(), c);
+    if (it != header.end()) {
+      const size_t i = size_t(it - header.begin());
+      out.push_back(i < f.size() ? f[i] : std::string());
+      continue;
+    }
+    const auto added = kAddedColumns.find(c);
+    if (added == kAddedColumns.end()) return std::nullopt;
+    out.push_back(added->second);
+  }
+  for (const auto& c : header)
+    if (std::find(columns.begin(), columns.end(), c) == columns.end()) return std::nullopt;
+  return out;
+}
+
 std::vector<std::string> key_fields(const Row& row) {
   auto j = to_json(row);
   std::vector<std::string> f;
@@ -236,13 +215,16 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       fs::resize_file(csv_path, keep);
     }
   }
-  if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0)
-    add_missing_columns(csv_path, csv_columns());
   if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
     std::ifstream in(csv_path);
     std::string line;
     std::getline(in, line);
     auto header = split_csv_line(line);
+    // an older layout (columns added since): every line is rewritten with the current ones
+    const bool upgrade =
+        header != csv_columns() && upgrade_line(header, header, csv_columns()).has_value();
+    const std::vector<std::string> old_header = header;
+    if (upgrade) header = csv_columns();
     if (header != csv_columns())
       throw UsageError(
           fmt::format("cannot resume: '{}' has different columns than this version of "
@@ -257,12 +239,19 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     // A complete line that cannot stand for a finished row (hand-edited, or written by
     // something else) is reported, moved to results.malformed.csv and its configuration runs
     // again; every other line is kept as it is.
-    std::string kept = line + '\n', rejected;
+    std::string kept, rejected;
+    for (const auto& c : header) kept += (kept.empty() ? "" : ",") + c;
+    kept += '\n';
     int64_t line_no = 1, n_rejected = 0;
     while (std::getline(in, line)) {
       ++line_no;
       if (line.empty()) continue;
       auto f = split_csv_line(line);
+      if (upgrade && f.size() == old_header.size()) {
+        f = *upgrade_line(old_header, f, csv_columns());
+        line.clear();
+        for (size_t i = 0; i < f.size(); ++i) line += (i ? "," : "") + csv_quote(f[i]);
+      }
       if (std::string why = malformed_reason(header, f); !why.empty()) {
         fmt::print(stderr,
                    "attnbench: warning: {} line {} is malformed ({}); it is moved to "
@@ -278,8 +267,8 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       done_[join_key(key)] = f[status_idx];
     }
     in.close();
-    if (n_rejected > 0) {
-      {
+    if (n_rejected > 0 || upgrade) {
+      if (n_rejected > 0) {
         std::ofstream bad(fs::path(dir) / "results.malformed.csv", std::ios::app);
         bad << rejected;
         if (!bad)

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -24,6 +25,12 @@ std::string csv_line(const Row& row);
 std::vector<std::string> split_csv_line(const std::string& line);
 /// The results.csv columns that identify a row's configuration: spec and every problem field.
 const std::vector<std::string>& key_columns();
+/// Line f of a file whose header is an older layout of `columns` (columns added since are
+/// missing: key_padding and attn_mask), with those columns filled as an older row means them
+/// (empty: no padding, no mask); nothing if the header is not an older layout of `columns`.
+std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::string>& header,
+                                                     const std::vector<std::string>& f,
+                                                     const std::vector<std::string>& columns);
 /// The values of key_columns() for a row, as results.csv writes them.
 std::vector<std::string> key_fields(const Row& row);
 /// Key identifying a row's configuration: spec and every problem field.

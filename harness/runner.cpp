@@ -328,6 +328,10 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
             bench_json))
       return row;
     row.notes = variant.notes();  // of the last timed pass
+    if (!p.unmasked())
+      if (const int64_t empty = p.rows_without_keys(); empty > 0)
+        row.notes += fmt::format("{}{} masked rows without keys (output 0)",
+                                 row.notes.empty() ? "" : "; ", empty);
     if (output) *output = std::move(out);
   } catch (const std::exception& e) {
     record_failure(row, e);
@@ -362,6 +366,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"scale", w.scale},
            {"seed", p.seed},
            {"threads", w.threads},
+           {"key_padding", key_padding_text(p)},
+           {"attn_mask", p.attn_mask ? p.attn_mask->name : std::string()},
            {"status", r.status},
            {"message", r.message},
            {"time_median_s", num(r.time_median)},

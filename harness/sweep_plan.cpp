@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <map>
 #include <set>
@@ -11,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/random.h"
 #include "harness/results.h"
 
 namespace attnbench {
@@ -28,6 +30,8 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   SweepPlan plan;
   plan.axes = axes;
   plan.variants = std::move(variants);
+  const std::vector<PaddingSetting> paddings =
+      axes.paddings.empty() ? std::vector<PaddingSetting>(1) : axes.paddings;
   // Two specs that name the same canonical variant, or a value listed twice, would measure
   // one configuration twice: keep the first.
   std::set<std::string> seen;
@@ -46,6 +50,11 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             "--score {}: layer rows (--embed) score as torch.nn.MultiheadAttention does; "
             "accepted with --embed: scaled_dot",
             score_name(s)));
+    for (const auto& pad : paddings)
+      if (!pad.lengths.empty() || pad.fraction >= 0)
+        throw UsageError(
+            "--key-padding/--padding-fraction: layer rows (--embed) take no key padding yet; "
+            "accepted with --embed: no padding setting");
   }
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   // the weights depend on the score, H, d and h only: one set per such shape
@@ -56,39 +65,42 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
         for (auto size : sizes)
           for (auto h : axes.heads)
             for (auto b : axes.batches)
-              for (auto n : axes.seqs)
-                for (const auto& v : plan.variants) {
-                  Problem p;
-                  p.batch = b, p.heads = h, p.n = n, p.dim = size, p.causal = c;
-                  p.seed = axes.seed;
-                  const int64_t embed = layer ? size : 0;
-                  if (layer) {
-                    LayerProblem lp;
-                    lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.causal = c;
-                    lp.seed = axes.seed;
-                    lp.validate();
-                    p = lp.attention();
+              for (const auto& pad : paddings)
+                for (auto n : axes.seqs)
+                  for (const auto& v : plan.variants) {
+                    Problem p;
+                    p.batch = b, p.heads = h, p.n = n, p.dim = size, p.causal = c;
+                    p.seed = axes.seed;
+                    const int64_t embed = layer ? size : 0;
+                    if (layer) {
+                      LayerProblem lp;
+                      lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.causal = c;
+                      lp.seed = axes.seed;
+                      lp.validate();
+                      p = lp.attention();
+                    }
+                    p.score = s, p.score_hidden = axes.score_hidden;
+                    if (!pad.lengths.empty()) p.key_lengths = parse_key_lengths(pad.lengths, b);
+                    if (pad.fraction >= 0) p.key_lengths = padding_lengths(p, pad.fraction);
+                    Workload w;
+                    w.input = in, w.threads = axes.threads;
+                    p.validate();
+                    w.validate(p);
+                    if (s == Score::bilinear || s == Score::additive) {
+                      auto& sw = weights[{s, h, p.dim}];
+                      if (!sw) sw = make_score_weights(p);
+                      p.score_weights = sw;
+                    }
+                    Row key;
+                    key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
+                    if (!seen.insert(row_key(key)).second) {
+                      plan.duplicates.push_back(
+                          fmt::format("{} {}{}", key.spec, layer ? fmt::format("E={},", embed) : "",
+                                      describe(p, w)));
+                      continue;
+                    }
+                    plan.configs.push_back({v.get(), p, w, embed});
                   }
-                  p.score = s, p.score_hidden = axes.score_hidden;
-                  Workload w;
-                  w.input = in, w.threads = axes.threads;
-                  p.validate();
-                  w.validate(p);
-                  if (s == Score::bilinear || s == Score::additive) {
-                    auto& sw = weights[{s, h, p.dim}];
-                    if (!sw) sw = make_score_weights(p);
-                    p.score_weights = sw;
-                  }
-                  Row key;
-                  key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
-                  if (!seen.insert(row_key(key)).second) {
-                    plan.duplicates.push_back(fmt::format("{} {}{}", key.spec,
-                                                          layer ? fmt::format("E={},", embed) : "",
-                                                          describe(p, w)));
-                    continue;
-                  }
-                  plan.configs.push_back({v.get(), p, w, embed});
-                }
   return plan;
 }
 
@@ -101,6 +113,74 @@ std::vector<Score> parse_score_list(const std::string& text) {
       throw UsageError(fmt::format("--score: {}", e.what()));
     }
   }
+  return out;
+}
+
+std::vector<int64_t> parse_key_lengths(const std::string& text, int64_t batch) {
+  std::vector<int64_t> lens;
+  for (const auto& s : split_csv_line(text)) {
+    int64_t v = -1;
+    auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || ptr != s.data() + s.size() || s.empty() || v < 0)
+      throw UsageError(fmt::format(
+          "--key-padding: '{}' is not a length; accepted: non-negative integers, one per "
+          "batch element or one for all, comma-separated (e.g. 700,1024)",
+          s));
+    lens.push_back(v);
+  }
+  if (lens.size() == 1) lens.assign(size_t(batch), lens[0]);
+  if (int64_t(lens.size()) != batch)
+    throw UsageError(fmt::format(
+        "--key-padding: {} lengths for a batch of {}; accepted: one per batch element or one "
+        "for all",
+        lens.size(), batch));
+  return lens;
+}
+
+std::vector<int64_t> padding_lengths(const Problem& p, double f) {
+  RandomStream rs(p.seed, 0x9add1ULL);
+  const double m = double(p.keys());
+  std::vector<int64_t> lens;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const double u = rs.uniform(uint64_t(b));
+    const double len =
+        f <= 0.5 ? m - std::round(u * 2 * f * m) : std::round((1 - u) * 2 * (1 - f) * m);
+    lens.push_back(std::clamp<int64_t>(int64_t(len), 0, p.keys()));
+  }
+  return lens;
+}
+
+std::vector<PaddingSetting> parse_padding_settings(const std::string& lists,
+                                                   const std::string& fractions) {
+  std::vector<PaddingSetting> out;
+  if (!lists.empty()) {
+    size_t start = 0;
+    while (true) {
+      const size_t end = lists.find(';', start);
+      std::string item = lists.substr(start, end == std::string::npos ? end : end - start);
+      PaddingSetting s;
+      if (item != "none") {
+        parse_key_lengths(item, int64_t(split_csv_line(item).size()));  // the syntax
+        s.lengths = item;
+      }
+      out.push_back(s);
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  if (!fractions.empty())
+    for (const auto& t : split_csv_line(fractions)) {
+      char* end = nullptr;
+      const double f = std::strtod(t.c_str(), &end);
+      if (t.empty() || end != t.c_str() + t.size() || !(f >= 0 && f < 1))
+        throw UsageError(
+            fmt::format("--padding-fraction: '{}' is not a fraction; accepted: numbers in [0, 1), "
+                        "comma-separated",
+                        t));
+      PaddingSetting s;
+      s.fraction = f;
+      out.push_back(s);
+    }
   return out;
 }
 

@@ -15,6 +15,13 @@
 
 namespace attnbench {
 
+/// One key padding setting of a sweep: none, lengths (one per batch element, or one for
+/// all), or a padding fraction F whose lengths are drawn from the seed (padding_lengths).
+struct PaddingSetting {
+  std::string lengths;   ///< comma list, "" = none
+  double fraction = -1;  ///< >= 0: draw the lengths
+};
+
 /// The problem axes of a sweep, parsed from the command line (an empty list plans nothing).
 struct SweepAxes {
   std::vector<int64_t> seqs;  ///< query lengths n (m = n)
@@ -26,9 +33,25 @@ struct SweepAxes {
   std::vector<Score> scores = {Score::scaled_dot};  ///< scoring functions
   int64_t score_hidden = 0;                         ///< additive hidden size (0: d)
   std::vector<std::string> inputs;                  ///< input distributions
+  /// Key padding settings (parse_padding_settings); empty or {none}: no padding.
+  std::vector<PaddingSetting> paddings;
   uint64_t seed = 0;
   int threads = 1;  ///< resolved thread count (never 0)
 };
+
+/// The valid key lengths of `text` (--key-padding: "700,1024", one per batch element, or one
+/// value for every element) for a batch of `batch`. Throws UsageError naming what is wrong.
+std::vector<int64_t> parse_key_lengths(const std::string& text, int64_t batch);
+
+/// Lengths of padding fraction f in [0, 1) for p: per batch element b,
+/// L_b = m - round(u_b 2 f m) for f <= 1/2 and L_b = round((1 - u_b) 2 (1 - f) m) above,
+/// u_b uniform in [0, 1) from p's seed, so the expected padded share of the keys is f.
+std::vector<int64_t> padding_lengths(const Problem& p, double f);
+
+/// The sweep's --key-padding ("700,1024;1024;none": settings separated by ';', each a comma
+/// list or `none`) and --padding-fraction ("0,0.5": comma list of fractions), in that order.
+std::vector<PaddingSetting> parse_padding_settings(const std::string& lists,
+                                                   const std::string& fractions);
 
 /// One configuration of a sweep: a variant on a problem under a workload.
 struct SweepConfig {
@@ -53,11 +76,11 @@ struct SweepPlan {
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
 /// Expands variants x axes into the plan. Order, outermost first: inputs, causal, scores, dims
-/// (or embeds), heads, batches, seqs, variants. The bilinear and additive problems carry their
-/// seeded weights (make_score_weights, one set per shape shared by the configurations). Throws
-/// UsageError for a problem that fails Problem::validate (or a workload that fails
-/// Workload::validate), and for layer rows (embeds) with another input than gaussian or
-/// another score than scaled_dot.
+/// (or embeds), heads, batches, paddings, seqs, variants. The bilinear and additive problems
+/// carry their seeded weights (make_score_weights, one set per shape shared by the
+/// configurations). Throws UsageError for a problem that fails Problem::validate (or a workload
+/// that fails Workload::validate), and for layer rows (embeds) with another input than
+/// gaussian, another score than scaled_dot or key padding.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.

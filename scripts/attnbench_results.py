@@ -16,17 +16,21 @@ import pandas as pd
 
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
 PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score", "score_hidden",
-                   "input", "scale", "seed", "threads"]
+                   "input", "scale", "seed", "threads", "key_padding", "attn_mask"]
+# The mask columns: text, empty when the row has no key padding or no attention mask.
+MASK_COLUMNS = ["key_padding", "attn_mask"]
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # Key columns later versions added, with the value a row of an older file (written before the
-# column existed) stands for: read_csv fills them in, so old and new results join. `embed` is the
-# embedding size of a multi-head layer row, 0 for plain attention.
-ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0}
+# column existed) stands for (harness/results.cpp, kAddedColumns): read_csv fills them in, so old
+# and new results join. `embed` is the embedding size of a multi-head layer row, 0 for plain
+# attention; the mask columns are empty for no key padding and no attention mask.
+ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
+                 "attn_mask": ""}
 # Timing columns, in seconds: the median of the repetitions and their spread.
 TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
-REQUIRED_COLUMNS = KEY_COLUMNS + ["status", "message"] + TIME_COLUMNS + [
-    "reps", "peak_bytes", "rel_fro_error"]
+REQUIRED_COLUMNS = [c for c in KEY_COLUMNS if c not in ADDED_COLUMNS] + ["status", "message"] + \
+    TIME_COLUMNS + ["reps", "peak_bytes", "rel_fro_error"]
 NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score_hidden", "scale",
                    "seed", "threads", "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
 INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score_hidden", "seed",
@@ -52,8 +56,11 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "score", "input", "status", "message"], REQUIRED_COLUMNS,
+    df = read_csv(path, ["spec", "score", "input", "status", "message"] + MASK_COLUMNS,
+                  REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
+    for c in MASK_COLUMNS:
+        df[c] = df[c].fillna("").astype(str)
     if len(df) == 0:
         raise ResultsError(f"'{path}' has a header but no rows; expected one row per "
                            f"(variant, problem) from a sweep")

@@ -24,13 +24,14 @@ import sys
 
 import numpy as np
 
-from attnbench_results import (KEY_COLUMNS, PROBLEM_COLUMNS, format_seconds, load_meta,
-                               load_results, problem_label, run_main, spec_order)
+from attnbench_results import (KEY_COLUMNS, MASK_COLUMNS, PROBLEM_COLUMNS, format_seconds,
+                               load_meta, load_results, problem_label, run_main, spec_order)
 
 PROG = "compare.py"
 SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E",
          "causal": "causal", "score": "score", "score_hidden": "h", "input": "input",
-         "scale": "scale", "seed": "seed", "threads": "threads"}
+         "scale": "scale", "seed": "seed", "threads": "threads", "key_padding": "padding",
+         "attn_mask": "mask"}
 
 
 def describe(directory, meta):
@@ -125,7 +126,8 @@ def main():
     shown = [c for c in PROBLEM_COLUMNS
              if c == "n" or (joined[c].nunique() > 1 and not (c == "m" and m_is_n))]
     fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m" and
-             not (c == "embed" and (joined[c] == 0).all())]
+             not (c == "embed" and (joined[c] == 0).all()) and
+             not (c in MASK_COLUMNS and (joined[c] == "").all())]
     first = joined.iloc[0]
     print("all rows: " + ", ".join((["m=n"] if m_is_n else []) +
                                    [f"{c}={_plain(first[c])}" for c in fixed]), file=out)

@@ -107,6 +107,9 @@ TEST(Cli, ListJson) {
   const auto& flash = by_name["flash"];
   EXPECT_EQ(flash.at("causal"), true);
   EXPECT_EQ(flash.at("cross"), true);
+  EXPECT_EQ(flash.at("key_padding"), true);
+  EXPECT_EQ(flash.at("attn_mask"), true);
+  EXPECT_EQ(by_name.at("nystrom").at("attn_mask"), false);
   ASSERT_EQ(flash.at("params").size(), 2u);
   EXPECT_EQ(flash["params"][0].at("name"), "block_q");
   EXPECT_EQ(flash["params"][0].at("type"), "int");
@@ -166,6 +169,116 @@ TEST(Cli, RunWritesTheOutput) {
   auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
   ASSERT_EQ(a.data.size(), ref.size() * sizeof(float));
   EXPECT_LT(test::rel_fro_error(reinterpret_cast<const float*>(a.data.data()), ref), 1e-5);
+}
+
+// --key-padding and --attn-mask on run: the row carries them (key columns and name), the error
+// is against the masked reference, and a bad mask or length list is refused with a message
+// saying what is accepted.
+TEST(Cli, RunWithMasks) {
+  TempDir dir;
+  const std::string mask = dir.file("m.npy");
+  NpyArray a;
+  a.dtype = "|b1";
+  a.shape = {48, 48};
+  a.data.assign(48 * 48, 0);
+  for (int64_t j = 0; j < 48; ++j) a.data[size_t(5 * 48 + j)] = 1;  // row 5: no key
+  for (int64_t i = 0; i < 48; ++i) a.data[size_t(i * 48 + (i * 7) % 48)] = 1;
+  write_npy(mask, a);
+  const std::string base =
+      "run --variant flash --seq 48 --batch 2 --heads 2 --dim 16 --reps 1 "
+      "--min-time 0 --json ";
+  CliResult r = run_cli(base + "--key-padding 30,48 --attn-mask " + q(mask), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = parse_json(r.out);
+  EXPECT_EQ(j.at("key_padding"), "30+48");
+  EXPECT_EQ(j.at("attn_mask"), "m.npy");
+  EXPECT_LT(j.at("rel_fro_error").get<double>(), 1e-5);
+  EXPECT_CONTAINS(j.at("notes").get<std::string>(), "4 masked rows without keys");
+  // without masks the row's columns are empty
+  r = run_cli(base, dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  j = parse_json(r.out);
+  EXPECT_EQ(j.at("key_padding"), "");
+  EXPECT_EQ(j.at("attn_mask"), "");
+  // a variant without the capability refuses
+  r = run_cli(
+      "run --variant nystrom --seq 48 --dim 16 --reps 1 --min-time 0 --attn-mask " + q(mask), dir);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_CONTAINS(r.err, "does not support an attention mask");
+  // a mask of the wrong shape, dtype or with NaN
+  a.shape = {48, 47};
+  a.data.resize(48 * 47);
+  write_npy(mask, a);
+  r = run_cli(base + "--attn-mask " + q(mask), dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "attention mask of shape [48, 47]");
+  EXPECT_CONTAINS(r.err, "accepted");
+  NpyArray f;
+  f.dtype = "<f8";
+  f.shape = {48, 48};
+  f.data.assign(48 * 48 * 8, 0);
+  write_npy(mask, f);
+  r = run_cli(base + "--attn-mask " + q(mask), dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "dtype '<f8'");
+  f.dtype = "<f4";
+  f.data.assign(48 * 48 * 4, 0);
+  const float nan = NAN;
+  std::memcpy(f.data.data() + 4 * 100, &nan, 4);
+  write_npy(mask, f);
+  r = run_cli(base + "--attn-mask " + q(mask), dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "nan at flat index 100");
+  r = run_cli(base + "--key-padding 30,48,2", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "3 lengths for a batch of 2");
+  r = run_cli(base + "--key-padding 49", dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "out of range");
+}
+
+// A sweep over key padding settings and a padding fraction: one row per setting, and a
+// results file written before the mask columns existed still resumes.
+TEST(Cli, SweepKeyPaddingAndOldResultsFiles) {
+  TempDir dir;
+  const std::string out = dir.file("r");
+  const std::string base =
+      "sweep --variant flash --seq 64 --batch 2 --heads 1 --dim 8 --reps 1 "
+      "--min-time 0 --out " +
+      q(out);
+  CliResult r = run_cli(base + " --key-padding '10,64;none' --padding-fraction 0.5", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  Csv csv = read_csv(out + "/results.csv");
+  ASSERT_EQ(csv.rows.size(), 3u);
+  EXPECT_EQ(csv.rows[0].at("key_padding"), "10+64");
+  EXPECT_EQ(csv.rows[1].at("key_padding"), "");
+  EXPECT_NE(csv.rows[2].at("key_padding"), "");
+  for (const auto& row : csv.rows) EXPECT_EQ(row.at("status"), "ok") << row.at("message");
+  // the same file without the two columns, as an older attnbench wrote it
+  std::vector<size_t> keep;
+  for (size_t c = 0; c < csv.header.size(); ++c)
+    if (csv.header[c] != "key_padding" && csv.header[c] != "attn_mask") keep.push_back(c);
+  auto old_line = [&](const std::vector<std::string>& f) {
+    std::string line;
+    for (size_t c : keep) {
+      if (!line.empty()) line += ',';
+      line += csv_quote(f[c]);
+    }
+    return line + "\n";
+  };
+  std::string text = old_line(csv.header);
+  std::vector<std::string> unpadded;
+  for (const auto& c : csv.header) unpadded.push_back(csv.rows[1].at(c));
+  text += old_line(unpadded);
+  test::write_text(out + "/results.csv", text);
+  r = run_cli(base + " --key-padding 'none;10,64' --resume", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "1 kept");
+  Csv csv2 = read_csv(out + "/results.csv");
+  EXPECT_EQ(csv2.header, csv_columns());
+  ASSERT_EQ(csv2.rows.size(), 2u);
+  EXPECT_EQ(csv2.rows[0].at("key_padding"), "");
+  EXPECT_EQ(csv2.rows[1].at("key_padding"), "10+64");
 }
 
 TEST(Cli, PatternExportsTheAttendedPairs) {

@@ -61,6 +61,30 @@ inline Problem with_score(Problem p, Score score, int64_t hidden = 0) {
   return p;
 }
 
+/// A seeded attention mask of shape [mb, mh, p.n, m] for p: additive values in [-1, 1] with
+/// about a quarter of the entries -inf (bool = true: every entry 0 or -inf, a third masked),
+/// and query row `empty_row` (if in range) masked wholly.
+inline std::shared_ptr<const AttnMask> random_mask(const Problem& p, int64_t mb, int64_t mh,
+                                                   bool is_bool, int64_t empty_row = -1) {
+  auto a = std::make_shared<AttnMask>();
+  a->batch = mb, a->heads = mh, a->n = p.n, a->m = p.keys(), a->is_bool = is_bool;
+  a->bias.resize(size_t(mb * mh * p.n * p.keys()));
+  uint64_t x = p.seed * 0x9e3779b97f4a7c15ULL + 1;
+  for (float& e : a->bias) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    const double u = double(x >> 11) * 0x1.0p-53;
+    if (is_bool)
+      e = u < 1.0 / 3 ? -INFINITY : 0.0f;
+    else
+      e = u < 0.25 ? -INFINITY : float(8 * u - 5);
+  }
+  if (empty_row >= 0 && empty_row < p.n)
+    for (int64_t bh = 0; bh < mb * mh; ++bh)
+      for (int64_t j = 0; j < p.keys(); ++j)
+        a->bias[size_t((bh * p.n + empty_row) * p.keys() + j)] = -INFINITY;
+  return a;
+}
+
 /// A workload drawing inputs from the named distribution (common/inputs.h), q scaled by
 /// `scale`.
 inline Workload workload(const std::string& input, double scale = 1.0) {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/error.h"
@@ -40,7 +41,9 @@ std::string missing_oracle(const VariantInfo& info) {
 bool supports(const VariantInfo& info, const Problem& p) {
   const bool linear = p.score == Score::dot || p.score == Score::bilinear;
   return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross) &&
-         (!linear || info.caps.linear_score) && (p.score != Score::additive || info.caps.additive);
+         (!linear || info.caps.linear_score) &&
+         (p.score != Score::additive || info.caps.additive) &&
+         (p.key_lengths.empty() || info.caps.key_padding) && (!p.attn_mask || info.caps.attn_mask);
 }
 
 using test::problem;
@@ -179,6 +182,62 @@ TEST_P(VariantTest, RowsWithNoVisibleKeyAreZero) {
     EXPECT_EQ(bad_visible, 0) << "non-finite elements in rows with visible keys";
     expect_matches_oracle(out.data(), p, in);
   }
+}
+
+TEST_P(VariantTest, MasksMatchTheMaskedOracle) {
+  // key padding (one batch element with no key at all), float and bool attention masks
+  // (broadcast over heads, or per batch and head), each alone, together and with causal; the
+  // exact variants against the masked reference, the others against their masked oracle.
+  // A variant without the capability must refuse.
+  for (auto [n, m, d] :
+       {std::tuple<int64_t, int64_t, int64_t>{113, 113, 17}, {70, 130, 64}, {200, 200, 8}})
+    for (bool causal : {false, true}) {
+      Problem base = problem(3, 2, n, m, d, causal);
+      const int64_t keys = base.keys();
+      Problem padded = base;
+      padded.key_lengths = {keys / 2 + 3, 0, keys};
+      check(padded);
+      Problem ragged = base;
+      ragged.key_lengths = {1, keys - 1, keys / 3};
+      check(ragged);
+      for (bool is_bool : {false, true}) {
+        Problem masked = base;
+        masked.attn_mask = test::random_mask(base, 1, 1, is_bool, n / 2);
+        check(masked);
+        Problem both = padded;
+        both.attn_mask = test::random_mask(base, 3, 2, is_bool, 5);
+        check(both);
+      }
+    }
+}
+
+TEST_P(VariantTest, MasksUnderEveryScore) {
+  // key padding and a float mask together with causal under the dot, bilinear and additive
+  // scores: the mask's bias enters in logit units whatever the score's scale (1 for additive)
+  for (Score score : {Score::dot, Score::bilinear, Score::additive}) {
+    Problem p = test::with_score(problem(2, 2, 90, 90, 16, true, 11), score);
+    p.key_lengths = {60, 90};
+    p.attn_mask = test::random_mask(p, 2, 1, false, 7);
+    check(p);
+  }
+}
+
+TEST_P(VariantTest, MaskedRowsWithNoKeyAreZero) {
+  Problem p = problem(2, 2, 64, 96, 16, false);
+  p.key_lengths = {0, 50};
+  Inputs in = generate_inputs(p);
+  Tensor out(p.q_shape());
+  if (!supports(*info_, p)) {
+    EXPECT_THROW(variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view()),
+                 UnsupportedError);
+    return;
+  }
+  std::fill(out.data(), out.data() + out.numel(), NAN);
+  variant_->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t i = 0; i < p.n; ++i)
+      for (int64_t c = 0; c < p.dim; ++c) ASSERT_EQ(out.view().row(0, h, i)[c], 0.0f);
+  ASSERT_TRUE(all_finite(out));
 }
 
 TEST_P(VariantTest, LargeLogitsStayFiniteAndExact) {

@@ -211,7 +211,11 @@ ATTNBENCH_REGISTER_VARIANT(
                             "random key blocks per (head, query block), outside window and global"),
              ParamSpec::Int("global_blocks", 2, 0, int64_t(1) << 20,
                             "global blocks: the first ceil(G/2) and the last floor(G/2)")},
-        .caps = {.causal = true, .cross = false, .additive = true},
+        .caps = {.causal = true,
+                 .cross = false,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<BigBird>(v.get_int("block"), v.get_int("window_blocks"),
                                            v.get_int("random_blocks"), v.get_int("global_blocks"));

@@ -63,7 +63,11 @@ ATTNBENCH_REGISTER_VARIANT(
         .params = {ParamSpec::Int("block_q", 64, 1, 4096,
                                   "query rows per tile (multiples of 64 use the full kernels)"),
                    ParamSpec::Int("block_k", 256, 1, 65536, "keys per tile")},
-        .caps = {.causal = true, .cross = true, .additive = true},
+        .caps = {.causal = true,
+                 .cross = true,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& pv) {
           return std::make_unique<Flash>(pv.get_int("block_q"), pv.get_int("block_k"));
         }});

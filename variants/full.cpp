@@ -50,11 +50,25 @@ class Full final : public Variant {
                     scores.get() + bh * n * m, int(m));
       }
     }
-    // pass 2: causal mask and row softmax in place; hidden keys get probability 0
+    // pass 2: causal mask, key padding, the attention mask's bias (in raw score units, as
+    // the scale is applied in the softmax) and row softmax in place; hidden keys get
+    // probability 0, and a row left with no key is 0
+    const AttnMask* mask = p.attn_mask.get();
+    const float root = 1.0f / scale;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < heads * n; ++r) {
       float* row = scores.get() + r * m;
-      const int64_t visible = p.visible(r % n);
+      const int64_t i = r % n, b = r / n / p.heads, h = r / n % p.heads;
+      int64_t visible = p.visible(b, i);
+      if (mask) {
+        bool kept = false;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float bias = mask->at(b, h, i, j);
+          row[j] = bias == -INFINITY ? -INFINITY : row[j] + bias * root;
+          kept |= bias != -INFINITY;
+        }
+        if (!kept) visible = 0;
+      }
       softmax_row(row, visible, scale);
       std::fill(row + visible, row + m, 0.0f);
     }
@@ -86,7 +100,11 @@ ATTNBENCH_REGISTER_VARIANT(
                 .summary = "exact softmax attention, n x m scores materialised (PyTorch style)",
                 .complexity = "time O(n m d), memory O(B H n m)",
                 .params = {},
-                .caps = {.causal = true, .cross = true, .additive = true},
+                .caps = {.causal = true,
+                         .cross = true,
+                         .additive = true,
+                         .key_padding = true,
+                         .attn_mask = true},
                 .make = [](const ParamValues&) { return std::make_unique<Full>(); }});
 
 }  // namespace

@@ -144,7 +144,11 @@ ATTNBENCH_REGISTER_VARIANT(
                                       "explicit global key positions (override global); query i "
                                       "is global iff i + m - n is one"),
                    block_param()},
-        .caps = {.causal = true, .cross = true, .additive = true},
+        .caps = {.causal = true,
+                 .cross = true,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Global>(v.get_int("global"), v.get_int_list("positions"),
                                           v.get_int("block"));

@@ -64,7 +64,7 @@ std::vector<double> linear_oracle(const Variant& var, const Problem& p, ConstTen
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
     return oracle::kernel_attention(phi(oracle::head(q, b, h)), phi(oracle::head(k, b, h)),
                                     oracle::head(v, b, h), eps,
-                                    [&](int64_t i) { return p.visible(i); });
+                                    [&](int64_t i) { return p.visible(b, i); });
   });
 }
 
@@ -77,7 +77,7 @@ ATTNBENCH_REGISTER_VARIANT(
             "time O((n + m) d^2), memory O(threads d (d + 2 R)), R = min(1024, 65536 / d)",
         .params = {ParamSpec::Float("eps", 1e-6, 0.0, 1.0,
                                     "added to the denominator phi(q)^T sum phi(k)")},
-        .caps = {.causal = true, .cross = true, .exact = false},
+        .caps = {.causal = true, .cross = true, .exact = false, .key_padding = true},
         .make = [](const ParamValues& pv) { return std::make_unique<Linear>(pv); },
         .oracle = linear_oracle});
 

@@ -72,7 +72,11 @@ ATTNBENCH_REGISTER_VARIANT(
                        "window", 256, 0, int64_t(1) << 30,
                        "keys on EACH side of the query (one side; both sides = 2 window + 1)"),
                    block_param()},
-        .caps = {.causal = true, .cross = true, .additive = true},
+        .caps = {.causal = true,
+                 .cross = true,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Local>(v.get_int("window"), v.get_int("block"));
         }});

@@ -139,7 +139,11 @@ ATTNBENCH_REGISTER_VARIANT(
              ParamSpec::Int("global", 16, 0, int64_t(1) << 30,
                             "number of global tokens: the first g positions"),
              block_param()},
-        .caps = {.causal = true, .cross = true, .additive = true},
+        .caps = {.causal = true,
+                 .cross = true,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Longformer>(v.get_int("window"), v.get_int("dilation"),
                                               v.get_int("dilated_heads"), v.get_int("global"),

@@ -149,7 +149,7 @@ std::vector<double> performer_oracle(const Variant& var, const Problem& p, Const
         for (int64_t c = 0; c < f; ++c) fk(j, c) = ratio * std::exp(fk(j, c) - kn[size_t(j)] - top);
     }
     return oracle::kernel_attention(fq, fk, oracle::head(v, b, h), 0.0,
-                                    [&](int64_t i) { return p.visible(i); });
+                                    [&](int64_t i) { return p.visible(b, i); });
   });
 }
 
@@ -174,7 +174,7 @@ ATTNBENCH_REGISTER_VARIANT(
                              "orthogonal Gaussian blocks (QR) with chi norms; false: iid rows"),
              ParamSpec::Choice("kernel", "softmax", {"softmax", "relu"},
                                "softmax: positive exp features (FAVOR+); relu: relu(W x~) + 1e-3")},
-        .caps = {.causal = true, .cross = true, .exact = false},
+        .caps = {.causal = true, .cross = true, .exact = false, .key_padding = true},
         .make = [](const ParamValues& pv) { return std::make_unique<Performer>(pv); },
         .oracle = performer_oracle,
         .tolerance = performer_tolerance});

@@ -159,7 +159,11 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("summary", 32, 0, int64_t(1) << 30,
                                   "fixed mode: summary columns c at the end of each l-block"),
                    block_param()},
-        .caps = {.causal = true, .cross = true, .additive = true},
+        .caps = {.causal = true,
+                 .cross = true,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<SparseTransformer>(v.get_choice("mode") == "fixed",
                                                      v.get_int("stride"), v.get_int("summary"),

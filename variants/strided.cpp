@@ -103,7 +103,11 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("span", 0, 0, int64_t(1) << 30,
                                   "only keys with |a(i) - j| <= span (one side); 0 = unlimited"),
                    block_param()},
-        .caps = {.causal = true, .cross = true, .additive = true},
+        .caps = {.causal = true,
+                 .cross = true,
+                 .additive = true,
+                 .key_padding = true,
+                 .attn_mask = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Strided>(v.get_int("stride"), v.get_int("span"),
                                            v.get_int("block"));

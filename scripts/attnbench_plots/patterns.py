@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from attnbench_results import KEY_COLUMNS, ResultsError, read_csv
+from attnbench_results import ADDED_COLUMNS, KEY_COLUMNS, MASK_COLUMNS, ResultsError, read_csv
 
 from .style import causal_name, code, fmt_n, md_table, remove, warn
 
@@ -32,8 +32,11 @@ def load_index(directory):
     path = index_path(directory)
     if not os.path.isfile(path):
         return None
-    idx = read_csv(path, ["spec", "score", "input", "file", "message"], INDEX_COLUMNS,
+    idx = read_csv(path, ["spec", "score", "input", "file", "message"] + MASK_COLUMNS,
+                   [c for c in INDEX_COLUMNS if c not in ADDED_COLUMNS],
                    "a header line and one line per variant spec and causal setting")
+    for c in MASK_COLUMNS:  # empty: no padding, no mask
+        idx[c] = idx[c].fillna("").astype(str)
     idx["file"] = idx["file"].fillna("")
     idx["message"] = idx["message"].fillna("")
     for c in INDEX_NUMERIC:
