@@ -440,6 +440,18 @@ void print_row(const Row& r) {
   }
 }
 
+// Prints the row of `run` or `layer` (as JSON or text); false, with its status on stderr, when
+// it is not ok.
+bool print_result(const Row& row, bool json) {
+  if (json)
+    fmt::print("{}\n", to_json(row).dump(2));
+  else
+    print_row(row);
+  if (row.status == "ok") return true;
+  fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
+  return false;
+}
+
 // ----- list -----
 
 struct ListCommand {
@@ -521,14 +533,7 @@ struct RunCommand {
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out;
     Row row = run_one(*variant, p, w, given ? &*given : nullptr, mf, opt, &out);
-    if (json)
-      fmt::print("{}\n", to_json(row).dump(2));
-    else
-      print_row(row);
-    if (row.status != "ok") {
-      fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
-      return 1;
-    }
+    if (!print_result(row, json)) return 1;
     if (!output_path.empty()) write_npy(output_path, to_npy(out));
     return 0;
   }
@@ -605,14 +610,7 @@ struct LayerCommand {
     Tensor out, weights;
     Row row = run_layer(*variant, lp, w, given ? &*given : nullptr, mf, opt, need_weights, &out,
                         &weights);
-    if (json)
-      fmt::print("{}\n", to_json(row).dump(2));
-    else
-      print_row(row);
-    if (row.status != "ok") {
-      fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
-      return 1;
-    }
+    if (!print_result(row, json)) return 1;
     if (!output_path.empty()) write_layer_npz(output_path, out, need_weights ? &weights : nullptr);
     return 0;
   }
