@@ -474,6 +474,17 @@ struct ListCommand {
 
 // ----- run -----
 
+// --key-padding and --attn-mask of run and layer.
+void add_mask_options(CLI::App* cmd, std::string& key_padding, std::string& mask_path) {
+  cmd->add_option("--key-padding", key_padding,
+                  "valid key lengths, one per batch element or one for all "
+                  "(700,1024): keys j >= len_b are invisible to batch element b");
+  cmd->add_option("--attn-mask", mask_path,
+                  ".npy (or .npz array attn_mask) of [n, m] or [B|1, H|1, n, m]: "
+                  "float32 added to the logits, or bool/uint8 with true = masked out")
+      ->check(CLI::ExistingFile);
+}
+
 struct RunCommand {
   ProblemOptions o;
   std::string spec, inputs_path, output_path, key_padding, mask_path;
@@ -506,13 +517,7 @@ struct RunCommand {
         ->excludes(input_opt)
         ->excludes(scale_opt);
     cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
-    cmd->add_option("--key-padding", key_padding,
-                    "valid key lengths, one per batch element or one for all (700,1024): "
-                    "keys j >= len_b are invisible to batch element b");
-    cmd->add_option("--attn-mask", mask_path,
-                    ".npy (or .npz array attn_mask) of [n, m] or [B|1, H|1, n, m]: float32 "
-                    "added to the logits, or bool/uint8 with true = masked out")
-        ->check(CLI::ExistingFile);
+    add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
   }
@@ -544,7 +549,7 @@ struct RunCommand {
 struct LayerCommand {
   ProblemOptions o;
   int64_t embed = 0;
-  std::string spec, inputs_path, output_path;
+  std::string spec, inputs_path, output_path, key_padding, mask_path;
   bool json = false, need_weights = false;
   std::vector<CLI::Option*> size_opts;  // the sizes an --inputs file decides
 
@@ -572,6 +577,7 @@ struct LayerCommand {
         ->check(CLI::ExistingFile);
     cmd->add_option("--output", output_path,
                     "write output [B, L, E] (and attn_weights [B, L, S]) to this .npz");
+    add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
   }
@@ -602,6 +608,23 @@ struct LayerCommand {
       }
     } else if (embed == 0) {
       throw UsageError("layer: --embed E is required (or --inputs FILE, whose arrays give E)");
+    }
+    if (!key_padding.empty()) {
+      if (!lp.key_lengths.empty() ||
+          (lp.attn_mask && lp.attn_mask->name.find("key_padding_mask") != std::string::npos))
+        throw UsageError(fmt::format(
+            "--key-padding: --inputs {} holds a key_padding_mask already; give the padding in "
+            "one place",
+            inputs_path));
+      lp.key_lengths = parse_key_lengths(key_padding, lp.batch);
+    }
+    if (!mask_path.empty()) {
+      if (lp.attn_mask)
+        throw UsageError(
+            fmt::format("--attn-mask: --inputs {} holds an attention mask already (attn_mask, or a "
+                        "key_padding_mask that is not an end padding); give the mask in one place",
+                        inputs_path));
+      lp.attn_mask = load_attn_mask(mask_path, lp.attention());
     }
     w.threads = apply_threads(o.threads);
     lp.validate();

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 
 #include "common/checked.h"
@@ -48,10 +49,9 @@ std::string shape_text(const std::vector<int64_t>& s) {
 // layer cannot honour yet (with why).
 const std::vector<std::string> kLayerArrays = {
     "query", "key", "value", "in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
+const std::vector<std::string> kMaskArrays = {"key_padding_mask", "attn_mask"};
 
 std::string unsupported_array(const std::string& key) {
-  if (key == "attn_mask" || key == "key_padding_mask")
-    return "attention masks are not supported by the layer yet";
   if (key == "q_proj_weight" || key == "k_proj_weight" || key == "v_proj_weight")
     return "separate q/k/v projection weights (kdim or vdim different from the embedding "
            "size) are not supported; the layer takes one in_proj_weight [3E, E]";
@@ -91,6 +91,100 @@ ConstTensorView as_batch(const Tensor& t, int64_t batch) {
   return v;
 }
 
+// key_padding_mask [B, S] as an additive bias per (b, j) (bool/uint8: true = padded gives
+// -inf; float32: added to the logits), and as valid lengths when every row is "valid keys,
+// then padding" (empty otherwise).
+struct KeyPadding {
+  std::vector<float> bias;
+  std::vector<int64_t> lengths;
+};
+
+KeyPadding read_key_padding(const NpyArray& a, const std::string& what, int64_t batch,
+                            int64_t keys) {
+  const std::string accepted = fmt::format(
+      "accepted: key_padding_mask of shape [B, S] = ({}, {}), bool or uint8 (true = padded key, "
+      "as torch.nn.MultiheadAttention) or float32 (added to the logits, -inf = padded)",
+      batch, keys);
+  const bool is_bool = a.dtype == "|b1" || a.dtype == "|u1";
+  if (!is_bool && a.dtype != "<f4")
+    throw InputError(
+        fmt::format("{}: 'key_padding_mask' has dtype {}; {}", what, a.dtype, accepted));
+  if (a.shape != std::vector<int64_t>{batch, keys})
+    throw InputError(fmt::format("{}: 'key_padding_mask' has shape {}; {}", what,
+                                 shape_text(a.shape), accepted));
+  const int64_t count = batch * keys;
+  if (uint64_t(count) * (is_bool ? 1 : sizeof(float)) != a.data.size())
+    throw InputError(fmt::format("{}: 'key_padding_mask' has shape {} but {} bytes of data", what,
+                                 shape_text(a.shape), a.data.size()));
+  KeyPadding kp;
+  kp.bias.resize(size_t(count));
+  if (is_bool) {
+    for (int64_t e = 0; e < count; ++e) kp.bias[size_t(e)] = a.data[size_t(e)] ? -INFINITY : 0.0f;
+  } else {
+    std::memcpy(kp.bias.data(), a.data.data(), size_t(count) * sizeof(float));
+    for (int64_t e = 0; e < count; ++e)
+      if (std::isnan(kp.bias[size_t(e)]) || kp.bias[size_t(e)] == INFINITY)
+        throw InputError(fmt::format(
+            "{}: 'key_padding_mask' holds {} at flat index {}; finite values and -inf only ({})",
+            what, kp.bias[size_t(e)], e, accepted));
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* row = kp.bias.data() + b * keys;
+    int64_t len = 0;
+    while (len < keys && row[len] == 0.0f) ++len;
+    for (int64_t j = len; j < keys; ++j)
+      if (row[j] != -INFINITY) return {std::move(kp.bias), {}};  // not an end padding
+    kp.lengths.push_back(len);
+  }
+  return kp;
+}
+
+// attn_mask [L, S] or [B H, L, S] (PyTorch's layout) as the core's mask [1 or B, 1 or H, L, S],
+// with a key padding bias [B, S] folded in when there is one.
+std::shared_ptr<const AttnMask> read_layer_mask(const NpyArray* a, const KeyPadding* kp,
+                                                const std::string& what, const Problem& p) {
+  const int64_t m = p.keys();
+  std::shared_ptr<const AttnMask> mask;
+  if (a) {
+    const bool per_head = a->shape.size() == 3 && a->shape[0] == p.batch * p.heads &&
+                          a->shape[1] == p.n && a->shape[2] == m;
+    if (!(a->shape == std::vector<int64_t>{p.n, m}) && !per_head)
+      throw InputError(fmt::format(
+          "{}: 'attn_mask' has shape {}; accepted: [L, S] = ({}, {}) or [B H, L, S] = ({}, {}, "
+          "{}) with H = --heads {} (torch.nn.MultiheadAttention's layouts), bool or uint8 "
+          "(true = masked out) or float32 (added to the logits)",
+          what, shape_text(a->shape), p.n, m, p.batch * p.heads, p.n, m, p.heads));
+    NpyArray as4 = *a;
+    as4.shape =
+        per_head ? std::vector<int64_t>{p.batch, p.heads, p.n, m} : std::vector<int64_t>{p.n, m};
+    mask = attn_mask_from_array(as4, fmt::format("{}: 'attn_mask'", what), p);
+  }
+  const std::string file = std::filesystem::path(what).filename().string();
+  if (!kp || kp->bias.empty() || !kp->lengths.empty()) {
+    if (!mask) return nullptr;
+    auto named = std::make_shared<AttnMask>(*mask);
+    named->name = file + ":attn_mask";
+    return named;
+  }
+  // A key padding that is not an end padding: its bias joins every head's mask.
+  auto folded = std::make_shared<AttnMask>();
+  folded->batch = p.batch, folded->heads = mask ? mask->heads : 1;
+  folded->n = p.n, folded->m = m;
+  folded->bias.resize(size_t(folded->batch * folded->heads * p.n * m));
+  folded->is_bool = !mask || mask->is_bool;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < folded->heads; ++h)
+      for (int64_t i = 0; i < p.n; ++i)
+        for (int64_t j = 0; j < m; ++j) {
+          const float x = kp->bias[size_t(b * m + j)];
+          folded->bias[size_t(((b * folded->heads + h) * p.n + i) * m + j)] =
+              mask ? mask->at(b, h, i, j) + x : x;
+          if (x != 0.0f && x != -INFINITY) folded->is_bool = false;
+        }
+  folded->name = file + (mask ? ":attn_mask+key_padding_mask" : ":key_padding_mask");
+  return folded;
+}
+
 }  // namespace
 
 // ----- problem -----
@@ -99,6 +193,7 @@ Problem LayerProblem::attention() const {
   Problem p;
   p.batch = batch, p.heads = heads, p.n = n, p.m = m, p.dim = head_dim();
   p.causal = causal, p.seed = seed;
+  p.key_lengths = key_lengths, p.attn_mask = attn_mask;
   return p;
 }
 
@@ -159,11 +254,14 @@ LayerData load_layer_npz(const std::string& path, LayerProblem* lp) {
 LayerData layer_from_arrays(const std::map<std::string, NpyArray>& arrays, const std::string& what,
                             LayerProblem* lp) {
   for (const auto& [key, a] : arrays) {
-    if (std::find(kLayerArrays.begin(), kLayerArrays.end(), key) != kLayerArrays.end()) continue;
+    if (std::find(kLayerArrays.begin(), kLayerArrays.end(), key) != kLayerArrays.end() ||
+        std::find(kMaskArrays.begin(), kMaskArrays.end(), key) != kMaskArrays.end())
+      continue;
     if (std::string why = unsupported_array(key); !why.empty())
       throw UnsupportedError(fmt::format("{}: holds '{}': {}", what, key, why));
-    throw InputError(fmt::format("{}: unknown array '{}'; a layer file holds {}", what, key,
-                                 fmt::join(kLayerArrays, ", ")));
+    throw InputError(fmt::format("{}: unknown array '{}'; a layer file holds {} and optionally {}",
+                                 what, key, fmt::join(kLayerArrays, ", "),
+                                 fmt::join(kMaskArrays, ", ")));
   }
   // The array `key` with its dtype, data size and finiteness checked; its shape must have
   // `axes` axes (the values are checked by the caller against the others).
@@ -213,6 +311,16 @@ LayerData layer_from_arrays(const std::map<std::string, NpyArray>& arrays, const
   expect("out_proj.weight", take("out_proj.weight", 2, "[E, E]"), {e, e}, "[E, E]");
   expect("out_proj.bias", take("out_proj.bias", 1, "[E]"), {e}, "[E]");
   lp->batch = b, lp->n = l, lp->m = s, lp->embed = e;
+  lp->key_lengths.clear();
+  lp->attn_mask = nullptr;
+  std::optional<KeyPadding> kp;
+  if (auto it = arrays.find("key_padding_mask"); it != arrays.end()) {
+    kp = read_key_padding(it->second, what, b, s);
+    lp->key_lengths = kp->lengths;
+  }
+  const auto mask_it = arrays.find("attn_mask");
+  lp->attn_mask = read_layer_mask(mask_it == arrays.end() ? nullptr : &mask_it->second,
+                                  kp ? &*kp : nullptr, what, lp->attention());
 
   auto copy = [&](const std::string& key, Shape4 shape) {
     const NpyArray& a = arrays.at(key);

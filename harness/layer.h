@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -49,10 +50,15 @@ struct LayerProblem {
   /// Bottom-right aligned causal mask of the attention core (common/problem.h).
   bool causal = false;
   uint64_t seed = 0;
-  // Masks of the layer (key_padding_mask [B, S], attn_mask [L, S] or [B H, L, S]) and the
-  // scoring function are attention problem fields: they join here when the Problem carries
-  // them, and attention() passes them on to the core (load_layer_npz refuses the masks until
-  // then).
+  /// Key padding of the core (Problem::key_lengths): keys j >= key_lengths[b] of batch item b
+  /// are invisible; empty = none. PyTorch's key_padding_mask [B, S] with true = padded, when
+  /// each row is padding at the end only.
+  std::vector<int64_t> key_lengths;
+  /// Attention mask of the core (Problem::attn_mask): bias [1 or B, 1 or H, L, S] added to
+  /// every head's logits, -inf = masked out. PyTorch's attn_mask [L, S] or [B H, L, S] (bool:
+  /// true = masked out, as nn.MultiheadAttention), with any key_padding_mask that is not an
+  /// end padding folded in.
+  std::shared_ptr<const AttnMask> attn_mask;
 
   int64_t keys() const { return m > 0 ? m : n; }
   int64_t head_dim() const { return heads > 0 ? embed / heads : 0; }
@@ -90,10 +96,14 @@ LayerData generate_layer_data(const LayerProblem& lp);
 
 /// Reads a layer from an .npz with PyTorch's names: query [B, L, E], key and value [B, S, E],
 /// in_proj_weight [3E, E], in_proj_bias [3E], out_proj.weight [E, E], out_proj.bias [E],
-/// float32 and finite. Sets batch, embed, n and m of *lp (heads is the caller's). Throws
-/// InputError naming a missing, unknown or mis-shaped array, the shape found and the one
-/// accepted, and UnsupportedError for what the layer cannot honour yet (masks, separate
-/// q/k/v projection weights, bias_k/bias_v).
+/// float32 and finite; optionally key_padding_mask [B, S] and attn_mask [L, S] or [B H, L, S]
+/// (bool or uint8 with true = masked out, or float32 added to the logits; PyTorch's layer
+/// conventions). Sets batch, embed, n, m, key_lengths and attn_mask of *lp (heads is the
+/// caller's and must be set: a [B H, L, S] mask is checked against it). A key_padding_mask
+/// whose rows are all "valid keys, then padding" becomes key_lengths; any other one is folded
+/// into the attention mask. Throws InputError naming a missing, unknown or mis-shaped array,
+/// the shape found and the one accepted, and UnsupportedError for what the layer cannot
+/// honour (separate q/k/v projection weights, bias_k/bias_v).
 LayerData load_layer_npz(const std::string& path, LayerProblem* lp);
 /// load_layer_npz on arrays already read; `what` names their source.
 LayerData layer_from_arrays(const std::map<std::string, NpyArray>& arrays, const std::string& what,

@@ -50,11 +50,6 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             "--score {}: layer rows (--embed) score as torch.nn.MultiheadAttention does; "
             "accepted with --embed: scaled_dot",
             score_name(s)));
-    for (const auto& pad : paddings)
-      if (!pad.lengths.empty() || pad.fraction >= 0)
-        throw UsageError(
-            "--key-padding/--padding-fraction: layer rows (--embed) take no key padding yet; "
-            "accepted with --embed: no padding setting");
   }
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   // the weights depend on the score, H, d and h only: one set per such shape
@@ -208,6 +203,7 @@ LayerProblem layer_problem(const SweepConfig& config) {
   LayerProblem lp;
   lp.batch = p.batch, lp.embed = config.embed, lp.heads = p.heads, lp.n = p.n, lp.m = p.m;
   lp.causal = p.causal, lp.seed = p.seed;
+  lp.key_lengths = p.key_lengths, lp.attn_mask = p.attn_mask;
   return lp;
 }
 

@@ -44,7 +44,8 @@ struct Naive {
   std::vector<double> weights;  // [B, L, S], averaged over heads
 };
 
-// torch.nn.MultiheadAttention written out with loops in float64, straight from its definition.
+// torch.nn.MultiheadAttention written out with loops in float64, straight from its definition
+// (key padding and the attention mask's bias included; a row with no visible key gives 0).
 Naive naive_layer(const LayerProblem& lp, const LayerData& d) {
   const int64_t B = lp.batch, E = lp.embed, H = lp.heads, L = lp.n, S = lp.keys(), D = E / H;
   const float* w = d.params.in_proj_weight.data();
@@ -71,10 +72,12 @@ Naive naive_layer(const LayerProblem& lp, const LayerData& d) {
         double mx = -INFINITY;
         for (int64_t j = 0; j < S; ++j) {
           if (lp.causal && j > i + (S - L)) continue;
+          if (!lp.key_lengths.empty() && j >= lp.key_lengths[size_t(b)]) continue;
           double dot = 0;
           for (int64_t c = 0; c < D; ++c)
             dot += q[size_t((b * L + i) * E + h * D + c)] * k[size_t((b * S + j) * E + h * D + c)];
-          logit[size_t(j)] = dot / std::sqrt(double(D));
+          logit[size_t(j)] =
+              dot / std::sqrt(double(D)) + (lp.attn_mask ? lp.attn_mask->at(b, h, i, j) : 0.0);
           mx = std::max(mx, logit[size_t(j)]);
         }
         double z = 0;
@@ -225,6 +228,49 @@ TEST(Layer, NeedWeightsAreTheHeadAveragedProbabilities) {
   }
 }
 
+// The cases with key padding (one batch item with a single key, or none) and float or bool
+// attention masks, per head or shared.
+std::vector<LayerProblem> masked_cases() {
+  std::vector<LayerProblem> out;
+  for (const Case& c : kCases) {
+    const LayerProblem base = layer_problem(c.b, c.e, c.h, c.l, c.s, c.causal);
+    const int64_t s = base.keys();
+    LayerProblem padded = base;
+    padded.key_lengths =
+        base.batch == 1 ? std::vector<int64_t>{s / 2 + 1} : std::vector<int64_t>{1, s - 2};
+    out.push_back(padded);
+    LayerProblem masked = base;
+    masked.attn_mask = test::random_mask(base.attention(), 1, 1, false, 3);
+    out.push_back(masked);
+    LayerProblem both = padded;
+    both.attn_mask = test::random_mask(base.attention(), base.batch, base.heads, true, 4);
+    out.push_back(both);
+  }
+  return out;
+}
+
+TEST(Layer, MasksMatchAPlainFloat64Layer) {
+  for (const char* spec : {"full", "flash", "local:window=4"})
+    for (const LayerProblem& lp : masked_cases()) {
+      SCOPED_TRACE(std::string(spec) + " " + lp.attention().str());
+      const LayerData d = data_with_biases(lp);
+      auto v = make_variant(spec);
+      Layer layer(*v, lp);
+      Tensor out({lp.batch, 1, lp.n, lp.embed});
+      layer.forward(d.in, d.params, out.view());
+      if (std::string(spec).starts_with("local")) {  // its own pattern: against the harness
+        const ErrorStats e = measure_layer_error(lp, d, out.view());
+        EXPECT_GT(e.rel_fro, 1e-3);  // the window drops keys the float64 layer keeps
+        continue;
+      }
+      const Naive want = naive_layer(lp, d);
+      EXPECT_LT(rel_error(out.data(), want.out), 1e-5);
+      EXPECT_LT(rel_error(layer.attention_weights().data(), want.weights), 1e-5);
+      const ErrorStats e = measure_layer_error(lp, d, out.view());
+      EXPECT_LT(e.rel_fro, 1e-5);
+    }
+}
+
 TEST(Layer, NeedWeightsAreRefusedByApproximations) {
   const LayerProblem lp = layer_problem(1, 16, 2, 8, 0, false);
   auto v = make_variant("performer");
@@ -300,8 +346,8 @@ TEST(Layer, BadFilesNameTheArrayAndTheAcceptedShape) {
         std::memcpy(a["in_proj_bias"].data.data() + 4, &inf, sizeof inf);
       },
       {"'in_proj_bias' holds a non-finite value"});
-  // What the layer cannot honour yet is refused, never ignored.
-  for (const char* key : {"attn_mask", "key_padding_mask", "q_proj_weight", "bias_k"}) {
+  // What the layer cannot honour is refused, never ignored.
+  for (const char* key : {"q_proj_weight", "bias_k"}) {
     auto arrays = good;
     arrays[key] = good.at("query");
     LayerProblem lp;
@@ -309,6 +355,92 @@ TEST(Layer, BadFilesNameTheArrayAndTheAcceptedShape) {
         error_message<UnsupportedError>([&] { layer_from_arrays(arrays, "f.npz", &lp); });
     EXPECT_NE(msg.find(key), std::string::npos) << msg;
   }
+}
+
+TEST(Layer, FileMasksFollowPyTorchsConventions) {
+  const LayerProblem base = layer_problem(2, 12, 3, 5, 7, false);
+  const auto good = layer_arrays(base);
+  auto bools = [](std::vector<int64_t> shape, const std::vector<uint8_t>& v) {
+    NpyArray a;
+    a.dtype = "|b1";
+    a.shape = std::move(shape);
+    a.data.assign(v.begin(), v.end());
+    return a;
+  };
+  auto floats = [](std::vector<int64_t> shape, const std::vector<float>& v) {
+    NpyArray a;
+    a.dtype = "<f4";
+    a.shape = std::move(shape);
+    a.data.resize(v.size() * sizeof(float));
+    std::memcpy(a.data.data(), v.data(), a.data.size());
+    return a;
+  };
+  auto load = [&](const std::map<std::string, NpyArray>& arrays) {
+    LayerProblem lp;
+    lp.heads = 3;
+    layer_from_arrays(arrays, "dir/f.npz", &lp);
+    return lp;
+  };
+  // An end padding (true = padded) becomes key lengths.
+  auto arrays = good;
+  arrays["key_padding_mask"] = bools({2, 7}, {0, 0, 0, 0, 1, 1, 1, /**/ 0, 0, 0, 0, 0, 0, 0});
+  LayerProblem lp = load(arrays);
+  EXPECT_EQ(lp.key_lengths, (std::vector<int64_t>{4, 7}));
+  EXPECT_EQ(lp.attn_mask, nullptr);
+  // A hole in the middle is folded into the attention mask of every row and head.
+  arrays["key_padding_mask"] = bools({2, 7}, {0, 1, 0, 0, 0, 0, 0, /**/ 0, 0, 0, 0, 0, 0, 0});
+  lp = load(arrays);
+  EXPECT_TRUE(lp.key_lengths.empty());
+  ASSERT_NE(lp.attn_mask, nullptr);
+  EXPECT_TRUE(lp.attn_mask->is_bool);
+  EXPECT_EQ(lp.attn_mask->name, "f.npz:key_padding_mask");
+  for (int64_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(lp.attn_mask->at(0, 2, i, 1), -INFINITY);
+    EXPECT_EQ(lp.attn_mask->at(0, 2, i, 0), 0.0f);
+    EXPECT_EQ(lp.attn_mask->at(1, 0, i, 1), 0.0f);
+  }
+  // attn_mask [B H, L, S]: entry (b H + h) is head h of batch item b; a float key padding
+  // adds to it.
+  std::vector<float> per_head(size_t(6 * 5 * 7));
+  for (size_t e = 0; e < per_head.size(); ++e) per_head[e] = float(e % 11) * 0.25f;
+  arrays["attn_mask"] = floats({6, 5, 7}, per_head);
+  std::vector<float> kp(14, 0.0f);
+  kp[3] = -1.5f;
+  arrays["key_padding_mask"] = floats({2, 7}, kp);
+  lp = load(arrays);
+  ASSERT_NE(lp.attn_mask, nullptr);
+  EXPECT_FALSE(lp.attn_mask->is_bool);
+  EXPECT_EQ(lp.attn_mask->at(1, 2, 4, 6), per_head[size_t(((1 * 3 + 2) * 5 + 4) * 7 + 6)]);
+  EXPECT_EQ(lp.attn_mask->at(0, 1, 2, 3), per_head[size_t(((0 * 3 + 1) * 5 + 2) * 7 + 3)] - 1.5f);
+  EXPECT_EQ(lp.attn_mask->name, "f.npz:attn_mask+key_padding_mask");
+  // [L, S] uint8, shared by every batch item and head.
+  arrays = good;
+  NpyArray shared = bools({5, 7}, std::vector<uint8_t>(35, 0));
+  shared.dtype = "|u1";
+  shared.data[size_t(2 * 7 + 5)] = 1;
+  arrays["attn_mask"] = shared;
+  lp = load(arrays);
+  ASSERT_NE(lp.attn_mask, nullptr);
+  EXPECT_EQ(lp.attn_mask->at(1, 2, 2, 5), -INFINITY);
+  EXPECT_EQ(lp.attn_mask->at(1, 2, 2, 4), 0.0f);
+  EXPECT_EQ(lp.attn_mask->name, "f.npz:attn_mask");
+
+  auto expect_error = [&](const char* key, NpyArray a, const std::vector<std::string>& words) {
+    auto bad = good;
+    bad[key] = std::move(a);
+    const std::string msg = error_message<InputError>([&] { load(bad); });
+    for (const auto& w : words) EXPECT_NE(msg.find(w), std::string::npos) << msg;
+  };
+  expect_error("key_padding_mask", bools({7, 2}, std::vector<uint8_t>(14, 0)),
+               {"'key_padding_mask' has shape (7, 2)", "[B, S] = (2, 7)", "true = padded"});
+  expect_error("key_padding_mask", floats({2, 7}, std::vector<float>(14, NAN)),
+               {"'key_padding_mask' holds nan"});
+  NpyArray f8 = floats({2, 7}, std::vector<float>(14, 0.0f));
+  f8.dtype = "<f8";
+  expect_error("key_padding_mask", f8, {"dtype <f8"});
+  expect_error("attn_mask", bools({2, 5, 7}, std::vector<uint8_t>(70, 0)),
+               {"'attn_mask' has shape (2, 5, 7)", "[L, S] = (5, 7)", "[B H, L, S] = (6, 5, 7)"});
+  expect_error("attn_mask", floats({5, 7}, std::vector<float>(35, INFINITY)), {"inf"});
 }
 
 TEST(Layer, RunLayerRowMeasuresTheLayerAndTheCoreShare) {
@@ -367,6 +499,55 @@ TEST(LayerCli, RefusesBadSizesWithAClearMessage) {
   EXPECT_EQ(written.at("attn_weights").shape, (std::vector<int64_t>{1, 5, 5}));
 }
 
+TEST(LayerCli, TakesKeyPaddingAndMasksFromOptionsOrTheFileButNotBoth) {
+  test::TempDir dir;
+  const LayerProblem lp = layer_problem(2, 12, 3, 5, 0, false);
+  const std::string file = dir.file("layer.npz");
+  auto arrays = layer_arrays(lp);
+  write_npz(file, arrays);
+  auto r = test::run_cli(
+      "layer --variant flash --heads 3 --min-time 0 --reps 1 --json --key-padding 3,5 "
+      "--inputs " +
+          file,
+      dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"key_padding\": \"3+5\""), std::string::npos) << r.out;
+  // seeded layer with a mask file [L, S]
+  const std::string mask = dir.file("mask.npy");
+  NpyArray m;
+  m.dtype = "|b1";
+  m.shape = {5, 5};
+  m.data.assign(25, 0);
+  m.data[3] = 1;
+  write_npy(mask, m);
+  r = test::run_cli(
+      "layer --variant full --embed 12 --heads 3 --seq 5 --min-time 0 --reps 1 --json "
+      "--attn-mask " +
+          mask,
+      dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"attn_mask\": \"mask.npy\""), std::string::npos) << r.out;
+  // a file with a key_padding_mask and --key-padding: refused, naming both
+  NpyArray kp;
+  kp.dtype = "|b1";
+  kp.shape = {2, 5};
+  kp.data.assign(10, 0);
+  kp.data[4] = 1;
+  arrays["key_padding_mask"] = kp;
+  write_npz(file, arrays);
+  r = test::run_cli("layer --variant flash --heads 3 --key-padding 3 --inputs " + file, dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("holds a key_padding_mask already"), std::string::npos) << r.err;
+  // an approximation without mask support refuses the mask by name
+  r = test::run_cli(
+      "layer --variant performer --embed 12 --heads 3 --seq 5 --min-time 0 --reps 1 "
+      "--attn-mask " +
+          mask,
+      dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("unsupported"), std::string::npos) << r.out << r.err;
+}
+
 TEST(LayerSweep, EmbedRowsReplaceTheHeadDimensions) {
   SweepAxes a;
   a.seqs = {32};
@@ -398,6 +579,16 @@ TEST(LayerSweep, EmbedRowsReplaceTheHeadDimensions) {
   again.push_back(make_variant("flash"));
   const std::string msg = error_message<UsageError>([&] { plan_sweep(std::move(again), a); });
   EXPECT_NE(msg.find("gaussian"), std::string::npos) << msg;
+
+  // Key padding reaches the layer's core.
+  a.inputs = {"gaussian"};
+  a.paddings = {PaddingSetting{.lengths = "20"}};
+  std::vector<std::unique_ptr<Variant>> padded;
+  padded.push_back(make_variant("flash"));
+  const SweepPlan pp = plan_sweep(std::move(padded), a);
+  ASSERT_EQ(pp.configs.size(), 1u);
+  EXPECT_EQ(layer_problem(pp.configs[0]).key_lengths, (std::vector<int64_t>{20}));
+  EXPECT_EQ(layer_problem(pp.configs[0]).attention().key_lengths, (std::vector<int64_t>{20}));
 }
 
 TEST(LayerSweep, EmbedIsAKeyColumnAndAttentionShareAColumn) {
