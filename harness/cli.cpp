@@ -382,6 +382,8 @@ std::optional<Inputs> load_given_inputs(const std::string& path,
   return given;
 }
 
+nlohmann::json json_number(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
+
 nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int threads) {
   const GitState git = git_state();
   return {{"date", utc_now()},
@@ -428,6 +430,13 @@ void print_row(const Row& r) {
   if (r.embed > 0)
     fmt::print("core share   {:.1f}% of the layer's time in the attention core (measured)\n",
                100 * r.attention_share);
+  fmt::print(
+      "noise        spread {:.2f}x (max/min), load average {:.2f}, other processes {} "
+      "processors{}\n",
+      r.time_spread, r.load_avg,
+      std::isnan(r.other_load) ? std::string("not measured (run too short)")
+                               : fmt::format("{:.1f}", r.other_load),
+      r.noisy ? ": NOISY" : "");
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
   if (!r.phases.empty()) {
     double total = 0;
@@ -447,6 +456,9 @@ bool print_result(const Row& row, bool json) {
     fmt::print("{}\n", to_json(row).dump(2));
   else
     print_row(row);
+  if (row.noisy)
+    fmt::print(stderr, "attnbench: warning: noisy timing: {}; see the README, \"Stable numbers\"\n",
+               noise_reason(row));
   if (row.status == "ok") return true;
   fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
   return false;
@@ -648,6 +660,7 @@ struct SweepCommand {
               embed_list, causal_mode = "off", score_list = "scaled_dot", input_list = "gaussian",
               out_dir, key_padding_lists, padding_fractions;
   bool resume = false;
+  int retry_noisy = 0;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
@@ -678,6 +691,11 @@ struct SweepCommand {
                     "so that the expected padded share of the keys is F");
     cmd->add_option("--out", out_dir, "results directory")->required();
     cmd->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
+    cmd->add_option("--retry-noisy", retry_noisy,
+                    "measure a noisy row again up to N times, keeping the first quiet "
+                    "measurement (else the one with the smallest spread)")
+        ->capture_default_str()
+        ->check(int_in(0, 100));
     return cmd;
   }
 
@@ -722,6 +740,8 @@ struct SweepCommand {
     auto meta = meta_json(argc, argv, mf, threads);
     meta["rows_planned"] = plan.configs.size();
     meta["rows_kept_from_earlier_runs"] = results.rows_kept();
+    meta["load_avg_start"] = json_number(load_average());
+    meta["processors"] = omp_get_num_procs();
     results.write_meta(meta);
 
     const RunOptions opt{.reps = o.reps, .min_time = o.min_time};
@@ -751,10 +771,12 @@ struct SweepCommand {
       fmt::print(stderr, "[{}/{}] {} {}{} | elapsed {} | ETA {}\n", index, plan.configs.size(),
                  probe.spec, c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
                  describe(c.problem, c.workload), human_seconds(elapsed), human_seconds(eta));
-      const Row row = measure(c, mf, opt, results);
+      const Row row = measure(c, mf, opt, retry_noisy, results);
       if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
       ++counts[row.status];
+      if (row.noisy) ++counts["noisy"];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
+      if (row.noisy) fmt::print(stderr, "    warning: noisy timing: {}\n", noise_reason(row));
       done_work += sweep_work(c);
     }
     std::string summary;
@@ -762,17 +784,46 @@ struct SweepCommand {
       summary += fmt::format("{}{} {}", summary.empty() ? "" : ", ", v, k);
     fmt::print(stderr, "attnbench: {} rows in {}/results.csv ({})\n", plan.configs.size(), out_dir,
                summary);
+    if (counts["noisy"] > 0)
+      fmt::print(stderr,
+                 "attnbench: warning: {} row(s) have noisy timings (the `noisy` column; "
+                 "README, \"Stable numbers\"); --resume after removing them, or --retry-noisy "
+                 "N, measures them again\n",
+                 counts["noisy"]);
+    meta["duration_s"] =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    meta["load_avg_end"] = json_number(load_average());
+    meta["rows_noisy"] = counts["noisy"];
+    results.update_meta(meta);
     return 0;
   }
 
-  // Runs one configuration of the plan and appends its row to the results.
+  // Runs one configuration of the plan, again up to `retries` times while its timing is
+  // noisy, and appends the kept row to the results.
   static Row measure(const SweepConfig& c, const MachineFigures& mf, const RunOptions& opt,
-                     ResultsDir& results) {
+                     int retries, ResultsDir& results) {
+    auto once = [&](nlohmann::json* bench) {
+      return c.embed > 0
+                 ? run_layer(*c.variant, layer_problem(c), c.workload, nullptr, mf, opt,
+                             /*need_weights=*/false, nullptr, nullptr, bench)
+                 : run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, bench);
+    };
     nlohmann::json bench;
-    Row row = c.embed > 0
-                  ? run_layer(*c.variant, layer_problem(c), c.workload, nullptr, mf, opt,
-                              /*need_weights=*/false, nullptr, nullptr, &bench)
-                  : run_one(*c.variant, c.problem, c.workload, nullptr, mf, opt, nullptr, &bench);
+    Row row = once(&bench);
+    int tries = 0;
+    for (; tries < retries && row.status == "ok" && row.noisy; ++tries) {
+      fmt::print(stderr, "    noisy ({}), measuring again ({}/{})\n", noise_reason(row), tries + 1,
+                 retries);
+      nlohmann::json again_bench;
+      Row again = once(&again_bench);
+      if (again.status != "ok") continue;
+      if (!again.noisy || again.time_spread < row.time_spread)
+        row = std::move(again), bench = std::move(again_bench);
+    }
+    if (tries > 0)
+      row.notes +=
+          fmt::format("{}timed {} times for noise, kept the {}", row.notes.empty() ? "" : "; ",
+                      tries + 1, row.noisy ? "smallest spread" : "first quiet one");
     results.append(row, bench);
     return row;
   }

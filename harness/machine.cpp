@@ -2,11 +2,17 @@
 
 #include <cblas.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
 
 #include "common/random.h"
 #include "common/tensor.h"
@@ -94,6 +100,56 @@ nlohmann::json to_json(const MachineFigures& m) {
           {"gemm_gflops", m.gemm_gflops},    {"blas_gflops", m.blas_gflops},
           {"eigen_gflops", m.eigen_gflops},  {"gemm_size", m.gemm_size},
           {"bandwidth_gbs", m.bandwidth_gbs}};
+}
+
+}  // namespace attnbench
+
+namespace attnbench {
+
+double load_average() {
+  double l[1];
+  return getloadavg(l, 1) == 1 ? l[0] : NAN;
+}
+
+CpuSample sample_cpu() {
+  CpuSample s;
+  s.wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  const double tick = double(sysconf(_SC_CLK_TCK));
+  if (!(tick > 0)) return s;
+  {
+    // "cpu  user nice system idle iowait irq softirq steal ...": busy = all but idle, iowait
+    std::ifstream f("/proc/stat");
+    std::string cpu;
+    double v[8] = {};
+    if (f >> cpu >> v[0] >> v[1] >> v[2] >> v[3] >> v[4] >> v[5] >> v[6] >> v[7] && cpu == "cpu")
+      s.busy = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / tick;
+  }
+  {
+    // /proc/self/stat: fields 14 and 15 (utime, stime) after the "(comm)" field, which may
+    // hold spaces: count from its closing parenthesis.
+    std::ifstream f("/proc/self/stat");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const size_t close = text.rfind(')');
+    if (close != std::string::npos) {
+      std::istringstream rest(text.substr(close + 1));
+      std::string field;
+      double utime = 0, stime = 0;
+      // after ")": field 3 (state) .. 13 are 11 fields, then utime (14) and stime (15)
+      int i = 3;
+      for (; i <= 13 && rest >> field; ++i) {
+      }
+      if (i == 14 && rest >> utime >> stime) s.own = (utime + stime) / tick;
+    }
+  }
+  return s;
+}
+
+double other_load(const CpuSample& a, const CpuSample& b) {
+  const double wall = b.wall - a.wall;
+  if (!(wall >= kMinLoadInterval)) return NAN;
+  const double other = ((b.busy - a.busy) - (b.own - a.own)) / wall;
+  return std::isfinite(other) ? std::max(0.0, other) : NAN;
 }
 
 }  // namespace attnbench

@@ -1,6 +1,7 @@
 // Machine figures measured once per run: peak GEMM rate and memory bandwidth.
 #pragma once
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -23,5 +24,27 @@ MachineFigures measure_machine(int threads, bool quick = false);
 nlohmann::json to_json(const MachineFigures& m);
 /// "AMD EPYC ..." from /proc/cpuinfo, or "unknown".
 std::string cpu_model();
+
+}  // namespace attnbench
+
+namespace attnbench {
+
+/// The machine's 1-minute load average (getloadavg), NaN where it cannot be read.
+double load_average();
+
+/// CPU time the whole machine and this process have used, for the load of other processes
+/// over an interval (Linux: /proc/stat and /proc/self/stat, in clock ticks).
+struct CpuSample {
+  double wall = 0;    ///< seconds (steady clock)
+  double busy = NAN;  ///< CPU-seconds every processor spent outside idle and iowait
+  double own = NAN;   ///< CPU-seconds of this process (user + system, every thread)
+};
+CpuSample sample_cpu();
+
+/// Processors other processes kept busy between a and b: (busy - own) / wall. NaN when the
+/// interval is shorter than kMinLoadInterval (the counters tick at 100 Hz, so a shorter one
+/// cannot tell half a processor from none) or the counters cannot be read.
+constexpr double kMinLoadInterval = 0.25;
+double other_load(const CpuSample& a, const CpuSample& b);
 
 }  // namespace attnbench

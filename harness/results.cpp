@@ -37,7 +37,9 @@ const std::vector<std::string> kKeyColumns = {
 // resuming such a file rewrites its lines with the current columns (upgrade_line).
 const std::map<std::string, std::string> kAddedColumns = {
     {"embed", "0"},        {"attention_share", ""}, {"score", "scaled_dot"},
-    {"score_hidden", "0"}, {"key_padding", ""},     {"attn_mask", ""}};
+    {"score_hidden", "0"}, {"key_padding", ""},     {"attn_mask", ""},
+    {"time_spread", ""},   {"load_avg", ""},        {"other_load", ""},
+    {"noisy", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -338,6 +340,17 @@ void ResultsDir::write_benchmark_json() const {
   fs::rename(tmp, path);
 }
 
+// Writes then renames, so an interrupted run never leaves a torn file.
+static void write_json_file(const fs::path& path, const nlohmann::json& j) {
+  const fs::path tmp = fs::path(path).concat(".tmp");
+  {
+    std::ofstream f(tmp);
+    f << j.dump(2) << '\n';
+    if (!f) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
+  }
+  fs::rename(tmp, path);
+}
+
 void ResultsDir::write_meta(const nlohmann::json& meta) const {
   const fs::path path = fs::path(dir_) / "meta.json";
   nlohmann::json out = meta;
@@ -366,14 +379,18 @@ void ResultsDir::write_meta(const nlohmann::json& meta) const {
                  path.string());
     }
   }
-  // write then rename, so an interrupted run never leaves a torn file
-  const fs::path tmp = fs::path(dir_) / "meta.json.tmp";
-  {
-    std::ofstream f(tmp);
-    f << out.dump(2) << '\n';
-    if (!f) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
-  }
-  fs::rename(tmp, path);
+  write_json_file(path, out);
+}
+
+void ResultsDir::update_meta(const nlohmann::json& meta) const {
+  const fs::path path = fs::path(dir_) / "meta.json";
+  nlohmann::json out = meta;
+  std::ifstream in(path);
+  const auto old = nlohmann::json::parse(in, nullptr, false);
+  if (old.is_object())
+    for (const char* key : {"earlier_command_lines", "earlier_runs"})
+      if (old.contains(key)) out[key] = old[key];
+  write_json_file(path, out);
 }
 
 }  // namespace attnbench

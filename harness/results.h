@@ -49,6 +49,9 @@ class ResultsDir {
   /// Appends a row to results.csv (flushed at once) and its runs to benchmark.json.
   void append(const Row& row, const nlohmann::json& bench);
   void write_meta(const nlohmann::json& meta) const;
+  /// Rewrites DIR/meta.json as `meta` (this run's record, written by write_meta at its start
+  /// and completed at its end), keeping the earlier runs write_meta carried over.
+  void update_meta(const nlohmann::json& meta) const;
   const std::string& dir() const { return dir_; }
 
  private:

@@ -201,6 +201,8 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   double peak = 0;
   PhaseTimes phase_times;  // of every timed pass
   int64_t passes = 0;
+  row.load_avg = load_average();
+  const CpuSample cpu_start = sample_cpu();
   auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
     PeakScope scope;
     {
@@ -227,6 +229,7 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   CaptureReporter rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
   benchmark::ClearRegisteredBenchmarks();
+  row.other_load = other_load(cpu_start, sample_cpu());
   if (!rep.error_.empty() || rep.times_.empty()) {
     row.status = "error";
     row.message = rep.error_.empty() ? "benchmark produced no runs" : rep.error_;
@@ -243,6 +246,8 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   for (double x : t) mean += x / double(t.size());
   for (double x : t) var += (x - mean) * (x - mean);
   row.time_stddev = t.size() > 1 ? std::sqrt(var / double(t.size() - 1)) : 0.0;
+  row.time_spread = row.time_min > 0 ? row.time_max / row.time_min : NAN;
+  row.noisy = !noise_reason(row).empty();
   row.gflops = row.flops / row.time_median / 1e9;
   row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
   row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
@@ -250,6 +255,24 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   row.phases = phase_times.per_pass(passes);
   return true;
 }
+
+std::string noise_reason(const Row& row, int processors) {
+  if (row.status != "ok") return "";
+  std::string why;
+  if (row.reps >= 2 && row.time_spread > kNoisySpread)
+    why = fmt::format("its {} repetitions spread {:.2f}x (max/min; threshold {})", row.reps,
+                      row.time_spread, kNoisySpread);
+  const double free = std::max(0, processors - row.workload.threads);
+  if (row.other_load > free + kNoisyLoadMargin)
+    why += fmt::format(
+        "{}other processes kept {:.1f} processors busy while it ran ({} threads on {} "
+        "processors leave {} free; threshold {} above that; load average {:.2f})",
+        why.empty() ? "" : "; ", row.other_load, row.workload.threads, processors, free,
+        kNoisyLoadMargin, row.load_avg);
+  return why;
+}
+
+std::string noise_reason(const Row& row) { return noise_reason(row, omp_get_num_procs()); }
 
 void check_run_options(const RunOptions& opt) {
   if (!(opt.min_time >= 0 && opt.min_time <= 3600) || opt.reps < 1)
@@ -374,6 +397,10 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"time_min_s", num(r.time_min)},
            {"time_max_s", num(r.time_max)},
            {"time_stddev_s", num(r.time_stddev)},
+           {"time_spread", num(r.time_spread)},
+           {"load_avg", num(r.load_avg)},
+           {"other_load", num(r.other_load)},
+           {"noisy", r.noisy},
            {"reps", r.reps},
            {"iterations", r.iterations},
            {"flops", num(r.flops)},

@@ -33,6 +33,11 @@ struct Row {
   std::string status = "ok";  ///< ok | skipped | unsupported | error
   std::string message;
   double time_median = NAN, time_min = NAN, time_max = NAN, time_stddev = NAN;  ///< seconds
+  /// How far the timing can be trusted (see noise_reason): time_max / time_min; the 1-minute
+  /// load average at the start of the timed passes; the processors other processes kept busy
+  /// during them (NaN when shorter than kMinLoadInterval); and whether the row is noisy.
+  double time_spread = NAN, load_avg = NAN, other_load = NAN;
+  bool noisy = false;
   int reps = 0;
   int64_t iterations = 0;
   double flops = NAN, gflops = NAN, gemm_fraction = NAN;
@@ -49,6 +54,18 @@ struct Row {
   /// within the timed passes; NaN for plain attention.
   double attention_share = NAN;
 };
+
+/// A row's time is marked noisy (Row::noisy, a warning on stderr) when its repetitions
+/// spread by more than kNoisySpread (time_max / time_min, with 2 or more repetitions), or when
+/// other processes kept busy more than kNoisyLoadMargin processors beyond those the row left
+/// free (other_load > max(0, processors - threads) + margin).
+constexpr double kNoisySpread = 1.5;
+constexpr double kNoisyLoadMargin = 0.5;
+/// Why the timing of an ok row is noisy by that rule, "" when it is not; `processors` is the
+/// number this process may use.
+std::string noise_reason(const Row& row, int processors);
+/// noise_reason with the processors of this process.
+std::string noise_reason(const Row& row);
 
 /// Threads per core a run may ask for: more only measures the scheduler, and far more makes
 /// the OpenMP runtime fail to start its threads.

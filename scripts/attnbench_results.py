@@ -26,6 +26,9 @@ KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # attention; the mask columns are empty for no key padding and no attention mask.
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
                  "attn_mask": ""}
+# Columns about the timing's trust (harness/runner.h, noise_reason): NaN in a file written
+# before them, which compare.py then never calls noisy.
+NOISE_COLUMNS = ["time_spread", "load_avg", "other_load", "noisy"]
 # Timing columns, in seconds: the median of the repetitions and their spread.
 TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
@@ -108,6 +111,10 @@ def read_csv(path, text_columns, required, contents):
     for c, value in ADDED_COLUMNS.items():
         if c not in df.columns:
             df[c] = value
+    if "time_median_s" in df.columns:  # results.csv (not a patterns index)
+        for c in NOISE_COLUMNS:
+            if c not in df.columns:
+                df[c] = math.nan
     missing = [c for c in required if c not in df.columns]
     if missing:
         raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "

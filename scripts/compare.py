@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Time of each row in two attnbench results directories, side by side.
 
-    scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--fail-on-regression]
+    scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--normalize none|gemm]
+                       [--fail-on-regression]
 
 Rows are joined on the variant spec and the problem columns (batch, heads, n, m, dim, embed,
 causal, score, score_hidden, input, scale, seed, threads; embed is 0 for plain attention), the
@@ -11,8 +12,16 @@ both runs it prints the median times, the ratio B/A and the speed-up A/B, and fl
 when it is beyond the measured spread: each run's repetitions span [time_min_s, time_max_s],
 and a row is flagged "slower" or "faster" when the two spans do not overlap (and, with
 --min-change, the ratio differs from 1 by more than that fraction). A row with a single
-repetition has no spread and is marked "no spread" instead of being judged. Rows found in one
-run only, and rows not measured (status other than ok) in either, are listed after the table.
+repetition has no spread and is marked "no spread" instead of being judged, and a row marked
+noisy in either run (the `noisy` column: its repetitions spread too far, or other processes
+competed for the processors) is marked "noisy" and never called slower or faster. Rows found in
+one run only, and rows not measured (status other than ok) in either, are listed after the table.
+
+The header shows each run's machine figures (GEMM rate and memory bandwidth measured at its
+start, the load average, its duration). Two runs on a machine that was loaded differently
+measure different GEMM rates; --normalize gemm compares times multiplied by each run's GEMM
+rate (time x GFLOP/s = work in units of the machine's own GEMM), so a machine that was twice as
+slow throughout does not read as a regression of every row.
 
 Exit code 0, or 1 with --fail-on-regression when a row is flagged slower; 2 when a directory
 cannot be read.
@@ -24,8 +33,9 @@ import sys
 
 import numpy as np
 
-from attnbench_results import (KEY_COLUMNS, MASK_COLUMNS, PROBLEM_COLUMNS, format_seconds,
-                               load_meta, load_results, problem_label, run_main, spec_order)
+from attnbench_results import (KEY_COLUMNS, MASK_COLUMNS, PROBLEM_COLUMNS, ResultsError,
+                               format_seconds, load_meta, load_results, problem_label, run_main,
+                               spec_order)
 
 PROG = "compare.py"
 SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E",
@@ -34,18 +44,58 @@ SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E
          "attn_mask": "mask"}
 
 
+def machine(meta):
+    return meta.get("machine", {}) if isinstance(meta, dict) and \
+        isinstance(meta.get("machine"), dict) else {}
+
+
+def gemm_rate(meta):
+    """The GEMM rate (GFLOP/s) a run measured at its start, or None."""
+    try:
+        rate = float(machine(meta).get("gemm_gflops"))
+    except (TypeError, ValueError):
+        return None
+    return rate if math.isfinite(rate) and rate > 0 else None
+
+
 def describe(directory, meta):
     if meta is None:
         return f"{directory} (no meta.json)"
     commit = str(meta.get("git_commit", "unknown"))[:12]
-    machine = meta.get("machine", {}) if isinstance(meta.get("machine"), dict) else {}
-    cpu = machine.get("cpu_model", meta.get("cpu_model", "unknown CPU"))
-    return (f"{directory} (commit {commit}, {meta.get('date', 'unknown date')}, {cpu}, "
+    mach = machine(meta)
+    cpu = mach.get("cpu_model", meta.get("cpu_model", "unknown CPU"))
+    text = (f"{directory} (commit {commit}, {meta.get('date', 'unknown date')}, {cpu}, "
             f"{meta.get('threads', '?')} threads)")
+    figures = []
+    if gemm_rate(meta):
+        figures.append(f"GEMM {gemm_rate(meta):.1f} GFLOP/s")
+    if isinstance(mach.get("bandwidth_gbs"), (int, float)):
+        figures.append(f"bandwidth {mach['bandwidth_gbs']:.1f} GB/s")
+    loads = [meta.get(k) for k in ("load_avg_start", "load_avg_end")]
+    if any(isinstance(x, (int, float)) for x in loads):
+        figures.append("load average " + " -> ".join(
+            f"{x:.2f}" if isinstance(x, (int, float)) else "?" for x in loads))
+    if isinstance(meta.get("duration_s"), (int, float)):
+        figures.append(f"took {format_seconds(meta['duration_s'])}")
+    if isinstance(meta.get("rows_noisy"), int):
+        figures.append(f"{meta['rows_noisy']} noisy row(s)")
+    if figures:
+        text += "\n   machine: " + ", ".join(figures)
+    return text
+
+
+def is_noisy(value):
+    try:
+        return float(value) == 1.0
+    except (TypeError, ValueError):
+        return False
 
 
 def judge(a, b, min_change):
-    """'slower', 'faster', '' (within the spread) or 'no spread' for one joined row."""
+    """'slower', 'faster', '' (within the spread), 'no spread' or 'noisy' for one joined
+    row."""
+    if is_noisy(a["noisy"]) or is_noisy(b["noisy"]):
+        return "noisy"
     if a["reps"] < 2 or b["reps"] < 2:
         return "no spread"
     ratio = b["time_median_s"] / a["time_median_s"]
@@ -91,6 +141,9 @@ def main():
     ap.add_argument("--min-change", type=float, default=0.0, metavar="FRAC",
                     help="flag only changes with |B/A - 1| above FRAC as well as beyond the "
                          "spread (default: %(default)s)")
+    ap.add_argument("--normalize", choices=["none", "gemm"], default="none",
+                    help="gemm: compare times multiplied by each run's measured GEMM rate "
+                         "(default: %(default)s)")
     ap.add_argument("--fail-on-regression", action="store_true",
                     help="exit with code 1 when a row is flagged slower")
     args = ap.parse_args()
@@ -99,9 +152,29 @@ def main():
 
     a = load_results(args.dir_a)
     b = load_results(args.dir_b)
+    meta_a, meta_b = load_meta(args.dir_a), load_meta(args.dir_b)
     out = sys.stdout
-    print(f"A: {describe(args.dir_a, load_meta(args.dir_a))}", file=out)
-    print(f"B: {describe(args.dir_b, load_meta(args.dir_b))}", file=out)
+    print(f"A: {describe(args.dir_a, meta_a)}", file=out)
+    print(f"B: {describe(args.dir_b, meta_b)}", file=out)
+    scale_a = scale_b = 1.0
+    if args.normalize == "gemm":
+        rates = [gemm_rate(meta_a), gemm_rate(meta_b)]
+        for d, rate in zip((args.dir_a, args.dir_b), rates):
+            if rate is None:
+                raise ResultsError(f"--normalize gemm: {d}/meta.json records no GEMM rate "
+                                   f"(machine.gemm_gflops); compare without --normalize")
+        # times in units of run A's machine: B's scaled by rate_B / rate_A
+        scale_b = rates[1] / rates[0]
+        print(f"times normalised by each run's GEMM rate: B's times x {scale_b:.3f} "
+              f"({rates[1]:.1f} / {rates[0]:.1f} GFLOP/s)", file=out)
+    rates_differ = gemm_rate(meta_a) and gemm_rate(meta_b) and \
+        max(gemm_rate(meta_a), gemm_rate(meta_b)) > 1.25 * min(gemm_rate(meta_a),
+                                                               gemm_rate(meta_b))
+    if rates_differ and args.normalize == "none":
+        print(f"{PROG}: warning: the two runs measured GEMM rates {gemm_rate(meta_a):.1f} and "
+              f"{gemm_rate(meta_b):.1f} GFLOP/s: the machine differed (load, clock, threads); "
+              f"--normalize gemm compares in units of each run's own GEMM rate",
+              file=sys.stderr)
 
     for df in (a, b):
         dup = df.duplicated(KEY_COLUMNS)
@@ -134,9 +207,12 @@ def main():
     print(file=out)
 
     rows, flags, ratios = [], [], []
+    timing = ["time_median_s", "time_min_s", "time_max_s"]
     for _, r in measured.iterrows():
-        ra = {k: r[f"{k}_a"] for k in ["time_median_s", "time_min_s", "time_max_s", "reps"]}
-        rb = {k: r[f"{k}_b"] for k in ["time_median_s", "time_min_s", "time_max_s", "reps"]}
+        ra = {k: r[f"{k}_a"] * (scale_a if k in timing else 1)
+              for k in timing + ["reps", "noisy"]}
+        rb = {k: r[f"{k}_b"] * (scale_b if k in timing else 1)
+              for k in timing + ["reps", "noisy"]}
         ratio = rb["time_median_s"] / ra["time_median_s"]
         flag = judge(ra, rb, args.min_change)
         flags.append(flag)
@@ -154,13 +230,16 @@ def main():
     slower = flags.count("slower")
     faster = flags.count("faster")
     nospread = flags.count("no spread")
+    noisy = flags.count("noisy")
     print(file=out)
     if ratios:
         gmean = math.exp(float(np.mean(np.log(ratios))))
         print(f"{len(ratios)} row(s) compared: {slower} slower and {faster} faster beyond the "
-              f"measured spread, {len(ratios) - slower - faster - nospread} within it"
+              f"measured spread, {len(ratios) - slower - faster - nospread - noisy} within it"
               + (f", {nospread} with a single repetition (not judged)" if nospread else "")
-              + f"; geometric mean B/A = {gmean:.3f}.", file=out)
+              + (f", {noisy} noisy in either run (not judged)" if noisy else "")
+              + f"; geometric mean B/A = {gmean:.3f}"
+              + (" (GEMM-normalised)" if args.normalize == "gemm" else "") + ".", file=out)
 
     not_measured = both[(both["status_a"] != "ok") | (both["status_b"] != "ok")]
     if not not_measured.empty:

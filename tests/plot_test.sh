@@ -179,30 +179,63 @@ grep -q "^  linear:eps=1e-06 n=512,causal=1 (ok)" "$tmp/cmp.txt" ||
   fail "compare.py did not list linear at n=512 as only in A"
 # B made slower by more than its own spread (every time times k, k at least twice the largest
 # max/min ratio of any row): every row is flagged, and --fail-on-regression exits 1.
+# The rows of "quiet" are b's marked not noisy (b itself may have been measured on a busy
+# machine); "slow" also has its machine's GEMM rate divided by k, as a machine k times slower
+# would measure it.
 cp -r "$tmp/b" "$tmp/slow"
-"$py" - "$tmp/slow/results.csv" <<'EOF'
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
+cp -r "$tmp/b" "$tmp/quiet"
+"$py" - "$tmp/slow" "$tmp/quiet" <<'EOF'
+import csv, json, sys
+slow, quiet = sys.argv[1], sys.argv[2]
+rows = list(csv.DictReader(open(slow + "/results.csv")))
 k = max(3.0, 2 * max(float(r["time_max_s"]) / float(r["time_min_s"]) for r in rows))
+def write(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+for r in rows:
+    r["noisy"] = "0"
+write(quiet + "/results.csv", rows)
 for r in rows:
     for c in ("time_median_s", "time_min_s", "time_max_s"):
         r[c] = repr(k * float(r[c]))
-with open(sys.argv[1], "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
+write(slow + "/results.csv", rows)
+meta = json.load(open(slow + "/meta.json"))
+meta["machine"]["gemm_gflops"] /= k
+json.dump(meta, open(slow + "/meta.json", "w"))
+# one row of slow marked noisy
+rows[0]["noisy"] = "1"
+write(slow + "/noisy.csv", rows)
 EOF
-"$py" "$root/scripts/compare.py" "$tmp/b" "$tmp/slow" >"$tmp/slow.txt" || fail "compare.py failed"
+"$py" "$root/scripts/compare.py" "$tmp/quiet" "$tmp/slow" >"$tmp/slow.txt" 2>"$tmp/slow.err" ||
+  fail "compare.py failed"
 [ "$(grep -c ' slower$' "$tmp/slow.txt")" -eq 12 ] || fail "not every slower row is flagged"
 grep -q "^12 row(s) compared: 12 slower" "$tmp/slow.txt" || fail "wrong summary for slower rows"
+grep -q "machine: GEMM .* GFLOP/s, bandwidth" "$tmp/slow.txt" ||
+  fail "compare.py does not show the runs' machine figures"
+grep -q "warning: the two runs measured GEMM rates" "$tmp/slow.err" ||
+  fail "compare.py does not warn that the GEMM rates differ"
 set +e
-"$py" "$root/scripts/compare.py" --fail-on-regression "$tmp/b" "$tmp/slow" >/dev/null 2>&1
+"$py" "$root/scripts/compare.py" --fail-on-regression "$tmp/quiet" "$tmp/slow" >/dev/null 2>&1
 rc=$?
-"$py" "$root/scripts/compare.py" --fail-on-regression "$tmp/slow" "$tmp/b" >/dev/null 2>&1
+"$py" "$root/scripts/compare.py" --fail-on-regression "$tmp/slow" "$tmp/quiet" >/dev/null 2>&1
 rc_faster=$?
 set -e
 [ "$rc" -eq 1 ] || fail "--fail-on-regression exited $rc on a regression, expected 1"
 [ "$rc_faster" -eq 0 ] || fail "--fail-on-regression exited $rc_faster on a speed-up, expected 0"
+# normalised by the GEMM rates, the k-times slower machine is no regression
+"$py" "$root/scripts/compare.py" --normalize gemm --fail-on-regression "$tmp/quiet" "$tmp/slow" \
+  >"$tmp/norm.txt" || fail "compare.py --normalize gemm called the slower machine a regression"
+grep -q "^12 row(s) compared: 0 slower and 0 faster" "$tmp/norm.txt" ||
+  fail "compare.py --normalize gemm: $(grep 'row(s) compared' "$tmp/norm.txt")"
+# a noisy row is never called a regression
+mv "$tmp/slow/noisy.csv" "$tmp/slow/results.csv"
+"$py" "$root/scripts/compare.py" "$tmp/quiet" "$tmp/slow" >"$tmp/noisy.txt" ||
+  fail "compare.py failed"
+[ "$(grep -c ' slower$' "$tmp/noisy.txt")" -eq 11 ] || fail "a noisy row was judged"
+[ "$(grep -c ' noisy$' "$tmp/noisy.txt")" -eq 1 ] || fail "the noisy row is not marked"
+grep -q "1 noisy in either run (not judged)" "$tmp/noisy.txt" || fail "no noisy count"
 
 # --- unusable results directories --------------------------------------------------------------
 mkdir "$tmp/empty" "$tmp/header" "$tmp/nocol" "$tmp/nook"
