@@ -26,7 +26,7 @@
 //
 // Key padding (Problem::key_lengths): the keys j >= L_b of batch element b are absent. Key
 // block j's mean S_k[j] is the mean of its valid keys only (a block straddling L_b averages
-// the keys before L_b); a block with no valid key (j >= ceil(L_b / b)) is no candidate: its
+// the keys before L_b); a block with no valid key (j >= ceil(L_b / block)) is no candidate: its
 // column of L does not exist for the row and column steps, and it is never matched. The query
 // summaries, the causal rules and the attention are unchanged (the engine masks the padded keys
 // of the blocks a row visits). A query block with no candidate at all (L_b = 0, or block 0
@@ -226,7 +226,7 @@ void match_head(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t 
     for (int64_t i = 0; i < nb; ++i) pi[i] = int32_t(i);
     return;
   }
-  // pass 1: summaries. Key block j: the mean of its keys. Query block i: the mean of its
+  // pass 1: summaries. Key block j: the mean of its valid keys. Query block i: the mean of its
   // queries, or under a causal mask the mean of the b queries ending at its first one
   // (positions max(0, i0 - b + 1) .. i0, seen by every row of the block).
   using Span = std::pair<int64_t, int64_t>;
