@@ -72,6 +72,26 @@ TEST(Rfa, GatedLongSequenceMatchesItsFormula) {
   }
 }
 
+TEST(Rfa, KeyPaddingMatchesItsFormula) {
+  // plain and gated under key padding: lengths past the 256-key blocks of the gated recurrence,
+  // inside them, 0 and 1; m != n both ways, so rows whose causal prefix ends in the padding
+  // read the state after the last valid key
+  for (const char* spec : {"rfa", "rfa:features=37,sigma=1.5", "rfa:gate=true"})
+    for (auto [n, m] : {std::pair<int64_t, int64_t>{300, 300}, {113, 700}, {600, 113}})
+      for (bool causal : {false, true}) {
+        if (!causal && std::string(spec) == "rfa:gate=true") continue;
+        Problem p = test::problem(3, 2, n, m, 17, causal, uint64_t(n + m));
+        p.key_lengths = {m * 2 / 3 + 1, 0, 1};
+        SCOPED_TRACE(std::string(spec) + " " + p.str());
+        const Inputs in = generate_inputs(p);
+        test::expect_matches_oracle(spec, p, in);
+        // the padded oracle is far from the unpadded one (what ignoring the padding gives)
+        Problem unpadded = p;
+        unpadded.key_lengths.clear();
+        test::expect_oracle_far_from(spec, p, in, test::expected(spec, unpadded, in).out);
+      }
+}
+
 // The oracle differs from what a plausible mistake would give by far more than its tolerance.
 TEST(Rfa, OracleIsFarFromPlausibleWrongAnswers) {
   const Problem p = test::problem(1, 2, 113, 113, 17, true, 3);

@@ -80,10 +80,13 @@ double lse(const std::vector<double>& x) {
   return mx + std::log(s);
 }
 
-// The documented matching of head (b, h), written plainly: pi(i) for every query block.
+// The documented matching of head (b, h), written plainly: pi(i) for every query block. Under
+// key padding a key block's mean is over its valid keys, and blocks without one are no
+// candidates.
 std::vector<int64_t> sinkhorn_oracle(const Problem& p, const Tensor& q, const Tensor& k,
                                      const SinkhornSpec& s, int64_t b, int64_t h) {
   const int64_t n = p.n, d = p.dim, bs = s.block, nb = (n + bs - 1) / bs;
+  const int64_t len = p.key_lengths.empty() ? n : p.key_lengths[size_t(b)];
   auto mean_rows = [&](const Tensor& x, int64_t r0, int64_t r1) {
     std::vector<double> mu(size_t(d), 0.0);
     for (int64_t r = r0; r < r1; ++r)
@@ -92,12 +95,12 @@ std::vector<int64_t> sinkhorn_oracle(const Problem& p, const Tensor& q, const Te
   };
   Matrix sq, sk;
   for (int64_t i = 0; i < nb; ++i) {
-    sk.push_back(mean_rows(k, i * bs, std::min(n, (i + 1) * bs)));
+    sk.push_back(mean_rows(k, i * bs, std::min(len, (i + 1) * bs)));
     sq.push_back(p.causal ? mean_rows(q, std::max<int64_t>(0, i * bs - bs + 1), i * bs + 1)
                           : mean_rows(q, i * bs, std::min(n, (i + 1) * bs)));
   }
-  // candidates: every block, or the past blocks j < i under a causal mask
-  auto cand = [&](int64_t i, int64_t j) { return p.causal ? j < i : true; };
+  // candidates: every block holding a valid key, and under a causal mask a past one (j < i)
+  auto cand = [&](int64_t i, int64_t j) { return j * bs < len && (p.causal ? j < i : true); };
   Matrix l(size_t(nb), std::vector<double>(size_t(nb), 0.0));
   for (int64_t i = 0; i < nb; ++i)
     for (int64_t j = 0; j < nb; ++j) {
@@ -129,6 +132,7 @@ std::vector<int64_t> sinkhorn_oracle(const Problem& p, const Tensor& q, const Te
   }
   std::vector<int64_t> pi(size_t(nb), 0);
   for (int64_t i = 0; i < nb; ++i) {
+    pi[size_t(i)] = i;  // no candidate: its own block alone
     double best = -std::numeric_limits<double>::infinity();
     for (int64_t j = 0; j < nb; ++j)
       if (cand(i, j) && std::exp(l[size_t(i)][size_t(j)]) > best) {
@@ -188,6 +192,40 @@ TEST(Sinkhorn, MatchingMatchesAPlainImplementation) {
       }
   // the matching is not the identity: most blocks attend a second block
   EXPECT_GT(moved, total / 2) << moved << " of " << total;
+}
+
+TEST(Sinkhorn, PaddedKeyBlocksAreNoCandidates) {
+  // key padding: the matching of the valid keys (block means over them, blocks of padding never
+  // matched), and attention over the matched blocks' valid keys
+  for (const SinkhornSpec& s : {SinkhornSpec{16, 0.75, 5}, SinkhornSpec{7, 0.3, 9}})
+    for (auto [n, d] : {std::pair<int64_t, int64_t>{113, 17}, {300, 64}, {40, 5}})
+      for (bool causal : {false, true}) {
+        Problem p = test::problem(3, 2, n, 0, d, causal, uint64_t(n + d));
+        p.key_lengths = {n / 2 + 3, 0, s.block + 1};
+        SCOPED_TRACE(s.str() + " " + p.str());
+        Inputs in = generate_inputs(p);
+        auto pat = make_variant(s.str())->make_pattern(p, in.q.view(), in.k.view());
+        std::vector<std::vector<int64_t>> pis;
+        for (int64_t b = 0; b < p.batch; ++b)
+          for (int64_t h = 0; h < p.heads; ++h) {
+            const auto pi = sinkhorn_oracle(p, in.q, in.k, s, b, h);
+            const int64_t kb = (p.key_lengths[size_t(b)] + s.block - 1) / s.block;
+            for (int64_t i = 0; i < int64_t(pi.size()); ++i) {
+              const int64_t j = pi[size_t(i)];
+              EXPECT_TRUE(j == i || j < kb) << "b " << b << " block " << i << " matched " << j;
+              EXPECT_EQ(listed(*pat, b, h, i), expected_blocks(i, j))
+                  << "b " << b << " h " << h << " block " << i;
+            }
+            pis.push_back(pi);
+          }
+        const auto ref =
+            attention_where(p, in.q, in.k, in.v, [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+              const int64_t qb = i / s.block, kb = j / s.block;
+              return (kb == qb || kb == pis[size_t(b * 2 + h)][size_t(qb)]) && j < p.visible(b, i);
+            });
+        EXPECT_LE(rel_fro_error(run(s.str(), p, in).data(), ref),
+                  attention_tolerance(p, Workload{}));
+      }
 }
 
 TEST(Sinkhorn, ExportedPatternIsTheMatching) {

@@ -19,6 +19,11 @@
 // Oracle: the formula in double (efficient_oracle below). Its float32 chain (exps of input
 // entries less their max, reductions over the m keys and the d features) is the default error
 // model's.
+// Key padding (Problem::key_lengths): the keys j >= L_b of batch element b are absent, as if
+// that element had only its L_b valid keys: the column softmax of K and the sum G run over the
+// valid keys only (each channel normalised over L_b positions), so padded keys and values
+// change nothing. A key range of step 1 that holds no valid key is left out of the merge;
+// with L_b = 0 there is no G, and every row of b is exactly 0.
 // Not causal: a causal form would need a d x d prefix state per position; causal problems are
 // refused with UnsupportedError.
 #include <cblas.h>
@@ -27,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "common/key_split.h"
@@ -44,6 +50,16 @@ constexpr int64_t kBlockQ = 512;  // query rows per task in step 2
 class Efficient final : public Variant {
  public:
   static KeySplit plan(const Problem& p) { return KeySplit(p, kChunkK); }
+
+  /// The keys [j0, j1) of split sp of batch element b: its run of chunks, cut at b's valid
+  /// length (empty when the run lies in the padding).
+  static std::pair<int64_t, int64_t> keys(const Problem& p, const KeySplit& pl, int64_t b,
+                                          int64_t sp) {
+    const int64_t len = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+    const int64_t j0 = pl.first_chunk(sp) * kChunkK;
+    const int64_t j1 = std::min(len, pl.first_chunk(sp + 1) * kChunkK);
+    return {j0, std::max(j0, j1)};
+  }
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
@@ -66,8 +82,7 @@ class Efficient final : public Variant {
           guard.run([&] {
             const int64_t bh = t / pl.splits, sp = t % pl.splits;
             const int64_t b = bh / H, h = bh % H;
-            const int64_t j0 = pl.first_chunk(sp) * kChunkK;
-            const int64_t j1 = std::min(m, pl.first_chunk(sp + 1) * kChunkK);
+            const auto [j0, j1] = keys(p, pl, b, sp);
             float* gp = partial.get() + t * part;
             float* mx = gp + dd;
             float* sum = mx + d;
@@ -100,12 +115,19 @@ class Efficient final : public Variant {
         if (guard.failed()) continue;  // a key range is missing
         const float* first = partial.get() + bh * pl.splits * part;
         float* gd = g.get() + bh * dd;
+        // the splits holding valid keys: a prefix of them (none when L_b = 0, then G is unused)
+        int64_t used = 0;
+        while (used < pl.splits) {
+          const auto [j0, j1] = keys(p, pl, bh / H, used);
+          if (j0 == j1) break;
+          ++used;
+        }
         for (int64_t c = 0; c < d; ++c) {
           float top = -INFINITY;
-          for (int64_t sp = 0; sp < pl.splits; ++sp) top = std::max(top, first[sp * part + dd + c]);
+          for (int64_t sp = 0; sp < used; ++sp) top = std::max(top, first[sp * part + dd + c]);
           float total = 0.0f;
           std::fill(gd + c * d, gd + (c + 1) * d, 0.0f);
-          for (int64_t sp = 0; sp < pl.splits; ++sp) {
+          for (int64_t sp = 0; sp < used; ++sp) {
             const float* gp = first + sp * part;
             const float f = fast_exp(gp[dd + c] - top);
             total += f * gp[dd + d + c];
@@ -126,6 +148,10 @@ class Efficient final : public Variant {
           guard.run([&] {
             const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
             const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+            if (!p.key_lengths.empty() && p.key_lengths[size_t(b)] == 0) {
+              for (int64_t r = 0; r < rows; ++r) std::fill_n(out.row(b, h, i0 + r), d, 0.0f);
+              return;
+            }
             for (int64_t r = 0; r < rows; ++r) {
               std::copy_n(q.row(b, h, i0 + r), d, s + r * d);
               softmax_row(s + r * d, d, 1.0f);
@@ -158,26 +184,36 @@ class Efficient final : public Variant {
   }
 };
 
-// softmax_row(Q) (softmax_col(K)^T V) in double.
+// softmax_row(Q) (softmax_col(K)^T V) in double, K and V cut to the L_b valid keys.
 std::vector<double> efficient_oracle(const Variant&, const Problem& p, ConstTensorView q,
                                      ConstTensorView k, ConstTensorView v) {
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
-    oracle::Matrix qs = oracle::head(q, b, h), kc = oracle::transpose(oracle::head(k, b, h));
+    const int64_t len = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+    if (len == 0) return oracle::Matrix(p.n, p.dim);
+    // the first len rows of a key-side head (row-major: a prefix of its entries)
+    auto valid = [&](ConstTensorView t) {
+      oracle::Matrix x = oracle::head(t, b, h);
+      x.rows = len;
+      x.a.resize(size_t(len * x.cols));
+      return x;
+    };
+    oracle::Matrix qs = oracle::head(q, b, h), kc = oracle::transpose(valid(k));
     oracle::softmax_rows(qs, 1.0);
-    oracle::softmax_rows(kc, 1.0);  // d x m: each channel over the positions
-    return oracle::product(qs, oracle::product(kc, oracle::head(v, b, h)));
+    oracle::softmax_rows(kc, 1.0);  // d x L_b: each channel over the valid positions
+    return oracle::product(qs, oracle::product(kc, valid(v)));
   });
 }
 
 ATTNBENCH_REGISTER_VARIANT(
-    efficient, VariantInfo{.name = "efficient",
-                           .summary = "softmax_row(Q) (softmax_col(K)^T V), no query-key logits "
-                                      "(Shen et al. efficient attention)",
-                           .complexity = "time O((n + m) d^2), memory O(B H d^2 + threads 512 d)",
-                           .params = {},
-                           .caps = {.causal = false, .cross = true, .exact = false},
-                           .make = [](const ParamValues&) { return std::make_unique<Efficient>(); },
-                           .oracle = efficient_oracle});
+    efficient,
+    VariantInfo{.name = "efficient",
+                .summary = "softmax_row(Q) (softmax_col(K)^T V), no query-key logits "
+                           "(Shen et al. efficient attention)",
+                .complexity = "time O((n + m) d^2), memory O(B H d^2 + threads 512 d)",
+                .params = {},
+                .caps = {.causal = false, .cross = true, .exact = false, .key_padding = true},
+                .make = [](const ParamValues&) { return std::make_unique<Efficient>(); },
+                .oracle = efficient_oracle});
 
 }  // namespace
 }  // namespace attnbench

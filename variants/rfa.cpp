@@ -15,6 +15,14 @@
 // paper defines it for causal (decoder) attention only, and a non-causal gated problem is
 // refused with UnsupportedError.
 //
+// Key padding (Problem::key_lengths): the keys j >= L_b of batch element b are absent, as if
+// that element had only its L_b valid keys. Plain: every sum (S, z, the key count M_i of the
+// floor) runs over the keys row i sees, p.visible(b, i), the intersection of the causal prefix
+// (bottom-right aligned on the full m) and the valid keys. Gated: the recurrence runs over the
+// valid keys only, and a row whose last causally visible key a(i) is padding reads the state
+// after the last valid key, L_b - 1. W and the gate depend on the head alone, so a valid key's
+// features are those it has without padding. A row that sees no key (L_b = 0) is exactly 0.
+//
 // Denominator floor. Sines and cosines make phi(q)^T z an estimate that can be small or
 // negative (a known weakness of these features). Each key of weight omega (1 plain; the
 // product of the later gates times 1 - g_j gated) has a true kernel of at least
@@ -155,23 +163,43 @@ int64_t gated_workspace_floats(int64_t features, int64_t d) {
   return 2 * kGatedBlock * features + features * d + features;
 }
 
-/// Gated RFA on one (batch, head) (causal): the recurrence over keys j, and each query i read
-/// right after its last visible key a(i) = i + (m - n). Returns the rows raised to the floor.
+/// Gated RFA on one (batch, head) of batch element b (causal): the recurrence over the valid
+/// keys j < L_b, and each query i read right after its last visible key, a(i) = i + (m - n),
+/// or after the last valid key L_b - 1 when a(i) is past it. Returns the rows raised to the
+/// floor.
 int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, const Problem& p,
-                   const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
-                   int64_t ldv, float* out, int64_t ldo, float* work) {
+                   int64_t b, const float* q, int64_t ldq, const float* k, int64_t ldk,
+                   const float* v, int64_t ldv, float* out, int64_t ldo, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), off = m - n;
+  const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
   const float floor = fm.denominator_floor();
   float *phk = work, *phq = phk + kGatedBlock * f, *s = phq + kGatedBlock * f, *z = s + f * d;
   std::fill(s, s + f * d, 0.0f);
   std::fill(z, z + f, 0.0f);
   float mass = 0.0f;  // sum of the key weights in S and z
   int64_t clamped = 0;
-  // rows before the first key: a(i) < 0
-  for (int64_t i = 0; i < std::min(n, -off); ++i) std::fill(out + i * ldo, out + i * ldo + d, 0.0f);
+  // rows before the first key (a(i) < 0), or every row when no key is valid
+  const int64_t empty = len == 0 ? n : std::min(n, std::max<int64_t>(0, -off));
+  for (int64_t i = 0; i < empty; ++i) std::fill(out + i * ldo, out + i * ldo + d, 0.0f);
+  // out_i = phi(q_i)^T S / den from the current state
+  auto read = [&](const float* pq, float* o) {
+    std::fill(o, o + d, 0.0f);
+    float den = 0.0f;
+    for (int64_t e = 0; e < f; ++e) {
+      const float a = pq[e];
+      const float* srow = s + e * d;
+      for (int64_t x2 = 0; x2 < d; ++x2) o[x2] += a * srow[x2];
+      den += a * z[e];
+    }
+    if (!(den >= floor * mass)) den = floor * mass, ++clamped;
+    if (den > 0)
+      for (int64_t x2 = 0; x2 < d; ++x2) o[x2] /= den;
+    else
+      std::fill(o, o + d, 0.0f);
+  };
   float shift = 0.0f;
-  for (int64_t j0 = 0; j0 < m; j0 += kGatedBlock) {
-    const int64_t cnt = std::min(kGatedBlock, m - j0);
+  for (int64_t j0 = 0; j0 < len; j0 += kGatedBlock) {
+    const int64_t cnt = std::min(kGatedBlock, len - j0);
     // 1. features of the block's keys and of the queries read after them
     fm.keys(k + j0 * ldk, ldk, cnt, phk, f, shift);
     const int64_t i0 = std::max<int64_t>(0, j0 - off), i1 = std::min(n, j0 + cnt - off);
@@ -195,23 +223,15 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
       mass = g * mass + h;
       // 4. the query that reads the state after key j
       const int64_t i = j - off;
-      if (i < 0 || i >= n) continue;
-      const float* pq = phq + (i - i0) * f;
-      float* o = out + i * ldo;
-      std::fill(o, o + d, 0.0f);
-      float den = 0.0f;
-      for (int64_t e = 0; e < f; ++e) {
-        const float a = pq[e];
-        const float* srow = s + e * d;
-        for (int64_t x2 = 0; x2 < d; ++x2) o[x2] += a * srow[x2];
-        den += a * z[e];
-      }
-      if (!(den >= floor * mass)) den = floor * mass, ++clamped;
-      if (den > 0)
-        for (int64_t x2 = 0; x2 < d; ++x2) o[x2] /= den;
-      else
-        std::fill(o, o + d, 0.0f);
+      if (i >= 0 && i < n) read(phq + (i - i0) * f, out + i * ldo);
     }
+  }
+  // 5. rows whose last visible key is the last valid one (a(i) >= L_b: key padding) read the
+  // final state
+  for (int64_t i0 = std::max(empty, len - off); i0 < n; i0 += kGatedBlock) {
+    const int64_t rows = std::min(kGatedBlock, n - i0);
+    fm.queries(q + i0 * ldq, ldq, rows, phq, f);
+    for (int64_t r = 0; r < rows; ++r) read(phq + r * f, out + (i0 + r) * ldo);
   }
   return clamped;
 }
@@ -252,9 +272,9 @@ class Rfa final : public Variant {
       for (int64_t bh = 0; bh < heads; ++bh)
         guard.run([&] {
           const int64_t b = bh / p.heads, h = bh % p.heads;
-          clamped += gated_head(*maps[size_t(h)], gates[size_t(h)], p, q.head(b, h), q.stride_row,
-                                k.head(b, h), k.stride_row, v.head(b, h), v.stride_row,
-                                out.head(b, h), out.stride_row, work.data());
+          clamped += gated_head(*maps[size_t(h)], gates[size_t(h)], p, b, q.head(b, h),
+                                q.stride_row, k.head(b, h), k.stride_row, v.head(b, h),
+                                v.stride_row, out.head(b, h), out.stride_row, work.data());
         });
     }
     guard.rethrow();
@@ -337,7 +357,7 @@ std::vector<double> rfa_oracle(const Variant& var, const Problem& p, ConstTensor
     }
     oracle::Matrix out(p.n, d);
     for (int64_t i = 0; i < p.n; ++i) {
-      const int64_t seen = p.visible(i);
+      const int64_t seen = p.visible(b, i);
       if (seen == 0) continue;
       double den = 0, mass = 0, later = 1;  // later: product of the gates after key j
       std::vector<double> num(size_t(d), 0.0);
@@ -385,7 +405,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Bool("gate", false,
                                    "gated RFA: S_j = g_j S_{j-1} + (1 - g_j) phi(k_j) v_j^T with "
                                    "g_j = sigmoid(w_g.k_j + b_g) (seeded); causal only")},
-        .caps = {.causal = true, .cross = true, .exact = false},
+        .caps = {.causal = true, .cross = true, .exact = false, .key_padding = true},
         .make = [](const ParamValues& pv) { return std::make_unique<Rfa>(pv); },
         .oracle = rfa_oracle,
         .tolerance = rfa_tolerance});

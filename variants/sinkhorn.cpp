@@ -24,6 +24,14 @@
 //     running log-sum-exp down the column, in the spirit of the paper's causal Sinkhorn
 //     balancing), so row i depends on blocks 0 .. i - 1 and on queries up to i0 alone.
 //
+// Key padding (Problem::key_lengths): the keys j >= L_b of batch element b are absent. Key
+// block j's mean S_k[j] is the mean of its valid keys only (a block straddling L_b averages
+// the keys before L_b); a block with no valid key (j >= ceil(L_b / block)) is no candidate: its
+// column of L does not exist for the row and column steps, and it is never matched. The query
+// summaries, the causal rules and the attention are unchanged (the engine masks the padded keys
+// of the blocks a row visits). A query block with no candidate at all (L_b = 0, or block 0
+// under a causal mask) has pi(i) = i and visits its own block alone.
+//
 // The matching runs in double (exp and log by branch-free polynomials good to about 1 ulp, so
 // its loops vectorise); attention runs in the block-sparse engine. Self-attention only: the own
 // block needs m = n (caps.cross = false).
@@ -208,16 +216,24 @@ void match_head(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t 
   const int64_t n = p.n, d = p.dim, nb = w.l.rows();
   const bool causal = p.causal;
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  // valid keys, and the key blocks holding any (the candidates)
+  const int64_t len = p.key_lengths.empty() ? n : p.key_lengths[size_t(b)];
+  const int64_t kb = (len + bs - 1) / bs;
+  // the candidate columns of row i: j < cols(i)
+  auto cols = [&](int64_t i) { return causal ? std::min(i, kb) : kb; };
   pi[0] = 0;
-  if (causal && nb == 1) return;  // no past block to match
-  // pass 1: summaries. Key block j: the mean of its keys. Query block i: the mean of its
+  if ((causal && nb == 1) || kb == 0) {  // no block to match: every block its own
+    for (int64_t i = 0; i < nb; ++i) pi[i] = int32_t(i);
+    return;
+  }
+  // pass 1: summaries. Key block j: the mean of its valid keys. Query block i: the mean of its
   // queries, or under a causal mask the mean of the b queries ending at its first one
   // (positions max(0, i0 - b + 1) .. i0, seen by every row of the block).
   using Span = std::pair<int64_t, int64_t>;
   row_means(
       k.row(b, h, 0), k.stride_row, d,
       [&](int64_t j) {
-        return Span{j * bs, std::min(n, (j + 1) * bs)};
+        return Span{j * bs, std::min(len, (j + 1) * bs)};
       },
       w.sk);
   if (causal)
@@ -234,56 +250,57 @@ void match_head(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t 
           return Span{i * bs, std::min(n, (i + 1) * bs)};
         },
         w.sq);
-  // pass 2: L = log(relu(S_q S_k^T / sqrt(d)) + eps) / temperature; causal: j < i only
+  // pass 2: L = log(relu(S_q S_k^T / sqrt(d)) + eps) / temperature; causal: j < i only, and
+  // valid key blocks only
   w.l.noalias() = w.sq * w.sk.transpose();
   const double inv_sqrt_d = 1.0 / std::sqrt(double(d)), inv_t = 1.0 / temperature;
   for (int64_t i = 0; i < nb; ++i) {
     double* li = w.l.row(i).data();
-    const int64_t cols = causal ? i : nb;
+    const int64_t ci = cols(i);
 #pragma omp simd
-    for (int64_t j = 0; j < cols; ++j)
+    for (int64_t j = 0; j < ci; ++j)
       li[j] = log_positive(std::max(li[j] * inv_sqrt_d, 0.0) + kLogEps) * inv_t;
-    std::fill(li + cols, li + nb, kNegInf);
+    std::fill(li + ci, li + nb, kNegInf);
   }
   // pass 3: Sinkhorn steps, each a row then a column normalisation
   double* cmax = w.colmax.data();
   double* csum = w.colsum.data();
   for (int64_t it = 0; it < iterations; ++it) {
-    for (int64_t i = causal ? 1 : 0; i < nb; ++i)
-      normalise(w.l.row(i).data(), causal ? i : nb, cmax);
+    for (int64_t i = causal ? 1 : 0; i < nb; ++i) normalise(w.l.row(i).data(), cols(i), cmax);
     std::fill(cmax, cmax + nb, kNegInf);
     std::fill(csum, csum + nb, 0.0);
     if (!causal) {
-      // every row and column holds finite entries: no LSE is -inf
+      // every row and candidate column (j < kb) holds finite entries: no LSE is -inf
       for (int64_t i = 0; i < nb; ++i) {
         const double* li = w.l.row(i).data();
 #pragma omp simd
-        for (int64_t j = 0; j < nb; ++j) cmax[j] = std::max(cmax[j], li[j]);
+        for (int64_t j = 0; j < kb; ++j) cmax[j] = std::max(cmax[j], li[j]);
       }
       for (int64_t i = 0; i < nb; ++i) {
         const double* li = w.l.row(i).data();
 #pragma omp simd
-        for (int64_t j = 0; j < nb; ++j) csum[j] += exp_nonpositive(li[j] - cmax[j]);
+        for (int64_t j = 0; j < kb; ++j) csum[j] += exp_nonpositive(li[j] - cmax[j]);
       }
-      for (int64_t j = 0; j < nb; ++j) cmax[j] += log_positive(csum[j]);  // column LSE
+      for (int64_t j = 0; j < kb; ++j) cmax[j] += log_positive(csum[j]);  // column LSE
       for (int64_t i = 0; i < nb; ++i) {
         double* li = w.l.row(i).data();
 #pragma omp simd
-        for (int64_t j = 0; j < nb; ++j) li[j] -= cmax[j];
+        for (int64_t j = 0; j < kb; ++j) li[j] -= cmax[j];
       }
     } else {
       // causal: entry (i, j) is divided by the sum of its column over rows j < i' <= i only
       // (a running log-sum-exp down each column), so row i never depends on later blocks
       for (int64_t i = 1; i < nb; ++i) {
         double* li = w.l.row(i).data();
+        const int64_t ci = cols(i);
 #pragma omp simd
-        for (int64_t j = 0; j < i; ++j) {
+        for (int64_t j = 0; j < ci; ++j) {
           const double x = li[j], mx = std::max(cmax[j], x);
           csum[j] = csum[j] * exp_nonpositive(cmax[j] - mx) + exp_nonpositive(x - mx);
           cmax[j] = mx;
         }
 #pragma omp simd
-        for (int64_t j = 0; j < i; ++j) li[j] -= cmax[j] + log_positive(csum[j]);
+        for (int64_t j = 0; j < ci; ++j) li[j] -= cmax[j] + log_positive(csum[j]);
       }
     }
   }
@@ -291,7 +308,7 @@ void match_head(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t 
   for (int64_t i = causal ? 1 : 0; i < nb; ++i) {
     const double* li = w.l.row(i).data();
     int64_t best = 0;
-    for (int64_t j = 1; j < (causal ? i : nb); ++j)
+    for (int64_t j = 1; j < cols(i); ++j)
       if (li[j] > li[best]) best = j;
     pi[i] = int32_t(best);
   }
@@ -379,7 +396,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                     "divides log(R + 1e-6) before the Sinkhorn steps"),
                    ParamSpec::Int("iterations", 5, 0, 1000,
                                   "Sinkhorn steps (each a row then a column normalisation)")},
-        .caps = {.causal = true, .cross = false, .additive = true},
+        .caps = {.causal = true, .cross = false, .additive = true, .key_padding = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Sinkhorn>(v.get_int("block"), v.get_float("temperature"),
                                             v.get_int("iterations"));
