@@ -276,7 +276,7 @@ class Nystrom final : public Variant {
             // a valid key has sum 0 and no maximum: it is left out)
             const float* first = partial.get() + bh * pl.splits * part;
             auto empty = [&](int64_t sp, int64_t r) {
-              return !(first[sp * part + Ld + L + r] > 0);
+              return first[sp * part + Ld + L + r] == 0.0f;
             };
             for (int64_t r = 0; r < Lb; ++r) {
               float top = -INFINITY;
