@@ -27,7 +27,8 @@
 // its L_b valid keys and values, as if m were L_b: EK = E[:, :L_b] K[:L_b], FV = F[:, :L_b]
 // V[:L_b], with E and F the same entries as without padding (column j is drawn from key
 // position j alone), so a padded element computes exactly what the unpadded problem of its
-// valid keys does. L_b = 0 leaves nothing to attend: its rows output 0.
+// valid keys does (columns past the longest L_b are not drawn). L_b = 0 leaves nothing to
+// attend: its rows output 0.
 // Oracle: the formula in double with the same E and F (projection_columns).
 // Tolerance (the float32 error model of common/oracle.h): E K and F V are reductions over the
 // m keys, and their rows have norm sqrt(m / k) times a key's, so the logits q.(EK)_r / sqrt(d)
@@ -263,6 +264,9 @@ class Linformer final : public Variant {
     const int64_t n = p.n, m = p.keys(), d = p.dim, B = p.batch, H = p.heads, kp = k_;
     const Plan pl = plan(p);
     const int64_t per_bh = 2 * kp * d;  // EK then FV
+    // the longest valid key length of any batch element: no column of E or F past it is drawn
+    const int64_t longest =
+        p.key_lengths.empty() ? m : *std::max_element(p.key_lengths.begin(), p.key_lengths.end());
     // proj[(b H + h) per_bh ...]: EK (k x d) followed by FV (k x d)
     std::unique_ptr<float[]> proj(new float[size_t(B * H * per_bh)]);
 
@@ -285,8 +289,10 @@ class Linformer final : public Variant {
             const int64_t c0 = s * pl.chunks / pl.splits, c1 = (s + 1) * pl.chunks / pl.splits;
             for (int64_t c = c0; c < c1; ++c) {
               const int64_t j0 = c * kChunk, cols = std::min(kChunk, m - j0);
-              linformer::projection_columns(p.seed, h, false, kp, j0, cols, et);
-              if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, cols, ft);
+              // the columns some batch element has valid keys for (all without key padding)
+              const int64_t gen = std::clamp<int64_t>(longest - j0, 0, cols);
+              linformer::projection_columns(p.seed, h, false, kp, j0, gen, et);
+              if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, gen, ft);
               const float beta = c == c0 ? 0.0f : 1.0f;
               for (int64_t b = 0; b < B; ++b) {
                 float* dst = pl.splits > 1 ? partial.get() + (t * B + b) * per_bh
