@@ -36,8 +36,10 @@ double attention_tolerance(const Problem& p, const Workload& w) {
 
 namespace oracle {
 
-Matrix head(ConstTensorView t, int64_t b, int64_t h) {
-  Matrix x(t.shape.len, t.shape.dim);
+Matrix head(ConstTensorView t, int64_t b, int64_t h) { return head(t, b, h, t.shape.len); }
+
+Matrix head(ConstTensorView t, int64_t b, int64_t h, int64_t rows) {
+  Matrix x(rows, t.shape.dim);
   for (int64_t i = 0; i < x.rows; ++i) {
     const float* r = t.row(b, h, i);
     for (int64_t c = 0; c < x.cols; ++c) x(i, c) = double(r[c]);

@@ -78,6 +78,8 @@ struct Matrix {
 
 /// Head (b, h) of t as a len x d matrix.
 Matrix head(ConstTensorView t, int64_t b, int64_t h);
+/// The first `rows` rows of head (b, h) of t (the valid keys under key padding).
+Matrix head(ConstTensorView t, int64_t b, int64_t h, int64_t rows);
 /// x y (x: r x k, y: k x c).
 Matrix product(const Matrix& x, const Matrix& y);
 /// x y^T (x: r x k, y: c x k).

@@ -20,6 +20,14 @@
 // min(m, (t + 1) r) - 1 < p.visible(i) (a staircase). Rows that see no complete group (the
 // first r - 1 rows when m = n) attend nothing and output 0. m != n is supported.
 //
+// Key padding (Problem::key_lengths): padded keys are absent. Batch element b pools only its
+// L_b valid keys, as if m were L_b: groups t < ceil(L_b / r) of r keys from key 0, the group
+// straddling L_b holding its valid keys only (mean: their mean; conv: the taps past L_b count
+// as zeros, like a ragged last group); no padded key or value enters a pooled row. Pooled key
+// t is visible to query i when all its valid keys are, i.e. min(L_b, (t + 1) r) - 1 <
+// p.visible(b, i) (causal and padding intersected, the causal diagonal that of the full m).
+// A row that sees no pooled key (L_b = 0, or causal with no complete group) outputs 0.
+//
 // Implementation: pool K and V into per-call buffers, then run the block-sparse engine on the
 // derived problem (n queries, m' keys, no causal mask) with the staircase as its pattern
 // (non-causal: every pooled key). The pooled keys mix keys, so there is no pattern over the
@@ -64,10 +72,21 @@ void conv_weights(uint64_t seed, int64_t head, int kv, int64_t r, int64_t d, flo
   for (int64_t e = 0; e < r * d * d; ++e) w[e] = float(rs.normal(uint64_t(e)) * sd);
 }
 
-/// Pooled keys visible to query i: the groups whose last key is visible.
-inline int64_t complete_groups(const Problem& p, int64_t ratio, int64_t pooled, int64_t i) {
-  const int64_t vis = p.visible(i);
-  return vis >= p.keys() ? pooled : vis / ratio;
+/// Valid keys of batch element b: its key length under key padding, else every key.
+inline int64_t valid_keys(const Problem& p, int64_t b) {
+  return p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+}
+
+/// Pooled keys of batch element b: the groups of its valid keys, ceil(L_b / r).
+inline int64_t valid_groups(const Problem& p, int64_t ratio, int64_t b) {
+  return (valid_keys(p, b) + ratio - 1) / ratio;
+}
+
+/// Pooled keys visible to query i of batch element b: the groups whose last valid key is
+/// visible.
+inline int64_t complete_groups(const Problem& p, int64_t ratio, int64_t b, int64_t i) {
+  const int64_t vis = p.visible(b, i);
+  return vis >= valid_keys(p, b) ? valid_groups(p, ratio, b) : vis / ratio;
 }
 
 /// The causal staircase over the pooled keys: query i attends pooled keys t < cnt(i), cnt as
@@ -79,26 +98,26 @@ class StaircasePattern final : public SparsePattern {
 
   int64_t block() const override { return kTile; }
 
-  void key_blocks(int64_t, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
+  void key_blocks(int64_t b, int64_t, int64_t qb, std::vector<KeyBlock>& out) const override {
     out.clear();
     const int64_t i0 = qb * kTile, i1 = std::min(p_.n, i0 + kTile) - 1;
     if (i0 < 0 || i0 > i1) return;
     // cnt grows with i: the first row sees the fewest pooled keys, the last the most
-    const int64_t lo = cnt(i0), hi = cnt(i1);
+    const int64_t lo = cnt(b, i0), hi = cnt(b, i1);
     for (int64_t kb = 0; kb * kTile < hi; ++kb)
       out.push_back({kb, std::min(mp_, (kb + 1) * kTile) > lo});
   }
 
-  void block_mask(int64_t, int64_t, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+  void block_mask(int64_t b, int64_t, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                   uint8_t* mask) const override {
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t c_end = cnt(i0 + r);
+      const int64_t c_end = cnt(b, i0 + r);
       for (int64_t c = 0; c < cols; ++c) mask[r * cols + c] = j0 + c < c_end;
     }
   }
 
  private:
-  int64_t cnt(int64_t i) const { return complete_groups(p_, r_, mp_, i); }
+  int64_t cnt(int64_t b, int64_t i) const { return complete_groups(p_, r_, b, i); }
 
   Problem p_;
   int64_t r_, mp_;
@@ -137,7 +156,7 @@ class Compressed final : public Variant {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
-    const int64_t B = p.batch, H = p.heads, m = p.keys(), d = p.dim, mp = pooled(p);
+    const int64_t B = p.batch, H = p.heads, d = p.dim, mp = pooled(p);
     // pass 1: the conv weights of every head, keys then values
     std::vector<float> weights;
     if (conv_) {
@@ -147,18 +166,21 @@ class Compressed final : public Variant {
       for (int64_t t = 0; t < 2 * H; ++t)
         conv_weights(p.seed, t / 2, int(t % 2), r_, d, weights.data() + t * per);
     }
-    // pass 2: pooled keys and values [B, H, m', d]
+    // pass 2: pooled keys and values [B, H, m', d]; under key padding the first
+    // ceil(L_b / r) pooled rows of batch element b, from its valid keys (the rest are never
+    // read: the derived problem pads them and the staircase stops before them)
     Tensor pk(Shape4{B, H, mp, d}), pv(Shape4{B, H, mp, d});
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < B * H; ++t) {
-      const int64_t b = t / H, h = t % H;
+      const int64_t b = t / H, h = t % H, len = valid_keys(p, b);
       if (conv_) {
         const float* wk = weights.data() + (2 * h) * r_ * d * d;
-        conv_pool(k.row(b, h, 0), k.stride_row, m, d, r_, wk, pk.view().row(b, h, 0));
-        conv_pool(v.row(b, h, 0), v.stride_row, m, d, r_, wk + r_ * d * d, pv.view().row(b, h, 0));
+        conv_pool(k.row(b, h, 0), k.stride_row, len, d, r_, wk, pk.view().row(b, h, 0));
+        conv_pool(v.row(b, h, 0), v.stride_row, len, d, r_, wk + r_ * d * d,
+                  pv.view().row(b, h, 0));
       } else {
-        mean_pool(k.row(b, h, 0), k.stride_row, m, d, r_, pk.view().row(b, h, 0));
-        mean_pool(v.row(b, h, 0), v.stride_row, m, d, r_, pv.view().row(b, h, 0));
+        mean_pool(k.row(b, h, 0), k.stride_row, len, d, r_, pk.view().row(b, h, 0));
+        mean_pool(v.row(b, h, 0), v.stride_row, len, d, r_, pv.view().row(b, h, 0));
       }
     }
     // pass 3: exact attention over the pooled keys, the staircase as the pattern
@@ -169,11 +191,17 @@ class Compressed final : public Variant {
   double flops(const Problem& p) const override {
     const int64_t mp = pooled(p);
     const StaircasePattern pat(p, r_, mp);
-    const double scores = pattern_scores(derived(p), pat, 0, 0);
-    const double m = double(p.keys()), d = double(p.dim);
+    const Problem e = derived(p);
+    // per head: the scores and the pooled (valid) keys of every batch element
+    double scores = 0, m = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      scores += pattern_scores(e, pat, b, 0);
+      m += double(valid_keys(p, b));
+    }
+    const double d = double(p.dim);
     // pooling of K and V: about m d adds (mean) or 2 m d^2 (conv) each
     const double pool = 2.0 * (conv_ ? 2.0 * m * d * d : m * d);
-    return double(p.batch * p.heads) * (4.0 * d * scores + pool);
+    return double(p.heads) * (4.0 * d * scores + pool);
   }
 
   double memory_estimate(const Problem& p) const override {
@@ -185,12 +213,14 @@ class Compressed final : public Variant {
 
  private:
   int64_t pooled(const Problem& p) const { return (p.keys() + r_ - 1) / r_; }
-  /// The problem the engine runs: n queries over m' pooled keys; the causal rule is in the
-  /// staircase pattern.
+  /// The problem the engine runs: n queries over m' pooled keys, key padding (if any) by
+  /// pooled lengths ceil(L_b / r); the causal rule is in the staircase pattern.
   Problem derived(const Problem& p) const {
     Problem e = p;
     e.m = pooled(p);
     e.causal = false;
+    for (size_t b = 0; b < e.key_lengths.size(); ++b)
+      e.key_lengths[b] = valid_groups(p, r_, int64_t(b));
     return e;
   }
 
@@ -201,17 +231,19 @@ class Compressed final : public Variant {
 std::vector<double> compressed_oracle(const Variant& var, const Problem& p, ConstTensorView q,
                                       ConstTensorView k, ConstTensorView v) {
   const int64_t r = var.params().get_int("ratio"), m = p.keys(), d = p.dim;
-  const int64_t mp = (m + r - 1) / r;
   const bool conv = var.params().get_choice("pool") == "conv";
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
-    // group t of x pooled: the mean of its rows, or sum_s W_s x_{t r + s}
+    // the valid keys: len of them (m without key padding), in mp groups
+    const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
+    const int64_t mp = (len + r - 1) / r;
+    // group t of x pooled: the mean of its valid rows, or sum_s W_s x_{t r + s} over them
     auto pool = [&](ConstTensorView x, int kv) {
       const oracle::Matrix xh = oracle::head(x, b, h);
       std::vector<float> w(size_t(conv ? r * d * d : 0));
       if (conv) conv_weights(p.seed, h, kv, r, d, w.data());
       oracle::Matrix y(mp, d);
       for (int64_t t = 0; t < mp; ++t) {
-        const int64_t j0 = t * r, j1 = std::min(m, j0 + r);
+        const int64_t j0 = t * r, j1 = std::min(len, j0 + r);
         for (int64_t j = j0; j < j1; ++j)
           for (int64_t c = 0; c < d; ++c) {
             if (!conv) {
@@ -225,8 +257,10 @@ std::vector<double> compressed_oracle(const Variant& var, const Problem& p, Cons
       return y;
     };
     return oracle::softmax_attention(oracle::head(q, b, h), pool(k, 0), pool(v, 1),
-                                     1.0 / std::sqrt(double(d)),
-                                     [&](int64_t i) { return complete_groups(p, r, mp, i); });
+                                     1.0 / std::sqrt(double(d)), [&](int64_t i) {
+                                       const int64_t vis = p.visible(b, i);
+                                       return vis >= len ? mp : vis / r;
+                                     });
   });
 }
 
@@ -248,7 +282,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "pooling factor r: groups of r consecutive keys become one"),
                    ParamSpec::Choice("pool", "mean", {"mean", "conv"},
                                      "mean of each group, or a strided conv with seeded weights")},
-        .caps = {.causal = true, .cross = true, .exact = false},
+        .caps = {.causal = true, .cross = true, .exact = false, .key_padding = true},
         .make =
             [](const ParamValues& v) {
               return std::make_unique<Compressed>(v.get_int("ratio"),

@@ -23,6 +23,12 @@
 //      columns, each chunk of E (and F) generated just before its GEMM;
 //   2. per block of query rows: S = Q_blk EK^T (rows x k), row softmax with scale s,
 //      out_blk = S FV.
+// Key padding (Problem::key_lengths): padded keys are absent. Batch element b projects only
+// its L_b valid keys and values, as if m were L_b: EK = E[:, :L_b] K[:L_b], FV = F[:, :L_b]
+// V[:L_b], with E and F the same entries as without padding (column j is drawn from key
+// position j alone), so a padded element computes exactly what the unpadded problem of its
+// valid keys does (columns past the longest L_b are not drawn). L_b = 0 leaves nothing to
+// attend: its rows output 0.
 // Oracle: the formula in double with the same E and F (projection_columns).
 // Tolerance (the float32 error model of common/oracle.h): E K and F V are reductions over the
 // m keys, and their rows have norm sqrt(m / k) times a key's, so the logits q.(EK)_r / sqrt(d)
@@ -258,6 +264,9 @@ class Linformer final : public Variant {
     const int64_t n = p.n, m = p.keys(), d = p.dim, B = p.batch, H = p.heads, kp = k_;
     const Plan pl = plan(p);
     const int64_t per_bh = 2 * kp * d;  // EK then FV
+    // the longest valid key length of any batch element: no column of E or F past it is drawn
+    const int64_t longest =
+        p.key_lengths.empty() ? m : *std::max_element(p.key_lengths.begin(), p.key_lengths.end());
     // proj[(b H + h) per_bh ...]: EK (k x d) followed by FV (k x d)
     std::unique_ptr<float[]> proj(new float[size_t(B * H * per_bh)]);
 
@@ -280,17 +289,28 @@ class Linformer final : public Variant {
             const int64_t c0 = s * pl.chunks / pl.splits, c1 = (s + 1) * pl.chunks / pl.splits;
             for (int64_t c = c0; c < c1; ++c) {
               const int64_t j0 = c * kChunk, cols = std::min(kChunk, m - j0);
-              linformer::projection_columns(p.seed, h, false, kp, j0, cols, et);
-              if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, cols, ft);
+              // the columns some batch element has valid keys for (all without key padding)
+              const int64_t gen = std::clamp<int64_t>(longest - j0, 0, cols);
+              linformer::projection_columns(p.seed, h, false, kp, j0, gen, et);
+              if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, gen, ft);
               const float beta = c == c0 ? 0.0f : 1.0f;
               for (int64_t b = 0; b < B; ++b) {
                 float* dst = pl.splits > 1 ? partial.get() + (t * B + b) * per_bh
                                            : proj.get() + (b * H + h) * per_bh;
+                // under key padding, only the chunk's valid keys of batch element b
+                const int64_t use =
+                    p.key_lengths.empty()
+                        ? cols
+                        : std::clamp<int64_t>(p.key_lengths[size_t(b)] - j0, 0, cols);
+                if (use == 0) {
+                  if (c == c0) std::fill(dst, dst + per_bh, 0.0f);
+                  continue;
+                }
                 // EK += E[:, chunk] K[chunk, :]; E[:, chunk] is stored transposed (cols x k)
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(cols),
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(use),
                             1.0f, et, int(kp), k.row(b, h, j0), int(k.stride_row), beta, dst,
                             int(d));
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(cols),
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(use),
                             1.0f, ft, int(kp), v.row(b, h, j0), int(v.stride_row), beta,
                             dst + kp * d, int(d));
               }
@@ -328,6 +348,10 @@ class Linformer final : public Variant {
         guard.run([&] {
           const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
           const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
+          if (!p.key_lengths.empty() && p.key_lengths[size_t(b)] == 0) {
+            for (int64_t r = 0; r < rows; ++r) std::fill_n(out.row(b, h, i0 + r), d, 0.0f);
+            return;  // no valid key
+          }
           const float* ek = proj.get() + bh * per_bh;
           const float* fv = ek + kp * d;
           float* s = scores.get();
@@ -369,9 +393,13 @@ class Linformer final : public Variant {
 
 std::vector<double> linformer_oracle(const Variant& var, const Problem& p, ConstTensorView q,
                                      ConstTensorView k, ConstTensorView v) {
-  const int64_t kp = var.params().get_int("proj"), m = p.keys();
+  const int64_t kp = var.params().get_int("proj");
   const bool share = var.params().get_bool("share_kv");
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    // the m valid keys of batch element b (every key without key padding)
+    const int64_t m = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+    if (m == 0) return oracle::Matrix(p.n, p.dim);
+    auto valid = [&](ConstTensorView x) { return oracle::head(x, b, h, m); };
     // E (or F) of head h, k x m
     auto projection = [&](bool f) {
       std::vector<float> t(size_t(kp * m));
@@ -382,9 +410,8 @@ std::vector<double> linformer_oracle(const Variant& var, const Problem& p, Const
       return e;
     };
     const oracle::Matrix e = projection(false), f = share ? e : projection(true);
-    return oracle::softmax_attention(
-        oracle::head(q, b, h), oracle::product(e, oracle::head(k, b, h)),
-        oracle::product(f, oracle::head(v, b, h)), 1.0 / std::sqrt(double(p.dim)));
+    return oracle::softmax_attention(oracle::head(q, b, h), oracle::product(e, valid(k)),
+                                     oracle::product(f, valid(v)), 1.0 / std::sqrt(double(p.dim)));
   });
 }
 
@@ -404,7 +431,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "projection size k: keys and values are projected to k rows"),
                    ParamSpec::Bool("share_kv", false,
                                    "use one projection for keys and values (F = E)")},
-        .caps = {.causal = false, .cross = true, .exact = false},
+        .caps = {.causal = false, .cross = true, .exact = false, .key_padding = true},
         .make =
             [](const ParamValues& pv) {
               return std::make_unique<Linformer>(pv.get_int("proj"), pv.get_bool("share_kv"));

@@ -38,6 +38,13 @@
 //      ranges merged afterwards;
 //   3. A = softmax(s Q~ K~^T) (L x L), Z = pinv(A) by the iteration, W = Z B (L x d);
 //   4. per block of 256 query rows: out_blk = softmax(s Q_blk K~^T) W.
+// Key padding (Problem::key_lengths): padded keys are absent. Batch element b runs the method
+// as if m were its valid length L_b: L_b' = min(landmarks, n, L_b) landmarks, the key
+// landmarks segment means of the L_b valid keys (segment r covers keys floor(r L_b / L_b') ..
+// floor((r + 1) L_b / L_b') - 1), the query landmarks segment means of the n queries into L_b'
+// segments, and softmax(s Q~ K^T) V over the valid keys only; no padded key or value enters a
+// landmark, a softmax or B. L_b = 0 leaves nothing to attend: its rows output 0. A padded
+// element computes exactly what the unpadded problem of its valid keys does.
 // Oracle: the formula in double with the same segments and the same number of iterations
 // (nystrom_oracle below).
 // Tolerance (the float32 error model of common/oracle.h, then the iteration): the three
@@ -158,11 +165,21 @@ class Nystrom final : public Variant {
     pl.L = std::min({landmarks_, p.n, p.keys()});
     return pl;
   }
+  /// Valid keys of batch element b (every key without key padding).
+  static int64_t valid_keys(const Problem& p, int64_t b) {
+    return p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+  }
+  /// Landmarks of batch element b: pl.L, or fewer when its valid keys are fewer.
+  int64_t landmarks(const Problem& p, const Plan& pl, int64_t b) const {
+    return p.key_lengths.empty() ? pl.L : std::min(pl.L, valid_keys(p, b));
+  }
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
     const Plan pl = plan(p);
+    // L: the most landmarks of any batch element, which sizes every buffer; Lb (<= L): those
+    // of batch element b, stored as an Lb x d (or Lb x Lb) matrix at the start of its slot
     const int64_t L = pl.L, Ld = L * d;
     const float scale = p.softmax_scale();
     // qt, kt: landmarks (L x d per head); w: Z B (L x d per head)
@@ -182,9 +199,10 @@ class Nystrom final : public Variant {
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < BH; ++bh)
           guard.run([&] {
-            const int64_t b = bh / H, h = bh % H;
-            segment_means(q.head(b, h), q.stride_row, n, d, L, qt.get() + bh * Ld, acc.get());
-            segment_means(k.head(b, h), k.stride_row, m, d, L, kt.get() + bh * Ld, acc.get());
+            const int64_t b = bh / H, h = bh % H, Lb = landmarks(p, pl, b);
+            segment_means(q.head(b, h), q.stride_row, n, d, Lb, qt.get() + bh * Ld, acc.get());
+            segment_means(k.head(b, h), k.stride_row, valid_keys(p, b), d, Lb, kt.get() + bh * Ld,
+                          acc.get());
           });
       }
       // step 2: softmax(s Q~ K^T) V over each task's key range, online
@@ -197,17 +215,23 @@ class Nystrom final : public Variant {
         for (int64_t t = 0; t < pl.tasks; ++t)
           guard.run([&] {
             const int64_t bh = t / pl.splits, sp = t % pl.splits;
-            const int64_t b = bh / H, h = bh % H;
-            const int64_t c0 = pl.first_chunk(sp), c1 = pl.first_chunk(sp + 1);
+            const int64_t b = bh / H, h = bh % H, Lb = landmarks(p, pl, b), len = valid_keys(p, b);
+            // the task's chunks that hold valid keys (all of them without key padding)
+            const int64_t c0 = pl.first_chunk(sp);
+            const int64_t c1 = std::min(pl.first_chunk(sp + 1), (len + kChunkK - 1) / kChunkK);
             float* acc = partial.get() + t * part;
             float* mx = acc + Ld;
             float* l = mx + L;
+            if (c0 >= c1) {  // no valid key: an empty partial result (sum 0), skipped by step 3
+              std::fill_n(l, Lb, 0.0f);
+              return;
+            }
             for (int64_t c = c0; c < c1; ++c) {
-              const int64_t j0 = c * kChunkK, cols = std::min(kChunkK, m - j0);
-              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(cols), int(d), 1.0f,
+              const int64_t j0 = c * kChunkK, cols = std::min(kChunkK, len - j0);
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f,
                           qt.get() + bh * Ld, int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, s,
                           int(cols));
-              for (int64_t r = 0; r < L; ++r) {
+              for (int64_t r = 0; r < Lb; ++r) {
                 float* row = s + r * cols;
                 const float bm = row_max(row, cols);
                 const float mnew = c == c0 || bm > mx[r] ? bm : mx[r];
@@ -221,7 +245,7 @@ class Nystrom final : public Variant {
                 }
                 mx[r] = mnew;
               }
-              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(L), int(d), int(cols),
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols),
                           1.0f, s, int(cols), v.row(b, h, j0), int(v.stride_row),
                           c == c0 ? 0.0f : 1.0f, acc, int(d));
             }
@@ -244,17 +268,24 @@ class Nystrom final : public Variant {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < BH; ++bh)
           guard.run([&] {
+            const int64_t Lb = landmarks(p, pl, bh / H);
+            if (Lb == 0) return;  // no valid key: step 4 writes 0
             Real *a = rbuf.get(), *z = a + L * L, *work = z + L * L, *bb = work + 3 * L * L;
             float* af = fbuf.get();
-            // B = acc / l, the key ranges combined with their running maxima
+            // B = acc / l, the key ranges combined with their running maxima (a range without
+            // a valid key has sum 0 and no maximum: it is left out)
             const float* first = partial.get() + bh * pl.splits * part;
-            for (int64_t r = 0; r < L; ++r) {
+            auto empty = [&](int64_t sp, int64_t r) {
+              return first[sp * part + Ld + L + r] == 0.0f;
+            };
+            for (int64_t r = 0; r < Lb; ++r) {
               float top = -INFINITY;
               for (int64_t sp = 0; sp < pl.splits; ++sp)
-                top = std::max(top, first[sp * part + Ld + r]);
+                if (!empty(sp, r)) top = std::max(top, first[sp * part + Ld + r]);
               double sum = 0;
               std::fill(bb + r * d, bb + (r + 1) * d, Real(0));
               for (int64_t sp = 0; sp < pl.splits; ++sp) {
+                if (empty(sp, r)) continue;
                 const float* acc = first + sp * part;
                 const double f = fast_exp((acc[Ld + r] - top) * scale);
                 sum += f * acc[Ld + L + r];
@@ -263,15 +294,15 @@ class Nystrom final : public Variant {
               for (int64_t x = 0; x < d; ++x) bb[r * d + x] = Real(bb[r * d + x] / sum);
             }
             // A = softmax(s Q~ K~^T)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(L), int(L), int(d), 1.0f,
-                        qt.get() + bh * Ld, int(d), kt.get() + bh * Ld, int(d), 0.0f, af, int(L));
-            for (int64_t r = 0; r < L; ++r) softmax_row(af + r * L, L, scale);
-            for (int64_t i = 0; i < L * L; ++i) a[i] = Real(af[i]);
-            iterative_pinv(L, a, iters_, z, work);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0f,
+                        qt.get() + bh * Ld, int(d), kt.get() + bh * Ld, int(d), 0.0f, af, int(Lb));
+            for (int64_t r = 0; r < Lb; ++r) softmax_row(af + r * Lb, Lb, scale);
+            for (int64_t i = 0; i < Lb * Lb; ++i) a[i] = Real(af[i]);
+            iterative_pinv(Lb, a, iters_, z, work);
             // W = Z B (in Real, rounded once)
             Real* wr = bb + Ld;
-            gemm_rect(L, d, z, bb, wr);
-            for (int64_t i = 0; i < Ld; ++i) w[size_t(bh * Ld + i)] = float(wr[i]);
+            gemm_rect(Lb, d, z, bb, wr);
+            for (int64_t i = 0; i < Lb * d; ++i) w[size_t(bh * Ld + i)] = float(wr[i]);
           });
       }
     }
@@ -289,12 +320,17 @@ class Nystrom final : public Variant {
           guard.run([&] {
             const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
             const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(L), int(d), 1.0f,
+            const int64_t Lb = landmarks(p, pl, b);
+            if (Lb == 0) {  // no valid key
+              for (int64_t r = 0; r < rows; ++r) std::fill_n(out.row(b, h, i0 + r), d, 0.0f);
+              return;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
                         q.row(b, h, i0), int(q.stride_row), kt.get() + bh * Ld, int(d), 0.0f, s,
-                        int(L));
-            for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * L, L, scale);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(L), 1.0f,
-                        s, int(L), w.get() + bh * Ld, int(d), 0.0f, out.row(b, h, i0),
+                        int(Lb));
+            for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * Lb, Lb, scale);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(Lb), 1.0f,
+                        s, int(Lb), w.get() + bh * Ld, int(d), 0.0f, out.row(b, h, i0),
                         int(out.stride_row));
           });
       }
@@ -375,22 +411,31 @@ oracle::Matrix pinv_by_iteration(const oracle::Matrix& a, int64_t iters) {
 
 std::vector<double> nystrom_oracle(const Variant& var, const Problem& p, ConstTensorView q,
                                    ConstTensorView k, ConstTensorView v) {
-  const int64_t L = std::min({var.params().get_int("landmarks"), p.n, p.keys()});
   const int64_t iters = var.params().get_int("pinv_iterations");
   const double s = 1.0 / std::sqrt(double(p.dim));
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
-    const oracle::Matrix qh = oracle::head(q, b, h), kh = oracle::head(k, b, h);
+    // the method on the valid keys of batch element b only: m of them (every key without key
+    // padding), L landmarks
+    const int64_t m = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+    const int64_t L = std::min({var.params().get_int("landmarks"), p.n, m});
+    if (L == 0) return oracle::Matrix(p.n, p.dim);
+    auto valid = [&](ConstTensorView x) { return oracle::head(x, b, h, m); };
+    const oracle::Matrix qh = oracle::head(q, b, h), kh = valid(k);
     const oracle::Matrix qt = landmark_means(qh, L), kt = landmark_means(kh, L);
     oracle::Matrix a1 = oracle::product_t(qh, kt), a2 = oracle::product_t(qt, kt);
     oracle::softmax_rows(a1, s);
     oracle::softmax_rows(a2, s);
-    const oracle::Matrix bv = oracle::softmax_attention(qt, kh, oracle::head(v, b, h), s);
+    const oracle::Matrix bv = oracle::softmax_attention(qt, kh, valid(v), s);
     return oracle::product(a1, oracle::product(pinv_by_iteration(a2, iters), bv));
   });
 }
 
 double nystrom_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
-  const double L = double(std::min({var.params().get_int("landmarks"), p.n, p.keys()}));
+  // the fewest landmarks of any batch element with a valid key (the longest segments)
+  int64_t fewest = std::min({var.params().get_int("landmarks"), p.n, p.keys()});
+  for (int64_t len : p.key_lengths)
+    if (len > 0) fewest = std::min(fewest, len);
+  const double L = double(fewest);
   const double t = double(var.params().get_int("pinv_iterations"));
   const double segment = std::ceil(double(std::max(p.n, p.keys())) / L);
   return kErrorMargin * std::pow(13.0 / 4.0, t / 2) *
@@ -409,7 +454,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int(
                        "pinv_iterations", 6, 0, 100,
                        "iterations of the iterative pseudo-inverse of the L x L matrix")},
-        .caps = {.causal = false, .cross = true, .exact = false},
+        .caps = {.causal = false, .cross = true, .exact = false, .key_padding = true},
         .make =
             [](const ParamValues& pv) {
               return std::make_unique<Nystrom>(pv.get_int("landmarks"),
