@@ -309,8 +309,13 @@ TEST(Clustered, PaddedKeysAreAbsent) {
   // the improved variant, with topk above and below the valid length
   Problem p = test::problem(3, 2, 150, 90, 16, false, 5);
   p.key_lengths = {37, 0, 90};
-  for (const std::string& sp : {spec(6, 10, 32, 0), spec(6, 10, 0, 8), spec(9, 10, 32, 50)})
+  for (const std::string& sp : {spec(6, 10, 32, 0), spec(6, 10, 0, 8), spec(9, 10, 32, 50)}) {
     test::expect_padded_keys_absent(sp, p, true, 1e-6);
+    // and its oracle (plain and improved) on the same padded problem
+    const Inputs in = generate_inputs(p);
+    const test::Expected e = test::expected(sp, p, in);
+    EXPECT_LE(rel_fro_error(run(sp, p, in).data(), e.out), e.tolerance) << sp;
+  }
   // a valid length of one key: the top key is that key, and every row is its value
   p.key_lengths = {1, 90, 2};
   test::expect_padded_keys_absent(spec(6, 10, 32, 8), p, true, 1e-6);

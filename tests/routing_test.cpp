@@ -69,6 +69,14 @@ TEST(Routing, PaddedKeysAreAbsent) {
   p.causal = true;
   p.key_lengths = {1, 60, 0};
   test::expect_padded_keys_absent("routing:clusters=4,window=40,sample=0", p, false, 0);
+  // the oracle on the same definition, causal or not
+  for (bool causal : {false, true}) {
+    p.causal = causal;
+    const Inputs in = generate_inputs(p);
+    const std::string sp = "routing:clusters=4,window=40,iterations=3,sample=64";
+    const test::Expected e = test::expected(sp, p, in);
+    EXPECT_LE(test::rel_fro_error(test::run(sp, p, in).data(), e.out), e.tolerance) << causal;
+  }
 }
 
 TEST(Routing, EachClusterTakesItsNearestTokens) {
