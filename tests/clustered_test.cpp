@@ -24,6 +24,7 @@
 #include "common/registry.h"
 #include "common/row_pattern.h"
 #include "test_util.h"
+#include "tests/padded_keys.h"
 
 namespace attnbench {
 namespace {
@@ -298,6 +299,26 @@ TEST(Clustered, ThreadCountDoesNotChangeTheOutput) {
       }
     }
   omp_set_num_threads(saved);
+}
+
+// ----- key padding -----
+
+TEST(Clustered, PaddedKeysAreAbsent) {
+  // garbage in the padded keys never reaches an output, and a batch element computes what it
+  // computes on its valid keys alone (the clustering sees only the queries), for the plain and
+  // the improved variant, with topk above and below the valid length
+  Problem p = test::problem(3, 2, 150, 90, 16, false, 5);
+  p.key_lengths = {37, 0, 90};
+  for (const std::string& sp : {spec(6, 10, 32, 0), spec(6, 10, 0, 8), spec(9, 10, 32, 50)}) {
+    test::expect_padded_keys_absent(sp, p, true, 1e-6);
+    // and its oracle (plain and improved) on the same padded problem
+    const Inputs in = generate_inputs(p);
+    const test::Expected e = test::expected(sp, p, in);
+    EXPECT_LE(rel_fro_error(run(sp, p, in).data(), e.out), e.tolerance) << sp;
+  }
+  // a valid length of one key: the top key is that key, and every row is its value
+  p.key_lengths = {1, 90, 2};
+  test::expect_padded_keys_absent(spec(6, 10, 32, 8), p, true, 1e-6);
 }
 
 // ----- capabilities, pattern, memory -----

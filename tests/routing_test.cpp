@@ -16,6 +16,7 @@
 #include "common/pattern.h"
 #include "common/reference.h"
 #include "common/registry.h"
+#include "tests/padded_keys.h"
 #include "tests/test_util.h"
 
 namespace attnbench {
@@ -52,6 +53,29 @@ TEST(Routing, MatchesItsFormulaOnItsRoutes) {
     // the notes report the rows left without keys
     EXPECT_CONTAINS(v->notes(),
                     fmt::format("{} of {} query rows", unrouted, p.batch * p.heads * p.n));
+  }
+}
+
+TEST(Routing, PaddedKeysAreAbsent) {
+  // garbage in the padded keys is never sampled, routed or attended; without causal a batch
+  // element routes and attends exactly as it would with its valid keys alone (w_k and the
+  // Lloyd sample follow its valid length)
+  Problem p = test::problem(3, 2, 150, 90, 16, false, 5);
+  p.key_lengths = {37, 0, 90};
+  for (const std::string& sp : {std::string("routing:clusters=4,window=40,sample=0"),
+                                std::string("routing:iterations=3,sample=64"),
+                                std::string("routing:clusters=1,window=150")})
+    test::expect_padded_keys_absent(sp, p, true, 1e-6);
+  p.causal = true;
+  p.key_lengths = {1, 60, 0};
+  test::expect_padded_keys_absent("routing:clusters=4,window=40,sample=0", p, false, 0);
+  // the oracle on the same definition, causal or not
+  for (bool causal : {false, true}) {
+    p.causal = causal;
+    const Inputs in = generate_inputs(p);
+    const std::string sp = "routing:clusters=4,window=40,iterations=3,sample=64";
+    const test::Expected e = test::expected(sp, p, in);
+    EXPECT_LE(test::rel_fro_error(test::run(sp, p, in).data(), e.out), e.tolerance) << causal;
   }
 }
 

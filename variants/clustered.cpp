@@ -16,6 +16,11 @@
 //        out_i = mhat_g softmax_{j in T_g}(s q_i . k_j) V_T + sum_{j not in T_g} A_g[j] v_j,
 //      i.e. exact attention over the centroid's top keys, carrying the centroid's mass there,
 //      plus the centroid's attention to the rest. k = 32 is the paper's value.
+// Key padding (Problem::key_lengths): padded keys are absent. Batch element b computes what it
+// would compute on its L_b valid keys alone, as if m were L_b: the query clustering does not
+// look at keys; A_g is the softmax over the valid keys, the top keys T_g are chosen among them
+// (k capped at L_b), and no padded key or value enters A_g, mhat_g or the residual. L_b = 0
+// gives rows of 0.
 // Defaults: clusters = 100 as in the paper's experiments (fast-transformers has no default),
 // iterations = 10 and bits = 32 as fast-transformers' ClusteredAttention constructor (its
 // builder registry defaults bits to 63); topk = 0 (the plain variant). clusters = n with bits = 0
@@ -428,6 +433,11 @@ void scores(const Groups& gr, int64_t g0, int64_t rows, int64_t d, int64_t m, co
               gr.means.data() + g0 * d, int(d), k, int(ldk), 0.0f, s, int(m));
 }
 
+// Number of valid keys of batch element b: its key length under key padding, else all m.
+int64_t valid_keys(const Problem& p, int64_t b) {
+  return p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+}
+
 // The clustering settings of a variant's parameters.
 Settings settings(const ParamValues& pv) {
   return Settings{.clusters = pv.get_int("clusters"),
@@ -483,33 +493,40 @@ class Clustered final : public Variant {
                         rows = std::min(kChunkG, gr.size() - g0);
           float* s = sbuf.get();
           float* o = obuf.get();
-          scores(gr, g0, rows, d, m, k.head(b, h), k.stride_row, s);
-          for (int64_t r = 0; r < rows; ++r) {
-            float* row = s + r * m;
-            if (kk > 0) top_keys(row, m, kk, heap.get(), keys.get() + r * kk);
-            softmax_row(row, m, scale);
-            if (kk > 0) {
-              float mass = 0;
-              for (int64_t e = 0; e < kk; ++e) {
-                const int32_t j = keys[size_t(r * kk + e)];
-                mass += row[j];
-                row[j] = 0.0f;
+          // the batch element's valid keys only (all m without key padding): mb columns
+          const int64_t mb = valid_keys(p, b), kb = std::min(topk_, mb);
+          if (mb == 0) {  // no key: the members' rows are 0
+            std::fill_n(o, d, 0.0f);
+          } else {
+            scores(gr, g0, rows, d, mb, k.head(b, h), k.stride_row, s);
+            for (int64_t r = 0; r < rows; ++r) {
+              float* row = s + r * mb;
+              if (kb > 0) top_keys(row, mb, kb, heap.get(), keys.get() + r * kb);
+              softmax_row(row, mb, scale);
+              if (kb > 0) {
+                float mass = 0;
+                for (int64_t e = 0; e < kb; ++e) {
+                  const int32_t j = keys[size_t(r * kb + e)];
+                  mass += row[j];
+                  row[j] = 0.0f;
+                }
+                mhat[r] = mass;
               }
-              mhat[r] = mass;
             }
+            // O = A V: centroid outputs (plain) or residuals (improved)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(mb), 1.0f,
+                        s, int(mb), v.head(b, h), int(v.stride_row), 0.0f, o, int(d));
           }
-          // O = A V: centroid outputs (plain) or residuals (improved)
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(m), 1.0f, s,
-                      int(m), v.head(b, h), int(v.stride_row), 0.0f, o, int(d));
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t g = g0 + r;
             const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
             const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
-            if (kk == 0) {
+            if (kb == 0) {
+              const float* src = mb == 0 ? o : o + r * d;
               for (int64_t e = 0; e < count; ++e)
-                std::memcpy(out.row(b, h, mem[e]), o + r * d, size_t(d) * sizeof(float));
+                std::memcpy(out.row(b, h, mem[e]), src, size_t(d) * sizeof(float));
             } else {
-              improved_members(q, k, v, out, b, h, mem, count, keys.get() + r * kk, kk, mhat[r],
+              improved_members(q, k, v, out, b, h, mem, count, keys.get() + r * kb, kb, mhat[r],
                                o + r * d, scale, ibuf.get());
             }
           }
@@ -574,15 +591,16 @@ class Clustered final : public Variant {
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
                                               ConstTensorView k) const override {
     if (topk_ == 0) return nullptr;
-    const int64_t m = p.keys(), d = p.dim, kk = std::min(topk_, m);
+    const int64_t d = p.dim;
     std::vector<Groups> groups(size_t(p.batch * p.heads));
     cluster_all(p, q, groups);
     auto pat = std::make_unique<GroupPattern>(p);
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t h = 0; h < p.heads; ++h) {
         const Groups& gr = groups[size_t(b * p.heads + h)];
+        const int64_t mb = valid_keys(p, b), kk = std::min(topk_, mb);
         const std::vector<int32_t> keys =
-            clustered::group_top_keys(gr, k.head(b, h), k.stride_row, m, d, kk);
+            clustered::group_top_keys(gr, k.head(b, h), k.stride_row, mb, d, kk);
         pat->begin_head();
         for (int64_t g = 0; g < gr.size(); ++g) {
           const int32_t id = pat->add_group(keys.data() + g * kk, kk);
@@ -679,16 +697,23 @@ std::vector<int32_t> group_top_keys(const Groups& gr, const float* k, int64_t ld
 
 std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
                            ConstTensorView k, ConstTensorView v) {
-  const int64_t n = p.n, m = p.keys(), d = p.dim, kk = std::min(topk, m);
+  const int64_t n = p.n, d = p.dim;
   const double scale = 1.0 / std::sqrt(double(d));
   std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
   Clusters cl;
   Groups gr;
-  std::vector<double> centre(static_cast<size_t>(d)), a(static_cast<size_t>(m)),
-      rest(static_cast<size_t>(d)), w(static_cast<size_t>(kk));
-  std::vector<uint8_t> in_top(static_cast<size_t>(m));
+  std::vector<double> centre(static_cast<size_t>(d)), a, rest(static_cast<size_t>(d)), w;
+  std::vector<uint8_t> in_top;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
+      // the keys are the valid ones, j < m (the key length of b under key padding): none
+      // leaves the rows 0
+      const int64_t m = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)],
+                    kk = std::min(topk, m);
+      if (m == 0) continue;
+      a.assign(size_t(m), 0.0);
+      w.assign(size_t(kk), 0.0);
+      in_top.assign(size_t(m), 0);
       cluster_queries(q.head(b, h), q.stride_row, n, d, s, p.seed, h, false, cl);
       group_queries(q.head(b, h), q.stride_row, n, d, cl.assign.data(), cl.c, gr);
       const std::vector<int32_t> top = group_top_keys(gr, k.head(b, h), k.stride_row, m, d, kk);
@@ -701,7 +726,7 @@ std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, Co
         for (int64_t e = 0; e < count; ++e)
           for (int64_t x = 0; x < d; ++x) centre[size_t(x)] += double(q.row(b, h, mem[e])[x]);
         for (double& x : centre) x /= double(count);
-        // A = softmax(s Q_g K^T) over all m keys
+        // A = softmax(s Q_g K^T) over the m valid keys
         double mx = -INFINITY;
         for (int64_t j = 0; j < m; ++j) {
           double dot = 0;
@@ -772,7 +797,7 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "improved variant: keys each member attends exactly (the "
                                   "paper uses 32; `attnbench pattern` exports them); 0 = plain "
                                   "clustered attention, which has no sparse pattern")},
-        .caps = {.causal = false, .cross = true, .exact = false},
+        .caps = {.causal = false, .cross = true, .exact = false, .key_padding = true},
         .make =
             [](const ParamValues& pv) {
               return std::make_unique<Clustered>(settings(pv), pv.get_int("topk"));

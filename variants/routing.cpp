@@ -25,6 +25,12 @@
 // Causal: the mask is applied inside each cluster by position (bottom-right rule); cluster
 // selection itself looks at the whole sequence, as balanced top-w routing does. m != n is
 // supported. One cluster with w >= n is full attention.
+// Key padding (Problem::key_lengths): padded keys are absent. Batch element b routes as if m
+// were its L_b valid keys: w_k = min(L_b, ceil(w L_b / n)) (at least 1), the Lloyd sample is
+// drawn from its n + L_b tokens (sample capped at n + L_b), and each cluster's top-w_k keys
+// are chosen among the valid keys, so no padded key is ever sampled, chosen or attended.
+// c and w_q depend on n only. Causal combines with padding by intersection (bottom-right
+// alignment over the full m). L_b = 0 gives rows of 0.
 // Time O(iterations sample c d + (n + m) c d + c w_q w_k d) = O(n^1.5 d) with the defaults;
 // memory O(n d + c w_q d) for one head at a time.
 #include "variants/routing.h"
@@ -204,8 +210,21 @@ void select_top(const float* mu, int64_t c, int64_t d, const float* x, int64_t l
 
 }  // namespace
 
+namespace {
+
+/// pl with the sizes that follow from the number of keys m: wk and the sample.
+Sizes with_keys(Sizes pl, int64_t n, int64_t m) {
+  const int64_t w = pl.window, sample = pl.sample_limit;
+  pl.wk = std::max<int64_t>(1, std::min(m, (w * m + n - 1) / n));
+  pl.sample = sample == 0 ? n + m : std::min(sample, n + m);
+  pl.sample = std::max(pl.sample, std::min(pl.c, n + m));
+  return pl;
+}
+
+}  // namespace
+
 Sizes sizes(const Problem& p, int64_t clusters, int64_t window, int64_t sample) {
-  const int64_t n = p.n, m = p.keys();
+  const int64_t n = p.n;
   int64_t c = clusters, w = window;
   if (c == 0 && w == 0) w = int64_t(std::ceil(4.0 * std::sqrt(double(n))));
   if (c == 0) c = (n + w - 1) / w;
@@ -213,10 +232,14 @@ Sizes sizes(const Problem& p, int64_t clusters, int64_t window, int64_t sample) 
   Sizes pl;
   pl.c = std::max<int64_t>(1, c);
   pl.wq = std::min(n, w);
-  pl.wk = std::max<int64_t>(1, std::min(m, (w * m + n - 1) / n));
-  pl.sample = sample == 0 ? n + m : std::min(sample, n + m);
-  pl.sample = std::max(pl.sample, std::min(pl.c, n + m));
-  return pl;
+  pl.window = w;
+  pl.sample_limit = sample;
+  return with_keys(pl, n, p.keys());
+}
+
+Sizes batch_sizes(const Problem& p, const Sizes& all, int64_t b) {
+  if (p.key_lengths.empty()) return all;
+  return with_keys(all, p.n, p.key_lengths[size_t(b)]);
 }
 
 Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTensorView q,
@@ -225,9 +248,14 @@ Routes route(const Problem& p, const Sizes& sizes, int64_t iterations, ConstTens
   return route(p, sizes, iterations, q, k, b, h, ws);
 }
 
-Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorView q,
+Routes route(const Problem& p, const Sizes& all, int64_t iterations, ConstTensorView q,
              ConstTensorView k, int64_t b, int64_t h, Workspace& ws) {
-  const int64_t n = p.n, m = p.keys(), d = p.dim, c = pl.c, total = n + m;
+  // the valid keys of b are its only keys: m is their number, and the sizes follow from it
+  const Sizes pl = batch_sizes(p, all, b);
+  const int64_t n = p.n, m = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)], d = p.dim,
+                c = pl.c, total = n + m;
+  Routes r;
+  if (m == 0) return r;  // nothing to route to
   auto point = [&](int64_t t) { return t < n ? q.row(b, h, t) : k.row(b, h, t - n); };
   // 1 / |x| of every query and key (0 for a zero vector)
   std::vector<float>&inv_q = ws.inv_q, &inv_k = ws.inv_k;
@@ -260,7 +288,6 @@ Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorV
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < s_count; ++t) unit(order[size_t(t)], xs.data() + t * d);
 
-  Routes r;
   const int64_t cc = std::min(c, s_count);
   r.centroids.assign(size_t(c * d), 0.0f);
   for (int64_t u = 0; u < cc; ++u)  // the first c sample points are distinct tokens
@@ -298,6 +325,7 @@ Routes route(const Problem& p, const Sizes& pl, int64_t iterations, ConstTensorV
         r.centroids[size_t(u * d + j)] = float(sums[size_t(u * d + j)] * inv);
     }
   }
+  r.wk = pl.wk;
   r.queries.resize(size_t(c * pl.wq));
   r.keys.resize(size_t(c * pl.wk));
   select_top(r.centroids.data(), c, d, q.row(b, h, 0), q.stride_row, inv_q.data(), n, pl.wq,
@@ -320,15 +348,17 @@ std::vector<double> oracle(const Problem& p, const Sizes& sz, int64_t iterations
       const Routes r = route(p, sz, iterations, q, k, b, h);
       std::fill(sum.begin(), sum.end(), 0.0);
       std::fill(used.begin(), used.end(), 0);
-      for (int64_t u = 0; u < sz.c; ++u)
+      for (int64_t u = 0; u < (r.wk > 0 ? sz.c : 0); ++u)
         for (int64_t t = 0; t < sz.wq; ++t) {
           const int64_t i = r.queries[size_t(u * sz.wq + t)];
           const float* qi = q.row(b, h, i);
           logit.clear();
           seen.clear();
-          for (int64_t e = 0; e < sz.wk; ++e) {
-            const int64_t j = r.keys[size_t(u * sz.wk + e)];
-            if (j >= p.visible(i)) continue;
+          for (int64_t e = 0; e < r.wk; ++e) {
+            const int64_t j = r.keys[size_t(u * r.wk + e)];
+            // causal and key padding (the routes hold valid keys only, so this is the causal
+            // rule for them)
+            if (j >= p.visible(b, i)) continue;
             const float* kj = k.row(b, h, j);
             double dot = 0;
             for (int64_t x = 0; x < d; ++x) dot += double(qi[x]) * double(kj[x]);
@@ -348,7 +378,7 @@ std::vector<double> oracle(const Problem& p, const Sizes& sz, int64_t iterations
       double* o = out.data() + (b * p.heads + h) * n * d;
       for (int64_t i = 0; i < n; ++i) {
         if (used[size_t(i)] == 0) {
-          missing += p.visible(i) > 0;
+          missing += p.visible(b, i) > 0;
           continue;
         }
         for (int64_t x = 0; x < d; ++x)
@@ -406,6 +436,10 @@ class RoutingVariant final : public Variant {
             return routing::route(p, pl, iterations_, q, k, b, h, ws);
           }();
           Phase ph("attend");
+          if (r.wk == 0) {  // b has no valid key: its rows are 0
+            for (int64_t i = 0; i < p.n; ++i) std::fill_n(out.row(b, h, i), p.dim, 0.0f);
+            return;
+          }
           attend(p, pl, r, q, k, v, b, h, *ho);
           unrouted += combine(p, pl, r, out, b, h, *ho);
         });
@@ -460,8 +494,8 @@ class RoutingVariant final : public Variant {
       for (int64_t h = 0; h < p.heads; ++h) {
         pat->begin_head();
         const Routes r = routing::route(p, pl, iterations_, q, k, b, h);
-        for (int64_t u = 0; u < pl.c; ++u) {
-          const int32_t g = pat->add_group(r.keys.data() + u * pl.wk, pl.wk);
+        for (int64_t u = 0; u < (r.wk > 0 ? pl.c : 0); ++u) {
+          const int32_t g = pat->add_group(r.keys.data() + u * r.wk, r.wk);
           for (int64_t t = 0; t < pl.wq; ++t)
             pat->add_membership(r.queries[size_t(u * pl.wq + t)], g);
         }
@@ -487,10 +521,11 @@ class RoutingVariant final : public Variant {
     }
   };
 
-  /// Every cluster: its queries attend its keys (exact softmax, causal mask by position).
+  /// Every cluster: its queries attend its keys (exact softmax, causal mask by position; the
+  /// keys are valid ones, so key padding needs no mask).
   void attend(const Problem& p, const Sizes& pl, const Routes& r, ConstTensorView q,
               ConstTensorView k, ConstTensorView v, int64_t b, int64_t h, HeadOutputs& ho) const {
-    const int64_t d = p.dim, c = pl.c, wq = pl.wq, wk = pl.wk;
+    const int64_t d = p.dim, c = pl.c, wq = pl.wq, wk = r.wk;
     OmpGuard guard;
 #pragma omp parallel
     {
@@ -578,7 +613,7 @@ class RoutingVariant final : public Variant {
         const float inv = 1.0f / float(used);
         for (int64_t x = 0; x < d; ++x) o[x] *= inv;
       }
-      if (used == 0 && p.visible(i) > 0) ++unrouted;
+      if (used == 0 && p.visible(b, i) > 0) ++unrouted;
     }
     return unrouted;
   }
@@ -602,7 +637,7 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("iterations", 2, 0, 100, "Lloyd (k-means) steps"),
                    ParamSpec::Int("sample", 4096, 0, int64_t(1) << 30,
                                   "tokens the Lloyd steps run on (0: all n + m)")},
-        .caps = {.causal = true, .cross = true, .exact = false},
+        .caps = {.causal = true, .cross = true, .exact = false, .key_padding = true},
         .make =
             [](const ParamValues& pv) {
               return std::make_unique<RoutingVariant>(pv.get_int("clusters"), pv.get_int("window"),
