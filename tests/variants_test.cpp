@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -21,6 +22,7 @@
 #include "common/reference.h"
 #include "common/registry.h"
 #include "test_util.h"
+#include "tests/padded_keys.h"
 
 namespace attnbench {
 namespace {
@@ -220,6 +222,20 @@ TEST_P(VariantTest, MasksUnderEveryScore) {
     p.attn_mask = test::random_mask(p, 2, 1, false, 7);
     check(p);
   }
+}
+
+TEST_P(VariantTest, PaddedKeysNeverReachTheOutput) {
+  // Garbage of two sizes in the padded keys and values gives bit-identical outputs (and the
+  // same garbage without padding does not), for every variant that claims key padding, causal
+  // and not, self- and cross-attention as it supports them.
+  if (!info_->caps.key_padding) return;
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{96, 96}, {70, 130}})
+    for (bool causal : {false, true}) {
+      Problem p = problem(3, 2, n, m, 16, causal, 9);
+      p.key_lengths = {m / 2 + 1, 0, m - 3};
+      if (!supports(*info_, p)) continue;
+      test::expect_padded_keys_absent(GetParam(), p, false, 0);
+    }
 }
 
 TEST_P(VariantTest, MaskedRowsWithNoKeyAreZero) {
