@@ -990,7 +990,12 @@ int report_parse_error(CLI::App& app, const CLI::ParseError& e, int argc, char**
       return 2;
     }
   }
-  return app.exit(e) == 0 ? 0 : 2;
+  if (e.get_exit_code() == 0) return app.exit(e);  // --help, --help-all
+  // One format for every error, the parser's included.
+  std::string command = "attnbench";
+  for (const CLI::App* sub : app.get_subcommands()) command += " " + sub->get_name();
+  fmt::print(stderr, "attnbench: error: {} (`{} --help` lists the options)\n", e.what(), command);
+  return 2;
 }
 
 // What a command that ended with an exception prints and returns: 2 for bad input (usage,

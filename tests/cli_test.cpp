@@ -81,6 +81,8 @@ std::string key_of(const std::map<std::string, std::string>& row) {
 void expect_usage_error(const CliResult& r, const std::string& args) {
   EXPECT_EQ(r.code, 2) << "attnbench " << args << "\nstdout: " << r.out << "\nstderr: " << r.err;
   EXPECT_FALSE(r.err.empty()) << "attnbench " << args << ": no message on stderr";
+  // one format for every error, the command-line parser's included
+  EXPECT_EQ(r.err.rfind("attnbench: error: ", 0), 0u) << "attnbench " << args << ": " << r.err;
 }
 
 // ----- list -----
