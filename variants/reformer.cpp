@@ -464,7 +464,11 @@ class Reformer final : public Variant {
   }
 
   double memory_estimate(const Problem& p) const override {
-    const Plan pl = plan(p);
+    Plan pl = plan(p);
+    // a batch element of L < n valid tokens hashes with plan(L), whose buckets may not be
+    // factorised yet: more rotation columns than for n
+    for (int64_t L : p.key_lengths)
+      if (L > 0) pl.cols = std::max(pl.cols, reformer::plan(L, buckets_, hashes_, chunk_).cols);
     const int threads = team_threads();
     const double per_thread = double(TileAttention::bytes(pl.chunk, pl.chunk, p.dim)) +
                               4.0 * double(pl.chunk) * double(p.dim + 1) +
