@@ -80,14 +80,17 @@ void GroupPattern::row_keys(int64_t b, int64_t h, int64_t i, std::vector<int64_t
   std::sort(keys.begin(), keys.end());
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
   if (!self_rule_) return;
-  // the shared-QK rule: itself only when nothing else it may see is in the union
-  const int64_t visible = p_.visible(i);
+  // the shared-QK rule: itself only when nothing else it may see is in the union (and
+  // nothing for a padded position: it is no key, not even its own)
+  const int64_t visible = p_.visible(b, i);
   const bool other =
       std::any_of(keys.begin(), keys.end(), [&](int64_t j) { return j != i && j < visible; });
   if (other) {
     keys.erase(std::remove(keys.begin(), keys.end(), i), keys.end());
-  } else {
+  } else if (i < visible) {
     keys.assign(1, i);
+  } else {
+    keys.clear();
   }
 }
 

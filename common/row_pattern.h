@@ -40,7 +40,7 @@ class RowKeysPattern : public SparsePattern {
 ///
 /// With self_rule set (Reformer's shared-QK rule, self-attention only), a row never attends
 /// its own position unless nothing else of its union is visible to it; then it attends itself
-/// only.
+/// only (or nothing, if its own position is not visible to it: a padded key).
 class GroupPattern final : public RowKeysPattern {
  public:
   GroupPattern(const Problem& p, bool self_rule = false, int64_t block = 64);

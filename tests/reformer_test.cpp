@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/pattern.h"
+#include "common/random.h"
 #include "common/registry.h"
 #include "tests/test_util.h"
 
@@ -101,8 +102,8 @@ TEST(Reformer, MatchesItsDefinition) {
     const auto v = make_variant(spec);
     const Tensor out = test::run(spec, p, in);
     std::vector<std::vector<int64_t>> attended;
-    const std::vector<double> want = reformer::oracle(
-        p, reformer::plan(p, c.factors, c.hashes, c.chunk), in.q.view(), in.v.view(), &attended);
+    const std::vector<double> want =
+        reformer::oracle(p, c.factors, c.hashes, c.chunk, in.q.view(), in.v.view(), &attended);
     EXPECT_LT(test::rel_fro_error(out.data(), want), v->info().tolerance(*v, p, Workload{}));
 
     // the exported pattern is the set of keys each row attends
@@ -201,6 +202,92 @@ TEST(Reformer, RefusesCrossAttentionAndOddBuckets) {
   const Inputs qin = generate_inputs(q);
   EXPECT_CONTAINS(test::error_message<SpecError>([&] { test::run("reformer:buckets=3", q, qin); }),
                   "even");
+}
+
+TEST(Reformer, PaddedTokensAreQueriesButNoKeys) {
+  // batch element 0 has 70 valid tokens of 150 (3 chunks of 32: the last one short), 1 has
+  // all; garbage of size 1e4 in the padded queries (which are the keys) and values must not
+  // reach a valid row, and the padded values reach no row
+  for (bool causal : {false, true}) {
+    const std::string spec = "reformer:chunk=32,hashes=3";
+    Problem p = test::problem(2, 2, 150, 0, 16, causal, 7);
+    p.key_lengths = {70, 150};
+    const int64_t L = 70;
+    SCOPED_TRACE(p.str());
+    Inputs in = generate_inputs(p);
+    const auto fill = [&](Tensor& t, int64_t from, float scale, uint64_t salt) {
+      const RandomStream rs(salt, 3);
+      uint64_t x = 0;
+      for (int64_t h = 0; h < p.heads; ++h)
+        for (int64_t j = from; j < p.n; ++j)
+          for (int64_t c = 0; c < p.dim; ++c)
+            t.view().row(0, h, j)[c] = float(scale * rs.normal(x++));
+    };
+    fill(in.q, L, 1e4f, 1);
+    fill(in.v, L, 1e4f, 2);
+    const Tensor a = test::run(spec, p, in);
+    Inputs other{test::copy(in.q), test::copy(in.k), test::copy(in.v)};
+    fill(other.q, L, 1e4f, 3);
+    fill(other.v, L, 1e4f, 4);
+    const Tensor b = test::run(spec, p, other);
+    Inputs other_v{test::copy(in.q), test::copy(in.k), test::copy(in.v)};  // new padded values
+    fill(other_v.v, L, 1e4f, 5);
+    const Tensor c = test::run(spec, p, other_v);
+    for (int64_t h = 0; h < p.heads; ++h) {
+      for (int64_t i = 0; i < L; ++i)
+        for (int64_t x = 0; x < p.dim; ++x)
+          ASSERT_EQ(a.view().row(0, h, i)[x], b.view().row(0, h, i)[x]) << "row " << i;
+      for (int64_t i = 0; i < p.n; ++i)
+        for (int64_t x = 0; x < p.dim; ++x)
+          ASSERT_EQ(a.view().row(0, h, i)[x], c.view().row(0, h, i)[x]) << "row " << i;
+      // a padded row averages valid values only: far below the garbage
+      for (int64_t i = L; i < p.n; ++i)
+        for (int64_t x = 0; x < p.dim; ++x)
+          ASSERT_LT(std::fabs(a.view().row(0, h, i)[x]), 100.0f) << "row " << i;
+    }
+
+    // the valid rows are those of the problem of the 70 valid tokens alone
+    const Problem s = test::problem(1, 2, L, 0, 16, causal, 7);
+    Inputs short_in = generate_inputs(s);
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t j = 0; j < L; ++j) {
+        std::copy_n(in.q.view().row(0, h, j), p.dim, short_in.q.view().row(0, h, j));
+        std::copy_n(in.v.view().row(0, h, j), p.dim, short_in.v.view().row(0, h, j));
+      }
+    const Tensor alone = test::run(spec, s, short_in);
+    double worst = 0, size = 0;
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < L; ++i)
+        for (int64_t x = 0; x < p.dim; ++x) {
+          worst = std::max(
+              worst, double(std::fabs(a.view().row(0, h, i)[x] - alone.view().row(0, h, i)[x])));
+          size = std::max(size, double(std::fabs(alone.view().row(0, h, i)[x])));
+        }
+    EXPECT_LE(worst, 1e-6 * size);
+
+    // the padded problem matches its oracle, and its pattern is the keys the oracle attends
+    std::vector<std::vector<int64_t>> attended;
+    const std::vector<double> want =
+        reformer::oracle(p, {}, 3, 32, in.q.view(), in.v.view(), &attended);
+    const auto v = make_variant(spec);
+    EXPECT_LT(test::rel_fro_error(a.data(), want), v->info().tolerance(*v, p, Workload{}));
+    auto pat = v->make_pattern(p, in.q.view(), in.k.view());
+    ASSERT_NE(pat, nullptr);
+    std::vector<uint8_t> row(static_cast<size_t>(p.n));
+    int64_t wrong = 0, padded_keys = 0;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h)
+        for (int64_t i = 0; i < p.n; ++i) {
+          pattern_row(p, *pat, b, h, i, row.data());
+          const auto& keys = attended[size_t((b * p.heads + h) * p.n + i)];
+          for (int64_t j = 0; j < p.n; ++j) {
+            wrong += row[size_t(j)] != uint8_t(std::binary_search(keys.begin(), keys.end(), j));
+            padded_keys += b == 0 && j >= L && row[size_t(j)];
+          }
+        }
+    EXPECT_EQ(wrong, 0);
+    EXPECT_EQ(padded_keys, 0);
+  }
 }
 
 TEST(Reformer, MatchesItsRegisteredOracleOnRaggedShapes) {

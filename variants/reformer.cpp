@@ -23,6 +23,16 @@
 // Defaults: chunk 64 (HF), hashes 4 (the paper uses 1-8; HF's default is 1), buckets from
 // reformer::auto_buckets (HF's rule: about 2 n / chunk, factorised once large).
 // Self-attention only (m = n): the keys are the queries. Causal supported.
+//
+// Key padding (L valid tokens of n in a batch element): padded tokens are no keys but still
+// queries. Hashing, sorting and chunking run on the L valid tokens as if n were L (their
+// plan is plan(L, ...): automatic buckets from L, chunk min(chunk, L), ceil(L / chunk)
+// chunks; the rotations do not depend on n), so the valid rows are exactly those of the
+// unpadded problem of the L valid tokens. A padded token is hashed with the same rotations
+// and, per round, attends the chunk it would sort into without joining it (the chunk of the
+// last valid token whose bucket is at most its own; chunk 0 if none) and that chunk's
+// previous chunk, every such key visible to it (causal keeps them all: they precede it).
+// L = 0 gives zero rows. Unpadded problems run exactly as before.
 // Time O(hashes (n (chunk + C) d + buckets)): per round the projections (n d C), a counting
 // sort (n + buckets) and the chunks (2 n chunk d); memory O(n (3 d + hashes C)) for one head at
 // a time plus per-thread tiles.
@@ -37,6 +47,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <memory>
@@ -117,17 +128,21 @@ int64_t bucket_of(const float* proj, const std::vector<int64_t>& factors) {
   return bucket;
 }
 
-Plan plan(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk) {
+Plan plan(int64_t n, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk) {
   Plan pl;
-  pl.factors = buckets.empty() ? auto_buckets(p.n, chunk) : buckets;
+  pl.factors = buckets.empty() ? auto_buckets(n, chunk) : buckets;
   for (int64_t f : pl.factors) {
     pl.buckets *= f;
     pl.cols += f / 2;
   }
-  pl.chunk = std::min(chunk, p.n);
+  pl.chunk = std::min(chunk, n);
   pl.hashes = hashes;
-  pl.chunks = (p.n + pl.chunk - 1) / pl.chunk;
+  pl.chunks = (n + pl.chunk - 1) / pl.chunk;
   return pl;
+}
+
+Plan plan(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk) {
+  return plan(p.n, buckets, hashes, chunk);
 }
 
 constexpr int64_t kHashRows = 256;  // rows projected per GEMM when hashing
@@ -165,18 +180,23 @@ void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int6
   guard.rethrow();
 }
 
-std::vector<double> oracle(const Problem& p, const Plan& pl, ConstTensorView q, ConstTensorView v,
+std::vector<double> oracle(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,
+                           int64_t chunk, ConstTensorView q, ConstTensorView v,
                            std::vector<std::vector<int64_t>>* attended) {
   constexpr double kSelfLogit = -1e5;
-  const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks, R = pl.hashes;
+  const int64_t n = p.n, d = p.dim, R = hashes;
   std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
   if (attended != nullptr) attended->assign(size_t(p.batch * p.heads * n), {});
   std::vector<int32_t> bucket(static_cast<size_t>(R * n));
-  std::vector<int64_t> order(static_cast<size_t>(n)), window, seen;
+  std::vector<int64_t> order, rank, window, seen;
   std::vector<double> inv_norm(static_cast<size_t>(n)), logit;
   // per round: the output row of every token (n x d) and its log-sum-exp (n)
   std::vector<double> o_round(static_cast<size_t>(R * n * d)), lse(static_cast<size_t>(R * n));
-  for (int64_t b = 0; b < p.batch; ++b)
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t L = valid_tokens(p, b);
+    if (L == 0) continue;  // no keys: zero rows
+    const Plan pl = plan(L, buckets, hashes, chunk);
+    const int64_t ch = pl.chunk, nch = pl.chunks;
     for (int64_t h = 0; h < p.heads; ++h) {
       hash_rows(pl, p.seed, h, q.row(b, h, 0), q.stride_row, n, d, bucket.data());
       for (int64_t j = 0; j < n; ++j) {
@@ -188,20 +208,30 @@ std::vector<double> oracle(const Problem& p, const Plan& pl, ConstTensorView q, 
           attended != nullptr ? attended->data() + (b * p.heads + h) * n : nullptr;
       for (int64_t r = 0; r < R; ++r) {
         const int32_t* bk = bucket.data() + r * n;
+        order.resize(size_t(L));  // the valid tokens by (bucket, position)
         std::iota(order.begin(), order.end(), 0);
         std::stable_sort(order.begin(), order.end(),
                          [&](int64_t x, int64_t y) { return bk[x] < bk[y]; });
-        for (int64_t s = 0; s < n; ++s) {
-          const int64_t c = s / ch, i = order[size_t(s)];
+        rank.resize(size_t(L));
+        for (int64_t s = 0; s < L; ++s) rank[size_t(order[size_t(s)])] = s;
+        for (int64_t i = 0; i < n; ++i) {
+          int64_t c;  // the chunk of row i
+          if (i < L) {
+            c = rank[size_t(i)] / ch;
+          } else {  // after the last valid token with a bucket <= its own
+            int64_t before = 0;
+            for (int64_t j = 0; j < L; ++j) before += bk[j] <= bk[i];
+            c = before == 0 ? 0 : (before - 1) / ch;
+          }
           window.clear();
           for (int64_t cc : {c, nch > 1 ? (c + nch - 1) % nch : int64_t(-1)}) {
             if (cc < 0) continue;
-            for (int64_t t = cc * ch; t < std::min(n, (cc + 1) * ch); ++t)
+            for (int64_t t = cc * ch; t < std::min(L, (cc + 1) * ch); ++t)
               window.push_back(order[size_t(t)]);
           }
           seen.clear();
           for (int64_t j : window)
-            if (j != i && j < p.visible(i)) seen.push_back(j);
+            if (j != i && j < p.visible(b, i)) seen.push_back(j);
           double* o = o_round.data() + (r * n + i) * d;
           double& l = lse[size_t(r * n + i)];
           const float* qi = q.row(b, h, i);
@@ -247,6 +277,7 @@ std::vector<double> oracle(const Problem& p, const Plan& pl, ConstTensorView q, 
         }
       }
     }
+  }
   return out;
 }
 
@@ -263,7 +294,11 @@ struct HeadBuffers {
   std::vector<int32_t> bucket;  // hashes x n: bucket of token i in round r at r n + i
   std::vector<int32_t> perm;    // the current round's order (sorted position -> token)
   std::vector<int32_t> count;   // buckets + 1
-  Tensor qs, ks, vs;            // sorted q, unit keys, v: n x d
+  // key padding (L valid tokens < n): perm[L + pstart[c] ..] are the padded queries that
+  // attend chunk c; next is scratch for placing them
+  std::vector<int32_t> pstart, next;
+  std::vector<std::array<int64_t, 3>> items;  // the round's tiles: chunk, first row, rows
+  Tensor qs, ks, vs;                          // sorted q, unit keys, v: n x d
   std::vector<float> inv_norm, lse, mx, z;
   HeadBuffers(const Plan& pl, int64_t n, int64_t d)
       : bucket(static_cast<size_t>(pl.hashes * n)),
@@ -324,15 +359,29 @@ class Reformer final : public Variant {
     reformer::hash_rows(pl, p.seed, h, q.row(b, h, 0), q.stride_row, p.n, p.dim, hb.bucket.data());
   }
 
-  /// Round r's order into hb.perm: tokens sorted by (bucket, position).
-  void sort_round(const Problem& p, const Plan& pl, int64_t r, HeadBuffers& hb) const {
+  /// Round r's order into hb.perm: the L valid tokens sorted by (bucket, position), then the
+  /// padded ones (L <= i < n) by the chunk they attend (hb.pstart), by position within one.
+  void sort_round(const Problem& p, const Plan& pl, int64_t L, int64_t r, HeadBuffers& hb) const {
     const int64_t n = p.n;
     const int32_t* bucket = hb.bucket.data() + r * n;
     // stable counting sort by bucket
-    std::fill(hb.count.begin(), hb.count.end(), 0);
-    for (int64_t i = 0; i < n; ++i) ++hb.count[size_t(bucket[i]) + 1];
+    hb.count.assign(size_t(pl.buckets + 1), 0);
+    for (int64_t i = 0; i < L; ++i) ++hb.count[size_t(bucket[i]) + 1];
     for (int64_t u = 0; u < pl.buckets; ++u) hb.count[size_t(u + 1)] += hb.count[size_t(u)];
-    for (int64_t i = 0; i < n; ++i) hb.perm[size_t(hb.count[size_t(bucket[i])]++)] = int32_t(i);
+    for (int64_t i = 0; i < L; ++i) hb.perm[size_t(hb.count[size_t(bucket[i])]++)] = int32_t(i);
+    if (L == n) return;
+    // count[u] is now the end of bucket u: a padded token of bucket u would sort in after
+    // count[u] valid ones and attends the chunk of the last of them (chunk 0 if none)
+    const auto chunk_of = [&](int64_t i) {
+      const int64_t before = hb.count[size_t(bucket[i])];
+      return before == 0 ? 0 : (before - 1) / pl.chunk;
+    };
+    hb.pstart.assign(size_t(pl.chunks + 1), 0);
+    for (int64_t i = L; i < n; ++i) ++hb.pstart[size_t(chunk_of(i) + 1)];
+    for (int64_t c = 0; c < pl.chunks; ++c) hb.pstart[size_t(c + 1)] += hb.pstart[size_t(c)];
+    hb.next.assign(hb.pstart.begin(), hb.pstart.end() - 1);
+    for (int64_t i = L; i < n; ++i)
+      hb.perm[size_t(L + hb.next[size_t(chunk_of(i))]++)] = int32_t(i);
   }
 
   /// Heads run one per thread when there are at least as many (batch, head) pairs as
@@ -344,7 +393,7 @@ class Reformer final : public Variant {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView v,
                TensorView out) override {
-    const Plan pl = plan(p);
+    const Plan full = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
     // phases (common/phase.h): "hash" is hashing and sorting (projections, buckets, counting
     // sort, gathering the sorted rows), "attend" the rest of a head's work
@@ -352,12 +401,17 @@ class Reformer final : public Variant {
 #pragma omp parallel if (by_head(p, team_threads()))
     {
       std::optional<HeadBuffers> buffers;
-      guard.run([&] { buffers.emplace(pl, n, d); });
+      guard.run([&] { buffers.emplace(full, n, d); });
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bh = 0; bh < heads; ++bh)
         guard.run([&] {
           HeadBuffers& hb = *buffers;
-          const int64_t b = bh / p.heads, h = bh % p.heads;
+          const int64_t b = bh / p.heads, h = bh % p.heads, L = reformer::valid_tokens(p, b);
+          if (L == 0) {  // no keys: zero rows
+            for (int64_t i = 0; i < n; ++i) std::fill_n(out.row(b, h, i), d, 0.0f);
+            return;
+          }
+          const Plan pl = L == n ? full : reformer::plan(L, buckets_, hashes_, chunk_);
           {
             Phase ph("hash");
             hash(p, pl, q, b, h, hb);
@@ -378,11 +432,11 @@ class Reformer final : public Variant {
           for (int64_t r = 0; r < pl.hashes; ++r) {
             {
               Phase ph("hash");
-              sort_round(p, pl, r, hb);
+              sort_round(p, pl, L, r, hb);
               gather(p, q, v, b, h, hb);
             }
             Phase ph("attend");
-            attend_round(p, pl, v, out, b, h, hb);
+            attend_round(p, pl, L, v, out, b, h, hb);
           }
           Phase ph("attend");
 #pragma omp parallel for schedule(static)
@@ -410,7 +464,11 @@ class Reformer final : public Variant {
   }
 
   double memory_estimate(const Problem& p) const override {
-    const Plan pl = plan(p);
+    Plan pl = plan(p);
+    // a batch element of L < n valid tokens hashes with plan(L), whose buckets may not be
+    // factorised yet: more rotation columns than for n
+    for (int64_t L : p.key_lengths)
+      if (L > 0) pl.cols = std::max(pl.cols, reformer::plan(L, buckets_, hashes_, chunk_).cols);
     const int threads = team_threads();
     const double per_thread = double(TileAttention::bytes(pl.chunk, pl.chunk, p.dim)) +
                               4.0 * double(pl.chunk) * double(p.dim + 1) +
@@ -423,31 +481,40 @@ class Reformer final : public Variant {
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
                                               ConstTensorView) const override {
     if (q.data == nullptr) return nullptr;
-    const Plan pl = plan(p);
-    const int64_t n = p.n, ch = pl.chunk, nch = pl.chunks;
-    HeadBuffers hb(pl, n, p.dim);
+    const Plan full = plan(p);
+    const int64_t n = p.n;
+    HeadBuffers hb(full, n, p.dim);
     auto pat = std::make_unique<GroupPattern>(p, /*self_rule=*/true);
     std::vector<int32_t> keys;
-    for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t L = reformer::valid_tokens(p, b);
+      const Plan pl = L == n || L == 0 ? full : reformer::plan(L, buckets_, hashes_, chunk_);
+      const int64_t ch = pl.chunk, nch = pl.chunks;
       for (int64_t h = 0; h < p.heads; ++h) {
         pat->begin_head();
-        hash(p, pl, q, b, h, hb);
-        for (int64_t r = 0; r < pl.hashes; ++r) {
-          sort_round(p, pl, r, hb);
-          for (int64_t c = 0; c < nch; ++c) {
-            const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
-            keys.assign(hb.perm.begin() + s0, hb.perm.begin() + s0 + rows);
-            if (nch > 1) {
-              const int64_t pc = (c + nch - 1) % nch, p0 = pc * ch;
-              keys.insert(keys.end(), hb.perm.begin() + p0,
-                          hb.perm.begin() + p0 + std::min(ch, n - p0));
+        if (L > 0) {
+          hash(p, pl, q, b, h, hb);
+          for (int64_t r = 0; r < pl.hashes; ++r) {
+            sort_round(p, pl, L, r, hb);
+            for (int64_t c = 0; c < nch; ++c) {
+              const int64_t s0 = c * ch, rows = std::min(ch, L - s0);
+              keys.assign(hb.perm.begin() + s0, hb.perm.begin() + s0 + rows);
+              if (nch > 1) {
+                const int64_t pc = (c + nch - 1) % nch, p0 = pc * ch;
+                keys.insert(keys.end(), hb.perm.begin() + p0,
+                            hb.perm.begin() + p0 + std::min(ch, L - p0));
+              }
+              const int32_t g = pat->add_group(keys.data(), int64_t(keys.size()));
+              for (int64_t s = s0; s < s0 + rows; ++s) pat->add_membership(hb.perm[size_t(s)], g);
+              if (L < n)  // the padded queries attending this chunk
+                for (int64_t s = L + hb.pstart[size_t(c)]; s < L + hb.pstart[size_t(c + 1)]; ++s)
+                  pat->add_membership(hb.perm[size_t(s)], g);
             }
-            const int32_t g = pat->add_group(keys.data(), int64_t(keys.size()));
-            for (int64_t s = s0; s < s0 + rows; ++s) pat->add_membership(hb.perm[size_t(s)], g);
           }
         }
         pat->finish_head();
       }
+    }
     return pat;
   }
 
@@ -483,9 +550,17 @@ class Reformer final : public Variant {
 
   /// One round: every chunk attends itself and the previous chunk; the result is folded into
   /// out (running max mx and sum z of the round weights per token).
-  void attend_round(const Problem& p, const Plan& pl, ConstTensorView v, TensorView out, int64_t b,
-                    int64_t h, HeadBuffers& hb) const {
+  void attend_round(const Problem& p, const Plan& pl, int64_t L, ConstTensorView v, TensorView out,
+                    int64_t b, int64_t h, HeadBuffers& hb) const {
     const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
+    // the tiles: each chunk's own rows, then the padded queries of each chunk, ch at a time
+    hb.items.clear();
+    for (int64_t c = 0; c < nch; ++c) hb.items.push_back({c, c * ch, std::min(ch, L - c * ch)});
+    if (L < n)
+      for (int64_t c = 0; c < nch; ++c)
+        for (int64_t s = L + hb.pstart[size_t(c)], e = L + hb.pstart[size_t(c + 1)]; s < e; s += ch)
+          hb.items.push_back({c, s, std::min(ch, e - s)});
+    const int64_t items = int64_t(hb.items.size());
     constexpr float kSelfLogit = -1e5f;  // the HF self-mask value
     OmpGuard guard;
 #pragma omp parallel
@@ -503,23 +578,25 @@ class Reformer final : public Variant {
         for (int64_t t = 0; t < ch; ++t) off_diagonal[size_t(t * ch + t)] = 0;
       });
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t c = 0; c < nch; ++c)
+      for (int64_t it = 0; it < items; ++it)
         guard.run([&] {
           TileAttention& ta = *tile;
-          const int64_t s0 = c * ch, rows = std::min(ch, n - s0);
+          const auto [c, s0, rows] = hb.items[size_t(it)];
+          // padded queries are no keys and see every valid key: no mask
+          const bool padded = s0 >= L;
           // again with scaled weights if the accumulator overflowed (v near FLT_MAX)
           for (float pscale = 1.0f;; pscale = kernels::safe_pscale(2 * ch)) {
             ta.begin(hb.qs.data() + s0 * d, d, rows, pscale);
             const int64_t blocks[2] = {nch > 1 ? (c + nch - 1) % nch : -1, c};
             for (int64_t kb : blocks) {
               if (kb < 0) continue;
-              const int64_t j0 = kb * ch, cols = std::min(ch, n - j0);
+              const int64_t j0 = kb * ch, cols = std::min(ch, L - j0);
               const uint8_t* mask = nullptr;
-              if (p.causal) {
+              if (!padded && p.causal) {
                 uint8_t* mk = ta.mask();
                 causal_mask(p, hb.perm.data() + s0, rows, hb.perm.data() + j0, cols, mk);
                 mask = mk;
-              } else if (kb == c) {
+              } else if (!padded && kb == c) {
                 // rows x cols corner of the off-diagonal tile (cols == rows here)
                 uint8_t* mk = ta.mask();
                 for (int64_t rr = 0; rr < rows; ++rr)
@@ -594,7 +671,11 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("chunk", 64, 1, 4096,
                                   "chunk length of the sorted sequence (attends itself and the "
                                   "previous chunk)")},
-        .caps = {.causal = true, .cross = false, .exact = false, .linear_score = false},
+        .caps = {.causal = true,
+                 .cross = false,
+                 .exact = false,
+                 .linear_score = false,
+                 .key_padding = true},
         .make =
             [](const ParamValues& pv) {
               return std::make_unique<Reformer>(pv.get_int_list("buckets"), pv.get_int("hashes"),
@@ -604,10 +685,8 @@ ATTNBENCH_REGISTER_VARIANT(
             [](const Variant& var, const Problem& p, ConstTensorView q, ConstTensorView,
                ConstTensorView v) {
               const ParamValues& pv = var.params();
-              return reformer::oracle(p,
-                                      reformer::plan(p, pv.get_int_list("buckets"),
-                                                     pv.get_int("hashes"), pv.get_int("chunk")),
-                                      q, v);
+              return reformer::oracle(p, pv.get_int_list("buckets"), pv.get_int("hashes"),
+                                      pv.get_int("chunk"), q, v);
             },
         // A round is softmax attention over w = min(2 chunk, n) keys with logits q_i . q_j / |q_j|
         // of the default model's size (the unit key adds a rounding). The rounds are then combined

@@ -36,8 +36,17 @@ struct Plan {
   int64_t chunks = 0;            ///< ceil(n / chunk)
 };
 
-/// The plan of problem p for the variant's parameters (`buckets` empty: auto_buckets).
+/// The plan for n tokens (n >= 1) and the variant's parameters (`buckets` empty:
+/// auto_buckets(n, chunk)).
+Plan plan(int64_t n, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk);
+
+/// The plan of problem p without key padding: plan(p.n, ...).
 Plan plan(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk);
+
+/// Number of valid tokens of batch element b: p.n, or its key length under key padding.
+inline int64_t valid_tokens(const Problem& p, int64_t b) {
+  return p.key_lengths.empty() ? p.n : p.key_lengths[size_t(b)];
+}
 
 /// Buckets of the n rows of q (d values each, rows ld apart) of head `head` in every round:
 /// bucket[r n + i] = bucket_of(q_i R_r) with R_r = rotations(seed, head, r, ...). The
@@ -49,14 +58,19 @@ void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int6
 
 /// The variant's function in double, on the buckets hash_rows() gives (the buckets are the
 /// variant's discrete choice, an argmax of float32 projections: recomputed in double a
-/// near-tied argmax could flip, so the oracle takes them as the variant makes them). Per head
-/// and round: tokens stably sorted by bucket, chunks of `chunk` sorted tokens attending
-/// themselves and the previous chunk with logits q_i . q_j / |q_j| (a zero q_j gives 0), a
-/// token never attending itself unless nothing else is visible to it (then its own value at
-/// logit -1e5), causal keys at later positions hidden; the rounds combined with weights
-/// softmax_r(lse_r). Returns [B, H, n, d]. `attended`, if given, receives for every row
-/// ((b H + h) n + i) the keys it attends in some round, ascending (itself alone if none).
-std::vector<double> oracle(const Problem& p, const Plan& pl, ConstTensorView q, ConstTensorView v,
+/// near-tied argmax could flip, so the oracle takes them as the variant makes them). Per batch
+/// element b with L valid tokens (L = n without key padding), plan(L, buckets, hashes, chunk),
+/// per head and round: the valid tokens stably sorted by bucket, chunks of `chunk` sorted
+/// tokens attending themselves and the previous chunk with logits q_i . q_j / |q_j| (a zero
+/// q_j gives 0), a token never attending itself unless nothing else is visible to it (then its
+/// own value at logit -1e5), causal keys at later positions hidden; a padded token (i >= L) is
+/// a query only: it attends the chunk of the last valid token whose bucket is at most its own
+/// (chunk 0 if none) and that chunk's previous chunk; the rounds combined with weights
+/// softmax_r(lse_r); L = 0 gives zero rows. Returns [B, H, n, d]. `attended`, if given,
+/// receives for every row ((b H + h) n + i) the keys it attends in some round, ascending
+/// (itself alone if none; empty if L = 0).
+std::vector<double> oracle(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,
+                           int64_t chunk, ConstTensorView q, ConstTensorView v,
                            std::vector<std::vector<int64_t>>* attended = nullptr);
 
 }  // namespace attnbench::reformer
