@@ -162,6 +162,15 @@ std::string human_seconds(double s) {
                    : fmt::format("{:02}:{:02}", t / 60, t % 60);
 }
 
+// "[i/N] elapsed 01:02, ETA 03:04 | WHAT", cut to kProgressColumns with "..." at the end.
+constexpr size_t kProgressColumns = 100;
+std::string progress_line(size_t i, size_t n, double elapsed, double eta, const std::string& what) {
+  std::string line = fmt::format("[{}/{}] elapsed {}, ETA {} | {}", i, n, human_seconds(elapsed),
+                                 human_seconds(eta), what);
+  if (line.size() > kProgressColumns) line = line.substr(0, kProgressColumns - 3) + "...";
+  return line;
+}
+
 // ----- list -----
 
 nlohmann::ordered_json variants_json() {
@@ -661,6 +670,7 @@ struct SweepCommand {
               out_dir, key_padding_lists, padding_fractions;
   bool resume = false;
   int retry_noisy = 0;
+  std::vector<std::string> also;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
@@ -691,6 +701,10 @@ struct SweepCommand {
                     "so that the expected padded share of the keys is F");
     cmd->add_option("--out", out_dir, "results directory")->required();
     cmd->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
+    cmd->add_option("--also", also,
+                    "another set of problems, as sweep options in one argument "
+                    "(--also='--seq 256..2048 --input local'), planned after the first with "
+                    "the same --threads, --seed and timing; repeatable");
     cmd->add_option("--retry-noisy", retry_noisy,
                     "measure a noisy row again up to N times, keeping the first quiet "
                     "measurement (else the one with the smallest spread)")
@@ -719,8 +733,38 @@ struct SweepCommand {
     return plan_sweep(std::move(variants), axes);
   }
 
+  // The plan of one --also argument: sweep options parsed from their defaults, with this
+  // sweep's threads and seed.
+  SweepPlan also_plan(const std::string& args) const {
+    CLI::App root("attnbench");
+    SweepCommand extra;
+    CLI::App* cmd = extra.add(root);
+    try {
+      root.parse("sweep " + args + " --out .", false);
+    } catch (const CLI::ParseError& e) {
+      throw UsageError(fmt::format("--also '{}': {}", args, e.what()));
+    }
+    for (const char* name :
+         {"--threads", "--seed", "--reps", "--min-time", "--resume", "--retry-noisy", "--also"})
+      if (cmd->get_option(name)->count() > 0)
+        throw UsageError(fmt::format(
+            "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
+            "problem and variant options (--variant, --seq, --batch, --heads, --dim, --embed, "
+            "--causal, --score, --score-hidden, --input, --key-padding, --padding-fraction)",
+            args, name));
+    if (cmd->get_option("--out")->count() > 1)
+      throw UsageError(fmt::format("--also '{}': --out belongs to the whole sweep", args));
+    extra.o.threads = o.threads, extra.o.seed = o.seed;
+    try {
+      return extra.plan();
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("--also '{}': {}", args, e.what()));
+    }
+  }
+
   int run(int argc, char** argv) const {
-    const SweepPlan plan = this->plan();
+    SweepPlan plan = this->plan();
+    for (const std::string& a : also) append_plan(plan, also_plan(a));
     const int threads = plan.axes.threads;
     if (!plan.duplicates.empty())
       fmt::print(stderr,
@@ -745,21 +789,25 @@ struct SweepCommand {
     results.write_meta(meta);
 
     const RunOptions opt{.reps = o.reps, .min_time = o.min_time};
-    // Work left, for the ETA.
-    double total_work = 0, done_work = 0;
-    for (const auto& c : plan.configs) total_work += sweep_work(c);
+    // The ETA: the runnable configurations still to measure, their count and work, priced
+    // by a cost model fitted to the rows measured so far (EtaModel).
+    std::vector<double> work(plan.configs.size());
+    std::vector<std::string> specs(plan.configs.size());
+    std::vector<bool> runnable(plan.configs.size()), pending(plan.configs.size());
+    for (size_t i = 0; i < plan.configs.size(); ++i) {
+      const SweepConfig& c = plan.configs[i];
+      runnable[i] = sweep_runnable(c);
+      work[i] = sweep_work(c);
+      specs[i] = c.variant->spec();
+      pending[i] = !(resume && results.done(probe_row(c)));
+    }
+    EtaModel eta_model(opt.reps, opt.min_time);
     const auto t0 = std::chrono::steady_clock::now();
     std::map<std::string, int> counts;
-    size_t index = 0;
-    for (const auto& c : plan.configs) {
-      ++index;
-      Row probe;
-      probe.spec = c.variant->spec();
-      probe.problem = c.problem;
-      probe.workload = c.workload;
-      probe.embed = c.embed;
-      if (resume && results.done(probe)) {
-        total_work -= sweep_work(c);
+    for (size_t i = 0; i < plan.configs.size(); ++i) {
+      const SweepConfig& c = plan.configs[i];
+      const Row probe = probe_row(c);
+      if (!pending[i]) {
         ++counts["kept"];
         if (c.embed == 0)
           patterns.row_done(*c.variant, c.problem, c.workload, results.status(probe));
@@ -767,17 +815,25 @@ struct SweepCommand {
       }
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double eta = done_work > 0 ? elapsed * (total_work - done_work) / done_work : NAN;
-      fmt::print(stderr, "[{}/{}] {} {}{} | elapsed {} | ETA {}\n", index, plan.configs.size(),
-                 probe.spec, c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
-                 describe(c.problem, c.workload), human_seconds(elapsed), human_seconds(eta));
+      double eta = 0;
+      for (size_t j = i; j < plan.configs.size(); ++j)
+        if (pending[j] && runnable[j]) eta += eta_model.predict(specs[j], work[j]);
+      fmt::print(stderr, "{}\n",
+                 progress_line(i + 1, plan.configs.size(), elapsed, eta,
+                               fmt::format("{} {}{}", probe.spec,
+                                           c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
+                                           describe(c.problem, c.workload))));
+      const auto r0 = std::chrono::steady_clock::now();
       const Row row = measure(c, mf, opt, retry_noisy, results);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count();
+      if (runnable[i] && row.status == "ok")
+        eta_model.add(specs[i], work[i], seconds, row.time_median);
       if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
       ++counts[row.status];
       if (row.noisy) ++counts["noisy"];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
       if (row.noisy) fmt::print(stderr, "    warning: noisy timing: {}\n", noise_reason(row));
-      done_work += sweep_work(c);
     }
     std::string summary;
     for (auto& [k, v] : counts)
@@ -796,6 +852,16 @@ struct SweepCommand {
     meta["rows_noisy"] = counts["noisy"];
     results.update_meta(meta);
     return 0;
+  }
+
+  // The key of a configuration's row (what --resume looks for).
+  static Row probe_row(const SweepConfig& c) {
+    Row probe;
+    probe.spec = c.variant->spec();
+    probe.problem = c.problem;
+    probe.workload = c.workload;
+    probe.embed = c.embed;
+    return probe;
   }
 
   // Runs one configuration of the plan, again up to `retries` times while its timing is

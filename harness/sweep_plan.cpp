@@ -207,15 +207,79 @@ LayerProblem layer_problem(const SweepConfig& config) {
   return lp;
 }
 
+bool sweep_runnable(const SweepConfig& config) {
+  try {
+    config.variant->check_supported(config.problem);
+    return true;
+  } catch (const UnsupportedError&) {
+    return false;
+  }
+}
+
 double sweep_work(const SweepConfig& config) {
-  // An estimate that fails counts as the fixed cost; run_one reports the failure in the row.
+  // An estimate that fails counts as none; run_one reports the failure in the row.
+  if (!sweep_runnable(config)) return 0;
   double f = 0;
   try {
     f = config.embed > 0 ? layer_flops(*config.variant, layer_problem(config))
                          : config.variant->flops(config.problem);
   } catch (const std::exception&) {
   }
-  return (std::isfinite(f) && f > 0 ? f : 0) + 1e8;
+  return std::isfinite(f) && f > 0 ? f : 0;
+}
+
+void append_plan(SweepPlan& plan, SweepPlan more) {
+  std::set<std::string> seen;
+  auto key = [](const SweepConfig& c) {
+    Row r;
+    r.spec = c.variant->spec(), r.problem = c.problem, r.workload = c.workload, r.embed = c.embed;
+    return row_key(r);
+  };
+  for (const auto& c : plan.configs) seen.insert(key(c));
+  for (auto& c : more.configs) {
+    if (!seen.insert(key(c)).second) {
+      plan.duplicates.push_back(fmt::format("{} {}{}", c.variant->spec(),
+                                            c.embed > 0 ? fmt::format("E={},", c.embed) : "",
+                                            describe(c.problem, c.workload)));
+      continue;
+    }
+    plan.configs.push_back(c);
+  }
+  for (auto& d : more.duplicates) plan.duplicates.push_back(std::move(d));
+  for (auto& v : more.variants) plan.variants.push_back(std::move(v));
+}
+
+double EtaModel::timed(double pass) const {
+  return pass + double(std::max(1, reps_)) * std::max(min_time_, pass);
+}
+
+namespace {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+}  // namespace
+
+void EtaModel::add(const std::string& spec, double work, double wall, double pass) {
+  if (!std::isfinite(wall) || !std::isfinite(pass) || !(pass > 0)) return;
+  fixed_.push_back(std::max(0.0, wall - timed(pass)));
+  fixed_median_ = median(fixed_);
+  if (work > 0) {
+    auto [it, fresh] = rate_.try_emplace(spec, work, work / pass);
+    if (!fresh && work >= it->second.first) it->second = {work, work / pass};
+    std::vector<double> rates;
+    for (const auto& [s, wr] : rate_) rates.push_back(wr.second);
+    rate_median_ = median(rates);
+  }
+}
+
+double EtaModel::predict(const std::string& spec, double work) const {
+  if (fixed_.empty()) return NAN;
+  const auto it = rate_.find(spec);
+  const double rate = it != rate_.end() ? it->second.second : rate_median_;
+  const double pass = work > 0 && rate > 0 ? work / rate : 0;
+  return fixed_median_ + timed(pass);
 }
 
 }  // namespace attnbench

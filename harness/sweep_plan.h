@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -80,7 +81,7 @@ std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std:
 /// carry their seeded weights (make_score_weights, one set per shape shared by the
 /// configurations). Throws UsageError for a problem that fails Problem::validate (or a workload
 /// that fails Workload::validate), and for layer rows (embeds) with another input than
-/// gaussian, another score than scaled_dot or key padding.
+/// gaussian or another score than scaled_dot.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.
@@ -98,7 +99,41 @@ std::vector<std::string> parse_input_list(const std::string& text);
 LayerProblem layer_problem(const SweepConfig& config);
 
 /// The work of a configuration, for the sweep's ETA: its FLOPs (0 if the variant cannot
-/// estimate them) plus a fixed cost per row.
+/// estimate them); 0 for a configuration the variant refuses (its row costs nothing).
 double sweep_work(const SweepConfig& config);
+/// Whether the variant can run the configuration (its capabilities; the row of one it cannot
+/// is "unsupported" and takes no time).
+bool sweep_runnable(const SweepConfig& config);
+
+/// Appends the configurations of `more` to `plan` (taking over its variants), leaving out
+/// those with the same key as one already planned (listed in plan.duplicates).
+void append_plan(SweepPlan& plan, SweepPlan more);
+
+/// The sweep's estimate of its time left. A runnable configuration of variant spec v and
+/// work f (sweep_work) takes
+///   fixed + pass + reps max(min_time, pass),   pass = f / rate_v
+/// seconds of wall time: the checked pass, the timed repetitions (each at least min_time), and
+/// a fixed part (inputs, the error measurement, the harness). rate_v is the FLOP rate the
+/// spec's row of the largest work measured so far achieved (its time_median), or, for a spec
+/// not measured yet, the median of those of the specs measured; the fixed part is the median
+/// of what the measured rows took beyond their passes. A configuration the variant refuses
+/// costs nothing (the caller leaves it out).
+class EtaModel {
+ public:
+  EtaModel(int reps, double min_time) : reps_(reps), min_time_(min_time) {}
+  /// A measured row of `spec` and `work` that took `wall` seconds, `pass` seconds per pass.
+  void add(const std::string& spec, double work, double wall, double pass);
+  /// Predicted seconds of a runnable configuration; NaN before the first row.
+  double predict(const std::string& spec, double work) const;
+  int rows() const { return int(fixed_.size()); }
+
+ private:
+  double timed(double pass) const;
+  int reps_;
+  double min_time_;
+  std::vector<double> fixed_;  // wall - passes of every row
+  double fixed_median_ = NAN, rate_median_ = NAN;
+  std::map<std::string, std::pair<double, double>> rate_;  // spec -> (work, rate)
+};
 
 }  // namespace attnbench

@@ -4,21 +4,21 @@
 # scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments replace the default
 # sweep and go to `attnbench sweep` as they are.
 #
-# The default sweep has two passes into the same directory:
+# The default sweep is one `attnbench sweep` of two sets of problems (the second given with
+# --also, so that the progress line's ETA covers both):
 #   1. speed: every variant with its defaults, n = 256..8192, causal off and on, gaussian
 #      inputs;
 #   2. accuracy: every variant at n = 256..2048, without causal masking, on the other input
 #      distributions (local, clustered, lowrank), so that the error figure has a panel each.
-# A finished pass is kept: running the script again resumes where it stopped.
+# Finished rows are kept: running the script again resumes where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/default}
 shift || true
 bash scripts/build.sh
 if [ $# -eq 0 ]; then
-  ./build/attnbench sweep --out "$out" --resume --seq 256..8192 --causal both
-  ./build/attnbench sweep --out "$out" --resume --seq 256..2048 --causal off \
-    --input local,clustered,lowrank
+  ./build/attnbench sweep --out "$out" --resume --seq 256..8192 --causal both \
+    --also='--seq 256..2048 --causal off --input local,clustered,lowrank'
 else
   ./build/attnbench sweep --out "$out" "$@"
 fi

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -668,6 +669,40 @@ TEST(Cli, MinTimeZeroIsOnePassPerRepetition) {
 }
 
 // ----- sweep -----
+
+TEST(Cli, SweepAlsoPlansMoreProblemsAndProgressFitsAHundredColumns) {
+  TempDir dir;
+  const std::string out = dir.file("results");
+  // the second set repeats n = 32 (left out) and adds causal rows of linformer (refused)
+  CliResult r = run_cli(
+      "sweep --variant full --seq 32,64 --heads 2 --dim 16 --reps 1 --min-time 0.01 --out " +
+          q(out) +
+          " --also='--variant full --variant linformer --seq 32 --heads 2 --dim 16 --causal "
+          "on --key-padding 20'",
+      dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  Csv csv = read_csv(out + "/results.csv");
+  ASSERT_EQ(csv.rows.size(), 4u);
+  EXPECT_EQ(csv.rows[2].at("causal"), "1");
+  EXPECT_EQ(csv.rows[2].at("key_padding"), "20");
+  EXPECT_EQ(csv.rows[3].at("status"), "unsupported");
+  std::istringstream err(r.err);
+  int progress = 0;
+  for (std::string line; std::getline(err, line);)
+    if (line.rfind("[", 0) == 0) {
+      ++progress;
+      EXPECT_LE(line.size(), 100u) << line;
+      EXPECT_CONTAINS(line, "ETA");
+    }
+  EXPECT_EQ(progress, 4);
+  // options of the whole sweep are refused inside --also, naming it
+  r = run_cli("sweep --out " + q(out) + " --also='--threads 1'", dir);
+  expect_usage_error(r, "--also");
+  EXPECT_CONTAINS(r.err, "--threads belongs to the whole sweep");
+  r = run_cli("sweep --out " + q(out) + " --also='--seq 0'", dir);
+  expect_usage_error(r, "--also");
+  EXPECT_CONTAINS(r.err, "--also '--seq 0'");
+}
 
 TEST(Cli, SweepThenResume) {
   TempDir dir;

@@ -5,10 +5,13 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
+#include "harness/runner.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -153,22 +156,85 @@ TEST(SweepPlan, InputListKeepsTheOrderGivenAndNamesAnUnknownOne) {
   EXPECT_CONTAINS(msg, "gaussian, local, clustered, lowrank");
 }
 
-// A variant whose FLOP count fails; never registered (sweep_work asks only for flops).
-class NoFlops final : public Variant {
- public:
-  void forward(const Problem&, ConstTensorView, ConstTensorView, ConstTensorView,
-               TensorView) override {}
-  double flops(const Problem&) const override { throw InputError("no FLOP count"); }
-  double memory_estimate(const Problem&) const override { return 0; }
-};
-
-TEST(SweepPlan, WorkIsTheFlopsPlusAFixedCostPerRow) {
-  const SweepPlan plan = plan_sweep(variants({"full"}), small_axes());
-  const SweepConfig& c = plan.configs[0];  // B = 1, H = 4, n = m = 64, d = 16, not causal
+TEST(SweepPlan, WorkIsTheFlopsAndNothingForARefusedConfiguration) {
+  const SweepPlan plan = plan_sweep(variants({"full", "linformer"}), small_axes());
+  const SweepConfig& c = plan.configs[0];  // full, B = 1, H = 4, n = m = 64, d = 16
   // full: q k^T and p v, 4 B H n m d
-  EXPECT_DOUBLE_EQ(sweep_work(c), 4.0 * 4 * 64 * 64 * 16 + 1e8);
-  NoFlops none;
-  EXPECT_EQ(sweep_work({&none, c.problem, c.workload}), 1e8);
+  EXPECT_TRUE(sweep_runnable(c));
+  EXPECT_DOUBLE_EQ(sweep_work(c), 4.0 * 4 * 64 * 64 * 16);
+  int refused = 0;
+  for (const SweepConfig& x : plan.configs)
+    if (x.problem.causal && x.variant->info().name == "linformer") {
+      EXPECT_FALSE(sweep_runnable(x));
+      EXPECT_EQ(sweep_work(x), 0.0);
+      ++refused;
+    }
+  EXPECT_GT(refused, 0);
+}
+
+TEST(SweepPlan, AppendPlanLeavesOutWhatIsPlannedAlready) {
+  SweepPlan plan = plan_sweep(variants({"full"}), small_axes());
+  const size_t first = plan.configs.size();
+  SweepAxes more = small_axes();
+  more.seqs = {128, 256};  // 128 is planned already
+  append_plan(plan, plan_sweep(variants({"full"}), more));
+  EXPECT_EQ(plan.configs.size(), first + first / 2);
+  EXPECT_EQ(plan.duplicates.size(), first / 2);
+  EXPECT_EQ(plan.variants.size(), 2u);
+  EXPECT_EQ(plan.configs.back().problem.n, 256);
+}
+
+TEST(EtaModel, PricesPassesAtEachSpecsRateAndAFixedPart) {
+  EtaModel m(3, 0.1);  // 3 repetitions of at least 0.1 s
+  EXPECT_TRUE(std::isnan(m.predict("full", 1e9)));
+  // a row of 1e9 FLOPs at 1e9 FLOP/s: 1 s checked pass + 3 x 1 s timed + 0.5 s fixed
+  m.add("full", 1e9, 4.5, 1.0);
+  EXPECT_DOUBLE_EQ(m.predict("full", 2e9), 0.5 + 2 + 3 * 2);
+  // a small one: each repetition lasts min_time
+  EXPECT_DOUBLE_EQ(m.predict("full", 1e6), 0.5 + 1e-3 + 3 * 0.1);
+  // the rate of the largest row of a spec counts; an unseen spec takes the median rate
+  m.add("flash", 4e9, 0.5 + 1 + 3 * 1, 1.0);      // 4e9 FLOP/s
+  m.add("flash", 1e9, 0.5 + 0.5 + 3 * 0.5, 0.5);  // smaller: 2e9 FLOP/s, not used
+  EXPECT_DOUBLE_EQ(m.predict("flash", 8e9), 0.5 + 2 + 3 * 2);
+  EXPECT_GT(m.predict("local", 8e9), m.predict("flash", 8e9));
+  EXPECT_LT(m.predict("local", 8e9), m.predict("full", 8e9));
+  EXPECT_EQ(m.rows(), 3);
+}
+
+TEST(EtaModel, PredictsTheRestOfARealSweepFromItsFirstTenthWithin30Percent) {
+  // A sweep of growing sizes whose rows mix a fixed cost (the repetitions' minimum time, the
+  // error measurement) and a part that grows with the FLOPs; the model sees the first 10% of
+  // the rows, in order, and predicts the time of the rest.
+  SweepAxes a;
+  a.seqs = {64, 128, 256, 512};
+  a.batches = {1};
+  a.heads = {1, 2};
+  a.dims = {32};
+  a.causals = {false, true};
+  a.inputs = {"gaussian"};
+  a.threads = 1;
+  const SweepPlan plan = plan_sweep(variants({"full", "flash", "local:window=64"}), a);
+  const RunOptions opt{.reps = 2, .min_time = 0.02};
+  std::vector<double> seconds, passes;
+  for (const SweepConfig& c : plan.configs) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Row row = run_one(*c.variant, c.problem, c.workload, nullptr, MachineFigures{}, opt);
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    ASSERT_EQ(row.status, "ok") << row.message;
+    passes.push_back(row.time_median);
+  }
+  const size_t seen = (plan.configs.size() + 9) / 10;
+  EtaModel m(opt.reps, opt.min_time);
+  for (size_t i = 0; i < seen; ++i)
+    m.add(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]), seconds[i], passes[i]);
+  double predicted = 0, truth = 0;
+  for (size_t i = seen; i < plan.configs.size(); ++i) {
+    predicted += m.predict(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]));
+    truth += seconds[i];
+  }
+  EXPECT_NEAR(predicted / truth, 1.0, 0.3)
+      << "predicted " << predicted << " s, measured " << truth << " s after " << seen << " of "
+      << plan.configs.size() << " rows";
 }
 
 }  // namespace
