@@ -202,7 +202,20 @@ TEST(EtaModel, PricesPassesAndTheReferenceAtTheirMeasuredRatesAndAFixedPart) {
   EXPECT_EQ(m.rows(), 3);
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+#define ATTNBENCH_INSTRUMENTED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ATTNBENCH_INSTRUMENTED 1
+#endif
+#endif
+
 TEST(EtaModel, PredictsTheRestOfARealSweepFromItsFirstTenthWithin30Percent) {
+#ifdef ATTNBENCH_INSTRUMENTED
+  // Under the sanitizers every part of a row is slowed by a different factor (the float64
+  // reference and the tiled kernels most); what this checks is the model on the real build.
+  GTEST_SKIP() << "timings of an instrumented build";
+#endif
   // A sweep of growing sizes whose rows mix a fixed cost (the repetitions' minimum time, the
   // error measurement) and a part that grows with the FLOPs; the model sees the first 10% of
   // the rows, in order, and predicts the time of the rest.
