@@ -796,12 +796,14 @@ struct SweepCommand {
     // by a cost model fitted to the rows measured so far (EtaModel).
     std::vector<double> work(plan.configs.size());
     std::vector<std::string> specs(plan.configs.size());
+    std::vector<double> reference_work(plan.configs.size());
     std::vector<bool> runnable(plan.configs.size()), pending(plan.configs.size());
     for (size_t i = 0; i < plan.configs.size(); ++i) {
       const SweepConfig& c = plan.configs[i];
       runnable[i] = sweep_runnable(c);
       work[i] = sweep_work(c);
       specs[i] = c.variant->spec();
+      reference_work[i] = sweep_reference_work(c);
       pending[i] = !(resume && results.done(probe_row(c)));
     }
     EtaModel eta_model(opt.reps, opt.min_time);
@@ -820,7 +822,8 @@ struct SweepCommand {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       double eta = 0;
       for (size_t j = i; j < plan.configs.size(); ++j)
-        if (pending[j] && runnable[j]) eta += eta_model.predict(specs[j], work[j]);
+        if (pending[j] && runnable[j])
+          eta += eta_model.predict(specs[j], work[j], reference_work[j]);
       fmt::print(stderr, "{}\n",
                  progress_line(i + 1, plan.configs.size(), elapsed, eta,
                                fmt::format("{} {}{}", probe.spec,
@@ -828,11 +831,12 @@ struct SweepCommand {
                                            describe(c.problem, c.workload))));
       const auto r0 = std::chrono::steady_clock::now();
       const Row row = measure(c, mf, opt, retry_noisy, results);
+      if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count();
       if (runnable[i] && row.status == "ok")
-        eta_model.add(specs[i], work[i], seconds, row.time_median);
-      if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
+        eta_model.add(specs[i], work[i], reference_work[i], seconds, row.time_median,
+                      row.error_seconds);
       ++counts[row.status];
       if (row.noisy) ++counts["noisy"];
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);

@@ -605,7 +605,9 @@ Row run_layer(Variant& variant, const LayerProblem& lp, const Workload& w, const
       Tensor wts = layer.attention_weights();
       if (weights) *weights = std::move(wts);
     }
+    const double e0 = omp_get_wtime();
     row.error = measure_layer_error(lp, data, out.view(), opt.exact_limit);
+    row.error_seconds = omp_get_wtime() - e0;
 
     layer.reset_clock();
     if (!time_passes(

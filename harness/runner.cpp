@@ -341,8 +341,10 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       return row;
     }
     auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
+    const double e0 = omp_get_wtime();
     row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit,
                               pattern.get());
+    row.error_seconds = omp_get_wtime() - e0;
     pattern.reset();
 
     if (!time_passes(

@@ -38,6 +38,9 @@ struct Row {
   /// during them (NaN when shorter than kMinLoadInterval); and whether the row is noisy.
   double time_spread = NAN, load_avg = NAN, other_load = NAN;
   bool noisy = false;
+  /// Wall seconds the error measurement took (not a results column: the sweep's ETA prices
+  /// the float64 reference with it).
+  double error_seconds = NAN;
   int reps = 0;
   int64_t iterations = 0;
   double flops = NAN, gflops = NAN, gemm_fraction = NAN;

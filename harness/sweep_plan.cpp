@@ -228,6 +228,19 @@ double sweep_work(const SweepConfig& config) {
   return std::isfinite(f) && f > 0 ? f : 0;
 }
 
+double sweep_reference_work(const SweepConfig& config) {
+  const Problem& p = config.problem;
+  // the pairs the causal mask leaves: row i sees min(m, max(0, i + m - n + 1)) keys
+  const double n = double(p.n), m = double(p.keys());
+  const double per_head =
+      !p.causal ? n * m : (m >= n ? n * (m - n) + n * (n + 1) / 2 : m * (m + 1) / 2);
+  const double pairs = double(p.batch) * double(p.heads) * per_head;
+  double work = std::min(pairs, kExactPairsLimit) * double(p.dim);
+  if (config.embed > 0)  // the float64 layer projects every input row of the batch items used
+    work += 4.0 * double(p.batch) * (n + m) * double(config.embed) * double(config.embed);
+  return work;
+}
+
 void append_plan(SweepPlan& plan, SweepPlan more) {
   std::set<std::string> seen;
   auto key = [](const SweepConfig& c) {
@@ -261,9 +274,11 @@ double median(std::vector<double> v) {
 }
 }  // namespace
 
-void EtaModel::add(const std::string& spec, double work, double wall, double pass) {
+void EtaModel::add(const std::string& spec, double work, double reference_work, double wall,
+                   double pass, double error) {
   if (!std::isfinite(wall) || !std::isfinite(pass) || !(pass > 0)) return;
-  fixed_.push_back(std::max(0.0, wall - timed(pass)));
+  if (!std::isfinite(error)) error = 0;
+  fixed_.push_back(std::max(0.0, wall - timed(pass) - error));
   fixed_median_ = median(fixed_);
   if (work > 0) {
     auto [it, fresh] = rate_.try_emplace(spec, work, work / pass);
@@ -272,14 +287,18 @@ void EtaModel::add(const std::string& spec, double work, double wall, double pas
     for (const auto& [s, wr] : rate_) rates.push_back(wr.second);
     rate_median_ = median(rates);
   }
+  if (reference_work > 0 && error > 0 && reference_work >= reference_.first)
+    reference_ = {reference_work, reference_work / error};
 }
 
-double EtaModel::predict(const std::string& spec, double work) const {
+double EtaModel::predict(const std::string& spec, double work, double reference_work) const {
   if (fixed_.empty()) return NAN;
   const auto it = rate_.find(spec);
   const double rate = it != rate_.end() ? it->second.second : rate_median_;
   const double pass = work > 0 && rate > 0 ? work / rate : 0;
-  return fixed_median_ + timed(pass);
+  const double error =
+      reference_work > 0 && reference_.second > 0 ? reference_work / reference_.second : 0;
+  return fixed_median_ + timed(pass) + error;
 }
 
 }  // namespace attnbench

@@ -101,6 +101,10 @@ LayerProblem layer_problem(const SweepConfig& config);
 /// The work of a configuration, for the sweep's ETA: its FLOPs (0 if the variant cannot
 /// estimate them); 0 for a configuration the variant refuses (its row costs nothing).
 double sweep_work(const SweepConfig& config);
+/// The work of the configuration's error measurement, for the ETA: the (query, key) pairs the
+/// float64 reference computes (all of them up to kExactPairsLimit, a sample of about that many
+/// above) times the head dimension, plus a layer's projections.
+double sweep_reference_work(const SweepConfig& config);
 /// Whether the variant can run the configuration (its capabilities; the row of one it cannot
 /// is "unsupported" and takes no time).
 bool sweep_runnable(const SweepConfig& config);
@@ -109,31 +113,35 @@ bool sweep_runnable(const SweepConfig& config);
 /// those with the same key as one already planned (listed in plan.duplicates).
 void append_plan(SweepPlan& plan, SweepPlan more);
 
-/// The sweep's estimate of its time left. A runnable configuration of variant spec v and
-/// work f (sweep_work) takes
-///   fixed + pass + reps max(min_time, pass),   pass = f / rate_v
-/// seconds of wall time: the checked pass, the timed repetitions (each at least min_time), and
-/// a fixed part (inputs, the error measurement, the harness). rate_v is the FLOP rate the
-/// spec's row of the largest work measured so far achieved (its time_median), or, for a spec
-/// not measured yet, the median of those of the specs measured; the fixed part is the median
-/// of what the measured rows took beyond their passes. A configuration the variant refuses
-/// costs nothing (the caller leaves it out).
+/// The sweep's estimate of its time left. A runnable configuration of variant spec v, work f
+/// (sweep_work) and reference work r (sweep_reference_work) takes
+///   fixed + pass + reps max(min_time, pass) + r / reference_rate,   pass = f / rate_v
+/// seconds of wall time: the checked pass, the timed repetitions (each at least min_time), the
+/// error measurement against the float64 reference, and a fixed part (inputs, patterns, the
+/// harness). rate_v is the FLOP rate the spec's row of the largest work measured so far
+/// achieved (its time_median), or, for a spec not measured yet, the median of the specs'
+/// rates; reference_rate is that of the measured row with the largest reference work (its
+/// error_seconds); the fixed part is the median of what measured rows took beyond those. A
+/// configuration the variant refuses costs nothing (the caller leaves it out).
 class EtaModel {
  public:
   EtaModel(int reps, double min_time) : reps_(reps), min_time_(min_time) {}
-  /// A measured row of `spec` and `work` that took `wall` seconds, `pass` seconds per pass.
-  void add(const std::string& spec, double work, double wall, double pass);
+  /// A measured row: `wall` seconds in all, `pass` seconds per pass, `error` seconds in the
+  /// error measurement.
+  void add(const std::string& spec, double work, double reference_work, double wall, double pass,
+           double error);
   /// Predicted seconds of a runnable configuration; NaN before the first row.
-  double predict(const std::string& spec, double work) const;
+  double predict(const std::string& spec, double work, double reference_work) const;
   int rows() const { return int(fixed_.size()); }
 
  private:
   double timed(double pass) const;
   int reps_;
   double min_time_;
-  std::vector<double> fixed_;  // wall - passes of every row
+  std::vector<double> fixed_;  // what every row took beyond its passes and error measurement
   double fixed_median_ = NAN, rate_median_ = NAN;
   std::map<std::string, std::pair<double, double>> rate_;  // spec -> (work, rate)
+  std::pair<double, double> reference_{0, NAN};            // (reference work, rate)
 };
 
 }  // namespace attnbench

@@ -184,20 +184,21 @@ TEST(SweepPlan, AppendPlanLeavesOutWhatIsPlannedAlready) {
   EXPECT_EQ(plan.configs.back().problem.n, 256);
 }
 
-TEST(EtaModel, PricesPassesAtEachSpecsRateAndAFixedPart) {
+TEST(EtaModel, PricesPassesAndTheReferenceAtTheirMeasuredRatesAndAFixedPart) {
   EtaModel m(3, 0.1);  // 3 repetitions of at least 0.1 s
-  EXPECT_TRUE(std::isnan(m.predict("full", 1e9)));
-  // a row of 1e9 FLOPs at 1e9 FLOP/s: 1 s checked pass + 3 x 1 s timed + 0.5 s fixed
-  m.add("full", 1e9, 4.5, 1.0);
-  EXPECT_DOUBLE_EQ(m.predict("full", 2e9), 0.5 + 2 + 3 * 2);
+  EXPECT_TRUE(std::isnan(m.predict("full", 1e9, 0)));
+  // a row of 1e9 FLOPs at 1e9 FLOP/s: 1 s checked pass + 3 x 1 s timed, a reference of 1e8 in
+  // 0.25 s, and 0.5 s fixed
+  m.add("full", 1e9, 1e8, 4.75, 1.0, 0.25);
+  EXPECT_DOUBLE_EQ(m.predict("full", 2e9, 4e8), 0.5 + 2 + 3 * 2 + 1.0);
   // a small one: each repetition lasts min_time
-  EXPECT_DOUBLE_EQ(m.predict("full", 1e6), 0.5 + 1e-3 + 3 * 0.1);
+  EXPECT_DOUBLE_EQ(m.predict("full", 1e6, 0), 0.5 + 1e-3 + 3 * 0.1);
   // the rate of the largest row of a spec counts; an unseen spec takes the median rate
-  m.add("flash", 4e9, 0.5 + 1 + 3 * 1, 1.0);      // 4e9 FLOP/s
-  m.add("flash", 1e9, 0.5 + 0.5 + 3 * 0.5, 0.5);  // smaller: 2e9 FLOP/s, not used
-  EXPECT_DOUBLE_EQ(m.predict("flash", 8e9), 0.5 + 2 + 3 * 2);
-  EXPECT_GT(m.predict("local", 8e9), m.predict("flash", 8e9));
-  EXPECT_LT(m.predict("local", 8e9), m.predict("full", 8e9));
+  m.add("flash", 4e9, 1e8, 0.5 + 1 + 3 * 1 + 0.25, 1.0, 0.25);        // 4e9 FLOP/s
+  m.add("flash", 1e9, 1e7, 0.5 + 0.5 + 3 * 0.5 + 0.025, 0.5, 0.025);  // smaller: not used
+  EXPECT_DOUBLE_EQ(m.predict("flash", 8e9, 0), 0.5 + 2 + 3 * 2);
+  EXPECT_GT(m.predict("local", 8e9, 0), m.predict("flash", 8e9, 0));
+  EXPECT_LT(m.predict("local", 8e9, 0), m.predict("full", 8e9, 0));
   EXPECT_EQ(m.rows(), 3);
 }
 
@@ -215,21 +216,24 @@ TEST(EtaModel, PredictsTheRestOfARealSweepFromItsFirstTenthWithin30Percent) {
   a.threads = 1;
   const SweepPlan plan = plan_sweep(variants({"full", "flash", "local:window=64"}), a);
   const RunOptions opt{.reps = 2, .min_time = 0.02};
-  std::vector<double> seconds, passes;
+  std::vector<double> seconds, passes, errors;
   for (const SweepConfig& c : plan.configs) {
     const auto t0 = std::chrono::steady_clock::now();
     const Row row = run_one(*c.variant, c.problem, c.workload, nullptr, MachineFigures{}, opt);
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     ASSERT_EQ(row.status, "ok") << row.message;
     passes.push_back(row.time_median);
+    errors.push_back(row.error_seconds);
   }
   const size_t seen = (plan.configs.size() + 9) / 10;
   EtaModel m(opt.reps, opt.min_time);
   for (size_t i = 0; i < seen; ++i)
-    m.add(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]), seconds[i], passes[i]);
+    m.add(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]),
+          sweep_reference_work(plan.configs[i]), seconds[i], passes[i], errors[i]);
   double predicted = 0, truth = 0;
   for (size_t i = seen; i < plan.configs.size(); ++i) {
-    predicted += m.predict(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]));
+    predicted += m.predict(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]),
+                           sweep_reference_work(plan.configs[i]));
     truth += seconds[i];
   }
   EXPECT_NEAR(predicted / truth, 1.0, 0.3)
