@@ -408,6 +408,9 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
           {"machine", to_json(mf)},
           {"command_line", command_line(argc, argv)},
           {"plugins", loaded_plugins()},
+          // what `list --json` says: parameters with their defaults (plots label a spec by
+          // the parameters that differ) and capabilities
+          {"variants", nlohmann::json::parse(variants_json().dump())},
           {"exact_pairs_limit", kExactPairsLimit}};
 }
 

@@ -15,8 +15,10 @@ DIR`) and writes DIR/plots/*.png and DIR/report.md:
   patterns.png        one head's attention pattern per pattern variant, as the sweep stored it
                       (DIR/patterns/*.npy)
 
-Only rows with status "ok" are drawn; the others are listed at the end of the report. Every
-variant spec keeps one colour and marker in every figure. Time, memory and crossover use one
+Only rows with status "ok" are drawn; the others are listed at the end of the report. A
+variant's colour and marker come from its name and its line style from its family, the same in
+every figure of every run (attnbench_plots/style.py); legends name a spec by its non-default
+parameters. Time, memory and crossover use one
 input distribution (--input); they do not depend on the data for most variants, and mixing
 inputs would draw several points per n. The figures are drawn by the attnbench_plots package
 (one module per figure family); no attnbench binary is run.

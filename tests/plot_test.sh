@@ -286,6 +286,28 @@ grep -qE '^\| `local:window=8,block=8` \| (≈ [0-9,]+|at every n|not in range)'
   fail "the layer section gives local no length at which the layer is twice as fast"
 grep -qF "No multi-head layer rows" "$report" || fail "report.md without layer rows says nothing"
 
+# --- one look per variant, whatever else a run holds ------------------------------------------
+PYTHONPATH="$root/scripts" "$py" - "$tmp/a/meta.json" <<'EOF' || fail "styles are not stable"
+import json, sys
+from attnbench_plots.style import Styles
+variants = json.load(open(sys.argv[1]))["variants"]
+a = Styles(["full", "local:window=64,block=64", "linear:eps=1e-06"], variants)
+b = Styles(["performer:features=64,orthogonal=true,kernel=softmax", "linear:eps=1e-06", "full", "plugin_x"], variants)
+for spec in ("full", "linear:eps=1e-06"):
+    assert a(spec) == b(spec), (spec, a(spec), b(spec))
+assert b("plugin_x") == Styles(["plugin_x"])("plugin_x")
+# the family sets the line style; another setting of a variant keeps its colour, not its marker
+assert a("full")["linestyle"] != a("local:window=64,block=64")["linestyle"]
+other = a("local:window=8,block=8")
+assert other["color"] == a("local:window=64,block=64")["color"]
+assert other["marker"] != a("local:window=64,block=64")["marker"]
+# short labels: the parameters that differ from the defaults
+assert a.label("local:window=256,block=64") == "local", a.label("local:window=256,block=64")
+assert a.label("local:window=8,block=8") == "local:window=8,block=8"
+assert a.label("linear:eps=1e-06") == "linear"
+assert Styles(["x:a=1"]).label("x:a=1") == "x:a=1"
+EOF
+
 expect_error "$tmp/missing" "is not a directory"
 expect_error "$tmp/empty" "results.csv' does not exist"
 expect_error "$tmp/header" "has a header but no rows"

@@ -59,7 +59,7 @@ class Context:
         self.df = df
         self.meta = meta
         self.ok = df[df["status"] == "ok"].copy()
-        self.styles = Styles(spec_order(df))
+        self.styles = Styles(spec_order(df), (meta or {}).get("variants") if isinstance(meta, dict) else None)
         self.layout = Layout(self.ok)
         inputs = self.layout.inputs
         if args.input is not None:

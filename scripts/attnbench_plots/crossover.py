@@ -96,7 +96,7 @@ def crossover_section(ctx):
                 if len(ns) == 0:
                     continue
                 st = ctx.styles(spec)
-                ax.plot(ns, ratio, label=spec, **st)
+                ax.plot(ns, ratio, label=ctx.styles.label(spec), **st)
                 present.add(spec)
                 if kind == "at":
                     ax.plot([nx], [1.0], linestyle="none", marker="|", markersize=14,
@@ -107,6 +107,7 @@ def crossover_section(ctx):
             ax.set_ylabel(f"time / time of {bname}")
             ax.set_title(f"vs {bname}: {ctx.panel_title(cfg, causal)}")
     handles = [ctx.styles.handle(s) for s in ctx.styles.order if s in present]
+    handles += ctx.styles.family_handles([s for s in ctx.styles.order if s in present])
     handles.append(Line2D([], [], color="0.2", linestyle="none", marker="|", markersize=12,
                           markeredgewidth=2, label="crossover (interpolated in log-log)"))
     finish(fig, ctx.fig_path("crossover"), handles,

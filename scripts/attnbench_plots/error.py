@@ -61,7 +61,7 @@ def error_vs_n(ctx):
                 dropped.append(spec)
             ns, ys = series(sub, spec, "rel_fro_error")
             if len(ns):
-                ax.plot(ns, ys, label=spec, **ctx.styles(spec))
+                ax.plot(ns, ys, label=ctx.styles.label(spec), **ctx.styles(spec))
                 present.add(spec)
         ax.set_yscale("log")
         log2_n_axis(ax, sub["n"].unique())
@@ -71,6 +71,7 @@ def error_vs_n(ctx):
         else:
             ax.tick_params(labelleft=True)
     handles = [ctx.styles.handle(s) for s in ctx.styles.order if s in present]
+    handles += ctx.styles.family_handles([s for s in ctx.styles.order if s in present])
     fixed = ctx.layout.fixed_label()
     finish(fig, ctx.fig_path("error_vs_n"), handles,
            "Error against the float64 reference" + (f" ({fixed})" if fixed else ""))
@@ -110,8 +111,8 @@ def speed_vs_error(ctx):
             e, t = float(s["rel_fro_error"].median()), float(s["time_median_s"].median())
             pts.append((e, t))
             specs.append(spec)
-            ax.plot([e], [t], linestyle="none", markersize=6.5, label=spec,
-                    **ctx.styles(spec))
+            ax.plot([e], [t], linestyle="none", markersize=6.5, label=ctx.styles.label(spec),
+                    **ctx.styles(spec, line=False))
             present.add(spec)
         front = pareto(pts)
         if front:

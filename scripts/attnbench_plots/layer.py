@@ -61,10 +61,10 @@ def section(ctx):
             if len(ns) == 0:
                 continue
             st = ctx.styles(spec)
-            ax_t.plot(ns, ts, label=spec, **st)
+            ax_t.plot(ns, ts, label=ctx.styles.label(spec), **st)
             ns_s, share = series(sub, spec, "attention_share")
             if len(ns_s):
-                ax_s.plot(ns_s, share, label=spec, **st)
+                ax_s.plot(ns_s, share, label=ctx.styles.label(spec), **st)
             present.add(spec)
         ax_t.set_yscale("log")
         ax_t.set_ylabel("median layer time (s)")
@@ -74,6 +74,7 @@ def section(ctx):
             log2_n_axis(ax, sub["n"].unique())
             ax.set_title(f"{what}: {panel_title(ctx, rows, cfg, causal)}")
     handles = [ctx.styles.handle(s) for s in ctx.styles.order if s in present]
+    handles += ctx.styles.family_handles([s for s in ctx.styles.order if s in present])
     finish(fig, ctx.fig_path(name), handles,
            f"Multi-head layer: in-projection, attention, out-projection ({ctx.title_suffix()})")
     ctx.embed(name, "multi-head layer")

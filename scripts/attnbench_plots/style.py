@@ -4,6 +4,7 @@ helpers, the shared legend, and the markdown helpers of the report."""
 import math
 import os
 import sys
+import zlib
 
 import matplotlib
 
@@ -17,12 +18,36 @@ from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullForm
 PROG = "plot.py"
 MIB = float(1 << 20)
 
-# tab10 and six darker colours; with 7 markers, (colour, marker) pairs repeat only after 112
-# specs, and no two of the first 16 specs share a colour.
+# Colours for variants not in NAME_STYLE (plugins, new variants): picked by a hash of the name,
+# so a variant keeps its colour whatever else a run holds.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf", "#000000", "#393b79", "#637939", "#8c6d31",
            "#843c39", "#7b4173"]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
+
+# One colour and marker per built-in variant name, the same in every figure of every run, and
+# the family that sets its line style.
+NAME_STYLE = {
+    # exact
+    "full": ("#000000", "o", "exact"), "flash": ("#7f7f7f", "s", "exact"),
+    # fixed or data-dependent sparsity patterns, exact softmax inside them
+    "local": ("#1f77b4", "^", "pattern"), "strided": ("#17becf", "v", "pattern"),
+    "global": ("#393b79", "D", "pattern"), "longformer": ("#2ca02c", "P", "pattern"),
+    "bigbird": ("#637939", "X", "pattern"), "sparse_transformer": ("#9467bd", "<", "pattern"),
+    "sinkhorn": ("#7b4173", ">", "pattern"),
+    # low-rank and kernel approximations
+    "linformer": ("#d62728", "o", "lowrank"), "nystrom": ("#ff7f0e", "s", "lowrank"),
+    "linear": ("#8c564b", "^", "lowrank"), "performer": ("#e377c2", "v", "lowrank"),
+    "efficient": ("#bcbd22", "D", "lowrank"), "rfa": ("#843c39", "P", "lowrank"),
+    "compressed": ("#8c6d31", "X", "lowrank"),
+    # clustering and hashing
+    "reformer": ("#6b6ecf", "h", "clustering"), "routing": ("#e7ba52", "h", "clustering"),
+    "clustered": ("#ad494a", "h", "clustering"),
+}
+FAMILY_LINESTYLE = {"exact": "-", "pattern": "--", "lowrank": "-.", "clustering": ":",
+                    "other": (0, (5, 1, 1, 1, 1, 1))}
+FAMILY_NAME = {"exact": "exact", "pattern": "sparse pattern", "lowrank": "low-rank / kernel",
+               "clustering": "clustering / hashing", "other": "other"}
 
 PANEL_W, PANEL_H = 5.0, 3.5  # inches; two panels side by side leave room for two legend columns
 DPI = 150
@@ -35,23 +60,106 @@ plt.rcParams.update({
 })
 
 
+# The O(n) and O(n²) guides: wide and pale, so they never read as a variant's line style.
+GUIDE_STYLE = {"n": {"color": "0.55", "linestyle": "-", "linewidth": 3.0, "alpha": 0.3},
+               "n2": {"color": "0.55", "linestyle": (0, (3, 2)), "linewidth": 3.0, "alpha": 0.3}}
+
+
 def warn(msg):
     print(f"{PROG}: {msg}", file=sys.stderr)
 
 
+def _hash(text):
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def _split_spec(spec):
+    name, _, params = str(spec).partition(":")
+    pairs = [p.partition("=") for p in params.split(",") if p]
+    return name, [(k, v) for k, _, v in pairs]
+
+
+def _same_value(a, b):
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
 class Styles:
-    """One colour and marker per variant spec, fixed by the order specs appear in the CSV."""
+    """Colour, marker and line style per variant spec, derived from the variant's name (not the
+    order specs appear in), so every figure of every run draws a variant alike. Specs of one
+    variant with other parameters share its colour and take another marker. Labels are short:
+    the name and the parameters that differ from the defaults `variants` gives (meta.json's
+    "variants", as `attnbench list --json`); the full spec without them."""
 
-    def __init__(self, specs):
+    def __init__(self, specs, variants=None):
         self.order = list(specs)
-        self.index = {s: i for i, s in enumerate(self.order)}
+        self.defaults = {}
+        for v in variants or []:
+            if isinstance(v, dict) and "name" in v:
+                self.defaults[v["name"]] = {p.get("name"): str(p.get("default"))
+                                            for p in v.get("params", []) if isinstance(p, dict)}
 
-    def __call__(self, spec):
-        i = self.index[spec]
-        return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)]}
+    def family(self, spec):
+        name, _ = _split_spec(spec)
+        return NAME_STYLE[name][2] if name in NAME_STYLE else "other"
+
+    def __call__(self, spec, line=True):
+        name, params = _split_spec(spec)
+        if name in NAME_STYLE:
+            color, marker, family = NAME_STYLE[name]
+        else:
+            color, marker, family = (PALETTE[_hash(name) % len(PALETTE)],
+                                     MARKERS[_hash(name) // 7 % len(MARKERS)], "other")
+        if self.changed(spec):
+            # another parameter setting of the same variant: another marker, by the setting's
+            # rank among this variant's non-default settings in the run (sorted, so the order
+            # of the rows does not matter)
+            settings = sorted(s for s in self.order
+                              if _split_spec(s)[0] == name and self.changed(s))
+            rank = settings.index(spec) if spec in settings else len(settings)
+            base = MARKERS.index(marker) if marker in MARKERS else 0
+            marker = MARKERS[(base + 1 + rank) % len(MARKERS)]
+        style = {"color": color, "marker": marker}
+        if line:
+            style["linestyle"] = FAMILY_LINESTYLE[family]
+        return style
+
+    def changed(self, spec):
+        """The (parameter, value) pairs of spec that differ from the variant's defaults; all of
+        them when the defaults are unknown."""
+        name, params = _split_spec(spec)
+        d = self.defaults.get(name)
+        if d is None:
+            return params
+        return [(k, v) for k, v in params if not (k in d and _same_value(v, d[k]))]
+
+    def label(self, spec):
+        name, params = _split_spec(spec)
+        if name not in self.defaults:
+            return str(spec)
+        changed = self.changed(spec)
+        return name + (":" + ",".join(f"{k}={v}" for k, v in changed) if changed else "")
 
     def handle(self, spec, line=True):
-        return Line2D([], [], label=spec, linestyle="-" if line else "none", **self(spec))
+        style = self(spec, line=line)
+        if not line:
+            style["linestyle"] = "none"
+        return Line2D([], [], label=self.label(spec), **style)
+
+    def family_handles(self, specs):
+        """Legend entries for the line styles of the families among specs."""
+        families = []
+        for s in specs:
+            f = self.family(s)
+            if f not in families:
+                families.append(f)
+        order = list(FAMILY_LINESTYLE)
+        return [Line2D([], [], color="0.3", linestyle=FAMILY_LINESTYLE[f], linewidth=1.2,
+                       label=FAMILY_NAME[f]) for f in sorted(families, key=order.index)]
 
 
 def fmt_n(n):
@@ -101,15 +209,15 @@ def guides(ax, ns, ys):
     n0 = min(ns)
     y0 = math.exp(np.mean(np.log([y for n, y in zip(ns, ys) if n == n0])))
     x = np.array([n0, max(ns)], dtype=float)
-    ax.plot(x, y0 * (x / n0), color="0.45", linestyle="--", linewidth=0.9, zorder=1)
-    ax.plot(x, y0 * (x / n0) ** 2, color="0.45", linestyle=":", linewidth=1.1, zorder=1)
+    ax.plot(x, y0 * (x / n0), zorder=1, **GUIDE_STYLE["n"])
+    ax.plot(x, y0 * (x / n0) ** 2, zorder=1, **GUIDE_STYLE["n2"])
     return True
 
 
 ERROR_LABEL = r"relative error $\Vert O - O_\mathrm{ref}\Vert_F\ /\ \Vert O_\mathrm{ref}\Vert_F$"
 
-GUIDE_HANDLES = [Line2D([], [], color="0.45", linestyle="--", linewidth=0.9, label="O(n) guide"),
-                 Line2D([], [], color="0.45", linestyle=":", linewidth=1.1, label="O(n²) guide")]
+GUIDE_HANDLES = [Line2D([], [], label="O(n) guide", **GUIDE_STYLE["n"]),
+                 Line2D([], [], label="O(n²) guide", **GUIDE_STYLE["n2"])]
 
 
 def ratio_axis(ax):

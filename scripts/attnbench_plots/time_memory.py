@@ -27,7 +27,7 @@ def against_n(ctx, name, column, scale, ylabel, title, section, cell, explain):
             if len(ns) == 0:
                 continue
             ys = ys / scale
-            ax.plot(ns, ys, label=spec, **ctx.styles(spec))
+            ax.plot(ns, ys, label=ctx.styles.label(spec), **ctx.styles(spec))
             present.add(spec)
             all_n += list(ns)
             all_y += list(ys)
@@ -40,6 +40,7 @@ def against_n(ctx, name, column, scale, ylabel, title, section, cell, explain):
         else:
             ax.tick_params(labelleft=True)
     handles = [ctx.styles.handle(s) for s in ctx.styles.order if s in present]
+    handles += ctx.styles.family_handles([s for s in ctx.styles.order if s in present])
     finish(fig, ctx.fig_path(name), handles + (GUIDE_HANDLES if with_guides else []),
            f"{title} ({ctx.title_suffix()})")
     ctx.md.append(f"## {section}\n")
