@@ -44,8 +44,7 @@ constexpr size_t kMaxListValues = 10000;
 
 // The list options' grammar: comma-separated items, each a positive integer N or a range
 // A..B with an optional step rule. `same` (when `same_word` is set) stands for 0.
-std::vector<int64_t> parse_list(const std::string& text, const std::string& what,
-                                bool same_word) {
+std::vector<int64_t> parse_list(const std::string& text, const std::string& what, bool same_word) {
   auto bad = [&](const std::string& why) {
     return UsageError(fmt::format(
         "{}: '{}' {}; accepted: a comma-separated list of positive integers{} and ranges "

@@ -168,9 +168,8 @@ TEST(SweepPlan, MalformedGridsAreErrorsNamingTheParameter) {
     EXPECT_CONTAINS(msg, "parameter 'window'");
     EXPECT_CONTAINS(msg, "window=64|128|256");  // what is accepted
   }
-  EXPECT_CONTAINS(
-      test::error_message<SpecError>([] { expand_spec_grids("local:window=64||128"); }),
-      "empty value");
+  EXPECT_CONTAINS(test::error_message<SpecError>([] { expand_spec_grids("local:window=64||128"); }),
+                  "empty value");
   EXPECT_CONTAINS(
       test::error_message<SpecError>([] { expand_spec_grids("local:window=64|128|64"); }),
       "lists '64' twice");
