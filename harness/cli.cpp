@@ -106,10 +106,11 @@ std::vector<int64_t> parse_list(const std::string& text, const std::string& what
     }
     if (colon == std::string::npos && values.back() != hi)
       throw bad(fmt::format(
-          "has {}, which does not reach {} by doubling from {}; write {}..{}:x2 to stop at {}, "
-          "or {}..{}:+{} (a step rule lists the values up to the end, the end itself when it "
-          "is reached)",
-          item, hi, lo, lo, hi, values.back(), lo, hi, lo));
+          "{}does not reach {} by doubling from {}; write {}..{}:x2 to stop at {}, or "
+          "{}..{}:+{} (a step rule lists the values up to the end, the end itself when it is "
+          "reached)",
+          item == text ? "" : fmt::format("has {}, which ", item), hi, lo, lo, hi, values.back(),
+          lo, hi, lo));
     for (int64_t v : values) push(v);
   };
   if (text.empty()) throw bad("is empty");
@@ -749,23 +750,20 @@ struct SweepCommand {
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
     cmd->add_option("--variant", specs,
-                    "variant spec (repeatable; default: every variant); a value a|b|c is a grid, "
-                    "one spec per value: local:window=64|128|256");
+                    "variant spec (repeatable; default: every variant); a|b is a grid of "
+                    "specs: local:window=64|128");
     cmd->add_option("--seq", seq_list,
-                    "query lengths n: a LIST of integers and ranges, 256,512 or 256..8192 "
-                    "(doubling, reaching the end exactly), 256..5000:x2 or 256..5000:+256 "
-                    "(values up to the end); the same LIST form for --seq-k, --batch, "
-                    "--heads, --dim and --embed")
+                    "query lengths n, a LIST: 256,512 or 256..8192 (doubling, ending exactly) "
+                    "or 256..5000:x2 or 256..5000:+256 (up to the end)")
         ->capture_default_str();
-    cmd->add_option("--seq-k", seq_k_list,
-                    "key lengths m, crossed with --seq; same = m = n (cross-attention and "
-                    "decode shapes: --seq 1 --seq-k 4096)")
+    cmd->add_option("--seq-k", seq_k_list, "key lengths m, a LIST crossed with --seq; same: m = n")
         ->capture_default_str();
-    cmd->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
-    cmd->add_option("--heads", heads_list, "head counts")->capture_default_str();
-    auto* dim_opt = cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    cmd->add_option("--batch", batch_list, "batch sizes, a LIST")->capture_default_str();
+    cmd->add_option("--heads", heads_list, "head counts, a LIST")->capture_default_str();
+    auto* dim_opt =
+        cmd->add_option("--dim", dim_list, "head dimensions, a LIST")->capture_default_str();
     cmd->add_option("--embed", embed_list,
-                    "embedding sizes E: multi-head layer rows (torch.nn.MultiheadAttention "
+                    "embedding sizes E, a LIST: multi-head layer rows (torch.nn.MultiheadAttention "
                     "around each variant), d = E / H in place of --dim")
         ->excludes(dim_opt);
     cmd->add_option("--causal", causal_mode, "causal mask: off, on or both")
@@ -778,8 +776,7 @@ struct SweepCommand {
     cmd->add_option("--input", input_list, "input distributions, comma-separated")
         ->capture_default_str();
     cmd->add_option("--scale", scale_list,
-                    "logit sharpening factors, comma-separated positive numbers (1,2,4): q "
-                    "(and so the logits) multiplied by each")
+                    "logit sharpening factors: q multiplied by each, comma-separated (1,2,4)")
         ->capture_default_str();
     add_timing_options(cmd, o);
     cmd->add_option("--key-padding", key_padding_lists,
