@@ -81,6 +81,13 @@ std::string key_of(const std::map<std::string, std::string>& row) {
   return k;
 }
 
+// Every row of `csv` has a configuration key of its own.
+void expect_one_row_per_key(const Csv& csv) {
+  std::set<std::string> keys;
+  for (const auto& row : csv.rows)
+    EXPECT_TRUE(keys.insert(key_of(row)).second) << "duplicate row " << key_of(row);
+}
+
 // A sweep through the binary that must succeed, and the results.csv it wrote in `out`.
 struct SweepRun {
   CliResult result;
@@ -754,10 +761,10 @@ TEST(Cli, SweepListsAndGridsAreCrossProducts) {
   // {2, 4}, less the one row planned already (m = 64, scale 4)
   const size_t rows = 5 * 2 * 2 * 2 + 3;
   ASSERT_EQ(csv.rows.size(), rows);
-  std::set<std::string> keys, specs;
+  expect_one_row_per_key(csv);
+  std::set<std::string> specs;
   std::map<std::string, int> per_scale, per_m, per_status;
   for (const auto& row : csv.rows) {
-    EXPECT_TRUE(keys.insert(key_of(row)).second) << "duplicate row " << key_of(row);
     specs.insert(row.at("spec"));
     ++per_scale[row.at("scale")], ++per_m[row.at("m") == row.at("n") ? "n" : row.at("m")];
     ++per_status[row.at("status")];
@@ -805,11 +812,10 @@ TEST(Cli, SweepThenResume) {
   Csv csv = read_csv(out + "/results.csv");
   EXPECT_EQ(csv.header, csv_columns());
   ASSERT_EQ(csv.rows.size(), 8u);  // 2 variants x 2 lengths x 2 masks
-  std::set<std::string> keys;
+  expect_one_row_per_key(csv);
   std::map<std::string, int> per_variant, per_n, per_causal;
   for (const auto& row : csv.rows) {
     EXPECT_EQ(row.at("status"), "ok") << row.at("message");
-    EXPECT_TRUE(keys.insert(key_of(row)).second) << "duplicate row " << key_of(row);
     ++per_variant[row.at("variant")], ++per_n[row.at("n")], ++per_causal[row.at("causal")];
     EXPECT_EQ(row.at("heads"), "2");
     EXPECT_EQ(row.at("dim"), "16");
@@ -855,11 +861,8 @@ TEST(Cli, SweepThenResume) {
   ASSERT_EQ(csv2.rows.size(), 12u);
   // the old rows are untouched, the new ones are appended
   for (size_t i = 0; i < csv.lines.size(); ++i) EXPECT_EQ(csv2.lines[i], csv.lines[i]);
-  std::set<std::string> keys2;
-  for (const auto& row : csv2.rows) {
-    EXPECT_EQ(row.at("status"), "ok") << row.at("message");
-    EXPECT_TRUE(keys2.insert(key_of(row)).second) << "duplicate row " << key_of(row);
-  }
+  expect_one_row_per_key(csv2);
+  for (const auto& row : csv2.rows) EXPECT_EQ(row.at("status"), "ok") << row.at("message");
   for (size_t i = 8; i < 12; ++i) EXPECT_EQ(csv2.rows[i].at("n"), "128");
   bench = parse_json(test::read_text(out + "/benchmark.json"));
   EXPECT_EQ(bench.at("benchmarks").size(), 12u);

@@ -36,6 +36,19 @@ SweepAxes small_axes() {
   return a;
 }
 
+// One shape for each length n: B = 1, H = 2, d = 16, not causal, gaussian inputs, one thread.
+SweepAxes one_shape_axes(std::vector<int64_t> seqs) {
+  SweepAxes a;
+  a.seqs = std::move(seqs);
+  a.batches = {1};
+  a.heads = {2};
+  a.dims = {16};
+  a.causals = {false};
+  a.inputs = {"gaussian"};
+  a.threads = 1;
+  return a;
+}
+
 // A configuration as "spec|input|causal|d|H|B|n", the axes outermost first.
 std::string describe(const SweepConfig& c) {
   const Problem& p = c.problem;
@@ -76,14 +89,7 @@ TEST(SweepPlan, EveryConfigurationCarriesSeedThreadsAndSelfAttention) {
 }
 
 TEST(SweepPlan, DuplicatesAreLeftOutKeepingTheFirst) {
-  SweepAxes a;
-  a.seqs = {64, 128, 64};
-  a.batches = {1};
-  a.heads = {2};
-  a.dims = {16};
-  a.causals = {false};
-  a.inputs = {"gaussian"};
-  a.threads = 1;
+  const SweepAxes a = one_shape_axes({64, 128, 64});
   // flash at its defaults and flash:block_q=64 are the same canonical spec
   const SweepPlan plan = plan_sweep(variants({"flash", "full", "flash:block_q=64"}), a);
   ASSERT_EQ(plan.configs.size(), 4u);
@@ -179,16 +185,9 @@ TEST(SweepPlan, MalformedGridsAreErrorsNamingTheParameter) {
 }
 
 TEST(SweepPlan, ScalesAndKeyLengthsAreCrossedWithTheOtherAxes) {
-  SweepAxes a;
-  a.seqs = {64, 128};
+  SweepAxes a = one_shape_axes({64, 128});
   a.seq_ks = {0, 32};
   a.scales = {1, 4};
-  a.batches = {1};
-  a.heads = {2};
-  a.dims = {16};
-  a.causals = {false};
-  a.inputs = {"gaussian"};
-  a.threads = 1;
   const SweepPlan plan = plan_sweep(variants({"full", "local:window=8"}), a);
   // 2 scales x 2 seqs x 2 key lengths x 2 variants
   ASSERT_EQ(plan.configs.size(), 16u);
@@ -218,15 +217,9 @@ TEST(SweepPlan, ScalesAndKeyLengthsAreCrossedWithTheOtherAxes) {
 }
 
 TEST(SweepPlan, LayerRowsTakeKeyLengthsButNotScales) {
-  SweepAxes a;
-  a.seqs = {32};
+  SweepAxes a = one_shape_axes({32});
   a.seq_ks = {0, 48};
-  a.batches = {1};
-  a.heads = {2};
-  a.embeds = {16};
-  a.causals = {false};
-  a.inputs = {"gaussian"};
-  a.threads = 1;
+  a.embeds = {16};  // in place of the dims: d = E / H
   const SweepPlan plan = plan_sweep(variants({"full"}), a);
   ASSERT_EQ(plan.configs.size(), 2u);
   EXPECT_EQ(layer_problem(plan.configs[0]).m, 0);  // self-attention
