@@ -74,8 +74,8 @@ std::vector<int64_t> parse_list(const std::string& text, const std::string& what
       throw bad(fmt::format("has more than {} values", kMaxListValues));
     out.push_back(v);
   };
-  // A..B[:RULE]: values from lo up to hi, each from the one before by `next` (which returns
-  // 0 once the next value would pass hi).
+  // A..B[:RULE]: the values from A while they do not pass B, each the one before times the
+  // factor (2 without a rule) or plus the step; without a rule the last must be B.
   auto range = [&](const std::string& item, size_t dots) {
     const size_t colon = item.find(':', dots);
     const int64_t lo = number(item.substr(0, dots), "a range's start");
