@@ -36,51 +36,110 @@
 
 namespace attnbench {
 
-std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what) {
+namespace {
+
+// At most this many values in one list option, ranges expanded: a range with a small step
+// over a large span would otherwise plan millions of rows (or exhaust memory) by a typo.
+constexpr size_t kMaxListValues = 10000;
+
+// The list options' grammar: comma-separated items, each a positive integer N or a range
+// A..B with an optional step rule. `same` (when `same_word` is set) stands for 0.
+std::vector<int64_t> parse_list(const std::string& text, const std::string& what, bool same_word) {
   auto bad = [&](const std::string& why) {
-    return UsageError(
-        fmt::format("{}: '{}' {}; accepted: a comma-separated list of positive "
-                    "integers and ranges A..B (powers of two from A up to B), e.g. "
-                    "256,512 or 256..16384",
-                    what, text, why));
+    return UsageError(fmt::format(
+        "{}: '{}' {}; accepted: a comma-separated list of positive integers{} and ranges "
+        "A..B:xF (A, A*F, A*F^2, ... up to B; F an integer >= 2), A..B:+S (A, A+S, A+2S, ... "
+        "up to B) and A..B (doubling from A, only when it reaches B exactly), e.g. 256,512 or "
+        "256..16384 or 256..5000:+256",
+        what, text, why, same_word ? ", same (m = n)" : ""));
   };
-  auto number = [&](const std::string& s) -> int64_t {
+  auto number = [&](const std::string& s, const char* role) -> int64_t {
     if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
-      throw bad(fmt::format("has '{}', which is not a positive integer", s));
+      throw bad(fmt::format("has '{}' as {}, which is not a positive integer", s, role));
     int64_t v = 0;
     try {
       v = std::stoll(s);
     } catch (const std::exception&) {
       throw bad(fmt::format("has '{}', which is too large", s));
     }
-    if (v <= 0) throw bad("has a value that is not positive");
+    if (v <= 0) throw bad(fmt::format("has {} as {}, which is not positive", s, role));
     if (v > std::numeric_limits<int32_t>::max())
       throw bad(
           fmt::format("has {}, which is larger than {}", v, std::numeric_limits<int32_t>::max()));
     return v;
   };
   std::vector<int64_t> out;
-  size_t start = 0;
-  if (text.empty()) throw bad("is empty");
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    std::string item =
-        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    auto dots = item.find("..");
-    if (dots == std::string::npos) {
-      out.push_back(number(item));
-    } else {
-      int64_t lo = number(item.substr(0, dots)), hi = number(item.substr(dots + 2));
-      if (hi < lo) throw bad(fmt::format("has the empty range {}", item));
-      for (int64_t v = lo;; v *= 2) {
-        out.push_back(v);
-        if (v > hi / 2) break;  // the next power would pass hi (or overflow)
-      }
+  auto push = [&](int64_t v) {
+    if (out.size() >= kMaxListValues)
+      throw bad(fmt::format("has more than {} values", kMaxListValues));
+    out.push_back(v);
+  };
+  // A..B[:RULE]: the values from A while they do not pass B, each the one before times the
+  // factor (2 without a rule) or plus the step; without a rule the last must be B.
+  auto range = [&](const std::string& item, size_t dots) {
+    const size_t colon = item.find(':', dots);
+    const int64_t lo = number(item.substr(0, dots), "a range's start");
+    const int64_t hi =
+        number(item.substr(dots + 2, colon == std::string::npos ? colon : colon - dots - 2),
+               "a range's end");
+    if (hi < lo) throw bad(fmt::format("has the empty range {}", item));
+    int64_t factor = 2, step = 0;
+    if (colon != std::string::npos) {
+      const std::string rule = item.substr(colon + 1);
+      if (rule.size() < 2 || (rule[0] != 'x' && rule[0] != '+'))
+        throw bad(fmt::format("has the step rule '{}' in {}; a step rule is xF or +S", rule, item));
+      const bool geometric = rule[0] == 'x';
+      const int64_t k = number(rule.substr(1), geometric ? "a factor" : "a step");
+      if (geometric && k < 2)
+        throw bad(fmt::format("has the factor {} in {}; a factor is an integer >= 2", k, item));
+      factor = geometric ? k : 0;
+      step = geometric ? 0 : k;
     }
+    std::vector<int64_t> values;
+    for (int64_t v = lo;;) {
+      values.push_back(v);
+      if (values.size() > kMaxListValues)
+        throw bad(fmt::format("has more than {} values", kMaxListValues));
+      // the next value, unless it would pass hi (checked before it is formed: no overflow)
+      if (factor > 0 ? v > hi / factor : v > hi - step) break;
+      v = factor > 0 ? v * factor : v + step;
+    }
+    if (colon == std::string::npos && values.back() != hi)
+      throw bad(fmt::format(
+          "{}does not reach {} by doubling from {}; write {}..{}:x2 to stop at {}, or "
+          "{}..{}:+{} (a step rule lists the values up to the end, the end itself when it is "
+          "reached)",
+          item == text ? "" : fmt::format("has {}, which ", item), hi, lo, lo, hi, values.back(),
+          lo, hi, lo));
+    for (int64_t v : values) push(v);
+  };
+  if (text.empty()) throw bad("is empty");
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = text.find(',', start);
+    const std::string item =
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const size_t dots = item.find("..");
+    if (same_word && item == "same")
+      push(0);
+    else if (dots == std::string::npos)
+      push(number(item, "a value"));
+    else
+      range(item, dots);
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what) {
+  return parse_list(text, what, /*same_word=*/false);
+}
+
+std::vector<int64_t> parse_seq_k_list(const std::string& text) {
+  return parse_list(text, "--seq-k", /*same_word=*/true);
 }
 
 namespace {
@@ -501,6 +560,18 @@ struct ListCommand {
   }
 };
 
+// The variant of a command that runs one spec (run, layer, pattern). A parameter grid
+// (a|b) is a sweep feature: refused here, naming the sweep that runs it.
+std::unique_ptr<Variant> make_one_variant(const std::string& spec, const std::string& command) {
+  // a malformed grid is named as such
+  if (const auto specs = expand_spec_grids(spec); specs.size() > 1)
+    throw UsageError(fmt::format(
+        "--variant '{}': a parameter grid (values separated by '|') is a sweep feature; {} "
+        "takes one spec, e.g. --variant '{}' (attnbench sweep --variant '{}' runs all {})",
+        spec, command, specs.front(), spec, specs.size()));
+  return make_variant(spec);
+}
+
 // ----- run -----
 
 // --key-padding and --attn-mask of run and layer.
@@ -552,7 +623,7 @@ struct RunCommand {
   }
 
   int run() const {
-    auto variant = make_variant(spec);
+    auto variant = make_one_variant(spec, "run");
     Problem p = o.problem();
     Workload w = o.workload();
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
@@ -612,7 +683,7 @@ struct LayerCommand {
   }
 
   int run() const {
-    auto variant = make_variant(spec);
+    auto variant = make_one_variant(spec, "layer");
     LayerProblem lp;
     lp.batch = o.batch, lp.embed = embed, lp.heads = o.heads, lp.n = o.seq, lp.m = o.seq_k;
     lp.causal = o.causal, lp.seed = o.seed;
@@ -673,22 +744,31 @@ struct LayerCommand {
 struct SweepCommand {
   ProblemOptions o;
   std::vector<std::string> specs;
-  std::string seq_list = "256..4096", batch_list = "1", heads_list = "8", dim_list = "64",
-              embed_list, causal_mode = "off", score_list = "scaled_dot", input_list = "gaussian",
-              out_dir, key_padding_lists, padding_fractions;
+  std::string seq_list = "256..4096", seq_k_list = "same", batch_list = "1", heads_list = "8",
+              dim_list = "64", embed_list, causal_mode = "off", score_list = "scaled_dot",
+              input_list = "gaussian", scale_list = "1", out_dir, key_padding_lists,
+              padding_fractions;
   bool resume = false;
   int retry_noisy = 0;
   std::vector<std::string> also;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
-    cmd->add_option("--variant", specs, "variant spec (repeatable; default: every variant)");
-    cmd->add_option("--seq", seq_list, "query lengths n")->capture_default_str();
-    cmd->add_option("--batch", batch_list, "batch sizes")->capture_default_str();
-    cmd->add_option("--heads", heads_list, "head counts")->capture_default_str();
-    auto* dim_opt = cmd->add_option("--dim", dim_list, "head dimensions")->capture_default_str();
+    cmd->add_option("--variant", specs,
+                    "variant spec (repeatable; default: every variant); a|b is a grid of "
+                    "specs: local:window=64|128");
+    cmd->add_option("--seq", seq_list,
+                    "query lengths n, a LIST: 256,512 or 256..8192 (doubling, ending exactly) "
+                    "or 256..5000:x2 or 256..5000:+256 (up to the end)")
+        ->capture_default_str();
+    cmd->add_option("--seq-k", seq_k_list, "key lengths m, a LIST crossed with --seq; same: m = n")
+        ->capture_default_str();
+    cmd->add_option("--batch", batch_list, "batch sizes, a LIST")->capture_default_str();
+    cmd->add_option("--heads", heads_list, "head counts, a LIST")->capture_default_str();
+    auto* dim_opt =
+        cmd->add_option("--dim", dim_list, "head dimensions, a LIST")->capture_default_str();
     cmd->add_option("--embed", embed_list,
-                    "embedding sizes E: multi-head layer rows (torch.nn.MultiheadAttention "
+                    "embedding sizes E, a LIST: multi-head layer rows (torch.nn.MultiheadAttention "
                     "around each variant), d = E / H in place of --dim")
         ->excludes(dim_opt);
     cmd->add_option("--causal", causal_mode, "causal mask: off, on or both")
@@ -699,6 +779,9 @@ struct SweepCommand {
         ->capture_default_str();
     add_score_hidden_option(cmd, o);
     cmd->add_option("--input", input_list, "input distributions, comma-separated")
+        ->capture_default_str();
+    cmd->add_option("--scale", scale_list,
+                    "logit sharpening factors: q multiplied by each, comma-separated (1,2,4)")
         ->capture_default_str();
     add_timing_options(cmd, o);
     cmd->add_option("--key-padding", key_padding_lists,
@@ -727,11 +810,13 @@ struct SweepCommand {
     auto variants = make_sweep_variants(specs);
     SweepAxes axes;
     axes.seqs = parse_int_list(seq_list, "--seq");
+    axes.seq_ks = parse_seq_k_list(seq_k_list);
     axes.batches = parse_int_list(batch_list, "--batch");
     axes.heads = parse_int_list(heads_list, "--heads");
     axes.dims = parse_int_list(dim_list, "--dim");
     if (!embed_list.empty()) axes.embeds = parse_int_list(embed_list, "--embed");
     axes.inputs = parse_input_list(input_list);
+    axes.scales = parse_scale_list(scale_list);
     axes.causals = parse_causal_mode(causal_mode);
     axes.scores = parse_score_list(score_list);
     axes.score_hidden = o.score_hidden;
@@ -757,8 +842,9 @@ struct SweepCommand {
       if (cmd->get_option(name)->count() > 0)
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
-            "problem and variant options (--variant, --seq, --batch, --heads, --dim, --embed, "
-            "--causal, --score, --score-hidden, --input, --key-padding, --padding-fraction)",
+            "problem and variant options (--variant, --seq, --seq-k, --batch, --heads, --dim, "
+            "--embed, --causal, --score, --score-hidden, --input, --scale, --key-padding, "
+            "--padding-fraction)",
             args, name));
     if (cmd->get_option("--out")->count() > 1)
       throw UsageError(fmt::format("--also '{}': --out belongs to the whole sweep", args));
@@ -960,7 +1046,7 @@ struct PatternCommand {
   }
 
   int run() const {
-    auto variant = make_variant(spec);
+    auto variant = make_one_variant(spec, "pattern");
     Problem p = o.problem();
     p.batch = 1, p.heads = head + 1;
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);

@@ -17,12 +17,54 @@
 
 namespace attnbench {
 
+std::vector<std::string> expand_spec_grids(const std::string& spec) {
+  if (spec.find('|') == std::string::npos) return {spec};
+  auto [name, kv] = parse_spec(spec);
+  // each parameter's values, in the order written (one for a parameter without a grid)
+  std::vector<std::vector<std::string>> values;
+  for (const auto& [key, value] : kv) {
+    auto bad = [&, &key = key, &value = value](const std::string& why) {
+      return SpecError(fmt::format(
+          "variant spec '{}': parameter '{}' has the grid '{}', {}; accepted: values separated "
+          "by '|', each once, e.g. {}=64|128|256",
+          spec, key, value, why, key));
+    };
+    std::vector<std::string> grid;
+    size_t start = 0;
+    while (true) {
+      const size_t bar = value.find('|', start);
+      std::string item = value.substr(start, bar == std::string::npos ? bar : bar - start);
+      if (item.empty()) throw bad("which has an empty value");
+      if (std::find(grid.begin(), grid.end(), item) != grid.end())
+        throw bad(fmt::format("which lists '{}' twice", item));
+      grid.push_back(std::move(item));
+      if (bar == std::string::npos) break;
+      start = bar + 1;
+    }
+    values.push_back(std::move(grid));
+  }
+  // the cross product, the last parameter varying fastest
+  std::vector<std::string> specs;
+  std::vector<size_t> at(kv.size(), 0);
+  while (true) {
+    std::string s = name;
+    for (size_t i = 0; i < kv.size(); ++i)
+      s += fmt::format("{}{}={}", i == 0 ? ":" : ",", kv[i].first, values[i][at[i]]);
+    specs.push_back(std::move(s));
+    size_t i = kv.size();
+    while (i > 0 && ++at[i - 1] == values[i - 1].size()) at[--i] = 0;
+    if (i == 0) break;
+  }
+  return specs;
+}
+
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs) {
   std::vector<std::unique_ptr<Variant>> variants;
   if (specs.empty())
     for (const VariantInfo* v : Registry::instance().all())
       variants.push_back(make_variant(v->name));
-  for (const auto& s : specs) variants.push_back(make_variant(s));
+  for (const auto& spec : specs)
+    for (const auto& s : expand_spec_grids(spec)) variants.push_back(make_variant(s));
   return variants;
 }
 
@@ -44,6 +86,12 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             "--input {}: layer rows (--embed) draw gaussian inputs and parameters; accepted "
             "with --embed: gaussian",
             in));
+    for (double scale : axes.scales)
+      if (scale != 1.0)
+        throw UsageError(fmt::format(
+            "--scale {}: layer rows (--embed) draw gaussian inputs and parameters unscaled; "
+            "accepted with --embed: 1",
+            scale));
     for (Score s : axes.scores)
       if (s != Score::scaled_dot)
         throw UsageError(fmt::format(
@@ -54,48 +102,56 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   // the weights depend on the score, H, d and h only: one set per such shape
   std::map<std::tuple<Score, int64_t, int64_t>, std::shared_ptr<const ScoreWeights>> weights;
+  // One configuration per variant of the problem the outer loops chose.
+  auto add = [&](const std::string& in, double scale, bool c, Score s, int64_t size, int64_t h,
+                 int64_t b, const PaddingSetting& pad, int64_t n, int64_t seq_k) {
+    // m = n is written m = 0, as without --seq-k: the same row (and for a layer,
+    // self-attention)
+    const int64_t m = seq_k == n ? 0 : seq_k;
+    Problem p;
+    p.batch = b, p.heads = h, p.n = n, p.m = m, p.dim = size, p.causal = c;
+    p.seed = axes.seed;
+    const int64_t embed = layer ? size : 0;
+    if (layer) {
+      LayerProblem lp;
+      lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.m = m, lp.causal = c;
+      lp.seed = axes.seed;
+      lp.validate();
+      p = lp.attention();
+    }
+    p.score = s, p.score_hidden = axes.score_hidden;
+    if (!pad.lengths.empty()) p.key_lengths = parse_key_lengths(pad.lengths, b);
+    if (pad.fraction >= 0) p.key_lengths = padding_lengths(p, pad.fraction);
+    Workload w;
+    w.input = in, w.scale = scale, w.threads = axes.threads;
+    p.validate();
+    w.validate(p);
+    if (s == Score::bilinear || s == Score::additive) {
+      auto& sw = weights[{s, h, p.dim}];
+      if (!sw) sw = make_score_weights(p);
+      p.score_weights = sw;
+    }
+    for (const auto& v : plan.variants) {
+      Row key;
+      key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
+      if (!seen.insert(row_key(key)).second) {
+        plan.duplicates.push_back(fmt::format(
+            "{} {}{}", key.spec, layer ? fmt::format("E={},", embed) : "", describe(p, w)));
+        continue;
+      }
+      plan.configs.push_back({v.get(), p, w, embed});
+    }
+  };
   for (const auto& in : axes.inputs)
-    for (bool c : axes.causals)
-      for (Score s : axes.scores)
-        for (auto size : sizes)
-          for (auto h : axes.heads)
-            for (auto b : axes.batches)
-              for (const auto& pad : paddings)
-                for (auto n : axes.seqs)
-                  for (const auto& v : plan.variants) {
-                    Problem p;
-                    p.batch = b, p.heads = h, p.n = n, p.dim = size, p.causal = c;
-                    p.seed = axes.seed;
-                    const int64_t embed = layer ? size : 0;
-                    if (layer) {
-                      LayerProblem lp;
-                      lp.batch = b, lp.embed = size, lp.heads = h, lp.n = n, lp.causal = c;
-                      lp.seed = axes.seed;
-                      lp.validate();
-                      p = lp.attention();
-                    }
-                    p.score = s, p.score_hidden = axes.score_hidden;
-                    if (!pad.lengths.empty()) p.key_lengths = parse_key_lengths(pad.lengths, b);
-                    if (pad.fraction >= 0) p.key_lengths = padding_lengths(p, pad.fraction);
-                    Workload w;
-                    w.input = in, w.threads = axes.threads;
-                    p.validate();
-                    w.validate(p);
-                    if (s == Score::bilinear || s == Score::additive) {
-                      auto& sw = weights[{s, h, p.dim}];
-                      if (!sw) sw = make_score_weights(p);
-                      p.score_weights = sw;
-                    }
-                    Row key;
-                    key.spec = v->spec(), key.problem = p, key.workload = w, key.embed = embed;
-                    if (!seen.insert(row_key(key)).second) {
-                      plan.duplicates.push_back(
-                          fmt::format("{} {}{}", key.spec, layer ? fmt::format("E={},", embed) : "",
-                                      describe(p, w)));
-                      continue;
-                    }
-                    plan.configs.push_back({v.get(), p, w, embed});
-                  }
+    for (double scale : axes.scales)
+      for (bool c : axes.causals)
+        for (Score s : axes.scores)
+          for (auto size : sizes)
+            for (auto h : axes.heads)
+              for (auto b : axes.batches)
+                for (const auto& pad : paddings)
+                  for (auto n : axes.seqs)
+                    for (auto m : axes.seq_ks) add(in, scale, c, s, size, h, b, pad, n, m);
   return plan;
 }
 
@@ -196,6 +252,22 @@ std::vector<std::string> parse_input_list(const std::string& text) {
     inputs.push_back(s);
   }
   return inputs;
+}
+
+std::vector<double> parse_scale_list(const std::string& text) {
+  std::vector<double> out;
+  for (const auto& t : split_csv_line(text)) {
+    double v = 0;
+    const char* end = t.data() + t.size();
+    auto [ptr, ec] = std::from_chars(t.data(), end, v);
+    if (t.empty() || ec != std::errc() || ptr != end || !std::isfinite(v) || !(v > 0))
+      throw UsageError(
+          fmt::format("--scale: '{}' is not a positive number; accepted: positive numbers, "
+                      "comma-separated (e.g. 1,2,4)",
+                      t));
+    out.push_back(v);
+  }
+  return out;
 }
 
 LayerProblem layer_problem(const SweepConfig& config) {

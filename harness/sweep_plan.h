@@ -25,7 +25,9 @@ struct PaddingSetting {
 
 /// The problem axes of a sweep, parsed from the command line (an empty list plans nothing).
 struct SweepAxes {
-  std::vector<int64_t> seqs;  ///< query lengths n (m = n)
+  std::vector<int64_t> seqs;  ///< query lengths n
+  /// Key lengths m, crossed with `seqs`; 0 stands for m = n (also the default).
+  std::vector<int64_t> seq_ks = {0};
   std::vector<int64_t> batches, heads, dims;
   /// Embedding sizes E of multi-head layer rows (harness/layer.h), with d = E / H in place of
   /// `dims`; empty: rows of plain attention.
@@ -34,6 +36,7 @@ struct SweepAxes {
   std::vector<Score> scores = {Score::scaled_dot};  ///< scoring functions
   int64_t score_hidden = 0;                         ///< additive hidden size (0: d)
   std::vector<std::string> inputs;                  ///< input distributions
+  std::vector<double> scales = {1.0};               ///< logit sharpening factors (Workload)
   /// Key padding settings (parse_padding_settings); empty or {none}: no padding.
   std::vector<PaddingSetting> paddings;
   uint64_t seed = 0;
@@ -72,16 +75,26 @@ struct SweepPlan {
   std::vector<std::string> duplicates;
 };
 
-/// The variants of a sweep: one per spec, or every registered variant at its defaults when
-/// `specs` is empty. Throws SpecError for a bad spec (before any work is planned).
+/// The specs a spec with parameter grids stands for: a value `a|b|c` is a grid of three
+/// values, and several grids give their cross product, the first parameter outermost
+/// ("bigbird:block=32|64,random=1|2" gives block=32,random=1, block=32,random=2,
+/// block=64,random=1, block=64,random=2). The other parameters keep their text as written; a
+/// spec without a grid is returned as it is. Throws SpecError naming the parameter for a grid
+/// with an empty value ("window=|64", "window=64||128") or a value listed twice.
+std::vector<std::string> expand_spec_grids(const std::string& spec);
+
+/// The variants of a sweep: one per spec, a spec with grids expanded (expand_spec_grids) into
+/// one per combination, or every registered variant at its defaults when `specs` is empty.
+/// Throws SpecError for a bad spec (before any work is planned).
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
-/// Expands variants x axes into the plan. Order, outermost first: inputs, causal, scores, dims
-/// (or embeds), heads, batches, paddings, seqs, variants. The bilinear and additive problems
+/// Expands variants x axes into the plan. Order, outermost first: inputs, scales, causal,
+/// scores, dims (or embeds), heads, batches, paddings, seqs, seq_ks, variants. The bilinear and
+/// additive problems
 /// carry their seeded weights (make_score_weights, one set per shape shared by the
 /// configurations). Throws UsageError for a problem that fails Problem::validate (or a workload
 /// that fails Workload::validate), and for layer rows (embeds) with another input than
-/// gaussian or another score than scaled_dot.
+/// gaussian, another scale than 1 or another score than scaled_dot.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.
@@ -95,7 +108,12 @@ std::vector<Score> parse_score_list(const std::string& text);
 /// Throws UsageError naming an unknown one and the accepted names.
 std::vector<std::string> parse_input_list(const std::string& text);
 
-/// The layer a configuration with embed > 0 runs (self-attention, as the sweep's m = n).
+/// --scale of the sweep: comma-separated positive numbers, in the order given. Throws
+/// UsageError naming a value that is not one.
+std::vector<double> parse_scale_list(const std::string& text);
+
+/// The layer a configuration with embed > 0 runs (self-attention when its m = n, else
+/// cross-attention with keys and values of their own).
 LayerProblem layer_problem(const SweepConfig& config);
 
 /// The work of a configuration, for the sweep's ETA: its FLOPs (0 if the variant cannot

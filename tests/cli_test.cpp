@@ -1,6 +1,7 @@
 // End-to-end tests through the real attnbench binary (ATTNBENCH_BIN): exit codes, messages,
 // JSON and the result files of a sweep. Every run is tiny; `sweep` measures the machine
 // first (several seconds), so there are only three sweeps.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "common/npy.h"
 #include "common/pattern.h"
 #include "common/reference.h"
+#include "common/registry.h"
 #include "harness/results.h"
 #include "test_util.h"
 
@@ -77,6 +79,34 @@ std::string key_of(const std::map<std::string, std::string>& row) {
        {"spec", "batch", "heads", "n", "m", "dim", "causal", "input", "scale", "seed", "threads"})
     k += row.at(c) + "|";
   return k;
+}
+
+// Every row of `csv` has a configuration key of its own.
+void expect_one_row_per_key(const Csv& csv) {
+  std::set<std::string> keys;
+  for (const auto& row : csv.rows)
+    EXPECT_TRUE(keys.insert(key_of(row)).second) << "duplicate row " << key_of(row);
+}
+
+// A sweep through the binary that must succeed, and the results.csv it wrote in `out`.
+struct SweepRun {
+  CliResult result;
+  Csv csv;
+};
+SweepRun run_sweep(const std::string& args, const TempDir& dir, const std::string& out) {
+  SweepRun s{run_cli(args, dir), {}};
+  EXPECT_EQ(s.result.code, 0) << "attnbench " << args << "\n" << s.result.err;
+  if (s.result.code == 0) s.csv = read_csv(out + "/results.csv");
+  return s;
+}
+
+// The progress lines of a sweep's stderr.
+std::vector<std::string> progress_lines(const std::string& err) {
+  std::istringstream in(err);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("[", 0) == 0) lines.push_back(line);
+  return lines;
 }
 
 void expect_usage_error(const CliResult& r, const std::string& args) {
@@ -249,9 +279,7 @@ TEST(Cli, SweepKeyPaddingAndOldResultsFiles) {
       "sweep --variant flash --seq 64 --batch 2 --heads 1 --dim 8 --reps 1 "
       "--min-time 0 --out " +
       q(out);
-  CliResult r = run_cli(base + " --key-padding '10,64;none' --padding-fraction 0.5", dir);
-  ASSERT_EQ(r.code, 0) << r.err;
-  Csv csv = read_csv(out + "/results.csv");
+  auto [r, csv] = run_sweep(base + " --key-padding '10,64;none' --padding-fraction 0.5", dir, out);
   ASSERT_EQ(csv.rows.size(), 3u);
   EXPECT_EQ(csv.rows[0].at("key_padding"), "10+64");
   EXPECT_EQ(csv.rows[1].at("key_padding"), "");
@@ -470,6 +498,23 @@ TEST(Cli, BadArgumentsExitWithUsageErrors) {
       {"sweep --variant flash --input gaussian,bogus --out " + q(sweep_out), "bogus"},
       {"sweep --variant nosuch --out " + q(sweep_out), "nosuch"},
       {"sweep --variant flash --seq 32", "--out"},
+      {"sweep --variant flash --seq 256..5000 --out " + q(sweep_out), "256..5000:x2"},
+      {"sweep --variant flash --seq 256..5000:x1 --out " + q(sweep_out), "integer >= 2"},
+      {"sweep --variant flash --batch 1..4:+0 --out " + q(sweep_out), "--batch"},
+      {"sweep --variant flash --seq-k 64,often --out " + q(sweep_out), "often"},
+      {"sweep --variant flash --seq 64 --seq-k 64 --scale 1,0 --out " + q(sweep_out), "--scale"},
+      {"sweep --variant flash --embed 64 --scale 2 --out " + q(sweep_out), "--scale 2"},
+      {"sweep --variant 'local:window=|64' --out " + q(sweep_out), "parameter 'window'"},
+      {"sweep --variant 'local:window=64||128' --out " + q(sweep_out), "parameter 'window'"},
+      {"sweep --variant 'local:window=64|64' --out " + q(sweep_out), "'64' twice"},
+      {"sweep --out " + q(sweep_out) + " --also='--scale -1'", "--scale"},
+      // a grid is a sweep feature: the commands that run one spec say so
+      {run + "--variant 'local:window=64|128'", "sweep feature"},
+      {run + "--variant 'local:window=64|128'", "--variant 'local:window=64'"},
+      {"layer --embed 16 --variant 'local:window=1|2'", "sweep feature"},
+      {"pattern --seq 16 --variant 'local:window=1|2' --output " + q(dir.file("g.npy")),
+       "sweep feature"},
+      {run + "--variant 'local:window=|2'", "parameter 'window'"},
   };
   for (const auto& c : cases) {
     CliResult r = run_cli(c.args, dir);
@@ -674,27 +719,22 @@ TEST(Cli, SweepAlsoPlansMoreProblemsAndProgressFitsAHundredColumns) {
   TempDir dir;
   const std::string out = dir.file("results");
   // the second set repeats n = 32 (left out) and adds causal rows of linformer (refused)
-  CliResult r = run_cli(
+  auto [r, csv] = run_sweep(
       "sweep --variant full --seq 32,64 --heads 2 --dim 16 --reps 1 --min-time 0.01 --out " +
           q(out) +
           " --also='--variant full --variant linformer --seq 32 --heads 2 --dim 16 --causal "
           "on --key-padding 20'",
-      dir);
-  ASSERT_EQ(r.code, 0) << r.err;
-  Csv csv = read_csv(out + "/results.csv");
+      dir, out);
   ASSERT_EQ(csv.rows.size(), 4u);
   EXPECT_EQ(csv.rows[2].at("causal"), "1");
   EXPECT_EQ(csv.rows[2].at("key_padding"), "20");
   EXPECT_EQ(csv.rows[3].at("status"), "unsupported");
-  std::istringstream err(r.err);
-  int progress = 0;
-  for (std::string line; std::getline(err, line);)
-    if (line.rfind("[", 0) == 0) {
-      ++progress;
-      EXPECT_LE(line.size(), 100u) << line;
-      EXPECT_CONTAINS(line, "ETA");
-    }
-  EXPECT_EQ(progress, 4);
+  const auto progress = progress_lines(r.err);
+  for (const auto& line : progress) {
+    EXPECT_LE(line.size(), 100u) << line;
+    EXPECT_CONTAINS(line, "ETA");
+  }
+  EXPECT_EQ(progress.size(), 4u);
   // options of the whole sweep are refused inside --also, naming it
   r = run_cli("sweep --out " + q(out) + " --also='--threads 1'", dir);
   expect_usage_error(r, "--also");
@@ -702,6 +742,58 @@ TEST(Cli, SweepAlsoPlansMoreProblemsAndProgressFitsAHundredColumns) {
   r = run_cli("sweep --out " + q(out) + " --also='--seq 0'", dir);
   expect_usage_error(r, "--also");
   EXPECT_CONTAINS(r.err, "--also '--seq 0'");
+}
+
+// Lists of scales and key lengths, parameter grids and --also make one cross product: every
+// row is written once, the progress and meta.json count exactly the rows written, and
+// --resume recognises every one of them.
+TEST(Cli, SweepListsAndGridsAreCrossProducts) {
+  TempDir dir;
+  const std::string out = dir.file("results");
+  // bigbird refuses m != n: those rows are "unsupported" rows
+  const std::string args =
+      "sweep --variant 'local:window=8|16' --variant full --variant "
+      "'bigbird:block=8,random_blocks=0|1' --seq 64..128 --seq-k same,32 --scale 1,4 "
+      "--heads 1 --dim 8 --reps 1 --min-time 0 --out " +
+      q(out) + " --also='--variant full --seq 64 --seq-k 16,same --scale 2,4 --heads 1 --dim 8'";
+  auto [r, csv] = run_sweep(args, dir, out);
+  // 5 specs x 2 n x 2 m x 2 scales, then full at n = 64 with m in {16, 64} and scale in
+  // {2, 4}, less the one row planned already (m = 64, scale 4)
+  const size_t rows = 5 * 2 * 2 * 2 + 3;
+  ASSERT_EQ(csv.rows.size(), rows);
+  expect_one_row_per_key(csv);
+  std::set<std::string> specs;
+  std::map<std::string, int> per_scale, per_m, per_status;
+  for (const auto& row : csv.rows) {
+    specs.insert(row.at("spec"));
+    ++per_scale[row.at("scale")], ++per_m[row.at("m") == row.at("n") ? "n" : row.at("m")];
+    ++per_status[row.at("status")];
+    if (row.at("status") != "ok") {
+      EXPECT_EQ(row.at("variant"), "bigbird");
+      EXPECT_NE(row.at("m"), row.at("n"));
+    }
+  }
+  ASSERT_EQ(specs.size(), 5u);
+  EXPECT_EQ(specs.count(make_variant("local:window=8")->spec()), 1u);
+  EXPECT_EQ(specs.count(make_variant("local:window=16")->spec()), 1u);
+  EXPECT_EQ(specs.count(make_variant("bigbird:block=8,random_blocks=0")->spec()), 1u);
+  EXPECT_EQ(specs.count(make_variant("bigbird:block=8,random_blocks=1")->spec()), 1u);
+  EXPECT_EQ(per_scale, (std::map<std::string, int>{{"1", 20}, {"2", 2}, {"4", 21}}));
+  EXPECT_EQ(per_m, (std::map<std::string, int>{{"n", 21}, {"32", 20}, {"16", 2}}));
+  EXPECT_EQ(per_status, (std::map<std::string, int>{{"ok", 35}, {"unsupported", 8}}));
+  // the progress counts the rows written, and so does meta.json
+  const auto progress = progress_lines(r.err);
+  ASSERT_EQ(progress.size(), rows);
+  EXPECT_EQ(progress.front().rfind(fmt::format("[1/{}]", rows), 0), 0u) << progress.front();
+  EXPECT_EQ(progress.back().rfind(fmt::format("[{}/{}]", rows, rows), 0), 0u) << progress.back();
+  auto meta = parse_json(test::read_text(out + "/meta.json"));
+  EXPECT_EQ(meta.at("rows_planned"), rows);
+  // --resume keeps every row: nothing is measured again
+  r = run_cli(args + " --resume", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, fmt::format("{} kept", rows));
+  EXPECT_TRUE(progress_lines(r.err).empty()) << r.err;
+  EXPECT_EQ(read_csv(out + "/results.csv").lines, csv.lines);
 }
 
 TEST(Cli, SweepThenResume) {
@@ -720,11 +812,10 @@ TEST(Cli, SweepThenResume) {
   Csv csv = read_csv(out + "/results.csv");
   EXPECT_EQ(csv.header, csv_columns());
   ASSERT_EQ(csv.rows.size(), 8u);  // 2 variants x 2 lengths x 2 masks
-  std::set<std::string> keys;
+  expect_one_row_per_key(csv);
   std::map<std::string, int> per_variant, per_n, per_causal;
   for (const auto& row : csv.rows) {
     EXPECT_EQ(row.at("status"), "ok") << row.at("message");
-    EXPECT_TRUE(keys.insert(key_of(row)).second) << "duplicate row " << key_of(row);
     ++per_variant[row.at("variant")], ++per_n[row.at("n")], ++per_causal[row.at("causal")];
     EXPECT_EQ(row.at("heads"), "2");
     EXPECT_EQ(row.at("dim"), "16");
@@ -770,11 +861,8 @@ TEST(Cli, SweepThenResume) {
   ASSERT_EQ(csv2.rows.size(), 12u);
   // the old rows are untouched, the new ones are appended
   for (size_t i = 0; i < csv.lines.size(); ++i) EXPECT_EQ(csv2.lines[i], csv.lines[i]);
-  std::set<std::string> keys2;
-  for (const auto& row : csv2.rows) {
-    EXPECT_EQ(row.at("status"), "ok") << row.at("message");
-    EXPECT_TRUE(keys2.insert(key_of(row)).second) << "duplicate row " << key_of(row);
-  }
+  expect_one_row_per_key(csv2);
+  for (const auto& row : csv2.rows) EXPECT_EQ(row.at("status"), "ok") << row.at("message");
   for (size_t i = 8; i < 12; ++i) EXPECT_EQ(csv2.rows[i].at("n"), "128");
   bench = parse_json(test::read_text(out + "/benchmark.json"));
   EXPECT_EQ(bench.at("benchmarks").size(), 12u);

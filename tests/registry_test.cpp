@@ -299,21 +299,60 @@ TEST(ParseIntList, ListsAndRanges) {
   EXPECT_EQ(parse_int_list("100,256..512", "--seq"), (V{100, 256, 512}));
   EXPECT_EQ(parse_int_list("7", "--seq"), (V{7}));
   EXPECT_EQ(parse_int_list("1..1", "--seq"), (V{1}));
-  EXPECT_EQ(parse_int_list("3..20", "--seq"), (V{3, 6, 12}));
+  EXPECT_EQ(parse_int_list("3..24", "--seq"), (V{3, 6, 12, 24}));
+  EXPECT_EQ(parse_int_list("256..8192", "--seq"), (V{256, 512, 1024, 2048, 4096, 8192}));
   EXPECT_EQ(parse_int_list("64,32", "--seq"), (V{64, 32}));
   EXPECT_EQ(parse_int_list("1..4,1000", "--seq"), (V{1, 2, 4, 1000}));
+  // step rules: every value up to the end, the end itself when it is reached
+  EXPECT_EQ(parse_int_list("256..5000:x2", "--seq"), (V{256, 512, 1024, 2048, 4096}));
+  EXPECT_EQ(parse_int_list("3..20:x2", "--seq"), (V{3, 6, 12}));
+  EXPECT_EQ(parse_int_list("1..81:x3", "--seq"), (V{1, 3, 9, 27, 81}));
+  EXPECT_EQ(parse_int_list("256..1000:+256", "--seq"), (V{256, 512, 768}));
+  EXPECT_EQ(parse_int_list("256..1024:+256", "--seq"), (V{256, 512, 768, 1024}));
+  EXPECT_EQ(parse_int_list("5..5:+3,7..7:x2", "--seq"), (V{5, 7}));
+  EXPECT_EQ(parse_int_list("1..2147483647:x65536", "--seq"), (V{1, 65536}));
+  EXPECT_EQ(parse_int_list("2147483000..2147483647:+600", "--seq"), (V{2147483000, 2147483600}));
+  EXPECT_EQ(parse_int_list("1..10000:+1", "--seq").size(), 10000u);
+  // --seq-k: `same` is m = n, written 0
+  EXPECT_EQ(parse_seq_k_list("same,64..256:x4"), (V{0, 64, 256}));
 }
 
 TEST(ParseIntList, Errors) {
+  std::vector<std::string> all;
   for (const char* bad : {"", "a", "0", "10..5", "1,,2", "1,", ",1", "-5", "1..", "..4", "1...4",
-                          "1.5", " 1", "1 ,2", "0..4", "99999999999999999999999"}) {
-    SCOPED_TRACE(std::string("'") + bad + "'");
+                          "1.5", " 1", "1 ,2", "0..4", "99999999999999999999999", "same"})
+    all.push_back(bad);
+  // ranges: inexact doubling, malformed step rules, too many values
+  for (const char* bad :
+       {"3..20", "256..5000", "1..8:", "1..8:x", "1..8:x1", "1..8:x0", "1..8:+0", "1..8:-1",
+        "1..8:*2", "1..8:x1.5", "1..8:+2:+2", "1..10001:+1", "1..9999:+1,1..2:+1"})
+    all.push_back(bad);
+  for (const std::string& bad : all) {
+    SCOPED_TRACE("'" + bad + "'");
     try {
       parse_int_list(bad, "--seq");
       ADD_FAILURE() << "accepted";
     } catch (const UsageError& e) {
       EXPECT_CONTAINS(std::string(e.what()), "--seq");
+      EXPECT_CONTAINS(std::string(e.what()), "A..B:+S");  // the accepted forms
     }
+  }
+  // an inexact doubling range names both ways to write what was meant
+  try {
+    parse_int_list("128,256..5000", "--seq");
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_CONTAINS(std::string(e.what()), "256..5000, which does not reach 5000 by doubling");
+    EXPECT_CONTAINS(std::string(e.what()), "256..5000:x2 to stop at 4096");
+    EXPECT_CONTAINS(std::string(e.what()), "256..5000:+256");
+  }
+  try {
+    parse_seq_k_list("same,sometimes");
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_CONTAINS(std::string(e.what()), "--seq-k");
+    EXPECT_CONTAINS(std::string(e.what()), "sometimes");
+    EXPECT_CONTAINS(std::string(e.what()), "same (m = n)");
   }
 }
 
@@ -345,6 +384,8 @@ TEST(ParseIntListDeathTest, LargeRangeInAChild) {
       "the child caps its address space (RLIMIT_AS) below what AddressSanitizer reserves");
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(std::exit(check_huge_range("1..1048576", 1 << 20)), testing::ExitedWithCode(0), "");
+  // a step of 1 over the whole int32 range is refused before its values are listed
+  EXPECT_EXIT(std::exit(check_huge_range("1..2147483647:+1", 1)), testing::ExitedWithCode(0), "");
   EXPECT_EXIT(std::exit(check_huge_range("1..4611686018427387903", (int64_t(1) << 62) - 1)),
               testing::ExitedWithCode(0), "");
 }

@@ -36,6 +36,19 @@ SweepAxes small_axes() {
   return a;
 }
 
+// One shape for each length n: B = 1, H = 2, d = 16, not causal, gaussian inputs, one thread.
+SweepAxes one_shape_axes(std::vector<int64_t> seqs) {
+  SweepAxes a;
+  a.seqs = std::move(seqs);
+  a.batches = {1};
+  a.heads = {2};
+  a.dims = {16};
+  a.causals = {false};
+  a.inputs = {"gaussian"};
+  a.threads = 1;
+  return a;
+}
+
 // A configuration as "spec|input|causal|d|H|B|n", the axes outermost first.
 std::string describe(const SweepConfig& c) {
   const Problem& p = c.problem;
@@ -76,14 +89,7 @@ TEST(SweepPlan, EveryConfigurationCarriesSeedThreadsAndSelfAttention) {
 }
 
 TEST(SweepPlan, DuplicatesAreLeftOutKeepingTheFirst) {
-  SweepAxes a;
-  a.seqs = {64, 128, 64};
-  a.batches = {1};
-  a.heads = {2};
-  a.dims = {16};
-  a.causals = {false};
-  a.inputs = {"gaussian"};
-  a.threads = 1;
+  const SweepAxes a = one_shape_axes({64, 128, 64});
   // flash at its defaults and flash:block_q=64 are the same canonical spec
   const SweepPlan plan = plan_sweep(variants({"flash", "full", "flash:block_q=64"}), a);
   ASSERT_EQ(plan.configs.size(), 4u);
@@ -135,6 +141,103 @@ TEST(SweepPlan, VariantsAreEveryRegisteredOneOrTheSpecsGiven) {
   EXPECT_CONTAINS(given[0]->spec(), "window=32");
   EXPECT_EQ(given[1]->spec(), "full");
   EXPECT_THROW(make_sweep_variants({"full", "no_such_variant"}), SpecError);
+}
+
+TEST(SweepPlan, SpecGridsExpandToTheirCrossProduct) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(expand_spec_grids("local:window=64|128|256"),
+            (V{"local:window=64", "local:window=128", "local:window=256"}));
+  // several grids: the first parameter outermost; a parameter without a grid kept as written
+  EXPECT_EQ(expand_spec_grids("bigbird:block=32|64,global_blocks=2,random_blocks=1|2"),
+            (V{"bigbird:block=32,global_blocks=2,random_blocks=1",
+               "bigbird:block=32,global_blocks=2,random_blocks=2",
+               "bigbird:block=64,global_blocks=2,random_blocks=1",
+               "bigbird:block=64,global_blocks=2,random_blocks=2"}));
+  EXPECT_EQ(expand_spec_grids("local:window=32"), V{"local:window=32"});
+  EXPECT_EQ(expand_spec_grids("full"), V{"full"});
+  // each expanded spec is its own variant, as if it had been listed
+  const auto given = make_sweep_variants({"local:window=8|16,block=32", "full"});
+  ASSERT_EQ(given.size(), 3u);
+  EXPECT_EQ(given[0]->spec(), make_variant("local:window=8,block=32")->spec());
+  EXPECT_EQ(given[1]->spec(), make_variant("local:window=16,block=32")->spec());
+  EXPECT_EQ(given[2]->spec(), "full");
+  // a grid value the variant refuses is named as in a plain spec
+  EXPECT_CONTAINS(test::error_message<SpecError>([] { make_sweep_variants({"local:window=8|x"}); }),
+                  "'x'");
+}
+
+TEST(SweepPlan, MalformedGridsAreErrorsNamingTheParameter) {
+  for (const char* spec : {"local:window=|64", "local:window=64||128", "local:window=64|",
+                           "local:window=64|128|64", "local:block=32,window=8|8"}) {
+    SCOPED_TRACE(spec);
+    const std::string msg = test::error_message<SpecError>([&] { expand_spec_grids(spec); });
+    EXPECT_CONTAINS(msg, "parameter 'window'");
+    EXPECT_CONTAINS(msg, "window=64|128|256");  // what is accepted
+  }
+  EXPECT_CONTAINS(test::error_message<SpecError>([] { expand_spec_grids("local:window=64||128"); }),
+                  "empty value");
+  EXPECT_CONTAINS(
+      test::error_message<SpecError>([] { expand_spec_grids("local:window=64|128|64"); }),
+      "lists '64' twice");
+  // the rest of the spec is read as any spec is
+  EXPECT_CONTAINS(test::error_message<SpecError>([] { expand_spec_grids("local:window8|16"); }),
+                  "malformed");
+}
+
+TEST(SweepPlan, ScalesAndKeyLengthsAreCrossedWithTheOtherAxes) {
+  SweepAxes a = one_shape_axes({64, 128});
+  a.seq_ks = {0, 32};
+  a.scales = {1, 4};
+  const SweepPlan plan = plan_sweep(variants({"full", "local:window=8"}), a);
+  // 2 scales x 2 seqs x 2 key lengths x 2 variants
+  ASSERT_EQ(plan.configs.size(), 16u);
+  EXPECT_TRUE(plan.duplicates.empty());
+  auto at = [&](size_t i) {
+    const SweepConfig& c = plan.configs[i];
+    return fmt::format("{}|{}|{}|{}", c.variant->info().name, c.workload.scale, c.problem.n,
+                       c.problem.keys());
+  };
+  // the key lengths inside the query lengths, the scales outside them (next to the inputs)
+  EXPECT_EQ(at(0), "full|1|64|64");
+  EXPECT_EQ(at(1), "local|1|64|64");
+  EXPECT_EQ(at(2), "full|1|64|32");
+  EXPECT_EQ(at(4), "full|1|128|128");
+  EXPECT_EQ(at(6), "full|1|128|32");
+  EXPECT_EQ(at(8), "full|4|64|64");
+  EXPECT_EQ(at(15), "local|4|128|32");
+  // m = n given as a number is the row of m = n (m written 0): listed twice, run once
+  a.seq_ks = {0, 64};
+  a.scales = {1};
+  const SweepPlan same = plan_sweep(variants({"full"}), a);
+  ASSERT_EQ(same.configs.size(), 3u);
+  EXPECT_EQ(same.configs[0].problem.m, 0);
+  EXPECT_EQ(same.configs[1].problem.keys(), 128);
+  EXPECT_EQ(same.configs[2].problem.keys(), 64);
+  EXPECT_EQ(same.duplicates.size(), 1u);
+}
+
+TEST(SweepPlan, LayerRowsTakeKeyLengthsButNotScales) {
+  SweepAxes a = one_shape_axes({32});
+  a.seq_ks = {0, 48};
+  a.embeds = {16};  // in place of the dims: d = E / H
+  const SweepPlan plan = plan_sweep(variants({"full"}), a);
+  ASSERT_EQ(plan.configs.size(), 2u);
+  EXPECT_EQ(layer_problem(plan.configs[0]).m, 0);  // self-attention
+  EXPECT_EQ(layer_problem(plan.configs[1]).m, 48);
+  EXPECT_EQ(plan.configs[1].problem.keys(), 48);
+  a.scales = {1, 2};
+  EXPECT_CONTAINS(test::error_message<UsageError>([&] { plan_sweep(variants({"full"}), a); }),
+                  "--scale 2");
+}
+
+TEST(SweepPlan, ScaleListIsPositiveNumbers) {
+  EXPECT_EQ(parse_scale_list("1,2,0.5,4"), (std::vector<double>{1, 2, 0.5, 4}));
+  for (const char* bad : {"", "0", "-1", "1,,2", "abc", "nan", "inf", "1e999", "2x"}) {
+    SCOPED_TRACE(bad);
+    const std::string msg = test::error_message<UsageError>([&] { parse_scale_list(bad); });
+    EXPECT_CONTAINS(msg, "--scale");
+    EXPECT_CONTAINS(msg, "positive numbers");
+  }
 }
 
 TEST(SweepPlan, CausalModes) {
