@@ -4,12 +4,14 @@
 # scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments replace the default
 # sweep and go to `attnbench sweep` as they are.
 #
-# The default sweep is one `attnbench sweep` of two sets of problems (the second given with
-# --also, so that the progress line's ETA covers both):
+# The default sweep is one `attnbench sweep` of three sets of problems (the others given with
+# --also, so that the progress line's ETA covers them all):
 #   1. speed: every variant with its defaults, n = 256..8192, causal off and on, gaussian
 #      inputs;
-#   2. accuracy: every variant at n = 256..2048, without causal masking, on the other input
-#      distributions (local, clustered, lowrank), so that the error figure has a panel each.
+#   2. accuracy: every variant at n = 256..8192 without causal masking, on the other input
+#      distributions (local, clustered, lowrank) and on gaussian inputs sharpened by
+#      --scale 2 and 4, so that the error figure has a panel each. The float64 reference of
+#      each problem is computed once and reused for every variant.
 # Finished rows are kept: running the script again resumes where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +20,8 @@ shift || true
 bash scripts/build.sh
 if [ $# -eq 0 ]; then
   ./build/attnbench sweep --out "$out" --resume --seq 256..8192 --causal both \
-    --also='--seq 256..2048 --causal off --input local,clustered,lowrank'
+    --also='--seq 256..8192 --causal off --input local,clustered,lowrank' \
+    --also='--seq 256..8192 --causal off --input gaussian --scale 2,4'
 else
   ./build/attnbench sweep --out "$out" "$@"
 fi
