@@ -303,7 +303,7 @@ assert av.complete_variants(old, ["topk", "full"], av.default_binary(), warnings
 assert not warnings, warnings
 described = {v["name"]: v for v in old["variants"]}
 assert described["topk"]["plugin"] == plugin, described["topk"]
-assert [(p["name"], p["default"]) for p in described["topk"]["params"]] == [("k", 32)], described
+assert [(p["name"], p["default"]) for p in described["topk"]["params"]] == [("k", "32")], described
 # the recorded plugin is gone: named, and only its variant stays undescribed
 old = {k: v for k, v in meta.items() if k != "variants"}
 old["plugins"] = [missing]
