@@ -21,7 +21,9 @@ every figure of every run (attnbench_plots/style.py); legends name a spec by its
 parameters. Time, memory and crossover use one
 input distribution (--input); they do not depend on the data for most variants, and mixing
 inputs would draw several points per n. The figures are drawn by the attnbench_plots package
-(one module per figure family); no attnbench binary is run.
+(one module per figure family). The attnbench binary (--attnbench) is run only for a results
+directory whose meta.json does not describe every variant in it (one written by an earlier
+attnbench): `attnbench list --json`, with the plugins meta.json records loaded.
 """
 
 import argparse
@@ -30,6 +32,17 @@ import os
 from attnbench_plots import report
 from attnbench_plots.style import PROG, warn
 from attnbench_results import load_meta, load_results, run_main
+from attnbench_variants import complete_variants, default_binary
+
+
+def describe_variants(args, df, meta):
+    """Completes meta["variants"] (parameters and defaults, for the legends' short labels) for
+    every variant in the results, from the binary with the plugins meta.json records; a missing
+    plugin or binary is a warning naming it, and only costs the short labels."""
+    if isinstance(meta, dict):
+        names = list(dict.fromkeys(str(s).partition(":")[0] for s in df["spec"]))
+        complete_variants(meta, names, args.attnbench or default_binary(), warn,
+                          os.path.join(args.dir, "meta.json"))
 
 
 def main():
@@ -44,9 +57,10 @@ def main():
                     help="input distribution of the time, memory and crossover figures "
                          "(default: gaussian if present, else the first in the results)")
     ap.add_argument("--attnbench", default=None, metavar="PATH",
-                    help="not used: the pattern gallery is drawn from the patterns the sweep "
-                         "stored in DIR/patterns, not by running attnbench (accepted so that "
-                         "earlier command lines still work)")
+                    help="attnbench binary asked for the variants meta.json does not describe "
+                         "(results of an earlier attnbench), with the plugins meta.json records "
+                         "(default: the binary installed with this script, or build/attnbench "
+                         "of its source tree)")
     ap.add_argument("--pattern-n", type=int, default=None,
                     help="sequence length of the pattern gallery, among the stored patterns "
                          "(default: the length each pattern was stored at, the measured one "
@@ -54,11 +68,9 @@ def main():
     args = ap.parse_args()
     if args.pattern_n is not None and args.pattern_n < 1:
         ap.error("--pattern-n must be positive")
-    if args.attnbench is not None:
-        warn("--attnbench is not used: the pattern gallery is drawn from the patterns the sweep "
-             "stored in DIR/patterns")
     df = load_results(args.dir)
     meta = load_meta(args.dir)
+    describe_variants(args, df, meta)
     path = report.write(args, df, meta)
     print(f"{PROG}: wrote {path} and {os.path.join(args.dir, 'plots')}/*.png")
     return 0

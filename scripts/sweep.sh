@@ -13,16 +13,33 @@
 #      --scale 2 and 4, so that the error figure has a panel each. The float64 reference of
 #      each problem is computed once and reused for every variant.
 # Finished rows are kept: running the script again resumes where it stopped.
+#
+# Installed (`cmake --install`, PREFIX/share/attnbench/scripts/sweep.sh) it builds nothing: it
+# runs the installation's bin/attnbench (installed_binary.txt beside it says where that is), and
+# the results directory is relative to the current directory. Plugins load as for attnbench
+# itself (ATTNBENCH_PLUGINS, or --plugin among the extra arguments).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+here=$(cd "$(dirname "$0")" && pwd)
+if [ -f "$here/installed_binary.txt" ]; then
+  read -r bin <"$here/installed_binary.txt"
+  case $bin in
+    /*) ;;
+    *) bin=$here/$bin ;;
+  esac
+  [ -x "$bin" ] || { echo "sweep.sh: no attnbench binary at $bin (installed_binary.txt)" >&2; exit 2; }
+  bin=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
+else
+  cd "$here/.."
+  bash scripts/build.sh
+  bin=./build/attnbench
+fi
 out=${1:-results/default}
 shift || true
-bash scripts/build.sh
 if [ $# -eq 0 ]; then
-  ./build/attnbench sweep --out "$out" --resume --seq 256..8192 --causal both \
+  "$bin" sweep --out "$out" --resume --seq 256..8192 --causal both \
     --also='--seq 256..8192 --causal off --input local,clustered,lowrank' \
     --also='--seq 256..8192 --causal off --input gaussian --scale 2,4'
 else
-  ./build/attnbench sweep --out "$out" "$@"
+  "$bin" sweep --out "$out" "$@"
 fi
-/usr/bin/python3 scripts/plot.py "$out"
+/usr/bin/python3 "$here/plot.py" "$out"

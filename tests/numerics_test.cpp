@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cfloat>
 #include <cmath>
 #include <string>
@@ -39,13 +38,6 @@ std::vector<std::string> exact_specs() {
     if (v->caps.exact) specs.push_back(v->name);
   specs.push_back("flash:block_q=16,block_k=16");
   return specs;
-}
-
-std::string test_name(const testing::TestParamInfo<std::string>& info) {
-  std::string s = info.param;
-  for (char& c : s)
-    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-  return s;
 }
 
 // Ragged shapes, causal and not, the first within one key block, the others across several.
@@ -150,7 +142,8 @@ TEST_P(ExactNumerics, LogitsPastFloatAreNeverFiniteAndWrong) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Exact, ExactNumerics, testing::ValuesIn(exact_specs()), test_name);
+INSTANTIATE_TEST_SUITE_P(Exact, ExactNumerics, testing::ValuesIn(exact_specs()),
+                         test::spec_test_name);
 
 // ----- the workload's scale, as the kernels see it -----
 

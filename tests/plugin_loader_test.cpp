@@ -18,6 +18,8 @@ std::vector<std::string> registered_names() {
 
 TEST(PluginLoader, ClashAddsNothingAndKeepsTheBuiltIn) {
   const auto before = registered_names();
+  // (the plugins of ATTNBENCH_PLUGINS, if the tests are run with some, are loaded already)
+  const std::vector<std::string> plugins_before = loaded_plugins();
   const std::string msg =
       test::error_message<PluginError>([] { load_plugin(ATTNBENCH_TEST_CLASH_PLUGIN); });
   EXPECT_CONTAINS(msg, ATTNBENCH_TEST_CLASH_PLUGIN);
@@ -25,7 +27,7 @@ TEST(PluginLoader, ClashAddsNothingAndKeepsTheBuiltIn) {
   // clash_new, acceptable on its own, was not added either
   EXPECT_EQ(Registry::instance().find("clash_new"), nullptr);
   EXPECT_EQ(registered_names(), before);
-  EXPECT_TRUE(loaded_plugins().empty());
+  EXPECT_EQ(loaded_plugins(), plugins_before);
   // the built-in full still works
   Problem p;
   p.batch = 1, p.heads = 1, p.n = 7, p.dim = 5;

@@ -2,7 +2,10 @@
 # Out-of-tree plugins end to end: installs this build into a temporary prefix, builds
 # examples/plugin (exact top-k attention) and the broken plugins of tests/plugin as separate
 # CMake projects against it, and drives the installed binary with them. Top-k outputs, errors
-# and patterns are checked against an independent numpy computation.
+# and patterns are checked against an independent numpy computation. The test suite
+# (BUILD_DIR/tests/attnbench_tests) runs its per-variant checks on the plugin's variant, and
+# fails them on a deliberately wrong copy of it (renamed with the example's one edit); the
+# installed scripts (share/attnbench/scripts) run a sweep with the plugin and plot it.
 #
 # usage: plugin_test.sh BUILD_DIR SOURCE_DIR [CMAKE]
 set -euo pipefail
@@ -225,4 +228,97 @@ refused "$broken/other_abi.so" "built against attnbench ABI $((abi + 1)), this a
 refused "$broken/wrong_entry.so" "cannot load" "undefined symbol" "register_variant_abi$((abi + 1))" -- \
   "$bin" --plugin "$broken/wrong_entry.so" list
 refused "$broken/no_variants.so" "registers no variant" -- "$bin" --plugin "$broken/no_variants.so" list
+
+# --- the test suite's per-variant checks on the plugin's variant ---
+tests=$build/tests/attnbench_tests
+[ -x "$tests" ] || fail "no test suite at $tests"
+# suite PLUGIN OUT: runs the checks of every test that ranges over the variants on topk
+suite() {
+  local status=0
+  ATTNBENCH_PLUGINS=$1 "$tests" --gtest_filter='*/topk' >"$2" 2>&1 || status=$?
+  return "$status"
+}
+ATTNBENCH_PLUGINS="$topk" "$tests" --gtest_filter='*/topk' --gtest_list_tests >"$tmp/cases"
+for suite_name in AllVariants/VariantTest. Exact/ExactNumerics. AllVariants/VariantParamBounds.; do
+  grep -qF "$suite_name" "$tmp/cases" || fail "the suite has no $suite_name case for topk: $(cat "$tmp/cases")"
+done
+"$tests" --gtest_filter='*/topk' --gtest_list_tests >"$tmp/cases"
+! grep -q "^  " "$tmp/cases" || fail "topk cases without the plugin loaded: $(cat "$tmp/cases")"
+suite "$topk" "$tmp/suite.log" || { cat "$tmp/suite.log" >&2; fail "the suite's checks fail on topk"; }
+ran=$(sed -n 's/^\[==========\] \([0-9]*\) tests\{0,1\} from .* ran\..*/\1/p' "$tmp/suite.log")
+[ "${ran:-0}" -ge 14 ] || fail "the suite ran ${ran:-no} tests on topk, expected every per-variant check"
+echo "test suite: $ran checks passed on the plugin's topk"
+# A wrong copy: the example renamed by its one edit (PLUGIN_NAME), with outputs off by 1e-3.
+cp -r "$src/examples/plugin" "$tmp/wrong"
+sed -i 's/^set(PLUGIN_NAME topk_attention)$/set(PLUGIN_NAME topk_wrong)/' "$tmp/wrong/CMakeLists.txt"
+grep -q "^set(PLUGIN_NAME topk_wrong)$" "$tmp/wrong/CMakeLists.txt" || fail "no PLUGIN_NAME line"
+sed -i 's|^          const float inv = 1.0f / sum;$|          const float inv = 1.001f / sum;|' \
+  "$tmp/wrong/topk.cpp"
+! cmp -s "$src/examples/plugin/topk.cpp" "$tmp/wrong/topk.cpp" || fail "topk.cpp was not altered"
+if ! { "$cmake" -S "$tmp/wrong" -B "$tmp/build-wrong" -DCMAKE_PREFIX_PATH="$tmp/prefix" &&
+       "$cmake" --build "$tmp/build-wrong" -j2; } >"$tmp/log" 2>&1; then
+  cat "$tmp/log" >&2
+  fail "building the renamed copy of examples/plugin"
+fi
+[ -f "$tmp/build-wrong/topk_wrong.so" ] || fail "PLUGIN_NAME did not name the plugin file"
+! suite "$tmp/build-wrong/topk_wrong.so" "$tmp/suite.log" || fail "the suite passes a wrong topk"
+grep -q "FAILED.*AllVariants/VariantTest.MatchesReferenceOnRaggedShapes/topk" "$tmp/suite.log" ||
+  fail "the wrong topk did not fail the reference check: $(tail -20 "$tmp/suite.log")"
+
+# --- the installed scripts: help, a sweep with the plugin by sweep.sh, plots ---
+scripts=$tmp/prefix/share/attnbench/scripts
+for f in plot.py compare.py sweep.sh attnbench_results.py attnbench_variants.py \
+  attnbench_plots/__init__.py attnbench_plots/report.py installed_binary.txt; do
+  [ -f "$scripts/$f" ] || fail "$f is not installed in share/attnbench/scripts"
+done
+mkdir "$tmp/work"
+cd "$tmp/work"
+"$scripts/plot.py" --help >"$tmp/help" || fail "the installed plot.py --help"
+grep -q "results directory" "$tmp/help" || fail "plot.py --help: $(cat "$tmp/help")"
+"$scripts/compare.py" --help >/dev/null || fail "the installed compare.py --help"
+ATTNBENCH_PLUGINS="$topk" bash "$scripts/sweep.sh" isweep --variant topk:k=8 --variant full \
+  --seq 64 --heads 2 --dim 16 --reps 1 --min-time 0.01 >"$tmp/sweep.out" 2>&1 ||
+  { cat "$tmp/sweep.out" >&2; fail "the installed sweep.sh"; }
+[ ! -e "$tmp/work/build" ] || fail "the installed sweep.sh built something"
+for f in results.csv meta.json report.md plots/time_vs_n.png; do
+  [ -s "$tmp/work/isweep/$f" ] || fail "the installed sweep.sh wrote no isweep/$f"
+done
+"$py" - "$tmp/work/isweep" "$(realpath "$bin")" "$topk_real" "$scripts" "$tmp/missing.so" <<'PY'
+import csv, json, os, shlex, sys
+out, binary, plugin, scripts, missing = sys.argv[1:]
+rows = list(csv.DictReader(open(out + "/results.csv")))
+assert sorted(r["spec"] for r in rows) == ["full", "topk:k=8"], [r["spec"] for r in rows]
+assert all(r["status"] == "ok" for r in rows), rows
+meta = json.load(open(out + "/meta.json"))
+assert os.path.realpath(shlex.split(meta["command_line"])[0]) == binary, meta["command_line"]
+assert meta["plugins"] == [plugin], meta["plugins"]
+# an older directory, whose meta.json does not describe its variants: the installed binary is
+# asked with the plugin meta.json records
+sys.path.insert(0, scripts)
+import attnbench_variants as av
+assert av.installed() and os.path.realpath(av.default_binary()) == binary, av.default_binary()
+warnings = []
+old = {k: v for k, v in meta.items() if k != "variants"}
+assert av.complete_variants(old, ["topk", "full"], av.default_binary(), warnings.append) == []
+assert not warnings, warnings
+described = {v["name"]: v for v in old["variants"]}
+assert described["topk"]["plugin"] == plugin, described["topk"]
+assert [(p["name"], p["default"]) for p in described["topk"]["params"]] == [("k", "32")], described
+# the recorded plugin is gone: named, and only its variant stays undescribed
+old = {k: v for k, v in meta.items() if k != "variants"}
+old["plugins"] = [missing]
+left = av.complete_variants(old, ["topk", "full"], av.default_binary(), warnings.append)
+assert left == ["topk"], left
+assert any(missing in w and "does not exist" in w for w in warnings), warnings
+assert [v["name"] for v in old["variants"]] == ["full"], old["variants"]
+# written back for plot.py below
+json.dump({k: v for k, v in old.items() if k != "variants"}, open(out + "/meta.json", "w"))
+PY
+rm -r "$tmp/work/isweep/plots"
+"$scripts/plot.py" isweep >"$tmp/plot.out" 2>"$tmp/plot.err" ||
+  { cat "$tmp/plot.err" >&2; fail "the installed plot.py on an older directory"; }
+grep -qF "$tmp/missing.so" "$tmp/plot.err" && grep -q "does not exist" "$tmp/plot.err" ||
+  fail "plot.py does not name the missing plugin: $(cat "$tmp/plot.err")"
+[ -s "$tmp/work/isweep/plots/time_vs_n.png" ] || fail "no figures without the plugin"
+cd - >/dev/null
 echo "plugin_test: all checks passed"

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -369,6 +370,24 @@ inline void expect_full_attention(const std::string& spec, const Problem& p) {
 }
 
 /// Result of one run of the attnbench binary.
+/// Names of the registered variants, sorted: those linked in and those of the plugins in
+/// ATTNBENCH_PLUGINS, which main() (test_main.cpp) loads before the parameterised tests are
+/// enumerated. The values of the tests that range over every variant.
+inline std::vector<std::string> variant_names() {
+  std::vector<std::string> names;
+  for (const VariantInfo* v : Registry::instance().all()) names.push_back(v->name);
+  return names;
+}
+
+/// A variant spec as a test name suffix (letters, digits and '_'), e.g. AllVariants/.../full,
+/// so that `--gtest_filter='*/NAME'` selects a variant's cases.
+inline std::string spec_test_name(const testing::TestParamInfo<std::string>& info) {
+  std::string s = info.param;
+  for (char& c : s)
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  return s;
+}
+
 struct CliResult {
   int code = -1;  ///< exit status, or -1 if it did not exit normally
   std::string out, err;

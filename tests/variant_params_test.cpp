@@ -119,42 +119,49 @@ void check_made(Variant& v, const VariantInfo& info, const std::string& param) {
   }
 }
 
-TEST(VariantParams, BoundaryAndOutOfRangeValues) {
+// One case per registered variant (plugins' included), so `--gtest_filter='*/NAME'` picks a
+// variant's.
+class VariantParamBounds : public testing::TestWithParam<std::string> {};
+
+TEST_P(VariantParamBounds, BoundaryAndOutOfRangeValues) {
   test::ScopedThreads threads(2);
-  for (const VariantInfo* info : Registry::instance().all()) {
-    for (const ParamSpec& ps : info->params) {
-      const Values vals = values_of(ps);
-      for (const std::string& value : vals.refused) {
-        const std::string spec = fmt::format("{}:{}={}", info->name, ps.name, value);
-        SCOPED_TRACE(spec);
-        const std::string msg = error_message<SpecError>([&] { make_variant(spec); });
-        if (!msg.empty()) {  // names the parameter, the value and what is accepted
-          EXPECT_NE(msg.find("'" + ps.name + "'"), std::string::npos) << msg;
-          EXPECT_NE(msg.find("'" + value + "'"), std::string::npos) << msg;
-          EXPECT_NE(msg.find("accepted: " + ps.accepted()), std::string::npos) << msg;
-        }
+  const VariantInfo* info = Registry::instance().find(GetParam());
+  ASSERT_NE(info, nullptr);
+  for (const ParamSpec& ps : info->params) {
+    const Values vals = values_of(ps);
+    for (const std::string& value : vals.refused) {
+      const std::string spec = fmt::format("{}:{}={}", info->name, ps.name, value);
+      SCOPED_TRACE(spec);
+      const std::string msg = error_message<SpecError>([&] { make_variant(spec); });
+      if (!msg.empty()) {  // names the parameter, the value and what is accepted
+        EXPECT_NE(msg.find("'" + ps.name + "'"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("'" + value + "'"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("accepted: " + ps.accepted()), std::string::npos) << msg;
       }
-      for (const std::string& value : vals.in_range) {
-        const std::string spec = fmt::format("{}:{}={}", info->name, ps.name, value);
-        SCOPED_TRACE(spec);
-        std::unique_ptr<Variant> v;
-        try {
-          v = make_variant(spec);
-        } catch (const SpecError& e) {
-          // refused when made: allowed, if it says which parameter
-          EXPECT_NE(std::string(e.what()).find(ps.name), std::string::npos) << e.what();
-          continue;
-        } catch (const std::exception& e) {
-          ADD_FAILURE() << "make threw something other than SpecError: " << e.what();
-          continue;
-        }
-        // the canonical spec makes the same variant again
-        EXPECT_NO_THROW(make_variant(v->spec())) << v->spec();
-        check_made(*v, *info, ps.name);
+    }
+    for (const std::string& value : vals.in_range) {
+      const std::string spec = fmt::format("{}:{}={}", info->name, ps.name, value);
+      SCOPED_TRACE(spec);
+      std::unique_ptr<Variant> v;
+      try {
+        v = make_variant(spec);
+      } catch (const SpecError& e) {
+        // refused when made: allowed, if it says which parameter
+        EXPECT_NE(std::string(e.what()).find(ps.name), std::string::npos) << e.what();
+        continue;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "make threw something other than SpecError: " << e.what();
+        continue;
       }
+      // the canonical spec makes the same variant again
+      EXPECT_NO_THROW(make_variant(v->spec())) << v->spec();
+      check_made(*v, *info, ps.name);
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, VariantParamBounds, testing::ValuesIn(test::variant_names()),
+                         test::spec_test_name);
 
 // Item 9: reformer checks its buckets when it is made, not when its FLOPs are estimated.
 TEST(VariantParams, ReformerOddBucketsRefusedWhenMade) {

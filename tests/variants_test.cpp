@@ -4,10 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -18,7 +15,6 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/oracle.h"
-#include "common/plugin.h"
 #include "common/reference.h"
 #include "common/registry.h"
 #include "test_util.h"
@@ -59,32 +55,6 @@ Tensor run_variant(Variant& v, const Problem& p, const Inputs& in) {
 
 bool all_finite(const Tensor& t) {
   return std::all_of(t.data(), t.data() + t.numel(), [](float x) { return std::isfinite(x); });
-}
-
-// Variant names known when the tests are enumerated: every variant linked in (registrations
-// are static) and those of the plugins in ATTNBENCH_PLUGINS, which this loads, so that
-// `ATTNBENCH_PLUGINS=my.so attnbench_tests --gtest_filter='AllVariants/*'` holds a plugin's
-// variants to their oracles too.
-// A plugin that does not load stops the tests with its error (exit status 2).
-std::vector<std::string> variant_names() {
-  if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {
-    try {
-      for (const std::string& path : split_plugin_list(env)) load_plugin(path);
-    } catch (const PluginError& e) {
-      std::fprintf(stderr, "attnbench_tests: %s (in ATTNBENCH_PLUGINS)\n", e.what());
-      std::exit(2);
-    }
-  }
-  std::vector<std::string> names;
-  for (const VariantInfo* v : Registry::instance().all()) names.push_back(v->name);
-  return names;
-}
-
-std::string test_name(const testing::TestParamInfo<std::string>& info) {
-  std::string s = info.param;
-  for (char& c : s)
-    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-  return s;
 }
 
 class VariantTest : public testing::TestWithParam<std::string> {
@@ -349,7 +319,8 @@ TEST_P(VariantTest, FlopsAndMemoryEstimatesArePositive) {
   EXPECT_EQ(variant_->spec().rfind(GetParam(), 0), 0u) << variant_->spec();
 }
 
-INSTANTIATE_TEST_SUITE_P(AllVariants, VariantTest, testing::ValuesIn(variant_names()), test_name);
+INSTANTIATE_TEST_SUITE_P(AllVariants, VariantTest, testing::ValuesIn(test::variant_names()),
+                         test::spec_test_name);
 
 // An approximation without an oracle cannot pass the shared test: a plugin must give one.
 TEST(Oracles, ApproximationWithoutAnOracleIsRefused) {

@@ -182,15 +182,22 @@ class TopkAttention final : public attnbench::Variant {
           float max = -INFINITY;
           for (int64_t t = 0; t < count; ++t)
             max = std::max(max, s.logits[size_t(s.keys[size_t(t)])]);
-          // pass 4: out_i = sum_t w_t v_{j_t} / sum_t w_t, w_t = exp(scale (s_{j_t} - max))
+          // pass 4: the weights w_t = exp(scale (s_{j_t} - max)), in place of the logits, and
+          // their sum
           float sum = 0.0f;
           for (int64_t t = 0; t < count; ++t) {
-            const int32_t j = s.keys[size_t(t)];
-            const float w = std::exp(scale * (s.logits[size_t(j)] - max));
-            sum += w;
-            o += w * Eigen::Map<const Eigen::VectorXf>(v.row(b, h, j), d);
+            float& l = s.logits[size_t(s.keys[size_t(t)])];
+            l = std::exp(scale * (l - max));
+            sum += l;
           }
-          o /= sum;
+          // pass 5: out_i = sum_t (w_t / sum) v_{j_t}, normalised as it goes: a convex
+          // combination of value rows stays finite whenever they are (sum_t w_t v_{j_t} can
+          // overflow for values near the float maximum)
+          const float inv = 1.0f / sum;
+          for (int64_t t = 0; t < count; ++t) {
+            const int32_t j = s.keys[size_t(t)];
+            o += (s.logits[size_t(j)] * inv) * Eigen::Map<const Eigen::VectorXf>(v.row(b, h, j), d);
+          }
         });
     }
     guard.rethrow();
