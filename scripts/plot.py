@@ -2,6 +2,7 @@
 """Figures and a markdown report from an attnbench results directory.
 
     scripts/plot.py DIR [--n N] [--input NAME] [--attnbench PATH] [--pattern-n N]
+                        [--debug-json FILE]
 
 Reads DIR/results.csv, DIR/meta.json and DIR/patterns/ (written by `attnbench sweep --out
 DIR`) and writes DIR/plots/*.png and DIR/report.md:
@@ -51,6 +52,9 @@ def main():
                     help="sequence length of the pattern gallery, among the stored patterns "
                          "(default: the length each pattern was stored at, the measured one "
                          "nearest 1024)")
+    ap.add_argument("--debug-json", default=None, metavar="FILE",
+                    help="also write what each figure drew (panels, lines, reference lines, "
+                         "labels, marks) as JSON to FILE, for tests")
     args = ap.parse_args()
     if args.pattern_n is not None and args.pattern_n < 1:
         ap.error("--pattern-n must be positive")

@@ -72,10 +72,17 @@ class Context:
         self.timed = self.ok[self.ok["input"] == self.input]
         self.md = []
         self.problems = []  # what the report could not show, also said on stderr
+        # What each figure drew, by figure name (panels, lines, reference lines, labels):
+        # written as JSON with --debug-json so that tests check the figures' content.
+        self.debug = {}
 
     def note(self, text):
         warn(text)
         self.problems.append(text)
+
+    def record(self, figure, **items):
+        """Adds items to what `figure` is recorded to have drawn (see --debug-json)."""
+        self.debug.setdefault(figure, {}).update(items)
 
     def fig_path(self, name):
         return os.path.join(self.plots, name + ".png")

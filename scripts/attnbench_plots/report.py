@@ -1,6 +1,7 @@
 """The report: DIR/report.md with its run header, one section per figure family (each
 drawing its figures into DIR/plots/) and the rows that could not be drawn."""
 
+import json
 import os
 import re
 
@@ -80,4 +81,7 @@ def write(args, df, meta):
     report = os.path.join(ctx.dir, "report.md")
     with open(report, "w", encoding="utf-8") as f:
         f.write(re.sub(r"\n{3,}", "\n\n", "\n".join(ctx.md)))
+    if getattr(args, "debug_json", None):
+        with open(args.debug_json, "w", encoding="utf-8") as f:
+            json.dump(ctx.debug, f, indent=1, ensure_ascii=False)
     return report
