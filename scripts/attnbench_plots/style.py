@@ -72,6 +72,13 @@ NOISY_HANDLE = Line2D([], [], color="0.3", marker="o", markersize=6, markerfacec
                       markeredgewidth=1.2, linestyle="none", label="hollow: noisy row")
 
 
+# Said under every table that marks a row noisy.
+NOISY_FOOTNOTE = ("† noisy: the repetitions of this row spread by more than 1.5× (max/min), or "
+                  "other processes kept more processors busy than its threads left free "
+                  "(harness/runner.h, `noise_reason`); do not compare its time without "
+                  "measuring it again (README, \"Stable numbers\").")
+
+
 def warn(msg):
     print(f"{PROG}: {msg}", file=sys.stderr)
 
@@ -323,6 +330,13 @@ def freeze_layout(fig):
     fig.set_layout_engine("none")
 
 
+def _box_distance(box, x, y):
+    """Distance from the point (x, y) to the box (x0, y0, x1, y1), 0 inside it."""
+    dx = max(box[0] - x, 0.0, x - box[2])
+    dy = max(box[1] - y, 0.0, y - box[3])
+    return math.hypot(dx, dy)
+
+
 def place_labels(ax, points, texts, avoid=()):
     """Puts each text next to its point (data coordinates) where its box overlaps no label
     placed before it, no point's marker and nothing in `avoid` (display-space boxes), and
@@ -356,6 +370,11 @@ def place_labels(ax, points, texts, avoid=()):
                     continue
                 if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
                        for b in taken):
+                    continue
+                # a label must be nearer its own point than any other, or it names the wrong one
+                own = _box_distance(box, x, y)
+                if any(_box_distance(box, px, py) < own + 2 * pt for px, py in xy
+                       if (px, py) != (x, y)):
                     continue
                 ax.annotate(text, xy=tuple(at), xycoords="data", xytext=(dx / pt, dy / pt),
                             textcoords="offset points", fontsize=size, ha="left",

@@ -7,8 +7,9 @@ import numpy as np
 
 from attnbench_results import format_seconds, noisy, time_spread
 
-from .style import (GUIDE_HANDLES, MIB, NOISY_HANDLE, SPREAD_HANDLE, code, finish, fmt_mib,
-                    fmt_n, guides, jsonable, log2_n_axis, md_table, new_grid, series, times)
+from .style import (GUIDE_HANDLES, MIB, NOISY_FOOTNOTE, NOISY_HANDLE, SPREAD_HANDLE, code,
+                    finish, fmt_mib, fmt_n, guides, jsonable, log2_n_axis, md_table, new_grid,
+                    series, times)
 
 LRA_LENGTHS = [1024, 2048, 4096, 8192]
 
@@ -179,13 +180,6 @@ def against_n(ctx, name, column, scale, ylabel, title, section, cell, explain, t
     if footnote:
         ctx.md.append("\n" + NOISY_FOOTNOTE + "\n")
     ctx.md.append("\n")
-
-
-# Said under every table that marks a row noisy.
-NOISY_FOOTNOTE = ("† noisy: the repetitions of this row spread by more than 1.5× (max/min), or "
-                  "other processes kept more processors busy than its threads left free "
-                  "(harness/runner.h, `noise_reason`); do not compare its time without "
-                  "measuring it again (README, \"Stable numbers\").")
 
 
 def time_cell(t, spread, bad):
