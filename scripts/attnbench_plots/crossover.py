@@ -150,7 +150,7 @@ def crossover_section(ctx):
         ctx.md.append("Neither `flash` nor `full` was measured, so there is no crossover.\n")
         remove(ctx.fig_path("crossover"))
         return
-    panels = [(cfg, causal) for cfg in lay.configs for causal in lay.causals]
+    panels = [(cfg, causal) for _, _, cfg, causal in ctx.panels()]
     fig, axes = new_grid(len(panels), len(bases), sharey=False)
     title = f"Time relative to the baseline; below 1 = faster ({ctx.title_suffix()})"
     fig.suptitle(title, fontsize=10.5)

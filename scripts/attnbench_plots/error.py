@@ -16,7 +16,7 @@ from matplotlib.transforms import blended_transform_factory
 from attnbench_results import UNIFORM_ERROR, ResultsError, format_seconds
 
 from .style import (ERROR_LABEL, PANEL_H, PANEL_W, code, finish, fmt_n, fmt_sci, freeze_layout,
-                    jsonable, log2_n_axis, md_table, new_grid, pad_log_limits, place_labels,
+                    jsonable, log2_n_axis, md_table, pad_log_limits, place_labels,
                     series)
 
 ZERO_ERROR = 1.0  # ||0 - O_ref|| / ||O_ref||
@@ -208,7 +208,7 @@ def speed_vs_error(ctx):
     lay = ctx.layout
     n = pick_speed_error_n(ctx.timed, ctx.args.n)
     at_n = ctx.timed[ctx.timed["n"] == n]
-    fig, axes = new_grid(len(lay.configs), len(lay.causals), sharey=False)
+    fig, axes = ctx.grid(sharey=False)
     title = f"Time against error at n = {fmt_n(n)} ({ctx.title_suffix()})"
     fig.suptitle(title, fontsize=10.5)
     panels, records, tables = [], [], []

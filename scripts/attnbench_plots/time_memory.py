@@ -8,7 +8,7 @@ import numpy as np
 from attnbench_results import format_seconds, noisy, time_spread
 
 from .style import (GUIDE_HANDLES, MIB, NOISY_FOOTNOTE, NOISY_HANDLE, SPREAD_HANDLE, code,
-                    finish, fmt_mib, fmt_n, guides, jsonable, log2_n_axis, md_table, new_grid,
+                    finish, fmt_mib, fmt_n, guides, jsonable, log2_n_axis, md_table,
                     series, times)
 
 LRA_LENGTHS = [1024, 2048, 4096, 8192]
@@ -114,7 +114,7 @@ def coinciding_notes(ctx, groups_by_panel, n_panels):
 
 def against_n(ctx, name, column, scale, ylabel, title, section, cell, explain, table):
     lay = ctx.layout
-    fig, axes = new_grid(len(lay.configs), len(lay.causals), sharey=True)
+    fig, axes = ctx.grid(sharey=True)
     present, dropped, with_guides, any_noisy = set(), [], False, False
     panels, groups_by_panel = [], []
     for r, c, cfg, causal in ctx.panels():
