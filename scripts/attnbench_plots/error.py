@@ -255,8 +255,8 @@ def speed_vs_error(ctx):
         panels.append((ax, pts, marks))
         records.append({"title": ctx.panel_title(cfg, causal), "zero_output": ZERO_ERROR,
                         "uniform": uniform,
-                        "points": [{"spec": s, "error": e, "time": t, "beats": good,
-                                    "on_front": i in front}
+                        "points": [{"spec": s, "text": ctx.styles.label(s), "error": e,
+                                    "time": t, "beats": good, "on_front": i in front}
                                    for i, ((s, e, t), good) in enumerate(zip(pts, beats))],
                         "front": [pts[i][0] for i in front]})
         rows = [[code(s), format_seconds(t), fmt_sci(e), "yes" if good else "no",
