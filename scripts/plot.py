@@ -7,10 +7,13 @@
 Reads DIR/results.csv, DIR/meta.json and DIR/patterns/ (written by `attnbench sweep --out
 DIR`) and writes DIR/plots/*.png and DIR/report.md:
 
-  time_vs_n.png       median time against n, log-log, with O(n) and O(n^2) guides
-  memory_vs_n.png     peak heap of the forward pass against n
-  error_vs_n.png      relative Frobenius error against n, one column per input distribution
-  speed_vs_error.png  time against error at one n, with the Pareto frontier
+  time_vs_n.png       median time against n, log-log, with O(n) and O(n^2) guides, min-max
+                      bars of the repetitions and noisy rows hollow
+  memory_vs_n.png     peak heap of the forward pass against n, coinciding lines side by side
+  error_vs_n.png      relative Frobenius error against n, a panel per input distribution and
+                      causal setting, with the errors of a zero output and the uniform average
+  speed_vs_error.png  time against error at one n, with the Pareto frontier of the variants
+                      that beat both references, points labelled where labels fit
   crossover.png       time relative to flash and to full against n; where each line crosses 1
                       is the variant's crossover length
   patterns.png        one head's attention pattern per pattern variant, as the sweep stored it

@@ -5,7 +5,7 @@ import json
 import os
 import re
 
-from attnbench_results import problem_label
+from attnbench_results import noisy, problem_label
 
 from . import crossover, error, layer, patterns, time_memory
 from .context import Context
@@ -44,7 +44,10 @@ def header(ctx):
         ]
         ctx.md.append(md_table(["", ""], rows))
     counts = ctx.df["status"].value_counts()
+    n_noisy = int(noisy(ctx.ok).sum())
     ctx.md.append("\nRows: " + ", ".join(f"{v} {k}" for k, v in counts.items()) +
+                  (f" ({n_noisy} of the ok rows noisy, marked † in the tables)" if n_noisy
+                   else "") +
                   f". Variants: {len(ctx.styles.order)}. Time, memory, crossover and the "
                   f"efficiency table use input `{ctx.input}`"
                   + (f" ({ctx.layout.fixed_label()})" if ctx.layout.fixed_label() else "")
