@@ -280,10 +280,12 @@ def speed_vs_error(ctx):
                           markerfacecolor="none", markeredgewidth=0.8,
                           label="Pareto frontier of the variants that beat doing nothing"))
     handles.append(REFERENCE_HANDLES["zero"])
-    if any(rec["uniform"] is not None for rec in records):
+    with_uniform = any(rec["uniform"] is not None for rec in records)
+    if with_uniform:
         handles.append(REFERENCE_HANDLES["uniform"])
     handles.append(Line2D([], [], color="0.4", marker="o", alpha=PALE_ALPHA, linestyle="none",
-                          label="pale: no better than the zero output or the uniform average"))
+                          label="pale: no better than the zero output" +
+                          (" or the uniform average" if with_uniform else "")))
     ctx.record("speed_vs_error", n=int(n), panels=records,
                legend=[h.get_label() for h in handles])
     finish(fig, ctx.fig_path("speed_vs_error"), handles, title)

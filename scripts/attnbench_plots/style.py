@@ -256,11 +256,16 @@ def finish(fig, path, handles, title, legend_ax=None, notes=()):
     fig.suptitle(title, fontsize=10.5)
     legend = None
     if handles and legend_ax is not None:
+        # as many columns as fit in the cell; a legend larger than the cell runs over its edge
+        # (out of the layout, so that it never shrinks the panels) and the saved bounding box
+        # grows to hold it
         legend_ax.set_axis_off()
-        ncol = 1 if len(handles) <= 14 else 2
+        fig.canvas.draw()
+        room = legend_ax.get_window_extent(fig.canvas.get_renderer()).width
         legend = legend_ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, 1.0),
-                                  ncol=ncol, frameon=False, handlelength=2.2,
-                                  columnspacing=1.0, borderaxespad=0.0)
+                                  ncol=legend_columns(fig, handles, room), frameon=False,
+                                  handlelength=2.2, columnspacing=1.5, borderaxespad=0.0)
+        legend.set_in_layout(False)
     elif handles:
         legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
                             ncol=legend_columns(fig, handles), frameon=False, handlelength=2.2,
@@ -274,12 +279,16 @@ def finish(fig, path, handles, title, legend_ax=None, notes=()):
         fig.legend(handles=[Line2D([], [], linestyle="none", label=t) for t in notes],
                    loc="upper center", bbox_to_anchor=(0.5, min(top, 0.0)), ncol=1,
                    frameon=False, handlelength=0, handletextpad=0)
-    fig.savefig(path, bbox_inches="tight", facecolor="white")
+    extra = fig.get_default_bbox_extra_artists()  # the legend in a cell is out of the layout
+    if legend is not None and legend not in extra:
+        extra.append(legend)
+    fig.savefig(path, bbox_inches="tight", facecolor="white", bbox_extra_artists=extra)
     plt.close(fig)
 
 
-def legend_columns(fig, handles):
-    """As many legend columns as fit in the figure's width, measured on the rendered labels:
+def legend_columns(fig, handles, room=None):
+    """As many legend columns as fit in `room` display pixels (default: the figure's width),
+    measured on the rendered labels:
     the legend fills its columns top to bottom, and each column is as wide as its widest label
     plus its line sample and spacing."""
     renderer = fig.canvas.get_renderer()
@@ -290,7 +299,7 @@ def legend_columns(fig, handles):
         widths.append(t.get_window_extent(renderer).width)
         t.remove()
     pad = (2.2 + 0.8 + 1.5) * size * fig.dpi / 72.0  # handle, text pad, column spacing
-    room = fig.get_figwidth() * fig.dpi
+    room = fig.get_figwidth() * fig.dpi if room is None else room
     for ncol in range(len(handles), 1, -1):
         # matplotlib's split: the first `large` columns hold one entry more
         rows, large = divmod(len(handles), ncol)
