@@ -221,8 +221,8 @@ def time_vs_n(ctx):
               "Median wall-clock time of one forward pass over the repetitions; the bars span "
               "the fastest to the slowest repetition, and a hollow marker is a noisy row. The "
               "wide pale grey lines are O(n) and O(n²) guides through the smallest n. In the "
-              "tables, ×s after a time is its repetitions' spread (slowest / fastest) and † "
-              "marks a noisy row.",
+              "tables, the factor after a time (×1.05) is its repetitions' spread, slowest over "
+              "fastest, and † marks a noisy row.",
               time_table)
 
 
