@@ -4,6 +4,7 @@ helpers, the shared legend, and the markdown helpers of the report."""
 import math
 import os
 import sys
+import textwrap
 import zlib
 
 import matplotlib
@@ -276,6 +277,9 @@ def finish(fig, path, handles, title, legend_ax=None, notes=()):
             fig.canvas.draw()
             box = legend.get_window_extent(fig.canvas.get_renderer())
             top = fig.transFigure.inverted().transform((0, box.y0))[1]
+        # wrapped to the figure's width (a character is about 0.55 of the font size wide)
+        chars = int(fig.get_figwidth() * 72 / (0.55 * plt.rcParams["legend.fontsize"]))
+        notes = ["\n".join(textwrap.wrap(t, chars, break_long_words=False)) for t in notes]
         fig.legend(handles=[Line2D([], [], linestyle="none", label=t) for t in notes],
                    loc="upper center", bbox_to_anchor=(0.5, min(top, 0.0)), ncol=1,
                    frameon=False, handlelength=0, handletextpad=0)
