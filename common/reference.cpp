@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "common/omp_guard.h"
@@ -67,11 +68,17 @@ class Logits {
 
 }  // namespace
 
-std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                            int64_t b, int64_t h, int64_t i,
-                                            const SparsePattern* pattern) {
+namespace {
+
+// Softmax probabilities of row i over its visible keys; with `uniform`, every logit is taken
+// as 0, so only the masks (and their additive bias) shape the weights.
+// With `lse`, *lse receives the log of the softmax's normaliser (-inf for a row with no key).
+std::vector<double> probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                  int64_t b, int64_t h, int64_t i, const SparsePattern* pattern,
+                                  bool uniform, double* lse = nullptr) {
   const int64_t visible = p.visible(b, i);
   std::vector<double> prob(size_t(p.keys()), 0.0);
+  if (lse) *lse = -INFINITY;
   if (visible == 0) return prob;
   std::vector<uint8_t> allowed(size_t(p.keys()), 1);
   if (pattern) pattern_row(p, *pattern, b, h, i, allowed.data());
@@ -80,12 +87,14 @@ std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
   if (mask)
     for (int64_t j = 0; j < visible; ++j)
       if (mask->at(b, h, i, j) == -INFINITY) allowed[size_t(j)] = 0;
-  const Logits logit(p, q.row(b, h, i), h);
+  std::optional<Logits> logit;
+  if (!uniform) logit.emplace(p, q.row(b, h, i), h);
   // pass 1: logits and their max
   double mx = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
     if (!allowed[size_t(j)]) continue;
-    prob[size_t(j)] = logit(k.row(b, h, j)) + (mask ? double(mask->at(b, h, i, j)) : 0.0);
+    prob[size_t(j)] = (logit ? (*logit)(k.row(b, h, j)) : 0.0) +
+                      (mask ? double(mask->at(b, h, i, j)) : 0.0);
     mx = std::max(mx, prob[size_t(j)]);
   }
   if (mx == -INFINITY) return prob;  // the pattern or the mask leaves this row no key
@@ -93,9 +102,40 @@ std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
   double sum = 0;
   for (int64_t j = 0; j < visible; ++j)
     if (allowed[size_t(j)]) sum += (prob[size_t(j)] = std::exp(prob[size_t(j)] - mx));
+  if (lse) *lse = mx + std::log(sum);
   // pass 3: normalise
   for (int64_t j = 0; j < visible; ++j) prob[size_t(j)] /= sum;
   return prob;
+}
+
+// out (rows.size() x d) = the rows' probabilities times V.
+void weighted_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                   int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
+                   const SparsePattern* pattern, bool uniform, double* lse) {
+  const int64_t d = p.dim;
+  OmpGuard guard;
+#pragma omp parallel for schedule(dynamic, 4)
+  for (size_t r = 0; r < rows.size(); ++r)
+    guard.run([&] {
+      const int64_t i = rows[r];
+      std::vector<double> prob =
+          probabilities(p, q, k, b, h, i, pattern, uniform, lse ? lse + r : nullptr);
+      double* o = out + int64_t(r) * d;
+      std::fill(o, o + d, 0.0);
+      for (int64_t j = 0; j < p.visible(b, i); ++j) {
+        const float* vj = v.row(b, h, j);
+        for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
+      }
+    });
+  guard.rethrow();
+}
+
+}  // namespace
+
+std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            int64_t b, int64_t h, int64_t i,
+                                            const SparsePattern* pattern) {
+  return probabilities(p, q, k, b, h, i, pattern, false);
 }
 
 std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTensorView k,
@@ -120,24 +160,45 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
   return mass;
 }
 
-void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
-                    const SparsePattern* pattern) {
-  const int64_t d = p.dim;
+std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                 const SparsePattern& pattern, int64_t b, int64_t h,
+                                 std::span<const int64_t> rows, std::span<const double> lse) {
+  std::vector<double> mass(rows.size());
+  const AttnMask* mask = p.attn_mask.get();
   OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 4)
   for (size_t r = 0; r < rows.size(); ++r)
     guard.run([&] {
       const int64_t i = rows[r];
-      std::vector<double> prob = reference_probabilities(p, q, k, b, h, i, pattern);
-      double* o = out + int64_t(r) * d;
-      std::fill(o, o + d, 0.0);
-      for (int64_t j = 0; j < p.visible(b, i); ++j) {
-        const float* vj = v.row(b, h, j);
-        for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
+      // a row with no visible key (causal, padding or the mask) has nothing to lose: mass 1
+      if (lse[r] == -INFINITY) {
+        mass[r] = 1.0;
+        return;
       }
+      std::vector<uint8_t> allowed(size_t(p.keys()));
+      pattern_row(p, pattern, b, h, i, allowed.data());
+      const Logits logit(p, q.row(b, h, i), h);
+      double in = 0;
+      for (int64_t j = 0; j < p.visible(b, i); ++j) {
+        if (!allowed[size_t(j)]) continue;
+        const double bias = mask ? double(mask->at(b, h, i, j)) : 0.0;
+        if (bias != -INFINITY) in += std::exp(logit(k.row(b, h, j)) + bias - lse[r]);
+      }
+      mass[r] = in;
     });
   guard.rethrow();
+  return mass;
+}
+
+void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
+                    const SparsePattern* pattern, double* lse) {
+  weighted_rows(p, q, k, v, b, h, rows, out, pattern, false, lse);
+}
+
+void uniform_rows(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t b, int64_t h,
+                  std::span<const int64_t> rows, double* out) {
+  weighted_rows(p, k, k, v, b, h, rows, out, nullptr, true, nullptr);
 }
 
 std::vector<double> reference_attention(const Problem& p, ConstTensorView q, ConstTensorView k,

@@ -16,10 +16,17 @@ namespace attnbench {
 
 /// Exact output rows of head (b, h) for the given query rows: out is rows.size() x d.
 /// A row with no visible key is all zeros. O(rows * m * d). With a pattern, the softmax runs
-/// over the keys the pattern allows only (the dense reference masked by the pattern).
+/// over the keys the pattern allows only (the dense reference masked by the pattern). With
+/// `lse` (rows.size() values), each row's log-sum-exp of its logits (-inf with no key).
 void reference_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                     int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
-                    const SparsePattern* pattern = nullptr);
+                    const SparsePattern* pattern = nullptr, double* lse = nullptr);
+
+/// The output rows of head (b, h) when every logit is 0: each query's average of v over the
+/// keys it may see (the masks' additive bias still weighs them), zeros for a row with no key.
+/// The baseline an approximation must beat to say more than "average everything".
+void uniform_rows(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t b, int64_t h,
+                  std::span<const int64_t> rows, double* out);
 
 /// Exact output [B, H, n, d] in double, optionally masked by a pattern. O(B H n m d).
 std::vector<double> reference_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
@@ -36,5 +43,10 @@ std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q,
 std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTensorView k,
                                  const SparsePattern& pattern, int64_t b, int64_t h,
                                  std::span<const int64_t> rows);
+/// The same from the rows' log-sum-exp (reference_rows without a pattern): O(pairs the
+/// pattern allows * d) instead of O(rows * m * d).
+std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                 const SparsePattern& pattern, int64_t b, int64_t h,
+                                 std::span<const int64_t> rows, std::span<const double> lse);
 
 }  // namespace attnbench

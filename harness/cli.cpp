@@ -434,6 +434,11 @@ void print_row(const Row& r) {
       "error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
       "rows)\n",
       r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used, r.error.rows_total);
+  if (!std::isnan(r.error.uniform_rel_fro))
+    fmt::print(
+        "baselines    rel. Frobenius {:.3e} for the uniform average of the visible values, 1 "
+        "for zeros\n",
+        r.error.uniform_rel_fro);
   if (!std::isnan(r.error.mass_mean))
     fmt::print(
         "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
@@ -796,16 +801,17 @@ struct SweepCommand {
     // by a cost model fitted to the rows measured so far (EtaModel).
     std::vector<double> work(plan.configs.size());
     std::vector<std::string> specs(plan.configs.size());
-    std::vector<double> reference_work(plan.configs.size());
-    std::vector<bool> runnable(plan.configs.size()), pending(plan.configs.size());
+    std::vector<bool> runnable(plan.configs.size()), pending(plan.configs.size()),
+        measured(plan.configs.size());
     for (size_t i = 0; i < plan.configs.size(); ++i) {
       const SweepConfig& c = plan.configs[i];
       runnable[i] = sweep_runnable(c);
       work[i] = sweep_work(c);
       specs[i] = c.variant->spec();
-      reference_work[i] = sweep_reference_work(c);
       pending[i] = !(resume && results.done(probe_row(c)));
+      measured[i] = runnable[i] && pending[i];
     }
+    const std::vector<double> reference_work = plan_reference_work(plan, measured);
     EtaModel eta_model(opt.reps, opt.min_time);
     const auto t0 = std::chrono::steady_clock::now();
     std::map<std::string, int> counts;

@@ -4,6 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
@@ -12,6 +16,11 @@
 #include "common/reference.h"
 
 namespace attnbench {
+
+namespace {
+// Largest reference cache (the rows of every head of one problem) measure_error keeps.
+constexpr double kCacheBytes = 256.0 * (1 << 20);
+}  // namespace
 
 std::vector<std::vector<int64_t>> pick_rows(const Problem& p, double exact_limit) {
   const int64_t heads = p.batch * p.heads;
@@ -40,25 +49,138 @@ std::vector<std::vector<int64_t>> pick_rows(const Problem& p, double exact_limit
 }
 
 double error_memory_estimate(const Problem& p, double exact_limit) {
-  // one head's reference rows in double, plus the row lists
-  double rows = std::min(double(p.n), std::max(256.0, exact_limit / double(p.keys())));
-  return rows * double(p.dim) * 8.0 + double(p.batch * p.heads) * rows * 8.0 +
-         double(p.keys()) * 8.0 * 2;
+  // the reference and uniform-average rows in double (every head's when they are cached,
+  // else one head's), plus the row lists
+  const double heads = double(p.batch * p.heads);
+  const double pairs = heads * double(p.n) * double(p.keys());
+  const double per_head =
+      pairs <= exact_limit
+          ? double(p.n)
+          : std::min(double(p.n),
+                     std::ceil(std::max(256.0, exact_limit / double(p.keys())) / heads));
+  const double all = heads * per_head * (double(p.dim) * 16.0 + 8.0);
+  const double held = all <= kCacheBytes ? all : per_head * (double(p.dim) * 16.0 + 8.0);
+  return held + heads * per_head * 8.0 + double(p.keys()) * 8.0 * 2;
 }
+
+namespace {
+
+// 64-bit hash of everything the reference rows depend on besides the problem's name: the
+// inputs, the score weights and the mask, word by word.
+class InputHash {
+ public:
+  void add(const void* data, size_t bytes) {
+    const auto* c = static_cast<const unsigned char*>(data);
+    size_t i = 0;
+    for (; i + 8 <= bytes; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, c + i, 8);
+      mix(w);
+    }
+    uint64_t tail = 0;
+    std::memcpy(&tail, c + i, bytes - i);
+    mix(tail ^ (uint64_t(bytes) << 56));
+  }
+  void add(ConstTensorView t) {
+    for (int64_t b = 0; b < t.shape.batch; ++b)
+      for (int64_t h = 0; h < t.shape.heads; ++h)
+        for (int64_t i = 0; i < t.shape.len; ++i)
+          add(t.row(b, h, i), size_t(t.shape.dim) * sizeof(float));
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  void mix(uint64_t w) {
+    h_ ^= w * 0x9e3779b97f4a7c15ULL;
+    h_ = ((h_ << 29) | (h_ >> 35)) * 0xbf58476d1ce4e5b9ULL;
+  }
+  uint64_t h_ = 0x243f6a8885a308d3ULL;
+};
+
+// The reference and uniform-average rows of one problem on its inputs, for every head. They do
+// not depend on the variant, and a sweep measures its variants one after another on the same
+// problem and inputs, so the last problem's rows are kept and reused (up to kCacheBytes).
+struct ReferenceRows {
+  std::string problem;
+  uint64_t inputs = 0;
+  double exact_limit = 0;
+  std::vector<std::vector<int64_t>> rows;
+  std::vector<std::vector<double>> ref, uni;  // per head b * H + h: rows x d
+  std::vector<std::vector<double>> lse;       // per head: each row's log-sum-exp
+};
+
+std::mutex cache_mutex;
+std::shared_ptr<const ReferenceRows> cached_rows;
+
+// Rows picked for every head, rows x d doubles each for the reference and the uniform average.
+double rows_bytes(const std::vector<std::vector<int64_t>>& rows, int64_t d) {
+  double n = 0;
+  for (const auto& r : rows) n += double(r.size());
+  return n * (double(d) * 16.0 + 8.0);
+}
+
+// The cached rows of this problem on these inputs, computing and caching them when they fit
+// kCacheBytes; null (nothing cached) when they do not.
+std::shared_ptr<const ReferenceRows> reference_for(const Problem& p, ConstTensorView q,
+                                                   ConstTensorView k, ConstTensorView v,
+                                                   double exact_limit,
+                                                   const std::vector<std::vector<int64_t>>& rows) {
+  if (rows_bytes(rows, p.dim) > kCacheBytes) return nullptr;
+  InputHash hash;
+  for (auto t : {q, k, v}) hash.add(t);
+  if (const auto* w = p.score_weights.get())
+    for (const auto* x : {&w->w_bilinear, &w->w_q, &w->w_k, &w->w_score})
+      hash.add(x->data(), x->size() * sizeof(float));
+  if (const auto* m = p.attn_mask.get()) hash.add(m->bias.data(), m->bias.size() * sizeof(float));
+  hash.add(p.key_lengths.data(), p.key_lengths.size() * sizeof(int64_t));
+  const std::string name = p.str() + p.score_str() + mask_suffix(p);
+  {
+    std::lock_guard lock(cache_mutex);
+    if (cached_rows && cached_rows->problem == name && cached_rows->inputs == hash.value() &&
+        cached_rows->exact_limit == exact_limit)
+      return cached_rows;
+  }
+  auto r = std::make_shared<ReferenceRows>();
+  r->problem = name, r->inputs = hash.value(), r->exact_limit = exact_limit, r->rows = rows;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const auto& hr = rows[size_t(b * p.heads + h)];
+      auto& ref = r->ref.emplace_back(hr.size() * size_t(p.dim));
+      auto& lse = r->lse.emplace_back(hr.size());
+      reference_rows(p, q, k, v, b, h, hr, ref.data(), nullptr, lse.data());
+      auto& uni = r->uni.emplace_back(ref.size());
+      uniform_rows(p, k, v, b, h, hr, uni.data());
+    }
+  std::lock_guard lock(cache_mutex);
+  cached_rows = r;
+  return r;
+}
+
+}  // namespace
 
 ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                          ConstTensorView out, double exact_limit, const SparsePattern* pattern) {
   const int64_t d = p.dim;
-  auto rows = pick_rows(p, exact_limit);
+  const auto rows = pick_rows(p, exact_limit);
+  const auto cached = reference_for(p, q, k, v, exact_limit, rows);
   ErrorStats e;
   e.rows_total = p.batch * p.heads * p.n;
-  double diff2 = 0, ref2 = 0, cos_sum = 0, mass_sum = 0, mass_min = INFINITY;
-  std::vector<double> ref;
+  double diff2 = 0, ref2 = 0, uni2 = 0, cos_sum = 0, mass_sum = 0, mass_min = INFINITY;
+  std::vector<double> ref_head, uni_head, lse_head;  // one head's rows when nothing is cached
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
       const auto& r = rows[size_t(b * p.heads + h)];
-      ref.resize(r.size() * size_t(d));
-      reference_rows(p, q, k, v, b, h, r, ref.data());
+      if (!cached) {
+        ref_head.resize(r.size() * size_t(d));
+        lse_head.resize(r.size());
+        reference_rows(p, q, k, v, b, h, r, ref_head.data(), nullptr, lse_head.data());
+        uni_head.resize(ref_head.size());
+        uniform_rows(p, k, v, b, h, r, uni_head.data());
+      }
+      const auto& ref = cached ? cached->ref[size_t(b * p.heads + h)] : ref_head;
+      const auto& uni = cached ? cached->uni[size_t(b * p.heads + h)] : uni_head;
+      const auto& lse = cached ? cached->lse[size_t(b * p.heads + h)] : lse_head;
+      for (size_t t = 0; t < ref.size(); ++t) uni2 += (uni[t] - ref[t]) * (uni[t] - ref[t]);
       for (size_t t = 0; t < r.size(); ++t) {
         const float* o = out.row(b, h, r[t]);
         const double* o_ref = ref.data() + t * size_t(d);
@@ -85,7 +207,7 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
       }
       e.rows_used += int64_t(r.size());
       if (pattern)
-        for (double x : pattern_mass(p, q, k, *pattern, b, h, r)) {
+        for (double x : pattern_mass(p, q, k, *pattern, b, h, r, lse)) {
           mass_sum += x;
           mass_min = std::min(mass_min, x);
         }
@@ -95,6 +217,7 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
     e.mass_min = mass_min;
   }
   e.rel_fro = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+  e.uniform_rel_fro = ref2 > 0 ? std::sqrt(uni2 / ref2) : std::sqrt(uni2);
   e.mean_cos = e.rows_used ? cos_sum / double(e.rows_used) : 0;
   // finite values can still overflow the sums of squares (|values| ~ 1e154 and more are
   // impossible in float, but a NaN error must never be reported as a result)

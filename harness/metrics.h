@@ -24,6 +24,9 @@ struct ErrorStats {
   /// For pattern variants: share of each row's exact softmax probability inside the pattern
   /// (mean and minimum over the rows used); NaN for other variants.
   double mass_mean = NAN, mass_min = NAN;
+  /// ||U - O*||_F / ||O*||_F of the uniform-average output U (uniform_rows) on the same rows:
+  /// the error of ignoring the scores. An output of zeros has error 1.
+  double uniform_rel_fro = NAN;
 };
 
 /// The query rows of each head (b, h) the error is measured on, indexed b * H + h, sorted:

@@ -39,7 +39,7 @@ const std::map<std::string, std::string> kAddedColumns = {
     {"embed", "0"},        {"attention_share", ""}, {"score", "scaled_dot"},
     {"score_hidden", "0"}, {"key_padding", ""},     {"attn_mask", ""},
     {"time_spread", ""},   {"load_avg", ""},        {"other_load", ""},
-    {"noisy", ""}};
+    {"noisy", ""},         {"uniform_error", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;

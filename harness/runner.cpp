@@ -417,6 +417,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"error_rows_total", r.error.rows_total},
            {"mass_mean", num(r.error.mass_mean)},
            {"mass_min", num(r.error.mass_min)},
+           {"uniform_error", num(r.error.uniform_rel_fro)},
            {"notes", r.notes},
            {"phases", phases_text(r.phases)},
            {"attention_share", num(r.attention_share)}};

@@ -241,6 +241,21 @@ double sweep_reference_work(const SweepConfig& config) {
   return work;
 }
 
+std::vector<double> plan_reference_work(const SweepPlan& plan, const std::vector<bool>& measured) {
+  std::vector<double> work(plan.configs.size());
+  std::string last;  // the problem whose reference rows are kept
+  for (size_t i = 0; i < plan.configs.size(); ++i) {
+    const SweepConfig& c = plan.configs[i];
+    if (i < measured.size() && !measured[i]) continue;
+    Row r;
+    r.problem = c.problem, r.workload = c.workload, r.embed = c.embed;
+    const std::string key = row_key(r);
+    if (c.embed > 0 || key != last) work[i] = sweep_reference_work(c);
+    if (c.embed == 0) last = key;
+  }
+  return work;
+}
+
 void append_plan(SweepPlan& plan, SweepPlan more) {
   std::set<std::string> seen;
   auto key = [](const SweepConfig& c) {

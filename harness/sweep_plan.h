@@ -105,6 +105,11 @@ double sweep_work(const SweepConfig& config);
 /// float64 reference computes (all of them up to kExactPairsLimit, a sample of about that many
 /// above) times the head dimension, plus a layer's projections.
 double sweep_reference_work(const SweepConfig& config);
+/// sweep_reference_work of each configuration of the plan as the sweep pays it: the reference
+/// rows of a problem are computed once and kept while its variants are measured (see
+/// measure_error), so only the first configuration of each problem that will be measured
+/// (`measured[i]`) carries them; layer rows (embed > 0) compute their float64 layer every time.
+std::vector<double> plan_reference_work(const SweepPlan& plan, const std::vector<bool>& measured);
 /// Whether the variant can run the configuration (its capabilities; the row of one it cannot
 /// is "unsupported" and takes no time).
 bool sweep_runnable(const SweepConfig& config);

@@ -210,6 +210,82 @@ TEST(ErrorMetrics, NonFiniteOutputOrReferenceThrows) {
   EXPECT_CONTAINS(msg, "float64 reference");
 }
 
+TEST(ErrorMetrics, UniformErrorIsTheErrorOfAveragingTheVisibleKeys) {
+  // causal with m != n, key padding and an additive mask holding -inf and finite biases
+  Problem p = test::problem(2, 2, 9, 13, 5, true);
+  p.key_lengths = {13, 7};
+  auto mask = std::make_shared<AttnMask>();
+  mask->batch = 1, mask->heads = 2, mask->n = p.n, mask->m = p.keys();
+  mask->bias.resize(size_t(2 * p.n * p.keys()));
+  for (size_t t = 0; t < mask->bias.size(); ++t)
+    mask->bias[t] = t % 5 == 0 ? -INFINITY : float(t % 3) * 0.5f;
+  p.attn_mask = mask;
+  Inputs in = generate_inputs(p);
+  // the uniform-average output written out by hand: weights exp(bias) over visible keys
+  Tensor uni(p.q_shape());
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t i = 0; i < p.n; ++i) {
+        const int64_t last = std::min<int64_t>({i + p.keys() - p.n, p.key_lengths[size_t(b)] - 1});
+        double wsum = 0;
+        std::vector<double> o(size_t(p.dim), 0.0);
+        for (int64_t j = 0; j <= last; ++j) {
+          const double w = std::exp(double(mask->at(b, h, i, j)));
+          wsum += w;
+          for (int64_t c = 0; c < p.dim; ++c) o[size_t(c)] += w * in.v.view().row(b, h, j)[c];
+        }
+        for (int64_t c = 0; c < p.dim; ++c)
+          uni.view().row(b, h, i)[c] = wsum > 0 ? float(o[size_t(c)] / wsum) : 0.f;
+      }
+  std::vector<int64_t> rows(size_t(p.n));
+  for (int64_t i = 0; i < p.n; ++i) rows[size_t(i)] = i;
+  std::vector<double> got(size_t(p.n * p.dim));
+  uniform_rows(p, in.k.view(), in.v.view(), 1, 1, rows, got.data());
+  for (int64_t i = 0; i < p.n; ++i)
+    for (int64_t c = 0; c < p.dim; ++c)
+      EXPECT_NEAR(got[size_t(i * p.dim + c)], uni.view().row(1, 1, i)[c], 1e-6) << i << "," << c;
+  // the uniform output's own error is the uniform_error every row reports
+  const ErrorStats e = measure_error(p, in.q.view(), in.k.view(), in.v.view(), uni.view());
+  EXPECT_GT(e.uniform_rel_fro, 0.05);
+  EXPECT_NEAR(e.rel_fro, e.uniform_rel_fro, 1e-6 * e.uniform_rel_fro);
+  // and an output of zeros has error 1
+  Tensor zero(p.q_shape());
+  std::fill(zero.data(), zero.data() + zero.numel(), 0.f);
+  EXPECT_NEAR(measure_error(p, in.q.view(), in.k.view(), in.v.view(), zero.view()).rel_fro, 1.0,
+              1e-12);
+}
+
+TEST(ErrorMetrics, KeptReferenceRowsFollowTheInputs) {
+  // measure_error keeps the last problem's reference rows: inputs that change under the same
+  // problem name (a file, a new mask bias) must never be measured against stale rows
+  Problem p = test::problem(1, 2, 600, 600, 8, false);
+  Inputs in = generate_inputs(p);
+  auto exact_out = [&] {
+    Tensor out(p.q_shape());
+    const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+    std::copy(ref.begin(), ref.end(), out.data());
+    return out;
+  };
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(round);
+    if (round == 1) in.v.data()[17] += 1.0f;  // one value changes
+    if (round == 2) in.k.data()[3] -= 0.5f;   // one key changes
+    const Tensor out = exact_out();
+    const ErrorStats first = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    const ErrorStats again = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    EXPECT_LT(first.rel_fro, 1e-6);
+    EXPECT_EQ(first.rel_fro, again.rel_fro);
+    EXPECT_EQ(first.uniform_rel_fro, again.uniform_rel_fro);
+  }
+  // sampled rows (a smaller limit) are picked and measured afresh, not taken from the cache
+  const Tensor out = exact_out();
+  const ErrorStats all = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  const ErrorStats sampled =
+      measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), 1e5);
+  EXPECT_LT(sampled.rows_used, all.rows_used);
+  EXPECT_LT(sampled.rel_fro, 1e-6);
+}
+
 TEST(ErrorMetrics, RunOneNeverReportsOkWithANonFiniteError) {
   test::ScopedThreads threads(1);
   MachineFigures mf;

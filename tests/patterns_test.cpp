@@ -624,6 +624,34 @@ TEST(Patterns, MassIsOneForCoveringPatterns) {
     }
 }
 
+TEST(Patterns, MassFromTheLogSumExpMatchesTheFullSoftmax) {
+  // the error measurement's mass comes from each row's log-sum-exp; it must equal the mass
+  // from the full softmax row, under causal masking, m != n, key padding and a mask
+  for (bool causal : {false, true}) {
+    Problem p = test::problem(2, 2, 40, 56, 8, causal, 5);
+    p.key_lengths = {56, 30};
+    auto mask = std::make_shared<AttnMask>();
+    mask->batch = 1, mask->heads = 1, mask->n = p.n, mask->m = p.keys();
+    for (int64_t t = 0; t < p.n * p.keys(); ++t)
+      mask->bias.push_back(t % 7 == 0 ? -INFINITY : float(t % 4) * 0.25f);
+    p.attn_mask = mask;
+    SCOPED_TRACE(p.str());
+    Inputs in = generate_inputs(p);
+    auto pat = pattern_of("local:window=5,block=8", p);
+    std::vector<int64_t> rows(size_t(p.n));
+    for (int64_t i = 0; i < p.n; ++i) rows[size_t(i)] = i;
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 2; ++h) {
+        std::vector<double> out(rows.size() * size_t(p.dim)), lse(rows.size());
+        reference_rows(p, in.q.view(), in.k.view(), in.v.view(), b, h, rows, out.data(), nullptr,
+                       lse.data());
+        const auto full = pattern_mass(p, in.q.view(), in.k.view(), *pat, b, h, rows);
+        const auto fast = pattern_mass(p, in.q.view(), in.k.view(), *pat, b, h, rows, lse);
+        for (size_t r = 0; r < rows.size(); ++r) EXPECT_NEAR(fast[r], full[r], 1e-12) << b << h << r;
+      }
+  }
+}
+
 TEST(Patterns, MassMatchesADirectComputation) {
   for (bool causal : {false, true}) {
     const Problem p = test::problem(1, 2, 50, 0, 16, causal, 9);

@@ -239,14 +239,15 @@ TEST(EtaModel, PredictsTheRestOfARealSweepFromItsFirstTenthWithin30Percent) {
     errors.push_back(row.error_seconds);
   }
   const size_t seen = (plan.configs.size() + 9) / 10;
+  const std::vector<double> reference = plan_reference_work(plan, {});
   EtaModel m(opt.reps, opt.min_time);
   for (size_t i = 0; i < seen; ++i)
     m.add(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]),
-          sweep_reference_work(plan.configs[i]), seconds[i], passes[i], errors[i]);
+          reference[i], seconds[i], passes[i], errors[i]);
   double predicted = 0, truth = 0;
   for (size_t i = seen; i < plan.configs.size(); ++i) {
     predicted += m.predict(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]),
-                           sweep_reference_work(plan.configs[i]));
+                           reference[i]);
     truth += seconds[i];
   }
   EXPECT_NEAR(predicted / truth, 1.0, 0.3)
