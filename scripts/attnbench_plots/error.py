@@ -22,7 +22,9 @@ from .style import (ERROR_LABEL, PANEL_H, PANEL_W, code, finish, fmt_n, fmt_sci,
 ZERO_ERROR = 1.0  # ||0 - O_ref|| / ||O_ref||
 REFERENCE_COLOR = "0.35"
 ZERO_STYLE = {"color": REFERENCE_COLOR, "linestyle": "-", "linewidth": 1.1}
-UNIFORM_STYLE = {"color": REFERENCE_COLOR, "linestyle": (0, (5, 3)), "linewidth": 1.3}
+UNIFORM_STYLE = {"color": "0.2", "linestyle": (0, (4, 2)), "linewidth": 1.8}
+LINE_LABEL = {"fontsize": 7, "color": REFERENCE_COLOR, "zorder": 4,
+              "bbox": {"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1.0}}
 WORSE_SHADE = {"color": "#d62728", "alpha": 0.06, "linewidth": 0}
 PALE_ALPHA = 0.28  # points that do not beat doing nothing
 REFERENCE_HANDLES = {
@@ -67,11 +69,13 @@ def uniform_series(sub):
 
 
 def grid_shape(count):
-    """(rows, columns) for `count` panels: one row up to three, else the width among 3, 4 and
-    2 that leaves the fewest cells spare (the legend takes the spare cells)."""
+    """(rows, columns) for `count` panels: one row up to three, else the width among 3, 2 and
+    4 (in that order of preference) that leaves the fewest cells spare (the legend takes the
+    spare cells)."""
     if count <= 3:
         return 1, max(count, 1)
-    ncol = min((3, 4, 2), key=lambda c: (math.ceil(count / c) * c - count, (3, 4, 2).index(c)))
+    widths = (3, 2, 4)
+    ncol = min(widths, key=lambda c: (math.ceil(count / c) * c - count, widths.index(c)))
     return math.ceil(count / ncol), ncol
 
 
@@ -95,13 +99,13 @@ def reference_lines(ax, uniform_n, uniform_y):
     """The zero output's error (1, labelled on the line) and the uniform average's, with the
     region worse than a zero output shaded."""
     ax.axhline(ZERO_ERROR, zorder=1.5, **ZERO_STYLE)
-    ax.text(0.99, ZERO_ERROR, "zero output", fontsize=7, color=REFERENCE_COLOR, va="center",
-            ha="right", transform=blended_transform_factory(ax.transAxes, ax.transData),
-            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1.0},
-            zorder=4)
+    ax.text(0.99, ZERO_ERROR, "zero output", va="center", ha="right",
+            transform=blended_transform_factory(ax.transAxes, ax.transData), **LINE_LABEL)
     ax.axhspan(ZERO_ERROR, 1e12, zorder=0, **WORSE_SHADE)  # the y limits are set afterwards
     if len(uniform_n):
-        ax.plot(uniform_n, uniform_y, zorder=1.5, **UNIFORM_STYLE)
+        ax.plot(uniform_n, uniform_y, zorder=3.5, **UNIFORM_STYLE)
+        ax.text(uniform_n[0], uniform_y[0], "uniform average", va="top", ha="left",
+                **LINE_LABEL)
 
 
 def error_vs_n(ctx):
