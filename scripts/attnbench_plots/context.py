@@ -59,7 +59,8 @@ class Context:
         self.df = df
         self.meta = meta
         self.ok = df[df["status"] == "ok"].copy()
-        self.styles = Styles(spec_order(df), (meta or {}).get("variants") if isinstance(meta, dict) else None)
+        self.styles = Styles(spec_order(df),
+                             meta.get("variants") if isinstance(meta, dict) else None)
         self.layout = Layout(self.ok)
         inputs = self.layout.inputs
         if args.input is not None:

@@ -112,7 +112,7 @@ def coinciding_notes(ctx, groups_by_panel, n_panels):
     return notes
 
 
-def against_n(ctx, name, column, scale, ylabel, title, section, cell, explain, table):
+def against_n(ctx, name, column, scale, ylabel, title, section, explain, table):
     lay = ctx.layout
     fig, axes = ctx.grid(sharey=True)
     present, dropped, with_guides, any_noisy = set(), [], False, False
@@ -217,7 +217,7 @@ def time_table(ctx, sub):
 
 def time_vs_n(ctx):
     against_n(ctx, "time_vs_n", "time_median_s", 1.0, "median time (s)", "Time per forward pass",
-              "Time against sequence length", format_seconds,
+              "Time against sequence length",
               "Median wall-clock time of one forward pass over the repetitions; the bars span "
               "the fastest to the slowest repetition, and a hollow marker is a noisy row. The "
               "wide pale grey lines are O(n) and O(n²) guides through the smallest n. In the "
@@ -228,7 +228,7 @@ def time_vs_n(ctx):
 
 def memory_vs_n(ctx):
     against_n(ctx, "memory_vs_n", "peak_bytes", MIB, "peak heap of the forward pass (MiB)",
-              "Peak memory", "Peak memory against sequence length", fmt_mib,
+              "Peak memory", "Peak memory against sequence length",
               "Peak heap allocated during a forward pass beyond what was allocated before it "
               "(inputs and output excluded), in MiB. Variants with the same peak at every n "
               "(the same workspace) are drawn side by side, a little apart along n, and the "
