@@ -29,6 +29,10 @@ ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padd
 # Columns about the timing's trust (harness/runner.h, noise_reason): NaN in a file written
 # before them, which compare.py then never calls noisy.
 NOISE_COLUMNS = ["time_spread", "load_avg", "other_load", "noisy"]
+# The relative error of the output that averages v over the keys each query may see (the
+# "uniform average"), the same for every variant of a problem: absent from older files, whose
+# error figures then draw only the zero output's error (1).
+UNIFORM_ERROR = "uniform_error"
 # Timing columns, in seconds: the median of the repetitions and their spread.
 TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
@@ -69,7 +73,7 @@ def load_results(directory, need_ok=True):
                            f"(variant, problem) from a sweep")
     df["message"] = df["message"].fillna("")
     df["status"] = df["status"].fillna("")
-    for c in NUMERIC_COLUMNS:
+    for c in NUMERIC_COLUMNS + [c for c in NOISE_COLUMNS + [UNIFORM_ERROR] if c in df.columns]:
         df[c] = pd.to_numeric(df[c], errors="coerce")
     ok = df["status"] == "ok"
     if need_ok and not ok.any():
@@ -137,6 +141,19 @@ def load_meta(directory):
     if not isinstance(meta, dict):
         raise ResultsError(f"'{path}' holds a JSON {type(meta).__name__}; expected an object")
     return meta
+
+
+def time_spread(df):
+    """Per row, max/min of the repetitions' times: the `time_spread` column, or for files
+    written before it, time_max_s / time_min_s (NaN where either is missing)."""
+    computed = df["time_max_s"] / df["time_min_s"].where(df["time_min_s"] > 0)
+    return df["time_spread"].where(df["time_spread"].notna(), computed)
+
+
+def noisy(df):
+    """Per row, whether harness/runner.h's rule marked its timing noisy (the `noisy` column
+    is 1); False for files written before the column."""
+    return df["noisy"].fillna(0).astype(float) == 1.0
 
 
 def spec_order(df):

@@ -2,14 +2,18 @@
 """Figures and a markdown report from an attnbench results directory.
 
     scripts/plot.py DIR [--n N] [--input NAME] [--attnbench PATH] [--pattern-n N]
+                        [--debug-json FILE]
 
 Reads DIR/results.csv, DIR/meta.json and DIR/patterns/ (written by `attnbench sweep --out
 DIR`) and writes DIR/plots/*.png and DIR/report.md:
 
-  time_vs_n.png       median time against n, log-log, with O(n) and O(n^2) guides
-  memory_vs_n.png     peak heap of the forward pass against n
-  error_vs_n.png      relative Frobenius error against n, one column per input distribution
-  speed_vs_error.png  time against error at one n, with the Pareto frontier
+  time_vs_n.png       median time against n, log-log, with O(n) and O(n^2) guides, min-max
+                      bars of the repetitions and noisy rows hollow
+  memory_vs_n.png     peak heap of the forward pass against n, coinciding lines side by side
+  error_vs_n.png      relative Frobenius error against n, a panel per input distribution and
+                      causal setting, with the errors of a zero output and the uniform average
+  speed_vs_error.png  time against error at one n, with the Pareto frontier of the variants
+                      that beat both references, points labelled where labels fit
   crossover.png       time relative to flash and to full against n; where each line crosses 1
                       is the variant's crossover length
   patterns.png        one head's attention pattern per pattern variant, as the sweep stored it
@@ -65,6 +69,9 @@ def main():
                     help="sequence length of the pattern gallery, among the stored patterns "
                          "(default: the length each pattern was stored at, the measured one "
                          "nearest 1024)")
+    ap.add_argument("--debug-json", default=None, metavar="FILE",
+                    help="also write what each figure drew (panels, lines, reference lines, "
+                         "labels, marks) as JSON to FILE, for tests")
     args = ap.parse_args()
     if args.pattern_n is not None and args.pattern_n < 1:
         ap.error("--pattern-n must be positive")

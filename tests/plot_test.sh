@@ -170,6 +170,173 @@ for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover; do
 done
 [ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
 
+# --- what the figures draw (plot.py --debug-json) -------------------------------------------
+# A copy of the first sweep with known timings, errors and memory: local noisy at n=128
+# (non-causal), linear's peak memory equal to local's, local and linear crossing flash at the
+# same n, linear's error above the zero output's at n=512, the uniform average's error 0.9 on
+# every row, and the non-causal rows again as three more input distributions (five error panels).
+f="$tmp/f"
+cp -r "$tmp/a" "$f"
+"$py" - "$f/results.csv" <<'EOF'
+import csv, sys
+path = sys.argv[1]
+rows = [r for r in csv.DictReader(open(path)) if r["status"] == "ok"]
+def is_(r, name):
+    return r["spec"].split(":")[0] == name
+def at(name, n, causal):
+    return next(r for r in rows if is_(r, name) and r["n"] == str(n) and r["causal"] == causal
+                and r["input"] == "gaussian")
+for r in rows:
+    r["uniform_error"] = "0.9"
+    r["noisy"] = "0"
+    r["time_spread"] = repr(float(r["time_max_s"]) / float(r["time_min_s"]))
+for causal in "01":
+    for n, ratio in ((128, 2.0), (256, 0.5), (512, 0.25)):
+        t = float(at("flash", n, causal)["time_median_s"])
+        for name in ("local", "linear"):
+            r = at(name, n, causal)
+            r["time_median_s"] = repr(t * ratio)
+            r["time_min_s"] = repr(t * ratio * 0.99)
+            r["time_max_s"] = repr(t * ratio * 1.01)
+            r["time_spread"] = repr(1.01 / 0.99)
+            at("linear", n, causal)["peak_bytes"] = at("local", n, causal)["peak_bytes"]
+noisy = at("local", 128, "0")
+noisy["noisy"] = "1"
+noisy["time_max_s"] = repr(3 * float(noisy["time_min_s"]))
+noisy["time_spread"] = repr(3.0)
+at("linear", 512, "0")["rel_fro_error"] = "2.0"
+extra = [dict(r, input=inp) for inp in ("local", "clustered", "lowrank") for r in rows
+         if r["causal"] == "0" and r["input"] == "gaussian"]
+with open(path, "w", newline="") as out:
+    w = csv.DictWriter(out, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows + extra)
+EOF
+plot "$f" --debug-json "$tmp/f.json" 2>"$tmp/f.err" ||
+  { cat "$tmp/f.err" >&2; fail "plot.py failed on the changed results"; }
+"$py" - "$tmp/f.json" "$f/report.md" <<'EOF' || fail "the figures do not draw what they should"
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+report = open(sys.argv[2], encoding="utf-8").read()
+LOCAL, LINEAR = "local:window=32,block=64", "linear:eps=1e-06"
+FLASH, FULL = "flash:block_q=64,block_k=256", "full"
+def check(ok, what):
+    if not ok:
+        sys.exit(f"plot_test: {what}")
+# time: min-max bars around every point; local's noisy point hollow and said in the legend
+t = d["time_vs_n"]
+for p in t["panels"]:
+    for line in p["lines"]:
+        check(all(lo <= y <= hi for lo, y, hi in zip(line["lo"], line["y"], line["hi"])),
+              f"time_vs_n: a bar does not span its point: {line}")
+        want = [128.0] if line["spec"] == LOCAL and p["title"].startswith("non-causal") else []
+        check(line["noisy_n"] == want, f"time_vs_n: noisy points {line['noisy_n']} of "
+              f"{line['spec']} in {p['title']}, expected {want}")
+check("hollow: noisy row" in t["legend"] and "bar: min–max of repetitions" in t["legend"],
+      f"time_vs_n: the legend does not explain bars and hollow points: {t['legend']}")
+# memory: local and linear coincide, are drawn apart, and the legend says so
+m = d["memory_vs_n"]
+for p in m["panels"]:
+    check(any({LOCAL, LINEAR} <= set(g["specs"]) for g in p["coinciding"]),
+          f"memory_vs_n: local and linear are not found to coincide in {p['title']}")
+    xs = {l["spec"]: l["x"] for l in p["lines"]}
+    check(all(a != b for a, b in zip(xs[LOCAL], xs[LINEAR])),
+          f"memory_vs_n: coinciding lines drawn at the same n in {p['title']}")
+check(any("local:window=32" in e and " = linear" in e for e in m["legend"]),
+      f"memory_vs_n: the legend does not name the coinciding lines: {m['legend']}")
+# error: a panel per input and causal setting with rows, none empty, the legend in the spare
+# cell; the zero output and the uniform average in each; the y range holds all of them
+e = d["error_vs_n"]
+titles = sorted(p["title"].split(",")[0] + "," + p["title"].split(",")[1] for p in e["panels"])
+check(len(e["panels"]) == 5, f"error_vs_n: {len(e['panels'])} panels, expected 5: {titles}")
+check(all(p["lines"] for p in e["panels"]), "error_vs_n: an empty panel")
+check(e["grid"] == {"columns": 3, "cells": 6, "legend_in_grid": True},
+      f"error_vs_n: grid {e['grid']}, expected 3 columns with the legend in the sixth cell")
+for p in e["panels"]:
+    check(p["zero_output"] == 1.0, f"error_vs_n: no zero-output line in {p['title']}")
+    check(p["uniform"] and p["uniform"]["y"] == [0.9] * 3,
+          f"error_vs_n: no uniform-average line at 0.9 in {p['title']}: {p['uniform']}")
+ys = [y for p in e["panels"] for l in p["lines"] for y in l["y"]]
+lo, hi = e["ylim"]
+check(lo <= min(ys) and hi >= 2.0 and lo >= min(ys) / 4 and hi <= max(ys + [1.0]) * 4,
+      f"error_vs_n: y range {e['ylim']} is not the data's ({min(ys)}..{max(ys)}) and 1")
+check("zero output (error 1)" in e["legend"], "error_vs_n: no zero output in the legend")
+# speed against error at n=512: the front only through points below 0.9; linear (error 2)
+# pale; every point labelled next to it or named in the legend
+s = d["speed_vs_error"]
+check(s["n"] == 512, f"speed_vs_error at n={s['n']}")
+for p in s["panels"]:
+    check(p["uniform"] == 0.9, f"speed_vs_error: uniform average {p['uniform']}")
+    for pt in p["points"]:
+        check(pt["beats"] == (pt["error"] < 0.9), f"speed_vs_error: wrong 'beats' for {pt}")
+        check(not pt["on_front"] or pt["beats"], f"speed_vs_error: {pt} on the front")
+        check(pt["label"] == "direct" or pt["text"] in s["legend"],
+              f"speed_vs_error: {pt['spec']} neither labelled nor in the legend")
+    check(p["front"], f"speed_vs_error: no front in {p['title']}")
+check(any(pt["spec"] == LINEAR and not pt["beats"] for pt in s["panels"][0]["points"]),
+      "speed_vs_error: linear with error 2 beats the zero output")
+# crossover: no baseline against itself; local and linear cross flash at the same n, their
+# marks are not drawn over each other
+c = d["crossover"]
+for p in c["panels"]:
+    check(p["baseline"] not in [l["spec"] for l in p["lines"]],
+          f"crossover: {p['baseline']} drawn against itself in {p['title']}")
+    if p["title"].startswith("vs flash: causal"):  # local's noisy n=128 is non-causal
+        marks = {mk["spec"]: mk for mk in p["marks"]}
+        check(LOCAL in marks and LINEAR in marks, f"crossover: marks {p['marks']}")
+        a, b = marks[LOCAL], marks[LINEAR]
+        check(abs(math.log(a["n"] / b["n"])) < 1e-9 and a["y"] != b["y"],
+              f"crossover: the marks of local and linear pile up: {a} {b}")
+# report: spread and † in the time table, the footnote, statements from the data
+check("| `local:window=32,block=64` | " in report and " ×3.00 †" in report,
+      "report.md: the time table does not mark local's noisy row with its spread")
+check("† noisy: the repetitions of this row spread" in report, "report.md: no † footnote")
+check("slower again" not in report, "report.md still states a contradiction")
+check("≈ 181: faster from there on" in report,
+      "report.md: no crossover statement for linear vs flash at n ≈ 181")
+check("judged at n = 256, 512; noisy, not judged: 128 †" in report,
+      "report.md: local's noisy length is judged")
+EOF
+# Results without the uniform_error column (an older sweep): the zero output only.
+"$py" - "$f/results.csv" <<'EOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+cols = [c for c in rows[0] if c != "uniform_error"]
+with open(sys.argv[1], "w", newline="") as out:
+    w = csv.DictWriter(out, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+EOF
+plot "$f" --debug-json "$tmp/f.json" 2>/dev/null || fail "plot.py failed without uniform_error"
+"$py" - "$tmp/f.json" <<'EOF' || fail "the error figures without uniform_error are wrong"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for p in d["error_vs_n"]["panels"]:
+    assert p["zero_output"] == 1.0 and p["uniform"] is None, p
+assert "zero output (error 1)" in d["error_vs_n"]["legend"]
+assert all(p["uniform"] is None for p in d["speed_vs_error"]["panels"])
+assert any(p["front"] for p in d["speed_vs_error"]["panels"])
+EOF
+
+# The crossover statements on their own: every case, noisy lengths left out.
+PYTHONPATH="$root/scripts" "$py" - <<'EOF' || fail "crossover statements are wrong"
+from attnbench_plots.crossover import Crossing
+def says(ns, ratio, bad, text):
+    got = Crossing(ns, ratio, bad).text()
+    assert got == text, (got, text)
+n = [256, 512, 1024, 2048]
+says(n, [0.5, 0.5, 0.5, 0.5], None, "faster at every n (256–2K)")
+says(n, [2, 2, 2, 2], None, "never in range (256–2K)")
+says(n, [2, 0.5, 0.5, 0.5], None, "≈ 362: faster from there on (256–2K)")
+says(n, [2, 0.5, 2, 0.5], None, "faster only at n ∈ {512, 2K} (256–2K)")
+says(n, [2, 0.5, 2, 0.5], [0, 0, 1, 0],
+     "≈ 362: faster from there on (judged at n = 256, 512, 2K; noisy, not judged: 1K †)")
+says(n, [0.5, 0.5, 2, 0.5], [0, 0, 1, 0],
+     "faster at every judged n (judged at n = 256, 512, 2K; noisy, not judged: 1K †)")
+says(n[:2], [0.5, 2], [1, 1], "— (noisy at every n: 256, 512 †)")
+says([], [], None, "— (no common n)")
+EOF
+
 # --- compare.py --------------------------------------------------------------------------------
 "$py" "$root/scripts/compare.py" "$tmp/a" "$tmp/b" >"$tmp/cmp.txt" || fail "compare.py failed"
 cat "$tmp/cmp.txt"
@@ -283,7 +450,8 @@ for text in "## Multi-head layer" "](plots/layer.png)" "E=32, layer time:" \
   "E=32, attention share:" "| variant | layer 2× faster than full |"; do
   grep -qF -- "$text" "$layer_report" || fail "the layer section lacks '$text'"
 done
-grep -qE '^\| `local:window=8,block=8` \| (≈ [0-9,]+|at every n|not in range)' "$layer_report" ||
+twice='(≈ [0-9,]+: 2× faster from there on|2× faster (at every|only at)|never in range|— \(noisy)'
+grep -qE '^\| `local:window=8,block=8` \| '"$twice" "$layer_report" ||
   fail "the layer section gives local no length at which the layer is twice as fast"
 grep -qF "No multi-head layer rows" "$report" || fail "report.md without layer rows says nothing"
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from attnbench_results import ResultsError, spec_order
 
-from .style import Styles, causal_name, code, fmt_n, md_table, num, warn
+from .style import Styles, causal_name, code, fmt_n, md_table, new_grid, num, warn
 
 
 class Layout:
@@ -59,7 +59,8 @@ class Context:
         self.df = df
         self.meta = meta
         self.ok = df[df["status"] == "ok"].copy()
-        self.styles = Styles(spec_order(df), (meta or {}).get("variants") if isinstance(meta, dict) else None)
+        self.styles = Styles(spec_order(df),
+                             meta.get("variants") if isinstance(meta, dict) else None)
         self.layout = Layout(self.ok)
         inputs = self.layout.inputs
         if args.input is not None:
@@ -72,10 +73,17 @@ class Context:
         self.timed = self.ok[self.ok["input"] == self.input]
         self.md = []
         self.problems = []  # what the report could not show, also said on stderr
+        # What each figure drew, by figure name (panels, lines, reference lines, labels):
+        # written as JSON with --debug-json so that tests check the figures' content.
+        self.debug = {}
 
     def note(self, text):
         warn(text)
         self.problems.append(text)
+
+    def record(self, figure, **items):
+        """Adds items to what `figure` is recorded to have drawn (see --debug-json)."""
+        self.debug.setdefault(figure, {}).update(items)
 
     def fig_path(self, name):
         return os.path.join(self.plots, name + ".png")
@@ -88,10 +96,31 @@ class Context:
         return f"input={self.input}" + (f", {fixed}" if fixed else "")
 
     def panels(self):
-        """(row, col, config, causal) of the grid used by the n-axis figures."""
+        """(row, col, config, causal) of the grid used by the n-axis figures of the timed
+        input: a row per configuration and a column per causal setting that it has rows of,
+        only the cells that have rows (grid() hides the others)."""
+        configs, causals = self.timed_shape()
+        return [(r, c, cfg, causal) for r, cfg in enumerate(configs)
+                for c, causal in enumerate(causals)
+                if not self.layout.select(self.timed, cfg, causal).empty]
+
+    def timed_shape(self):
+        """The configurations and causal settings that have rows of the timed input."""
         lay = self.layout
-        return [(r, c, cfg, causal) for r, cfg in enumerate(lay.configs)
-                for c, causal in enumerate(lay.causals)]
+        configs = [cfg for cfg in lay.configs if not lay.select(self.timed, cfg).empty]
+        causals = [c for c in lay.causals if (self.timed["causal"] == c).any()]
+        return configs, causals
+
+    def grid(self, sharey=False):
+        """The figure and axes grid of panels(), the cells without rows hidden."""
+        configs, causals = self.timed_shape()
+        fig, axes = new_grid(len(configs), len(causals), sharey=sharey)
+        used = {(r, c) for r, c, _, _ in self.panels()}
+        for r in range(len(configs)):
+            for c in range(len(causals)):
+                if (r, c) not in used:
+                    axes[r][c].set_visible(False)
+        return fig, axes
 
     def panel_title(self, cfg, causal):
         return f"{causal_name(causal)}, {self.layout.config_label(cfg)}"

@@ -4,10 +4,12 @@ twice as fast as with `full`."""
 
 import math
 
+import numpy as np
+
 from attnbench_results import format_seconds
 
-from .crossover import crossover, ratio_series
-from .style import code, finish, fmt_n, log2_n_axis, md_table, new_grid, remove, series
+from .crossover import Crossing, ratio_series
+from .style import NOISY_FOOTNOTE, code, finish, log2_n_axis, md_table, new_grid, remove, series
 
 # The speed-up of the layer the table asks for (time with full / time with the variant).
 TARGET_SPEEDUP = 2.0
@@ -19,16 +21,11 @@ def layer_rows(ctx):
     return ctx.timed[ctx.timed["embed"] > 0]
 
 
-def twice_as_fast_text(ns, ratio):
-    """Where time / time with full first drops below 1 / TARGET_SPEEDUP."""
-    if len(ns) == 0:
-        return "— (no common n)"
-    kind, n, again = crossover(ns, ratio * TARGET_SPEEDUP)
-    rng = f"{fmt_n(ns[0])}–{fmt_n(ns[-1])}"
-    if kind == "never":
-        return f"not in range ({rng})"
-    text = f"at every n ({rng})" if kind == "always" else f"≈ {n:,.0f}"
-    return text + (" (not at a larger n)" if again else "")
+def twice_as_fast_text(ns, ratio, bad=None):
+    """Where time / time with full is below 1 / TARGET_SPEEDUP, judged on the lengths
+    without a noisy row."""
+    return Crossing(ns, np.asarray(ratio) * TARGET_SPEEDUP, bad).text(
+        f"{TARGET_SPEEDUP:g}× faster")
 
 
 def panel_title(ctx, rows, cfg, causal):
@@ -98,10 +95,12 @@ def section(ctx):
         for spec in ctx.styles.order:
             if spec == full[0] or not (sub["spec"] == spec).any():
                 continue
-            ns, ratio = ratio_series(sub, spec, full[0])
-            out.append([code(spec), twice_as_fast_text(ns, ratio)])
+            ns, ratio, bad = ratio_series(sub, spec, full[0])
+            out.append([code(spec), twice_as_fast_text(ns, ratio, bad)])
         ctx.md.append(f"\n{title}: the smallest n at which the layer with the variant is "
                       f"{TARGET_SPEEDUP:g}× as fast as with `{full[0]}` (interpolated in "
                       f"log-log between measured lengths):\n\n")
         ctx.md.append(md_table(["variant", f"layer {TARGET_SPEEDUP:g}× faster than full"], out))
+        if any("†" in cells[1] for cells in out):
+            ctx.md.append("\n" + NOISY_FOOTNOTE + "\n")
     ctx.md.append("\n")

@@ -1,10 +1,11 @@
 """The report: DIR/report.md with its run header, one section per figure family (each
 drawing its figures into DIR/plots/) and the rows that could not be drawn."""
 
+import json
 import os
 import re
 
-from attnbench_results import problem_label
+from attnbench_results import noisy, problem_label
 
 from . import crossover, error, layer, patterns, time_memory
 from .context import Context
@@ -43,7 +44,10 @@ def header(ctx):
         ]
         ctx.md.append(md_table(["", ""], rows))
     counts = ctx.df["status"].value_counts()
+    n_noisy = int(noisy(ctx.ok).sum())
     ctx.md.append("\nRows: " + ", ".join(f"{v} {k}" for k, v in counts.items()) +
+                  (f" ({n_noisy} of the ok rows noisy, marked † in the tables)" if n_noisy
+                   else "") +
                   f". Variants: {len(ctx.styles.order)}. Time, memory, crossover and the "
                   f"efficiency table use input `{ctx.input}`"
                   + (f" ({ctx.layout.fixed_label()})" if ctx.layout.fixed_label() else "")
@@ -80,4 +84,7 @@ def write(args, df, meta):
     report = os.path.join(ctx.dir, "report.md")
     with open(report, "w", encoding="utf-8") as f:
         f.write(re.sub(r"\n{3,}", "\n\n", "\n".join(ctx.md)))
+    if getattr(args, "debug_json", None):
+        with open(args.debug_json, "w", encoding="utf-8") as f:
+            json.dump(ctx.debug, f, indent=1, ensure_ascii=False)
     return report

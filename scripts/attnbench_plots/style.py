@@ -4,6 +4,7 @@ helpers, the shared legend, and the markdown helpers of the report."""
 import math
 import os
 import sys
+import textwrap
 import zlib
 
 import matplotlib
@@ -63,6 +64,20 @@ plt.rcParams.update({
 # The O(n) and O(n²) guides: wide and pale, so they never read as a variant's line style.
 GUIDE_STYLE = {"n": {"color": "0.55", "linestyle": "-", "linewidth": 3.0, "alpha": 0.3},
                "n2": {"color": "0.55", "linestyle": (0, (3, 2)), "linewidth": 3.0, "alpha": 0.3}}
+
+
+# Legend entries of the marks the time figures add to a variant's line.
+SPREAD_HANDLE = Line2D([], [], color="0.3", marker="|", markersize=9, markeredgewidth=1.0,
+                       linestyle="none", label="bar: min–max of repetitions")
+NOISY_HANDLE = Line2D([], [], color="0.3", marker="o", markersize=6, markerfacecolor="white",
+                      markeredgewidth=1.2, linestyle="none", label="hollow: noisy row")
+
+
+# Said under every table that marks a row noisy.
+NOISY_FOOTNOTE = ("† noisy: the repetitions of this row spread by more than 1.5× (max/min), or "
+                  "other processes kept more processors busy than its threads left free "
+                  "(harness/runner.h, `noise_reason`); do not compare its time without "
+                  "measuring it again (README, \"Stable numbers\").")
 
 
 def warn(msg):
@@ -234,31 +249,73 @@ def new_grid(nrows, ncols, sharey=False):
     return fig, axes
 
 
-def finish(fig, path, handles, title):
-    """Title, one shared legend below the panels (outside the layout, so the saved bounding
-    box grows to hold it), save, close."""
+def finish(fig, path, handles, title, legend_ax=None, notes=()):
+    """Title, one shared legend, save, close. The legend goes into legend_ax (a spare cell of
+    the grid, its axes hidden) when given, else below the panels (outside the layout, so the
+    saved bounding box grows to hold it). `notes` are lines of text under the legend (entries
+    too long for a legend column)."""
     fig.suptitle(title, fontsize=10.5)
-    if handles:
-        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
-                   ncol=legend_columns(fig, handles), frameon=False, handlelength=2.2,
-                   columnspacing=1.5)
-    fig.savefig(path, bbox_inches="tight", facecolor="white")
+    legend = None
+    if handles and legend_ax is not None:
+        # as many columns as fit in the cell; a legend larger than the cell runs over its edge
+        # (out of the layout, so that it never shrinks the panels) and the saved bounding box
+        # grows to hold it
+        legend_ax.set_axis_off()
+        fig.canvas.draw()
+        room = legend_ax.get_window_extent(fig.canvas.get_renderer()).width
+        legend = legend_ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, 1.0),
+                                  ncol=legend_columns(fig, handles, room), frameon=False,
+                                  handlelength=2.2, columnspacing=1.5, borderaxespad=0.0)
+        legend.set_in_layout(False)
+    elif handles:
+        legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                            ncol=legend_columns(fig, handles), frameon=False, handlelength=2.2,
+                            columnspacing=1.5)
+    if notes:
+        top = 0.0
+        if legend is not None:
+            fig.canvas.draw()
+            box = legend.get_window_extent(fig.canvas.get_renderer())
+            top = fig.transFigure.inverted().transform((0, box.y0))[1]
+        # wrapped to the figure's width (a character is about 0.55 of the font size wide)
+        chars = int(fig.get_figwidth() * 72 / (0.55 * plt.rcParams["legend.fontsize"]))
+        notes = ["\n".join(textwrap.wrap(t, chars, break_long_words=False)) for t in notes]
+        fig.legend(handles=[Line2D([], [], linestyle="none", label=t) for t in notes],
+                   loc="upper center", bbox_to_anchor=(0.5, min(top, 0.0)), ncol=1,
+                   frameon=False, handlelength=0, handletextpad=0)
+    extra = fig.get_default_bbox_extra_artists()  # the legend in a cell is out of the layout
+    if legend is not None and legend not in extra:
+        extra.append(legend)
+    fig.savefig(path, bbox_inches="tight", facecolor="white", bbox_extra_artists=extra)
     plt.close(fig)
 
 
-def legend_columns(fig, handles):
-    """As many legend columns as fit in the figure's width, measured on the rendered labels
-    (the column width is the widest label plus its line sample and spacing)."""
+def legend_columns(fig, handles, room=None):
+    """As many legend columns as fit in `room` display pixels (default: the figure's width),
+    measured on the rendered labels:
+    the legend fills its columns top to bottom, and each column is as wide as its widest label
+    plus its line sample and spacing."""
     renderer = fig.canvas.get_renderer()
     size = plt.rcParams["legend.fontsize"]
-    widest = 0.0
+    widths = []
     for h in handles:
         t = fig.text(0, 0, h.get_label(), fontsize=size)
-        widest = max(widest, t.get_window_extent(renderer).width)
+        widths.append(t.get_window_extent(renderer).width)
         t.remove()
-    pt = fig.dpi / 72.0
-    column = widest + (2.2 + 0.8 + 1.5) * size * pt  # handle, text pad, column spacing
-    return max(1, min(len(handles), int(fig.get_figwidth() * fig.dpi // column)))
+    pad = (2.2 + 0.8 + 1.5) * size * fig.dpi / 72.0  # handle, text pad, column spacing
+    room = fig.get_figwidth() * fig.dpi if room is None else room
+    for ncol in range(len(handles), 1, -1):
+        # matplotlib's split: the first `large` columns hold one entry more
+        rows, large = divmod(len(handles), ncol)
+        total, i = 0.0, 0
+        for k in range(ncol):
+            size_k = rows + (1 if k < large else 0)
+            if size_k:
+                total += max(widths[i:i + size_k]) + pad
+            i += size_k
+        if total <= room:
+            return ncol
+    return 1
 
 
 def pad_log_limits(ax, xs, ys):
@@ -268,6 +325,80 @@ def pad_log_limits(ax, xs, ys):
     for setter, vals in ((ax.set_xlim, xs), (ax.set_ylim, ys)):
         lo, hi = min(vals), max(vals)
         setter(lo / 2.0, hi * 2.0)
+
+
+def jsonable(values):
+    """Numbers as JSON can hold them: floats, None for NaN or infinity."""
+    out = []
+    for v in values:
+        v = float(v)
+        out.append(v if math.isfinite(v) else None)
+    return out
+
+
+def freeze_layout(fig):
+    """Runs the figure's constrained layout once and keeps it, so that what is placed next in
+    display coordinates (labels that avoid each other) stays where it was checked."""
+    fig.canvas.draw()
+    fig.set_layout_engine("none")
+
+
+def _box_distance(box, x, y):
+    """Distance from the point (x, y) to the box (x0, y0, x1, y1), 0 inside it."""
+    dx = max(box[0] - x, 0.0, x - box[2])
+    dy = max(box[1] - y, 0.0, y - box[3])
+    return math.hypot(dx, dy)
+
+
+def place_labels(ax, points, texts, avoid=()):
+    """Puts each text next to its point (data coordinates) where its box overlaps no label
+    placed before it, no point's marker and nothing in `avoid` (display-space boxes), and
+    stays inside the axes: candidate offsets are tried in turn (right, left, above, below, the
+    diagonals, then farther out). Call after freeze_layout. Returns per point whether a label
+    was placed; a caller lists the others in a legend."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    pt = fig.dpi / 72.0
+    data = np.asarray(points, dtype=float).reshape(-1, 2)
+    xy = ax.transData.transform(data)
+    r = 4.5 * pt  # marker half-size
+    taken = [(x - r, y - r, x + r, y + r) for x, y in xy] + list(avoid)
+    size = plt.rcParams["legend.fontsize"]
+    placed = []
+    for (x, y), at, text in zip(xy, data, texts):
+        probe = ax.text(0, 0, text, fontsize=size, transform=None)
+        bb = probe.get_window_extent(renderer)
+        probe.remove()
+        w, h = bb.width, bb.height
+        done = False
+        for reach in (1.0, 2.5):
+            d = r * reach + 2 * pt
+            for dx, dy in ((d, -h / 2), (-d - w, -h / 2), (-w / 2, d), (-w / 2, -d - h),
+                           (d, d * 0.5), (-d - w, d * 0.5), (d, -d * 0.5 - h),
+                           (-d - w, -d * 0.5 - h)):
+                box = (x + dx, y + dy, x + dx + w, y + dy + h)
+                if box[0] < frame.x0 or box[2] > frame.x1 or box[1] < frame.y0 or \
+                        box[3] > frame.y1:
+                    continue
+                if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
+                       for b in taken):
+                    continue
+                # a label must be nearer its own point than any other, or it names the wrong one
+                own = _box_distance(box, x, y)
+                if any(_box_distance(box, px, py) < own + 2 * pt for px, py in xy
+                       if (px, py) != (x, y)):
+                    continue
+                ax.annotate(text, xy=tuple(at), xycoords="data", xytext=(dx / pt, dy / pt),
+                            textcoords="offset points", fontsize=size, ha="left",
+                            va="bottom", annotation_clip=False)
+                taken.append(box)
+                done = True
+                break
+            if done:
+                break
+        placed.append(done)
+    return placed
 
 
 def md_table(header, rows):
