@@ -73,9 +73,9 @@ namespace {
 // Softmax probabilities of row i over its visible keys; with `uniform`, every logit is taken
 // as 0, so only the masks (and their additive bias) shape the weights.
 // With `lse`, *lse receives the log of the softmax's normaliser (-inf for a row with no key).
-std::vector<double> probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                  int64_t b, int64_t h, int64_t i, const SparsePattern* pattern,
-                                  bool uniform, double* lse = nullptr) {
+std::vector<double> probabilities(const Problem& p, ConstTensorView q, ConstTensorView k, int64_t b,
+                                  int64_t h, int64_t i, const SparsePattern* pattern, bool uniform,
+                                  double* lse = nullptr) {
   const int64_t visible = p.visible(b, i);
   std::vector<double> prob(size_t(p.keys()), 0.0);
   if (lse) *lse = -INFINITY;
@@ -93,8 +93,8 @@ std::vector<double> probabilities(const Problem& p, ConstTensorView q, ConstTens
   double mx = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
     if (!allowed[size_t(j)]) continue;
-    prob[size_t(j)] = (logit ? (*logit)(k.row(b, h, j)) : 0.0) +
-                      (mask ? double(mask->at(b, h, i, j)) : 0.0);
+    prob[size_t(j)] =
+        (logit ? (*logit)(k.row(b, h, j)) : 0.0) + (mask ? double(mask->at(b, h, i, j)) : 0.0);
     mx = std::max(mx, prob[size_t(j)]);
   }
   if (mx == -INFINITY) return prob;  // the pattern or the mask leaves this row no key

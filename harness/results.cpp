@@ -36,10 +36,9 @@ const std::vector<std::string> kKeyColumns = {
 // field a row of an older file stands for (what the row meant before the column existed):
 // resuming such a file rewrites its lines with the current columns (upgrade_line).
 const std::map<std::string, std::string> kAddedColumns = {
-    {"embed", "0"},        {"attention_share", ""}, {"score", "scaled_dot"},
-    {"score_hidden", "0"}, {"key_padding", ""},     {"attn_mask", ""},
-    {"time_spread", ""},   {"load_avg", ""},        {"other_load", ""},
-    {"noisy", ""},         {"uniform_error", ""}};
+    {"embed", "0"},      {"attention_share", ""}, {"score", "scaled_dot"}, {"score_hidden", "0"},
+    {"key_padding", ""}, {"attn_mask", ""},       {"time_spread", ""},     {"load_avg", ""},
+    {"other_load", ""},  {"noisy", ""},           {"uniform_error", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;

@@ -647,7 +647,8 @@ TEST(Patterns, MassFromTheLogSumExpMatchesTheFullSoftmax) {
                        lse.data());
         const auto full = pattern_mass(p, in.q.view(), in.k.view(), *pat, b, h, rows);
         const auto fast = pattern_mass(p, in.q.view(), in.k.view(), *pat, b, h, rows, lse);
-        for (size_t r = 0; r < rows.size(); ++r) EXPECT_NEAR(fast[r], full[r], 1e-12) << b << h << r;
+        for (size_t r = 0; r < rows.size(); ++r)
+          EXPECT_NEAR(fast[r], full[r], 1e-12) << b << h << r;
       }
   }
 }

@@ -345,12 +345,12 @@ TEST(EtaModel, PredictsTheRestOfARealSweepFromItsFirstTenthWithin30Percent) {
   const std::vector<double> reference = plan_reference_work(plan, {});
   EtaModel m(opt.reps, opt.min_time);
   for (size_t i = 0; i < seen; ++i)
-    m.add(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]),
-          reference[i], seconds[i], passes[i], errors[i]);
+    m.add(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]), reference[i], seconds[i],
+          passes[i], errors[i]);
   double predicted = 0, truth = 0;
   for (size_t i = seen; i < plan.configs.size(); ++i) {
-    predicted += m.predict(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]),
-                           reference[i]);
+    predicted +=
+        m.predict(plan.configs[i].variant->spec(), sweep_work(plan.configs[i]), reference[i]);
     truth += seconds[i];
   }
   EXPECT_NEAR(predicted / truth, 1.0, 0.3)
