@@ -60,6 +60,10 @@ def main():
     ap.add_argument("--input", default=None,
                     help="input distribution of the time, memory and crossover figures "
                          "(default: gaussian if present, else the first in the results)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="input scale of the time, memory and crossover figures when the "
+                         "results hold several (default: 1 if present, else the smallest); "
+                         "the speed-vs-error figure has a panel per scale")
     ap.add_argument("--attnbench", default=None, metavar="PATH",
                     help="attnbench binary asked for the variants meta.json does not describe "
                          "(results of an earlier attnbench), with the plugins meta.json records "

@@ -318,6 +318,35 @@ assert all(p["uniform"] is None for p in d["speed_vs_error"]["panels"])
 assert any(p["front"] for p in d["speed_vs_error"]["panels"])
 EOF
 
+# Several scales of the timed input (the default sweep's sharpened gaussian rows): time, memory
+# and crossover show scale 1 only (or --scale), speed against error a panel per scale.
+"$py" - "$f/results.csv" <<'EOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+extra = [dict(r, scale="4") for r in rows if r["input"] == "gaussian" and r["causal"] == "0"]
+with open(sys.argv[1], "w", newline="") as out:
+    w = csv.DictWriter(out, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows + extra)
+EOF
+plot "$f" --debug-json "$tmp/f.json" 2>/dev/null || fail "plot.py failed with two scales"
+"$py" - "$tmp/f.json" <<'EOF' || fail "the figures mix scales"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for fig in ("time_vs_n", "memory_vs_n", "crossover"):
+    titles = [p["title"] for p in d[fig]["panels"]]
+    assert titles and all("scale=1" in t for t in titles), (fig, titles)
+titles = [p["title"] for p in d["speed_vs_error"]["panels"]]
+assert any("scale=4" in t for t in titles) and any("scale=1" in t for t in titles), titles
+EOF
+plot "$f" --scale 4 --debug-json "$tmp/f.json" 2>/dev/null || fail "plot.py --scale 4 failed"
+"$py" -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+t = [p["title"] for p in d["time_vs_n"]["panels"]]
+assert t and all("scale=4" in x for x in t), t' "$tmp/f.json" || fail "--scale 4 not drawn"
+if plot "$f" --scale 3 2>"$tmp/s.err"; then fail "plot.py --scale 3 succeeded"; fi
+grep -q "present: 1, 4" "$tmp/s.err" || fail "--scale 3's error does not list the scales"
+
 # The crossover statements on their own: every case, noisy lengths left out.
 PYTHONPATH="$root/scripts" "$py" - <<'EOF' || fail "crossover statements are wrong"
 from attnbench_plots.crossover import Crossing

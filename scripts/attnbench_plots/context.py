@@ -1,6 +1,7 @@
 """What every figure family reads: the results, how they split into panels, the input the
 timed figures use, and the report being written (markdown and the notes said on stderr)."""
 
+import contextlib
 import math
 import os
 
@@ -70,7 +71,22 @@ class Context:
             self.input = args.input
         else:
             self.input = "gaussian" if "gaussian" in inputs else inputs[0]
-        self.timed = self.ok[self.ok["input"] == self.input]
+        # every scale of the timed input (speed against error, where sharper inputs change
+        # the error), and one scale for the figures of time and memory, which do not depend
+        # on it: 1 when present, else the smallest (--scale chooses)
+        self.timed_all = self.ok[self.ok["input"] == self.input]
+        scales = sorted(self.timed_all["scale"].unique()) if "scale" in self.ok.columns else []
+        self.scale = None
+        if getattr(args, "scale", None) is not None:
+            if args.scale not in scales:
+                raise ResultsError(f"--scale {args.scale:g}: no ok row of input {self.input} "
+                                   f"has that scale; present: "
+                                   f"{', '.join(f'{x:g}' for x in scales)}")
+            self.scale = args.scale
+        elif len(scales) > 1:
+            self.scale = 1.0 if 1.0 in scales else scales[0]
+        self.timed = self.timed_all if self.scale is None else \
+            self.timed_all[self.timed_all["scale"] == self.scale]
         self.md = []
         self.problems = []  # what the report could not show, also said on stderr
         # What each figure drew, by figure name (panels, lines, reference lines, labels):
@@ -94,6 +110,16 @@ class Context:
     def title_suffix(self):
         fixed = self.layout.fixed_label()
         return f"input={self.input}" + (f", {fixed}" if fixed else "")
+
+    @contextlib.contextmanager
+    def every_scale(self):
+        """Within it, the timed rows (and so panels() and grid()) hold every scale."""
+        kept = self.timed
+        self.timed = self.timed_all
+        try:
+            yield
+        finally:
+            self.timed = kept
 
     def panels(self):
         """(row, col, config, causal) of the grid used by the n-axis figures of the timed

@@ -209,6 +209,13 @@ def speed_points(ctx, sub):
 
 
 def speed_vs_error(ctx):
+    """Time against error at one n, a panel per configuration of the timed input (every scale:
+    sharper inputs change the error, not the time)."""
+    with ctx.every_scale():
+        return _speed_vs_error(ctx)
+
+
+def _speed_vs_error(ctx):
     lay = ctx.layout
     n = pick_speed_error_n(ctx.timed, ctx.args.n)
     at_n = ctx.timed[ctx.timed["n"] == n]

@@ -254,7 +254,11 @@ def finish(fig, path, handles, title, legend_ax=None, notes=()):
     the grid, its axes hidden) when given, else below the panels (outside the layout, so the
     saved bounding box grows to hold it). `notes` are lines of text under the legend (entries
     too long for a legend column)."""
-    fig.suptitle(title, fontsize=10.5)
+    # a title set before freeze_layout was placed by the layout: setting it again would move
+    # it back to its default height, onto the panels' titles
+    current = getattr(fig, "_suptitle", None)
+    if current is None or current.get_text() != title:
+        fig.suptitle(title, fontsize=10.5)
     legend = None
     if handles and legend_ax is not None:
         # as many columns as fit in the cell; a legend larger than the cell runs over its edge
