@@ -78,7 +78,7 @@ class InputHash {
       mix(w);
     }
     uint64_t tail = 0;
-    std::memcpy(&tail, c + i, bytes - i);
+    if (bytes > i) std::memcpy(&tail, c + i, bytes - i);  // an empty vector's data() may be null
     mix(tail ^ (uint64_t(bytes) << 56));
   }
   void add(ConstTensorView t) {
