@@ -328,6 +328,14 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       return row;
     }
 
+    // What the variant draws from the seed and shapes alone, drawn once here, outside the
+    // timed passes; the per-pass work (flops) then leaves it out.
+    const double p0 = omp_get_wtime();
+    if (variant.prepare(p)) {
+      row.prepare_seconds = omp_get_wtime() - p0;
+      row.flops = variant.flops(p);
+    }
+
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);
     const Inputs& in = given ? *given : generated;
@@ -420,7 +428,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"uniform_error", num(r.error.uniform_rel_fro)},
            {"notes", r.notes},
            {"phases", phases_text(r.phases)},
-           {"attention_share", num(r.attention_share)}};
+           {"attention_share", num(r.attention_share)},
+           {"prepare_s", num(r.prepare_seconds)}};
 }
 
 }  // namespace attnbench

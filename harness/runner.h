@@ -56,6 +56,9 @@ struct Row {
   /// A layer row: the attention core's share of the layer's time, measured around the core
   /// within the timed passes; NaN for plain attention.
   double attention_share = NAN;
+  /// Wall seconds of the variant's prepare() (Variant::prepare: random draws made once per
+  /// problem, outside the timed passes); NaN for a variant with nothing to prepare.
+  double prepare_seconds = NAN;
 };
 
 /// A row's time is marked noisy (Row::noisy, a warning on stderr) when its repetitions
