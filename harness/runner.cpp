@@ -297,6 +297,13 @@ void record_failure(Row& row, const std::exception& e) {
   row.message = dynamic_cast<const std::bad_alloc*>(&e) ? "out of memory" : e.what();
 }
 
+bool prepare_variant(Variant& variant, const Problem& p, Row& row) {
+  const double t0 = omp_get_wtime();
+  if (!variant.prepare(p)) return false;
+  row.prepare_seconds = omp_get_wtime() - t0;
+  return true;
+}
+
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output,
             nlohmann::json* bench_json) {
@@ -328,13 +335,8 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       return row;
     }
 
-    // What the variant draws from the seed and shapes alone, drawn once here, outside the
-    // timed passes; the per-pass work (flops) then leaves it out.
-    const double p0 = omp_get_wtime();
-    if (variant.prepare(p)) {
-      row.prepare_seconds = omp_get_wtime() - p0;
-      row.flops = variant.flops(p);
-    }
+    // the per-pass work of a prepared variant leaves its draws out
+    if (prepare_variant(variant, p, row)) row.flops = variant.flops(p);
 
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);

@@ -115,6 +115,12 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
             const MachineFigures& mf, const RunOptions& opt, Tensor* output = nullptr,
             nlohmann::json* bench_json = nullptr);
 
+/// Calls variant.prepare(p) (Variant::prepare: its draws from the seed and shapes, made once,
+/// outside the timed passes) and, when it prepared anything, stores its wall time in
+/// row.prepare_seconds. Returns whether it did. run_one and the layer call it before their
+/// checked pass.
+bool prepare_variant(Variant& variant, const Problem& p, Row& row);
+
 /// Throws UsageError for repetitions below 1 or a min_time outside [0, 3600] s.
 void check_run_options(const RunOptions& opt);
 
