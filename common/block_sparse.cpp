@@ -34,6 +34,23 @@ float logit_scale(const Problem& p) {
   return p.score == Score::additive ? 1.0f : p.softmax_scale();
 }
 
+/// Writes the log-sum-exp of the `rows` rows of a finished tile (rows i0 ..) of head (b, h):
+/// mx[r] is the row's running max in raw score units, l[r] its sum of exp((s - mx) scale)
+/// times pscale (the overflow retry's factor, 1 otherwise).
+template <class Vec>
+void write_lse(const LseView* lse, int64_t b, int64_t h, int64_t i0, int64_t rows, const Vec& mx,
+               const Vec& l, float scale, float pscale) {
+  if (!lse) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float lr = l[r], m = mx[r];
+    float& dst = lse->at(b, h, i0 + r);
+    if (std::isnan(m) || std::isnan(lr))
+      dst = NAN;
+    else
+      dst = lr > 0 ? float(double(m) * scale + std::log(double(lr) / pscale)) : -INFINITY;
+  }
+}
+
 /// Query rows and keys of one thread's tiles: block_q and block_k clipped to the problem (a
 /// tile larger than n or m is never filled).
 int64_t tile_rows(const Problem& p, int64_t block_q) { return std::min(block_q, p.n); }
@@ -139,7 +156,7 @@ int64_t thread_bytes(const Tiles& tl, bool dense, bool biased) {
 
 template <bool kDense>
 void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
-         int64_t bq, int64_t bk, const SparsePattern* pat) {
+         int64_t bq, int64_t bk, const SparsePattern* pat, const LseView* lse) {
   const Tiles tl = tiles(p, bq, bk);
   const int64_t n = p.n, qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
@@ -204,7 +221,10 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
                          bias);
           }
           if (kPrefetch && pscale == 1.0f) prefetch_upto(rows);
-          if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
+          if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
+            write_lse(lse, b, h, i0, rows, w.mx, w.l, logit_scale(p), pscale);
+            break;
+          }
         }
       } catch (...) {
         guard.capture();
@@ -232,7 +252,8 @@ using namespace kernels::portable;
 
 template <bool kDense>
 [[maybe_unused]] void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                          TensorView out, int64_t bq, int64_t bk, const SparsePattern* pat) {
+                          TensorView out, int64_t bq, int64_t bk, const SparsePattern* pat,
+                          const LseView* lse) {
   const int64_t n = p.n, d = p.dim;
   const int64_t qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
@@ -273,7 +294,10 @@ template <bool kDense>
                          v.row(b, h, j0), v.stride_row, cols, scale,
                          kernels::causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr, bias);
           }
-          if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) break;
+          if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
+            write_lse(lse, b, h, i0, rows, w.mx, w.l, scale, pscale);
+            break;
+          }
         }
       });
   }
@@ -284,11 +308,11 @@ template <bool kDense>
 
 template <bool kDense>
 void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
-         int64_t bq, int64_t bk, const SparsePattern* pat) {
+         int64_t bq, int64_t bk, const SparsePattern* pat, const LseView* lse) {
 #ifdef __AVX512F__
-  fast::run<kDense>(p, q, k, v, out, bq, bk, pat);
+  fast::run<kDense>(p, q, k, v, out, bq, bk, pat, lse);
 #else
-  portable::run<kDense>(p, q, k, v, out, bq, bk, pat);
+  portable::run<kDense>(p, q, k, v, out, bq, bk, pat, lse);
 #endif
 }
 
@@ -309,8 +333,8 @@ double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
 }  // namespace
 
 void dense_attention(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                     TensorView out, int64_t block_q, int64_t block_k) {
-  run<true>(p, q, k, v, out, block_q, block_k, nullptr);
+                     TensorView out, int64_t block_q, int64_t block_k, const LseView* lse) {
+  run<true>(p, q, k, v, out, block_q, block_k, nullptr, lse);
 }
 
 double dense_attention_memory(const Problem& p, int64_t block_q, int64_t block_k) {
@@ -318,8 +342,38 @@ double dense_attention_memory(const Problem& p, int64_t block_q, int64_t block_k
 }
 
 void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
-                            ConstTensorView v, TensorView out, const SparsePattern& pat) {
-  run<false>(p, q, k, v, out, pat.block(), pat.block(), &pat);
+                            ConstTensorView v, TensorView out, const SparsePattern& pat,
+                            const LseView* lse) {
+  run<false>(p, q, k, v, out, pat.block(), pat.block(), &pat, lse);
+}
+
+void merge_attention(const Problem& p, TensorView out, const LseView& lse_out,
+                     ConstTensorView other, const LseView& lse_other) {
+  const int64_t d = p.dim, heads = p.batch * p.heads;
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    const int64_t b = bh / p.heads, h = bh % p.heads;
+    for (int64_t i = 0; i < p.n; ++i) {
+      float& la = lse_out.at(b, h, i);
+      const float lb = lse_other.at(b, h, i);
+      float* o = out.row(b, h, i);
+      const float* x = other.row(b, h, i);
+      if (std::isnan(la) || std::isnan(lb)) {
+        std::fill(o, o + d, NAN);
+        la = NAN;
+        continue;
+      }
+      const float mx = std::max(la, lb);
+      if (mx == -INFINITY) {  // neither part attended a key
+        std::fill(o, o + d, 0.0f);
+        continue;
+      }
+      const float wa = std::exp(la - mx), wb = std::exp(lb - mx), inv = 1.0f / (wa + wb);
+      const float ca = wa * inv, cb = wb * inv;
+      for (int64_t c = 0; c < d; ++c) o[c] = ca * o[c] + cb * x[c];
+      la = mx + std::log(wa + wb);
+    }
+  }
 }
 
 double block_sparse_memory(const Problem& p, int64_t block) {

@@ -41,17 +41,41 @@
 
 namespace attnbench {
 
+/// Where the engine writes each query row's log-sum-exp of its logits, log sum_j exp(s_ij)
+/// over the keys it attended (s_ij = q_i . k_j / sqrt(d) plus the mask's bias, or the
+/// additive score): row i of head (b, h) at data + b stride_b + h stride_h + i stride_row.
+/// A row that attended no key gets -inf, a row with a non-finite logit NaN. Two results over
+/// disjoint key sets merge into the result over their union through it (merge_attention).
+struct LseView {
+  float* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_row = 1;
+  float& at(int64_t b, int64_t h, int64_t i) const {
+    return data[b * stride_b + h * stride_h + i * stride_row];
+  }
+};
+
 /// out = attention of q over k, v restricted to `pat` and the causal mask. Rows that attend
-/// no key are 0. OpenMP over (batch, head, query block), dynamically scheduled.
+/// no key are 0. OpenMP over (batch, head, query block), dynamically scheduled. With `lse`,
+/// also every row's log-sum-exp.
 void block_sparse_attention(const Problem& p, ConstTensorView q, ConstTensorView k,
-                            ConstTensorView v, TensorView out, const SparsePattern& pat);
+                            ConstTensorView v, TensorView out, const SparsePattern& pat,
+                            const LseView* lse = nullptr);
 
 /// out = exact attention of q over k, v (the causal mask applied), in tiles of block_q query rows
 /// and block_k keys: the engine's dense case, every key block of every query tile, with no
 /// pattern, block list or element mask. OpenMP over (batch, head, query tile), dynamically
-/// scheduled.
+/// scheduled. With `lse`, also every row's log-sum-exp.
 void dense_attention(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                     TensorView out, int64_t block_q, int64_t block_k);
+                     TensorView out, int64_t block_q, int64_t block_k,
+                     const LseView* lse = nullptr);
+
+/// out (holding the attention of its rows over one set of keys, with log-sum-exps lse_out)
+/// becomes the attention over that set and a disjoint one whose result is other (with
+/// lse_other): each row is the two rows weighted by exp(lse) over their sum, 0 where neither
+/// attended a key (lse_out then -inf), NaN where either log-sum-exp is NaN. OpenMP over (batch,
+/// head).
+void merge_attention(const Problem& p, TensorView out, const LseView& lse_out,
+                     ConstTensorView other, const LseView& lse_other);
 
 /// Bytes dense_attention allocates beyond inputs and output: per thread, the kernels' tiles.
 double dense_attention_memory(const Problem& p, int64_t block_q, int64_t block_k);

@@ -153,6 +153,14 @@ class Variant {
   /// What the last forward pass did that its numbers alone do not show (e.g. rows a routing
   /// variant left without keys), for the results' notes column; "" if nothing.
   virtual std::string notes() const { return {}; }
+  /// Draws once what this variant's forward() would otherwise draw on every call and what
+  /// depends only on the problem's seed and shapes (random projections, feature maps), and
+  /// keeps it for later forward() calls on problems with the same seed and shapes. Returns
+  /// whether there was anything to prepare (false: the default, forward() needs nothing).
+  /// The harness calls it before the checked and timed passes and reports its wall time in
+  /// the results' prepare_s column; a variant whose forward() reuses prepared draws says so
+  /// in notes(). forward() without prepare() draws everything itself on every call.
+  virtual bool prepare(const Problem& /*p*/) { return false; }
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }

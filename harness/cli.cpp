@@ -513,6 +513,9 @@ void print_row(const Row& r) {
       std::isnan(r.other_load) ? std::string("not measured (run too short)")
                                : fmt::format("{:.1f}", r.other_load),
       r.noisy ? ": NOISY" : "");
+  if (!std::isnan(r.prepare_seconds))
+    fmt::print("prepare      {:.3f} ms once per problem, outside the timed passes\n",
+               1e3 * r.prepare_seconds);
   if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
   if (!r.phases.empty()) {
     double total = 0;

@@ -587,6 +587,9 @@ Row run_layer(Variant& variant, const LayerProblem& lp, const Workload& w, const
       return row;
     }
 
+    // the per-pass work of a prepared variant leaves its draws out
+    if (prepare_variant(variant, row.problem, row)) row.flops = layer_flops(variant, lp);
+
     LayerData generated;
     if (!given) generated = generate_layer_data(lp);
     const LayerData& data = given ? *given : generated;

@@ -38,7 +38,7 @@ const std::vector<std::string> kKeyColumns = {
 const std::map<std::string, std::string> kAddedColumns = {
     {"embed", "0"},      {"attention_share", ""}, {"score", "scaled_dot"}, {"score_hidden", "0"},
     {"key_padding", ""}, {"attn_mask", ""},       {"time_spread", ""},     {"load_avg", ""},
-    {"other_load", ""},  {"noisy", ""},           {"uniform_error", ""}};
+    {"other_load", ""},  {"noisy", ""},           {"uniform_error", ""},   {"prepare_s", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;

@@ -297,6 +297,13 @@ void record_failure(Row& row, const std::exception& e) {
   row.message = dynamic_cast<const std::bad_alloc*>(&e) ? "out of memory" : e.what();
 }
 
+bool prepare_variant(Variant& variant, const Problem& p, Row& row) {
+  const double t0 = omp_get_wtime();
+  if (!variant.prepare(p)) return false;
+  row.prepare_seconds = omp_get_wtime() - t0;
+  return true;
+}
+
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output,
             nlohmann::json* bench_json) {
@@ -327,6 +334,9 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       row.message = why;
       return row;
     }
+
+    // the per-pass work of a prepared variant leaves its draws out
+    if (prepare_variant(variant, p, row)) row.flops = variant.flops(p);
 
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);
@@ -420,7 +430,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"uniform_error", num(r.error.uniform_rel_fro)},
            {"notes", r.notes},
            {"phases", phases_text(r.phases)},
-           {"attention_share", num(r.attention_share)}};
+           {"attention_share", num(r.attention_share)},
+           {"prepare_s", num(r.prepare_seconds)}};
 }
 
 }  // namespace attnbench

@@ -56,6 +56,9 @@ struct Row {
   /// A layer row: the attention core's share of the layer's time, measured around the core
   /// within the timed passes; NaN for plain attention.
   double attention_share = NAN;
+  /// Wall seconds of the variant's prepare() (Variant::prepare: random draws made once per
+  /// problem, outside the timed passes); NaN for a variant with nothing to prepare.
+  double prepare_seconds = NAN;
 };
 
 /// A row's time is marked noisy (Row::noisy, a warning on stderr) when its repetitions
@@ -111,6 +114,12 @@ double available_memory();
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output = nullptr,
             nlohmann::json* bench_json = nullptr);
+
+/// Calls variant.prepare(p) (Variant::prepare: its draws from the seed and shapes, made once,
+/// outside the timed passes) and, when it prepared anything, stores its wall time in
+/// row.prepare_seconds. Returns whether it did. run_one and the layer call it before their
+/// checked pass.
+bool prepare_variant(Variant& variant, const Problem& p, Row& row);
 
 /// Throws UsageError for repetitions below 1 or a min_time outside [0, 3600] s.
 void check_run_options(const RunOptions& opt);

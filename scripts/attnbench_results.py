@@ -25,7 +25,7 @@ KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # and new results join. `embed` is the embedding size of a multi-head layer row, 0 for plain
 # attention; the mask columns are empty for no key padding and no attention mask.
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
-                 "attn_mask": ""}
+                 "attn_mask": "", "prepare_s": math.nan}
 # Columns about the timing's trust (harness/runner.h, noise_reason): NaN in a file written
 # before them, which compare.py then never calls noisy.
 NOISE_COLUMNS = ["time_spread", "load_avg", "other_load", "noisy"]

@@ -114,10 +114,13 @@ TEST(Linformer, ProjectionsAreSeededNestedAndNormal) {
   // nested across k: rows of the k = 64 projection are those of k = 256 times sqrt(256/64)
   const Mat e64 = projection(p, 3, false, 64);
   EXPECT_LE((e64 - 2.0 * e.topRows(64)).cwiseAbs().maxCoeff(), 1e-6);
-  // bit for bit the same normals from the AVX-512 path (16 pairs at a time, k = 64) and the
-  // scalar one (fewer than 16 pairs, k = 16): the scales 1/8 and 1/4 are exact
-  const Mat e16 = projection(p, 3, false, 16), e64b = projection(p, 3, false, 64);
+  // bit for bit the same normals from the vector paths (AVX-512: 16 pairs at a time, AVX2: 8;
+  // k = 64) and the scalar one (fewer pairs than a vector holds: k = 16 under AVX-512, k = 4
+  // under either): the scales 1/8, 1/4 and 1/2 are exact
+  const Mat e4 = projection(p, 3, false, 4), e16 = projection(p, 3, false, 16),
+            e64b = projection(p, 3, false, 64);
   EXPECT_EQ((4.0 * e16 - 8.0 * e64b.topRows(16)).cwiseAbs().maxCoeff(), 0.0);
+  EXPECT_EQ((2.0 * e4 - 8.0 * e64b.topRows(4)).cwiseAbs().maxCoeff(), 0.0);
   // E, F, other heads and other seeds differ
   EXPECT_GT((projection(p, 3, true, 256) - e).cwiseAbs().maxCoeff(), 0.1);
   EXPECT_GT((projection(p, 2, false, 256) - e).cwiseAbs().maxCoeff(), 0.1);

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -93,6 +94,61 @@ TEST(RunOne, MemoryEstimateThatThrowsGivesARowOfItsKind) {
   EXPECT_EQ(row.flops, 1);  // computed before the estimate that failed
   EXPECT_TRUE(std::isnan(row.time_median));
   EXPECT_EQ(g_forward_calls, calls) << "the variant ran although its estimate failed";
+}
+
+// Variant::prepare: the variants whose forward() draws random projections from the seed and
+// shapes alone draw them once in prepare(); forward() reuses them only on a problem with the
+// same seed, heads and head dimension, and computes exactly what an unprepared forward() does.
+TEST(Prepare, PreparedDrawsGiveTheSameOutputAndAreReported) {
+  const Problem p = test::problem(2, 3, 40, 50, 16, true, 11);
+  const Inputs in = generate_inputs(p);
+  for (const std::string spec :
+       {"performer", "performer:orthogonal=false,kernel=relu", "rfa", "rfa:gate=true"}) {
+    SCOPED_TRACE(spec);
+    const Tensor fresh = test::run(spec, p, in);
+    auto v = make_variant(spec);
+    const double unprepared_flops = v->flops(p);
+    Tensor out(p.q_shape());
+    v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    EXPECT_EQ(v->notes().find("prepare"), std::string::npos) << "nothing was prepared";
+    ASSERT_TRUE(v->prepare(p));
+    EXPECT_LE(v->flops(p), unprepared_flops);
+    v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    EXPECT_NE(v->notes().find("prepare_s"), std::string::npos) << v->notes();
+    EXPECT_EQ(std::memcmp(out.data(), fresh.data(), size_t(out.numel()) * sizeof(float)), 0);
+    // another seed (or head dimension) is drawn afresh, never served the prepared draws
+    Problem other = p;
+    other.seed = 12;
+    const Inputs in2 = generate_inputs(other);
+    const Tensor fresh2 = test::run(spec, other, in2);
+    v->run(other, in2.q.view(), in2.k.view(), in2.v.view(), out.view());
+    EXPECT_EQ(v->notes().find("prepare"), std::string::npos) << v->notes();
+    EXPECT_EQ(std::memcmp(out.data(), fresh2.data(), size_t(out.numel()) * sizeof(float)), 0);
+  }
+  // the orthogonal performer's QRs leave its per-pass work once prepared
+  auto performer = make_variant("performer");
+  const double before = performer->flops(p);
+  performer->prepare(p);
+  EXPECT_LT(performer->flops(p), before);
+}
+
+TEST(Prepare, RunOneReportsThePreparationTime) {
+  const Problem p = test::problem(1, 2, 32, 0, 8, false);
+  const RunOptions opt{.reps = 1, .min_time = 0};
+  auto performer = make_variant("performer");
+  const Row row = run_one(*performer, p, Workload{}, nullptr, MachineFigures{}, opt);
+  ASSERT_EQ(row.status, "ok") << row.message;
+  EXPECT_GT(row.prepare_seconds, 0.0);
+  EXPECT_TRUE(to_json(row)["prepare_s"].is_number());
+  EXPECT_NE(row.notes.find("prepare_s"), std::string::npos) << row.notes;
+  EXPECT_EQ(row.flops, performer->flops(p)) << "the per-pass work leaves the preparation out";
+  // a variant with nothing to prepare: no time, a null column, no note
+  auto flash = make_variant("flash");
+  const Row plain = run_one(*flash, p, Workload{}, nullptr, MachineFigures{}, opt);
+  ASSERT_EQ(plain.status, "ok") << plain.message;
+  EXPECT_TRUE(std::isnan(plain.prepare_seconds));
+  EXPECT_TRUE(to_json(plain)["prepare_s"].is_null());
+  EXPECT_EQ(plain.notes.find("prepare"), std::string::npos);
 }
 
 }  // namespace

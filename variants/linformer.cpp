@@ -16,7 +16,8 @@
 //            2t + 1) takes the 64 bits b = mix64(key_j + t 0x9e3779b97f4a7c15)
 //   entry    Box-Muller on b: u1 = ((b >> 40) + 1) 2^-24 in (0, 1], u2 = (b & 0xffffff) 2^-24,
 //            z = sqrt(-2 ln u1) (cos, sin)(2 pi u2) for rows (2t, 2t + 1), E[r][j] = z / sqrt(k)
-//            in float with polynomial ln/sin/cos; AVX-512 and scalar code give the same bits.
+//            in float with polynomial ln/sin/cos; AVX-512, AVX2 and scalar code give the same
+//            bits.
 //
 // Steps, per head h:
 //   1. EK = E K and FV = F V (k x d each, every batch item), as GEMMs over chunks of the m key
@@ -43,7 +44,7 @@
 #include <cblas.h>
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -72,7 +73,7 @@ uint64_t projection_stream(int64_t head, bool f) {
 namespace {
 
 // Box-Muller on 64 random bits, written twice with the same IEEE operations in the same order
-// (explicit fma where there is one, correctly rounded sqrt), so the scalar and the AVX-512
+// (explicit fma where there is one, correctly rounded sqrt), so the scalar, AVX-512 and AVX2
 // paths give bit-identical numbers:
 //   u1 = ((b >> 40) + 1) 2^-24 in (0, 1],  u2 = (b & 0xffffff) 2^-24 in [0, 1)
 //   radius = sqrt(-2 ln u1), ln by Cephes' logf (frexp, one conditional halving, degree 9
@@ -189,6 +190,85 @@ inline void normal_pairs_x16(__m512i lo, __m512i hi, __m512& zc, __m512& zs) {
   zc = _mm512_mul_ps(radius, _mm512_mask_xor_ps(c0, neg_c, c0, sign));
   zs = _mm512_mul_ps(radius, _mm512_mask_xor_ps(s0, neg_s, s0, sign));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+
+// The low 64 bits of a b on 4 lanes, b = (b_hi << 32) + low 32 bits.
+inline __m256i mullo64_x4(__m256i a, __m256i b, __m256i b_hi) {
+  const __m256i a_hi = _mm256_srli_epi64(a, 32);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(a, b_hi), _mm256_mul_epu32(a_hi, b));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, b), _mm256_slli_epi64(cross, 32));
+}
+
+// mix64 (common/random.h) on 4 lanes.
+inline __m256i mix64_x4(__m256i x) {
+  constexpr uint64_t kM1 = 0xbf58476d1ce4e5b9ULL, kM2 = 0x94d049bb133111ebULL;
+  x = _mm256_add_epi64(x, _mm256_set1_epi64x(int64_t(0x9e3779b97f4a7c15ULL)));
+  x = mullo64_x4(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)), _mm256_set1_epi64x(int64_t(kM1)),
+                 _mm256_set1_epi64x(int64_t(kM1 >> 32)));
+  x = mullo64_x4(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)), _mm256_set1_epi64x(int64_t(kM2)),
+                 _mm256_set1_epi64x(int64_t(kM2 >> 32)));
+  return _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+}
+
+// normal_pair for the 8 bit patterns in lo (pairs 0-3) and hi (pairs 4-7).
+inline void normal_pairs_x8(__m256i lo, __m256i hi, __m256& zc, __m256& zs) {
+  auto join = [](__m256i a, __m256i b) {  // 2 x 4 int64 (values < 2^24) -> 8 int32
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    return _mm256_blend_epi32(_mm256_permutevar8x32_epi32(a, even),
+                              _mm256_permutevar8x32_epi32(b, even), 0xf0);
+  };
+  const __m256i mask24 = _mm256_set1_epi64x(0xffffff);
+  const __m256i hi24 = join(_mm256_srli_epi64(lo, 40), _mm256_srli_epi64(hi, 40));
+  const __m256i lo24 = join(_mm256_and_si256(lo, mask24), _mm256_and_si256(hi, mask24));
+  const __m256 scale24 = _mm256_set1_ps(0x1.0p-24f);
+  const __m256 u1 =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(hi24, _mm256_set1_epi32(1))), scale24);
+  const __m256 u2 = _mm256_mul_ps(_mm256_cvtepi32_ps(lo24), scale24);
+  // ln u1
+  const __m256i bits = _mm256_castps_si256(u1);
+  __m256 e =
+      _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srai_epi32(bits, 23), _mm256_set1_epi32(126)));
+  __m256 mant = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
+  const __m256 low = _mm256_cmp_ps(mant, _mm256_set1_ps(kSqrtHalf), _CMP_LT_OQ);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  e = _mm256_blendv_ps(e, _mm256_sub_ps(e, one), low);
+  mant = _mm256_blendv_ps(_mm256_sub_ps(mant, one), _mm256_sub_ps(_mm256_add_ps(mant, mant), one),
+                          low);
+  const __m256 z = _mm256_mul_ps(mant, mant);
+  __m256 y = _mm256_set1_ps(kLogP[0]);
+  for (int i = 1; i < 9; ++i) y = _mm256_fmadd_ps(y, mant, _mm256_set1_ps(kLogP[i]));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, mant), z);
+  y = _mm256_fmadd_ps(_mm256_set1_ps(-2.12194440e-4f), e, y);
+  y = _mm256_fmadd_ps(_mm256_set1_ps(-0.5f), z, y);
+  const __m256 ln = _mm256_fmadd_ps(_mm256_set1_ps(0.693359375f), e, _mm256_add_ps(mant, y));
+  const __m256 radius = _mm256_sqrt_ps(_mm256_mul_ps(_mm256_set1_ps(-2.0f), ln));
+  // sin and cos of 2 pi u2
+  const __m256i q = _mm256_cvttps_epi32(
+      _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(4.0f), u2), _mm256_set1_ps(0.5f)));
+  const __m256 x =
+      _mm256_mul_ps(_mm256_sub_ps(u2, _mm256_mul_ps(_mm256_set1_ps(0.25f), _mm256_cvtepi32_ps(q))),
+                    _mm256_set1_ps(kTwoPi));
+  const __m256 x2 = _mm256_mul_ps(x, x);
+  __m256 ps = _mm256_fmadd_ps(x2, _mm256_set1_ps(kSinP[0]), _mm256_set1_ps(kSinP[1]));
+  ps = _mm256_fmadd_ps(x2, ps, _mm256_set1_ps(kSinP[2]));
+  const __m256 sn = _mm256_fmadd_ps(_mm256_mul_ps(x, x2), ps, x);
+  __m256 pc = _mm256_fmadd_ps(x2, _mm256_set1_ps(kCosP[0]), _mm256_set1_ps(kCosP[1]));
+  pc = _mm256_fmadd_ps(x2, pc, _mm256_set1_ps(kCosP[2]));
+  const __m256 cs =
+      _mm256_fmadd_ps(_mm256_mul_ps(x2, x2), pc, _mm256_fmadd_ps(_mm256_set1_ps(-0.5f), x2, one));
+  const __m256i one_i = _mm256_set1_epi32(1), two_i = _mm256_set1_epi32(2);
+  const __m256 odd = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(q, one_i), one_i));
+  const __m256 c0 = _mm256_blendv_ps(cs, sn, odd), s0 = _mm256_blendv_ps(sn, cs, odd);
+  const __m256i qm = _mm256_and_si256(q, _mm256_set1_epi32(3));
+  const __m256 neg_c = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_cmpeq_epi32(qm, one_i), _mm256_cmpeq_epi32(qm, two_i)));
+  const __m256 neg_s = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(qm, two_i), two_i));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  zc = _mm256_mul_ps(radius, _mm256_xor_ps(c0, _mm256_and_ps(neg_c, sign)));
+  zs = _mm256_mul_ps(radius, _mm256_xor_ps(s0, _mm256_and_ps(neg_s, sign)));
+}
 #endif
 
 }  // namespace
@@ -223,6 +303,24 @@ void projection_columns(uint64_t seed, int64_t head, bool f, int64_t k, int64_t 
       zs = _mm512_mul_ps(zs, vscale);
       _mm512_storeu_ps(col + 2 * t, _mm512_permutex2var_ps(zc, ilo, zs));
       _mm512_storeu_ps(col + 2 * t + kLanes, _mm512_permutex2var_ps(zc, ihi, zs));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vscale = _mm256_set1_ps(scale);
+    // lane l of a group of 4 pairs adds l gamma to the group's first counter (mod 2^64)
+    const __m256i steps =
+        _mm256_setr_epi64x(0, int64_t(kGamma), int64_t(2 * kGamma), int64_t(3 * kGamma));
+    const __m256i four = _mm256_set1_epi64x(int64_t(4 * kGamma));
+    for (; t + kLanes <= k / 2; t += kLanes) {
+      const __m256i lo =
+          _mm256_add_epi64(_mm256_set1_epi64x(int64_t(key + uint64_t(t) * kGamma)), steps);
+      __m256 zc, zs;
+      normal_pairs_x8(mix64_x4(lo), mix64_x4(_mm256_add_epi64(lo, four)), zc, zs);
+      zc = _mm256_mul_ps(zc, vscale);
+      zs = _mm256_mul_ps(zs, vscale);
+      // interleave (zc_i, zs_i): unpack within 128-bit halves, then put the halves in order
+      const __m256 a = _mm256_unpacklo_ps(zc, zs), b = _mm256_unpackhi_ps(zc, zs);
+      _mm256_storeu_ps(col + 2 * t, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(col + 2 * t + kLanes, _mm256_permute2f128_ps(a, b, 0x31));
     }
 #endif
     for (; t < pairs; ++t) {

@@ -42,6 +42,9 @@
 // W[f][c] sigma, so W for D rows is the first rows of W for more); the gate per head from
 // RandomStream(seed, mix64(kRfaStream + 2 h + 1)): w_g[c] = N(0, 1/d) (so w_g . k is of order 1
 // for unit-variance keys) and b_g = N(0, 1). The same draws serve every batch item of a head.
+// They depend on (seed, head, D, d, sigma) alone: prepare() draws them once per problem and
+// forward() reuses them (reported as prepare_s and in the notes); a forward() without
+// prepare() draws them on every call.
 //
 // Oracle: the formulas above in double (rfa_oracle): the same W and gates (rfa_projection,
 // rfa_gate), explicit sums over the visible keys with each key's weight written out as a
@@ -72,6 +75,7 @@
 #include "common/kernel_attention.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
+#include "common/prepared.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/threads.h"
@@ -247,18 +251,14 @@ class Rfa final : public Variant {
       throw UnsupportedError(
           "rfa: gate=true is a recurrence over positions (S_j = g_j S_{j-1} + (1 - g_j) "
           "phi(k_j) v_j^T), defined for causal attention only; use causal masking, or gate=false");
-    const float floor = float(floor_per_weight(sigma_));
-    std::vector<std::unique_ptr<RfaFeatureMap>> maps(size_t(p.heads));
-    std::vector<std::vector<float>> gates(size_t(p.heads));
-    for (int64_t h = 0; h < p.heads; ++h) {
-      maps[size_t(h)] = std::make_unique<RfaFeatureMap>(
-          rfa_projection(p.seed, h, freqs_, p.dim, sigma_), freqs_, p.dim, floor);
-      if (gate_) gates[size_t(h)] = rfa_gate(p.seed, h, p.dim);
-    }
+    Heads::Heads fresh;
+    const Heads::Heads& drawn = heads_.get(
+        p, [&](int64_t h) { return make_head(p, h); }, fresh);
     rows_ = p.batch * p.heads * p.n;
     if (!gate_) {
-      clamped_ = ka::attend(p, q, k, v, out, 0.0f, 2 * freqs_,
-                            [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; });
+      clamped_ =
+          ka::attend(p, q, k, v, out, 0.0f, 2 * freqs_,
+                     [&](int64_t h) -> const ka::FeatureMap& { return drawn[size_t(h)]->map; });
       return;
     }
     const int64_t heads = p.batch * p.heads, f = 2 * freqs_;
@@ -272,7 +272,7 @@ class Rfa final : public Variant {
       for (int64_t bh = 0; bh < heads; ++bh)
         guard.run([&] {
           const int64_t b = bh / p.heads, h = bh % p.heads;
-          clamped += gated_head(*maps[size_t(h)], gates[size_t(h)], p, b, q.head(b, h),
+          clamped += gated_head(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, q.head(b, h),
                                 q.stride_row, k.head(b, h), k.stride_row, v.head(b, h),
                                 v.stride_row, out.head(b, h), out.stride_row, work.data());
         });
@@ -281,12 +281,19 @@ class Rfa final : public Variant {
     clamped_ = clamped;
   }
 
+  bool prepare(const Problem& p) override {
+    heads_.prepare(p, [&](int64_t h) { return make_head(p, h); });
+    return true;
+  }
+
   std::string notes() const override {
-    if (clamped_ == 0) return "";
-    return fmt::format(
-        "{} of {} query rows ({:.2f}%) had a denominator phi(q)^T z below the floor "
-        "(1/4 exp(-2/sigma^2) per unit of key weight) and were divided by the floor",
-        clamped_, rows_, 100.0 * double(clamped_) / double(rows_));
+    std::string text = heads_.note();
+    if (clamped_ > 0)
+      text += fmt::format(
+          "{}{} of {} query rows ({:.2f}%) had a denominator phi(q)^T z below the floor "
+          "(1/4 exp(-2/sigma^2) per unit of key weight) and were divided by the floor",
+          text.empty() ? "" : "; ", clamped_, rows_, 100.0 * double(clamped_) / double(rows_));
+    return text;
   }
 
   double flops(const Problem& p) const override {
@@ -310,10 +317,24 @@ class Rfa final : public Variant {
   }
 
  private:
+  // The draws of one head: its feature map (W) and, gated, its gate (w_g, b_g).
+  struct Head {
+    RfaFeatureMap map;
+    std::vector<float> gate;
+  };
+  using Heads = PreparedHeads<Head>;
+  std::unique_ptr<Head> make_head(const Problem& p, int64_t h) const {
+    return std::make_unique<Head>(
+        Head{RfaFeatureMap(rfa_projection(p.seed, h, freqs_, p.dim, sigma_), freqs_, p.dim,
+                           float(floor_per_weight(sigma_))),
+             gate_ ? rfa_gate(p.seed, h, p.dim) : std::vector<float>()});
+  }
+
   int64_t freqs_;
   double sigma_;
   bool gate_;
   int64_t clamped_ = 0, rows_ = 0;
+  Heads heads_;  // every head's draws, once prepare() has drawn them
 };
 
 // The formulas in double: phi of every row with the same W, then per query the explicit sum

@@ -10,11 +10,16 @@
 // (mathematical floor and mod, so queries with a(i) < 0 when n > m see only the summary
 // columns). Causal masking is applied by the engine: the local part becomes (a(i) - l, a(i)]
 // and the stride part the earlier multiples, as in the paper; without it both sides count.
-// Keys per row: about 2 l + m / l (strided), l + c m / l (fixed). The engine scores whole
-// tiles, so the work is O(n m d), as for full attention, when l < 2 block (strided: every
-// tile holds a multiple of l) or when l <= block and c > 0 (fixed: every tile holds a
-// summary column); otherwise about O(n (l + m block / l) d) strided and
-// O(n (l + m (c + block) / l) d) fixed.
+// Keys per row: about 2 l + m / l (strided), l + c m / l (fixed).
+// Strided mode runs its two parts apart and merges them into one softmax: the band without
+// the query's own key (|a(i) - j| < l, j != a(i)) on the block-sparse engine, and the stride
+// part with it (every multiple of l) as the reshape of common/strided_attention.h (a dense
+// problem per residue class mod l); the parts are disjoint, so each row is their two results
+// weighted by exp of their log-sum-exps (merge_attention). Work about
+// O(n (2 l + 2 block + m / l) d), with O(B H n d) more memory for the second part's output.
+// Fixed mode runs its pattern on the block-sparse engine, which scores whole tiles: the work is
+// O(n m d), as for full attention, when l <= block and c > 0 (every tile holds a summary
+// column), otherwise about O(n (l + m (c + block) / l) d).
 // Memory O(threads block (block + d)); the pattern holds nothing.
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019); defaults l = 128, c = 32 as in OpenAI's blocksparse code.
@@ -22,8 +27,12 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "common/additive_score.h"
 #include "common/block_sparse.h"
+#include "common/strided_attention.h"
+#include "common/strided_pattern.h"
 
 namespace attnbench {
 namespace {
@@ -138,7 +147,45 @@ class SparseTransformer final : public PatternVariant {
     return std::make_unique<SparseTransformerPattern>(p.n, p.keys(), fixed_, l_, c_, block_);
   }
 
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    if (fixed_) return PatternVariant::forward(p, q, k, v, out);
+    // the band without the own key into out, the stride part (own key included) into `stride`,
+    // each with its rows' log-sum-exps, then merged into one softmax over the union
+    const int64_t rows = p.batch * p.heads * p.n;
+    std::vector<float> lse(size_t(2 * rows));
+    const LseView band_lse{lse.data(), p.heads * p.n, p.n, 1};
+    const LseView stride_lse{lse.data() + rows, p.heads * p.n, p.n, 1};
+    block_sparse_attention(p, q, k, v, out, band(p), &band_lse);
+    // every row is written (rows that see no key as 0), so the buffer needs no clearing
+    const auto buf = std::make_unique_for_overwrite<float[]>(size_t(p.q_shape().numel()));
+    const TensorView strided(buf.get(), p.q_shape());
+    strided_attention(p, q, k, v, strided, l_, -1, block_, &stride_lse);
+    merge_attention(p, out, band_lse, strided, stride_lse);
+  }
+
+  double flops(const Problem& p) const override {
+    if (fixed_) return PatternVariant::flops(p);
+    // the band's scores are the same in every head (and key padding is not counted, as for
+    // the other patterns)
+    const double band_scores = pattern_scores(p, band(p), 0, 0) * double(p.batch * p.heads);
+    return (logit_flops(p) + 2.0 * double(p.dim)) *
+           (band_scores + strided_attention_scores(p, l_, -1, block_));
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    if (fixed_) return PatternVariant::memory_estimate(p);
+    const double rows = double(p.batch * p.heads * p.n);
+    return std::max(block_sparse_memory(p, block_), strided_attention_memory(p, l_, block_)) +
+           rows * (double(p.dim) + 2.0) * sizeof(float);
+  }
+
  private:
+  // strided mode's band part: |a(i) - j| <= l - 1, j != a(i)
+  StridedPattern band(const Problem& p) const {
+    return StridedPattern(p.n, p.keys(), 1, l_ - 1, 1, block_);
+  }
+
   bool fixed_;
   int64_t l_, c_, block_;
 };
@@ -149,8 +196,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "sparse_transformer",
         .summary = "Sparse Transformer, both heads of a pattern in one: strided (band + stride) "
                    "or fixed (own block + summary columns)",
-        .complexity = "time O(n (l + m block / l) d) strided, O(n (l + m (c + block) / l) d) "
-                      "fixed, O(n m d) when l < 2 block; memory O(threads block (block + d))",
+        .complexity = "time O(n (2 l + 2 block + m / l) d) strided (band on the engine, stride as "
+                      "a dense problem per residue class), O(n (l + m (c + block) / l) d) fixed "
+                      "(O(n m d) when l <= block and c > 0); memory O(threads block (block + d)), "
+                      "strided O(B H n d) more",
         .params = {ParamSpec::Choice("mode", "strided", {"strided", "fixed"},
                                      "strided: |a(i)-j| < l or (a(i)-j) mod l == 0; fixed: same "
                                      "l-block or j mod l >= l - c"),
