@@ -40,6 +40,15 @@ inline void exp_shifted(float* y, int64_t count, float s) {
     const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, y + i), vs);
     _mm512_mask_storeu_ps(y + i, mk, simd::exp2_ps(_mm512_mul_ps(x, l2e)));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  namespace v8 = simd::avx2;
+  const __m256 l2e = _mm256_set1_ps(kLog2e), vs = _mm256_set1_ps(s);
+  int64_t i = 0;
+  for (; i + v8::kLanes <= count; i += v8::kLanes) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(y + i), vs);
+    _mm256_storeu_ps(y + i, v8::exp2_ps(_mm256_mul_ps(x, l2e)));
+  }
+  for (; i < count; ++i) y[i] = fast_exp(y[i] - s);
 #else
   for (int64_t i = 0; i < count; ++i) y[i] = fast_exp(y[i] - s);
 #endif
@@ -57,6 +66,19 @@ inline void elu_plus_one(const float* x, int64_t count, float* out) {
     const __m512 e = simd::exp2_ps(_mm512_mul_ps(_mm512_min_ps(v, zero), l2e));
     _mm512_mask_storeu_ps(out + i, mk, _mm512_mask_blend_ps(pos, e, _mm512_add_ps(v, one)));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  namespace v8 = simd::avx2;
+  const __m256 l2e = _mm256_set1_ps(kLog2e), one = _mm256_set1_ps(1.0f),
+               zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + v8::kLanes <= count; i += v8::kLanes) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 pos = _mm256_cmp_ps(v, zero, _CMP_GT_OQ);
+    // exp of min(v, 0): no overflow in the lanes that take v + 1
+    const __m256 e = v8::exp2_ps(_mm256_mul_ps(_mm256_min_ps(v, zero), l2e));
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(e, _mm256_add_ps(v, one), pos));
+  }
+  for (; i < count; ++i) out[i] = x[i] > 0 ? x[i] + 1.0f : fast_exp(x[i]);
 #else
   for (int64_t i = 0; i < count; ++i) out[i] = x[i] > 0 ? x[i] + 1.0f : fast_exp(x[i]);
 #endif
@@ -81,6 +103,14 @@ inline float row_max(const float* y, int64_t count) {
   if (i < count)
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, simd::first_lanes(count - i), y + i));
   return _mm512_reduce_max_ps(mx);
+#elif defined(__AVX2__) && defined(__FMA__)
+  namespace v8 = simd::avx2;
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + v8::kLanes <= count; i += v8::kLanes) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(y + i));
+  float mx = v8::reduce_max(mx8);
+  for (; i < count; ++i) mx = std::max(mx, y[i]);
+  return mx;
 #else
   float mx = -INFINITY;
   for (int64_t i = 0; i < count; ++i) mx = std::max(mx, y[i]);
@@ -97,6 +127,17 @@ inline float sum_squares(const float* x, int64_t count) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  namespace v8 = simd::avx2;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + v8::kLanes <= count; i += v8::kLanes) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = v8::reduce_add(acc);
+  for (; i < count; ++i) s += x[i] * x[i];
+  return s;
 #else
   float s = 0.0f;
   for (int64_t i = 0; i < count; ++i) s += x[i] * x[i];

@@ -1,5 +1,6 @@
-// Small AVX-512 helpers for hand-vectorised kernels. Everything here exists only when the
-// compiler targets AVX-512F (__AVX512F__); callers keep a portable path for other targets.
+// Small SIMD helpers for hand-vectorised kernels: 16-lane AVX-512 ones when the compiler
+// targets AVX-512F (__AVX512F__), 8-lane AVX2 ones (namespace simd::avx2) when it targets
+// AVX2 with FMA. Callers keep a portable path for other targets.
 #pragma once
 
 #ifdef __AVX512F__
@@ -47,3 +48,96 @@ inline __mmask16 first_lanes(int64_t count) {
 }  // namespace attnbench::simd
 
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace attnbench::simd::avx2 {
+
+/// Floats per 256-bit register.
+inline constexpr int kLanes = 8;
+
+/// 2^x for 8 floats, within about 2 ulp: the same reduction and polynomial as the AVX-512
+/// exp2_ps. x is clamped to [-150, 128] (NaN stays NaN); 2^k is applied as two powers of two
+/// 2^(k/2) of normal range each, so results below 2^-126 go gradually through the subnormals
+/// to 0, and 128 or more gives +inf.
+inline __m256 exp2_ps(__m256 x) {
+  // x second: min and max return their second operand when either is NaN
+  x = _mm256_min_ps(_mm256_set1_ps(128.0f), x);
+  x = _mm256_max_ps(_mm256_set1_ps(-150.0f), x);
+  const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, k);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // k = k1 + k2 with k1 = floor(k / 2): both in [-75, 64], so 2^k1 and 2^k2 are normal
+  const __m256i ki = _mm256_cvtps_epi32(k);
+  const __m256i k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+/// Largest of the 8 lanes.
+inline float reduce_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+/// Sum of the 8 lanes.
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/// Largest |x| sincos_ps reduces exactly: j (pi/2)_hi with |j| <= 2^13 and the 8-bit
+/// (pi/2)_hi below is exact in float.
+inline constexpr float kSincosLimit = 8192.0f;
+
+/// sin and cos of 8 floats with |x| <= kSincosLimit (callers check; outside it, and for NaN,
+/// the results are meaningless), within about 2 ulp of the float result: x = j pi/2 + r with
+/// j = round(2 x / pi) and r in [-pi/4, pi/4] by a three-part Cody-Waite reduction, then
+/// minimax polynomials for sin r and cos r on that interval (Cephes' sinf / cosf), and the
+/// quadrant j mod 4 picks and signs them.
+inline void sincos_ps(__m256 x, __m256& sin_out, __m256& cos_out) {
+  const __m256 j = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.636619772367581343f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(j, _mm256_set1_ps(1.5703125f), x);
+  r = _mm256_fnmadd_ps(j, _mm256_set1_ps(4.837512969970703125e-4f), r);
+  r = _mm256_fnmadd_ps(j, _mm256_set1_ps(7.54978995489188216e-8f), r);
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  __m256 ps = _mm256_set1_ps(-1.9515295891e-4f);
+  ps = _mm256_fmadd_ps(ps, r2, _mm256_set1_ps(8.3321608736e-3f));
+  ps = _mm256_fmadd_ps(ps, r2, _mm256_set1_ps(-1.6666654611e-1f));
+  const __m256 s = _mm256_fmadd_ps(_mm256_mul_ps(ps, r2), r, r);
+  __m256 pc = _mm256_set1_ps(2.443315711809948e-5f);
+  pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(-1.388731625493765e-3f));
+  pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(4.166664568298827e-2f));
+  pc = _mm256_mul_ps(_mm256_mul_ps(pc, r2), r2);
+  const __m256 c = _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), r2, pc),
+                                 _mm256_set1_ps(1.0f));
+  // quadrant q = j mod 4: sin x = (s, c, -s, -c)[q], cos x = (c, -s, -c, s)[q]
+  const __m256i q = _mm256_cvtps_epi32(j);
+  const __m256 swap =
+      _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(q, _mm256_set1_epi32(1)),
+                                             _mm256_set1_epi32(1)));
+  const __m256 sign_s =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(2)), 30));
+  const __m256 sign_c = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_and_si256(_mm256_add_epi32(q, _mm256_set1_epi32(1)), _mm256_set1_epi32(2)), 30));
+  sin_out = _mm256_xor_ps(_mm256_blendv_ps(s, c, swap), sign_s);
+  cos_out = _mm256_xor_ps(_mm256_blendv_ps(c, s, swap), sign_c);
+}
+
+}  // namespace attnbench::simd::avx2
+
+#endif  // __AVX2__ && __FMA__

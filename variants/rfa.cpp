@@ -78,6 +78,7 @@
 #include "common/prepared.h"
 #include "common/random.h"
 #include "common/registry.h"
+#include "common/simd.h"
 #include "common/threads.h"
 
 namespace attnbench {
@@ -150,7 +151,23 @@ class RfaFeatureMap final : public ka::FeatureMap {
       for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
       const float inv = ss > 0.0f ? 1.0f / std::sqrt(ss) : 0.0f;
       float* y = out + r * ldo;
-      for (int64_t f = 0; f < D; ++f) {
+      int64_t f = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      namespace v8 = simd::avx2;
+      const __m256 vinv = _mm256_set1_ps(inv), vratio = _mm256_set1_ps(ratio),
+                   limit = _mm256_set1_ps(v8::kSincosLimit);
+      for (; f + v8::kLanes <= D; f += v8::kLanes) {
+        const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(y + f), vinv);
+        // |a| <= limit in every lane (false for NaN): else these lanes go the scalar way
+        const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(abs, limit, _CMP_LE_OQ)) != 0xFF) break;
+        __m256 sn, cs;
+        v8::sincos_ps(a, sn, cs);
+        _mm256_storeu_ps(y + D + f, _mm256_mul_ps(cs, vratio));
+        _mm256_storeu_ps(y + f, _mm256_mul_ps(sn, vratio));
+      }
+#endif
+      for (; f < D; ++f) {
         const float a = y[f] * inv;
         y[D + f] = std::cos(a) * ratio;
         y[f] = std::sin(a) * ratio;
