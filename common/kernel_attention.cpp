@@ -68,8 +68,7 @@ inline void elu_plus_one(const float* x, int64_t count, float* out) {
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   namespace v8 = simd::avx2;
-  const __m256 l2e = _mm256_set1_ps(kLog2e), one = _mm256_set1_ps(1.0f),
-               zero = _mm256_setzero_ps();
+  const __m256 l2e = _mm256_set1_ps(kLog2e), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + v8::kLanes <= count; i += v8::kLanes) {
     const __m256 v = _mm256_loadu_ps(x + i);

@@ -35,8 +35,9 @@
 // maximum over the keys mapped so far (see PerformerFeatureMap).
 //
 // GEMMs go through OpenBLAS (single-threaded inside the OpenMP region over (batch, head),
-// multi-threaded when there are fewer heads than threads), exps through the AVX-512 exp2 of
-// common/simd.h where available.
+// multi-threaded when there are fewer heads than threads); the feature maps' exps, maxima and
+// norms through the AVX-512 or AVX2 helpers of common/simd.h where the build targets them
+// (a portable loop otherwise).
 #pragma once
 
 #include <cstdint>

@@ -123,13 +123,12 @@ inline void sincos_ps(__m256 x, __m256& sin_out, __m256& cos_out) {
   pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(-1.388731625493765e-3f));
   pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(4.166664568298827e-2f));
   pc = _mm256_mul_ps(_mm256_mul_ps(pc, r2), r2);
-  const __m256 c = _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), r2, pc),
-                                 _mm256_set1_ps(1.0f));
+  const __m256 c =
+      _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), r2, pc), _mm256_set1_ps(1.0f));
   // quadrant q = j mod 4: sin x = (s, c, -s, -c)[q], cos x = (c, -s, -c, s)[q]
   const __m256i q = _mm256_cvtps_epi32(j);
-  const __m256 swap =
-      _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(q, _mm256_set1_epi32(1)),
-                                             _mm256_set1_epi32(1)));
+  const __m256 swap = _mm256_castsi256_ps(
+      _mm256_cmpeq_epi32(_mm256_and_si256(q, _mm256_set1_epi32(1)), _mm256_set1_epi32(1)));
   const __m256 sign_s =
       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(2)), 30));
   const __m256 sign_c = _mm256_castsi256_ps(_mm256_slli_epi32(

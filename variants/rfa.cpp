@@ -153,6 +153,8 @@ class RfaFeatureMap final : public ka::FeatureMap {
       float* y = out + r * ldo;
       int64_t f = 0;
 #if defined(__AVX2__) && defined(__FMA__)
+      // 8 frequencies at a time through the polynomial sincos of common/simd.h (within a few
+      // ulp of libm's); a group with an angle past its exact range goes the libm way
       namespace v8 = simd::avx2;
       const __m256 vinv = _mm256_set1_ps(inv), vratio = _mm256_set1_ps(ratio),
                    limit = _mm256_set1_ps(v8::kSincosLimit);
