@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -361,7 +360,8 @@ double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
 // so each thread sums its dQ contributions into an accumulator of its own (thread 0 into dq
 // itself), reduced at the end. Measured at B=1 H=8 n=4096 d=64 on 2 cores against a second
 // pass over query tiles recomputing S, P and dS for dQ alone (7 tile products per pair
-// instead of 5): the accumulators are faster (see dense_attention_backward).
+// instead of 5), the accumulators took 3.1 s against 5.9 s (causal: 1.6 s against 2.6 s, on
+// a loaded machine), for (threads - 1) B H n d floats more.
 // The tile products are Eigen's (the portable path on every target).
 namespace bwd {
 
@@ -532,7 +532,6 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
   if constexpr (!kDense) visits.emplace(p, *pat);
   // per-thread dQ accumulators [B, H, n, d] (thread 0 sums into dq)
   std::vector<std::unique_ptr<float[]>> acc(static_cast<size_t>(team_threads()));
-  const bool dq_pass = std::getenv("ATTNBENCH_TMP_DQ_PASS") != nullptr;  // TMP measurement
 
   OmpGuard guard;
 #pragma omp parallel
@@ -544,7 +543,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
     guard.run([&] {
       w.emplace(p, std::min(bq, n), std::min(bk, m), !kDense);
       walk.emplace(p, bk, pat, w->mask.data(), w->bias.data());
-      if (tid > 0 && !dq_pass) {
+      if (tid > 0) {
         acc[size_t(tid)] = std::make_unique_for_overwrite<float[]>(size_t(heads * n * d));
         dqt = TensorView(acc[size_t(tid)].get(), p.q_shape());
         std::fill(dqt.data, dqt.data + heads * n * d, 0.0f);
@@ -572,18 +571,10 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
           const uint8_t* mk;
           const float* bias;
           if (!walk->pair(b, h, i0, rows, kend, j0, partial, cols, mk, bias)) return;
-          const PairArgs a{q.row(b, h, i0),
-                           dout.row(b, h, i0),
-                           k.row(b, h, j0),
-                           v.row(b, h, j0),
-                           q.stride_row,
-                           dout.stride_row,
-                           k.stride_row,
-                           v.stride_row,
-                           &lse.at(b, h, i0),
-                           dsum.data() + bh * n + i0,
-                           dq_pass ? nullptr : dqt.row(b, h, i0),
-                           dqt.stride_row};
+          const PairArgs a{
+              q.row(b, h, i0),   dout.row(b, h, i0),        k.row(b, h, j0),   v.row(b, h, j0),
+              q.stride_row,      dout.stride_row,           k.stride_row,      v.stride_row,
+              &lse.at(b, h, i0), dsum.data() + bh * n + i0, dqt.row(b, h, i0), dqt.stride_row};
           pair_grads(tl, a, rows, cols, d, scale, kernels::causal_first(p, i0, j0), mk, bias, true);
         };
         if constexpr (kDense) {
@@ -599,30 +590,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
         }
       });
 
-    if (dq_pass) {
-      const int64_t qtasks = heads * qblocks;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < qtasks; ++t)
-        guard.run([&] {
-          const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bq;
-          const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
-          const int64_t kend = p.visible(b, i0 + rows - 1);
-          const int64_t nb = walk->start(b, h, qb, i0, rows, kend);
-          for (int64_t i = 0; i < nb; ++i) {
-            int64_t j0, cols;
-            const uint8_t* mk;
-            const float* bias;
-            if (!walk->block(i, j0, cols, mk, bias)) continue;
-            const PairArgs a{
-                q.row(b, h, i0),   dout.row(b, h, i0),        k.row(b, h, j0),  v.row(b, h, j0),
-                q.stride_row,      dout.stride_row,           k.stride_row,     v.stride_row,
-                &lse.at(b, h, i0), dsum.data() + bh * n + i0, dq.row(b, h, i0), dq.stride_row};
-            pair_grads(*w, a, rows, cols, d, scale, kernels::causal_first(p, i0, j0), mk, bias,
-                       false);
-          }
-        });
-    }
-    // dq += every other thread's accumulator
+      // dq += every other thread's accumulator
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < heads * n; ++t) {
       float* r = dq.row(t / n / p.heads, t / n % p.heads, t % n);
