@@ -26,11 +26,15 @@
 namespace attnbench {
 namespace {
 
-constexpr double kStep = 0x1p-9;
-// The Performer's relu kernel is piecewise linear: a feature W x~ crossing 0 inside the step
-// moves the difference by O(h) (about 5% at h = 2^-9 with F = 16), so it takes 2^-13 (x +- h
-// is still exact in float for |x| < 2^11).
-constexpr double kReluStep = 0x1p-13;  // h
+constexpr double kStep = 0x1p-9;  // h
+// Kinks take smaller steps (x +- 2^-k stays exact in float while |x| < 2^(24 - k)): the
+// Performer's relu kernel is piecewise linear, and a feature W x~ crossing 0 inside the step
+// moves the difference by O(h) (about 5% at h = 2^-9 with F = 16), so it takes 2^-13; RFA's
+// floor max(den, floor) bends rows whose den is near the floor (the difference there converges
+// to the gradient only below h = 2^-17 in a D = 1 case), so rfa takes 2^-20 (exact for
+// |x| < 2^4).
+constexpr double kReluStep = 0x1p-13;
+constexpr double kRfaStep = 0x1p-20;
 constexpr double kTol = 1e-3;
 
 /// x rounded to multiples of 2^-12.
@@ -62,7 +66,9 @@ struct Checker {
   explicit Checker(Case cs)
       : c(std::move(cs)),
         var(make_variant(c.spec)),
-        step(c.spec.find("relu") != std::string::npos ? kReluStep : kStep) {
+        step(c.spec.find("relu") != std::string::npos ? kReluStep
+             : c.spec.rfind("rfa", 0) == 0            ? kRfaStep
+                                                      : kStep) {
     const Problem& p = c.p;
     Inputs in = generate_inputs(p);
     q = std::move(in.q), k = std::move(in.k), v = std::move(in.v);
@@ -202,8 +208,8 @@ TEST(BackwardKernel, AcrossBlocksAndKeyScales) {
     const char* spec;
     int64_t n, m, d;
   };
-  for (const Big& c : {Big{"performer:features=512", 300, 280, 8},
-                       Big{"performer:features=512", 280, 300, 8}, Big{"linear", 1100, 1090, 4}})
+  for (const Big& c : {Big{"performer:features=512", 200, 190, 8},
+                       Big{"performer:features=512", 190, 200, 8}, Big{"linear", 1040, 1030, 4}})
     for (bool causal : {true, false}) {
       Problem p = test::problem(1, 1, c.n, c.m, c.d, causal, 17);
       if (!causal) p.key_lengths = {c.m - 5};
