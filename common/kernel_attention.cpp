@@ -577,6 +577,10 @@ const RowDenominators& RowDenominators::of(const SavedState& saved, const Proble
   return *s;
 }
 
+double RowDenominators::bytes(const Problem& p) {
+  return 4.0 * double(p.batch * p.heads * p.n) + double(sizeof(RowDenominators));
+}
+
 int64_t backward_workspace_floats(const Schedule& s, int64_t features, int64_t d) {
   return BackwardLayout(s, features, d).total;
 }

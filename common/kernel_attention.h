@@ -256,8 +256,8 @@ class RowDenominators final : public SavedState {
  public:
   explicit RowDenominators(const Problem& p) : den(size_t(p.batch * p.heads * p.n)) {}
   std::vector<float> den;
-  /// Bytes of the state for p (the vector; the object itself is a few dozen bytes more).
-  static double bytes(const Problem& p) { return 4.0 * double(p.batch * p.heads * p.n); }
+  /// Bytes of the state for p: the denominators and the object itself.
+  static double bytes(const Problem& p);
   /// The state of a forward_train; UsageError if `saved` is another variant's.
   static const RowDenominators& of(const SavedState& saved, const Problem& p);
 };

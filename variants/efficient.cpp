@@ -289,7 +289,7 @@ class Efficient final : public Variant, public Backward {
     // again: Pk dG and V dG^T (4 m d^2), dk (2 per entry)
     return bh * (6.0 * m * d * d + 12.0 * m * d + 4.0 * n * d * d + 8.0 * n * d + 2.0 * d * d);
   }
-  double saved_estimate(const Problem&) const override { return 0.0; }
+  double saved_estimate(const Problem&) const override { return double(sizeof(SavedState)); }
   double backward_memory_estimate(const Problem& p) const override {
     const double d = double(p.dim), f = sizeof(float);
     const double rows = double(std::max(std::min(kChunkK, p.keys()), std::min(kBlockQ, p.n)));
