@@ -123,8 +123,9 @@ class Performer final : public Variant, public Backward {
                                      fm.query_backward_flops(), fm.key_backward_flops());
   }
   double saved_estimate(const Problem& p) const override { return ka::RowDenominators::bytes(p); }
+  // the projections only when they are drawn for this call (not prepared)
   double backward_memory_estimate(const Problem& p) const override {
-    return double(p.heads) * double(features_) * double(p.dim) * 4.0 +
+    return (maps_.ready(p) ? 0.0 : double(p.heads) * double(features_) * double(p.dim) * 4.0) +
            ka::attend_backward_bytes(p, features_);
   }
 
