@@ -401,7 +401,8 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     } else {
       Tensor generated_dout;
       if (in.dout.numel() == 0) generated_dout = generate_dout(p);
-      const ConstTensorView dout = in.dout.numel() ? in.dout.view() : std::as_const(generated_dout).view();
+      const ConstTensorView dout =
+          in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
       Tensor dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
       variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
                            dq.view(), dk.view(), dv.view());
