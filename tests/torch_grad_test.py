@@ -26,6 +26,19 @@ import torch
 
 TOL = 1e-5
 
+# Pattern variants at settings that leave several blocks and a real pattern in the test's
+# short sequences (their defaults cover 45 keys whole, or leave each query its own key only);
+# a variant not named here runs at its defaults.
+SMALL = {
+    "local": "local:window=8,block=8",
+    "strided": "strided:stride=4,block=8",
+    "global": "global:global=4,block=8",
+    "longformer": "longformer:window=8,global=2,block=8",
+    "bigbird": "bigbird:block=8,window_blocks=3,random_blocks=1,global_blocks=1",
+    "sparse_transformer": "sparse_transformer:stride=6,block=8",
+    "sinkhorn": "sinkhorn:block=8",
+}
+
 
 def torch_grads(q, k, v, do, bias, score, w):
     """dq, dk, dv of sum(do * softmax(logits + bias) v) in float64 by autograd."""
@@ -105,7 +118,9 @@ def run_case(exe, tmp, variant, pattern, n, m, causal, score, rng):
     for name, ref in zip(("dq", "dk", "dv"), want):
         g = got[name].astype(np.float64)
         assert g.shape == ref.shape, f"{label}: {name} shape {g.shape} != {ref.shape}"
-        err = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+        # relative, or absolute where the exact gradient is 0 (a query alone with its key)
+        scale = np.linalg.norm(ref)
+        err = np.linalg.norm(g - ref) / scale if scale > 0 else np.linalg.norm(g)
         print(f"{label}: {name} rel error {err:.2e}")
         if not err < TOL:
             raise SystemExit(f"FAIL {label}: {name} relative error {err:.3e} >= {TOL}")
@@ -126,7 +141,7 @@ def main():
         for v in exact:
             name = v["name"]
             pattern = name not in ("full", "flash")
-            spec = name
+            spec = SMALL.get(name, name)
             for n, m in ((45, 45), (33, 70)):
                 if m != n and not v["cross"]:
                     continue
