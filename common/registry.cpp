@@ -312,8 +312,7 @@ class MappedQuerySaved final : public SavedState {
 
 Backward& backward_of(Variant& v) {
   Backward* bw = v.backward();
-  if (!bw)
-    throw UnsupportedError(fmt::format("{} has no backward pass", v.info().name));
+  if (!bw) throw UnsupportedError(fmt::format("{} has no backward pass", v.info().name));
   return *bw;
 }
 
@@ -323,8 +322,7 @@ std::unique_ptr<SavedState> Variant::compute_train(const Problem& p, ConstTensor
                                                    ConstTensorView k, ConstTensorView v,
                                                    TensorView out) {
   Backward& bw = backward_of(*this);
-  if (p.score != Score::dot && p.score != Score::bilinear)
-    return bw.forward_train(p, q, k, v, out);
+  if (p.score != Score::dot && p.score != Score::bilinear) return bw.forward_train(p, q, k, v, out);
   Tensor mapped = linear_score_query(p, q);
   std::unique_ptr<SavedState> inner =
       bw.forward_train(linear_score_problem(p), mapped.view(), k, v, out);
@@ -395,8 +393,7 @@ std::unique_ptr<SavedState> Variant::run_train(const Problem& p, ConstTensorView
 
 void Variant::run_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
                            ConstTensorView v, ConstTensorView out, ConstTensorView dout,
-                           const SavedState& saved, TensorView dq, TensorView dk,
-                           TensorView dv) {
+                           const SavedState& saved, TensorView dq, TensorView dk, TensorView dv) {
   check_backward(p);
   expect_shape("q", q.shape, p.q_shape());
   expect_shape("k", k.shape, p.kv_shape());

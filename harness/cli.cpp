@@ -685,8 +685,8 @@ struct RunCommand {
     if (!print_result(row, json)) return 1;
     if (!output_path.empty()) write_npy(output_path, to_npy(out));
     if (!grads_path.empty())
-      write_npz(grads_path, {{"dq", to_npy(grads.dq)}, {"dk", to_npy(grads.dk)},
-                             {"dv", to_npy(grads.dv)}});
+      write_npz(grads_path,
+                {{"dq", to_npy(grads.dq)}, {"dk", to_npy(grads.dk)}, {"dv", to_npy(grads.dv)}});
     return 0;
   }
 };

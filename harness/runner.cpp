@@ -409,13 +409,15 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       for (const auto* t : {&dq, &dk, &dv})
         if (int64_t bad = first_non_finite(*t); bad >= 0) {
           row.status = "error";
-          row.message = fmt::format("{} holds a non-finite value ({}) at flat index {}",
-                                    t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
+          row.message =
+              fmt::format("{} holds a non-finite value ({}) at flat index {}",
+                          t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
           return row;
         }
       const double g0 = omp_get_wtime();
-      const GradErrorStats ge = measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout,
-                                                   dq.view(), dk.view(), dv.view(), opt.exact_limit);
+      const GradErrorStats ge =
+          measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout, dq.view(), dk.view(),
+                             dv.view(), opt.exact_limit);
       row.error_seconds += omp_get_wtime() - g0;
       row.grad_err_q = ge.q, row.grad_err_k = ge.k, row.grad_err_v = ge.v;
       row.grad_heads = ge.heads;

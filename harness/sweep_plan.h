@@ -90,11 +90,10 @@ std::vector<std::string> expand_spec_grids(const std::string& spec);
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
 /// Expands variants x axes into the plan. Order, outermost first: inputs, scales, causal,
-/// scores, dims (or embeds), heads, batches, paddings, seqs, seq_ks, passes, variants. The bilinear and
-/// additive problems
-/// carry their seeded weights (make_score_weights, one set per shape shared by the
-/// configurations). Throws UsageError for a problem that fails Problem::validate (or a workload
-/// that fails Workload::validate), and for layer rows (embeds) with another input than
+/// scores, dims (or embeds), heads, batches, paddings, seqs, seq_ks, passes, variants. The bilinear
+/// and additive problems carry their seeded weights (make_score_weights, one set per shape shared
+/// by the configurations). Throws UsageError for a problem that fails Problem::validate (or a
+/// workload that fails Workload::validate), and for layer rows (embeds) with another input than
 /// gaussian, another scale than 1 or another score than scaled_dot.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 

@@ -35,7 +35,8 @@ Inputs grid_inputs(const Problem& p) {
   Inputs in = generate_inputs(p);
   for (Tensor* t : {&in.q, &in.k, &in.v})
     for (int64_t i = 0; i < t->numel(); ++i)
-      t->data()[i] = std::ldexp(std::round(std::ldexp(std::clamp(t->data()[i], -4.0f, 4.0f), 13)), -13);
+      t->data()[i] =
+          std::ldexp(std::round(std::ldexp(std::clamp(t->data()[i], -4.0f, 4.0f), 13)), -13);
   return in;
 }
 
@@ -58,8 +59,8 @@ void expect_reference_gradient_matches_differences(const Problem& p, bool with_p
   std::vector<HeadGradients> g;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
-      g.push_back(reference_head_gradients(p, in.q.view(), in.k.view(), in.v.view(), dout.view(),
-                                           b, h, pat.get()));
+      g.push_back(reference_head_gradients(p, in.q.view(), in.k.view(), in.v.view(), dout.view(), b,
+                                           h, pat.get()));
   const double step = std::ldexp(1.0, -11);
   uint64_t x = 0x1234567ULL + p.seed;
   for (int t = 0; t < 3; ++t) {
@@ -82,7 +83,8 @@ void expect_reference_gradient_matches_differences(const Problem& p, bool with_p
             directional += u * grad[size_t(i * d + c)];
           }
       }
-    const double fd = (loss(p, plus, dout, pat.get()) - loss(p, minus, dout, pat.get())) / (2 * step);
+    const double fd =
+        (loss(p, plus, dout, pat.get()) - loss(p, minus, dout, pat.get())) / (2 * step);
     SCOPED_TRACE(t == 0 ? "dq" : (t == 1 ? "dk" : "dv"));
     // central differences err by O(h^2) times the third derivative along u: at h = 2^-8 that
     // was 2e-5 of the derivative; at 2^-11, 64 times less
@@ -124,8 +126,9 @@ TEST(ReferenceGradient, RefusesTheAdditiveScore) {
   const Problem p = test::with_score(test::problem(1, 1, 4, 0, 4, false), Score::additive);
   const Inputs in = generate_inputs(p);
   const Tensor dout = generate_dout(p);
-  EXPECT_THROW(reference_head_gradients(p, in.q.view(), in.k.view(), in.v.view(), dout.view(), 0, 0),
-               UnsupportedError);
+  EXPECT_THROW(
+      reference_head_gradients(p, in.q.view(), in.k.view(), in.v.view(), dout.view(), 0, 0),
+      UnsupportedError);
 }
 
 // ----- the harness -----
@@ -153,9 +156,9 @@ class ZeroWithBackward final : public Variant, public Backward {
     fill(out);
     return std::make_unique<KeepsState>();
   }
-  void backward(const Problem&, ConstTensorView, ConstTensorView, ConstTensorView,
-                ConstTensorView, ConstTensorView, const SavedState& saved, TensorView dq,
-                TensorView dk, TensorView dv) override {
+  void backward(const Problem&, ConstTensorView, ConstTensorView, ConstTensorView, ConstTensorView,
+                ConstTensorView, const SavedState& saved, TensorView dq, TensorView dk,
+                TensorView dv) override {
     EXPECT_NE(dynamic_cast<const KeepsState*>(&saved), nullptr);
     fill(dq), fill(dk), fill(dv);
   }
@@ -302,8 +305,8 @@ TEST(TrainingCli, PassOptionsAndSavedGradients) {
   const Problem p = test::problem(1, 2, 8, 0, 4, false);
   const Inputs in = generate_inputs(p);
   Tensor bad(Shape4{1, 2, 7, 4});
-  write_npz(dir.file("in.npz"), {{"q", to_npy(in.q)}, {"k", to_npy(in.k)}, {"v", to_npy(in.v)},
-                                 {"do", to_npy(bad)}});
+  write_npz(dir.file("in.npz"),
+            {{"q", to_npy(in.q)}, {"k", to_npy(in.k)}, {"v", to_npy(in.v)}, {"do", to_npy(bad)}});
   r = test::run_cli("run --variant flash --pass bwd --inputs " + dir.file("in.npz"), dir);
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("'do' has shape (1, 2, 7, 4) but q has (1, 2, 8, 4)"), std::string::npos)
@@ -312,8 +315,10 @@ TEST(TrainingCli, PassOptionsAndSavedGradients) {
 
 TEST(TrainingCli, SweepWritesAPassColumnAndResumes) {
   test::TempDir dir;
-  const std::string args = "sweep --variant flash --variant reformer --seq 32 --heads 2 --dim 8 "
-                           "--pass fwd,bwd,fwdbwd --reps 1 --min-time 0 --out " + dir.file("s");
+  const std::string args =
+      "sweep --variant flash --variant reformer --seq 32 --heads 2 --dim 8 "
+      "--pass fwd,bwd,fwdbwd --reps 1 --min-time 0 --out " +
+      dir.file("s");
   auto r = test::run_cli(args, dir);
   ASSERT_EQ(r.code, 0) << r.err;
   const std::vector<std::string> lines = test::read_lines(dir.file("s/results.csv"));
@@ -344,8 +349,8 @@ TEST(TrainingCli, SweepWritesAPassColumnAndResumes) {
     EXPECT_LT(std::stod(f[col("grad_rel_err_v")]), 1e-5) << lines[i];
     EXPECT_EQ(f[col("grad_heads")], "2");
   }
-  EXPECT_EQ(training_ok, 2);   // flash bwd and fwdbwd
-  EXPECT_EQ(unsupported, 2);   // reformer has none
+  EXPECT_EQ(training_ok, 2);  // flash bwd and fwdbwd
+  EXPECT_EQ(unsupported, 2);  // reformer has none
   // resuming keeps every row: nothing left to run
   r = test::run_cli(args + " --resume", dir);
   ASSERT_EQ(r.code, 0) << r.err;
