@@ -372,6 +372,49 @@ std::vector<float> performer_projection(uint64_t seed, int64_t head, int64_t fea
 
 // ----- the engine -----
 
+namespace {
+
+/// The prefix key state of a walk over the rows: S = sum phi(k_j) v_j^T (F x d) and
+/// z = sum phi(k_j) over keys [0, kdone), kept at the current key scale exp(-shift). The
+/// forward and the backward's first pass build it the same way.
+struct KeyState {
+  const FeatureMap& fm;
+  const float *k, *v;
+  int64_t ldk, ldv, f, d;
+  float *s, *z;
+  float shift = -INFINITY;
+  int64_t kdone = 0;  // keys [0, kdone) are in S and z
+
+  KeyState(const FeatureMap& fm_, const float* k_, int64_t ldk_, const float* v_, int64_t ldv_,
+           int64_t d_, float* s_, float* z_)
+      : fm(fm_), k(k_), v(v_), ldk(ldk_), ldv(ldv_), f(fm_.features()), d(d_), s(s_), z(z_) {
+    std::fill(s, s + f * d, 0.0f);
+    std::fill(z, z + f, 0.0f);
+  }
+  /// Maps keys [j0, j0 + cnt) into phk (rows of f floats), bringing S and z to the new key
+  /// scale when the map raises it.
+  void map_keys(int64_t j0, int64_t cnt, float* phk) {
+    const float old = shift;
+    fm.keys(k + j0 * ldk, ldk, cnt, phk, f, shift);
+    if (shift > old && old > -INFINITY && kdone > 0) {
+      const float c = std::exp(old - shift);
+      for (int64_t i = 0; i < f * d; ++i) s[i] *= c;
+      for (int64_t i = 0; i < f; ++i) z[i] *= c;
+    }
+  }
+  /// S += phi(K)^T V and z += column sums of phi(K) for keys [j0, j0 + cnt), rows of pk.
+  void fold(const float* pk, int64_t j0, int64_t cnt) {
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(cnt), 1.0f, pk, int(f),
+                v + j0 * ldv, int(ldv), 1.0f, s, int(d));
+    for (int64_t r = 0; r < cnt; ++r) {
+      const float* row = pk + r * f;
+      for (int64_t i = 0; i < f; ++i) z[i] += row[i];
+    }
+  }
+};
+
+}  // namespace
+
 Schedule Schedule::for_features(int64_t features) {
   // a block of features (R x F floats) of at most 256 KiB: R = 1024 for F <= 64, 256 for
   // F = 256 (two of them, phi(Q) and phi(K), stay in a 1 MiB L2)
@@ -395,32 +438,12 @@ int64_t attend_head(const FeatureMap& fm, const Problem& p, int64_t b, const Sch
   const Layout L(sc, f, d);
   float *phq = work + L.phq, *phk = work + L.phk, *a = work + L.a, *s = work + L.s, *z = work + L.z,
         *den = work + L.den;
-  std::fill(s, s + f * d, 0.0f);
-  std::fill(z, z + f, 0.0f);
-  float shift = -INFINITY;
-  int64_t kdone = 0;  // keys [0, kdone) are in S and z
+  KeyState st(fm, k, ldk, v, ldv, d, s, z);
+  int64_t& kdone = st.kdone;  // keys [0, kdone) are in S and z
   const float floor = fm.denominator_floor();
   int64_t clamped = 0;
-
-  // maps keys [j0, j0 + cnt) into phk, bringing S and z to the new key scale
-  auto map_keys = [&](int64_t j0, int64_t cnt) {
-    const float old = shift;
-    fm.keys(k + j0 * ldk, ldk, cnt, phk, f, shift);
-    if (shift > old && old > -INFINITY && kdone > 0) {
-      const float c = std::exp(old - shift);
-      for (int64_t i = 0; i < f * d; ++i) s[i] *= c;
-      for (int64_t i = 0; i < f; ++i) z[i] *= c;
-    }
-  };
-  // S += phi(K)^T V and z += column sums of phi(K) for keys [j0, j0 + cnt), rows of pk
-  auto fold = [&](const float* pk, int64_t j0, int64_t cnt) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(cnt), 1.0f, pk, int(f),
-                v + j0 * ldv, int(ldv), 1.0f, s, int(d));
-    for (int64_t r = 0; r < cnt; ++r) {
-      const float* row = pk + r * f;
-      for (int64_t i = 0; i < f; ++i) z[i] += row[i];
-    }
-  };
+  auto map_keys = [&](int64_t j0, int64_t cnt) { st.map_keys(j0, cnt, phk); };
+  auto fold = [&](const float* pk, int64_t j0, int64_t cnt) { st.fold(pk, j0, cnt); };
 
   for (int64_t i0 = 0; i0 < n; i0 += R) {
     const int64_t rows = std::min(R, n - i0);
@@ -642,27 +665,11 @@ void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, con
 
   // ---- pass 1: rows forwards with the prefix state S, z (as attend_head), dphi(Q), dq ----
   {
-    std::fill(s, s + f * d, 0.0f);
-    std::fill(z, z + f, 0.0f);
-    float shift = -INFINITY;
-    int64_t kdone = 0;
-    auto map_keys = [&](int64_t j0, int64_t cnt) {
-      const float old = shift;
-      fm.keys(k + j0 * ldk, ldk, cnt, phk, f, shift);
-      if (shift > old && old > -INFINITY && kdone > 0) {
-        const float c = std::exp(old - shift);
-        for (int64_t i = 0; i < f * d; ++i) s[i] *= c;
-        for (int64_t i = 0; i < f; ++i) z[i] *= c;
-      }
-    };
-    auto fold = [&](const float* pk, int64_t j0, int64_t cnt) {
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(cnt), 1.0f, pk,
-                  int(f), v + j0 * ldv, int(ldv), 1.0f, s, int(d));
-      for (int64_t r = 0; r < cnt; ++r) {
-        const float* row = pk + r * f;
-        for (int64_t i = 0; i < f; ++i) z[i] += row[i];
-      }
-    };
+    KeyState st(fm, k, ldk, v, ldv, d, s, z);
+    const float& shift = st.shift;
+    int64_t& kdone = st.kdone;
+    auto map_keys = [&](int64_t j0, int64_t cnt) { st.map_keys(j0, cnt, phk); };
+    auto fold = [&](const float* pk, int64_t j0, int64_t cnt) { st.fold(pk, j0, cnt); };
     for (int64_t bi = 0; bi < blocks; ++bi) {
       const int64_t i0 = bi * R, rows = std::min(R, n - i0);
       const int64_t kv = p.visible(b, i0), ke = p.visible(b, i0 + rows - 1);
