@@ -31,11 +31,19 @@
 // transposed score tiles, or the portable Eigen passes), so per computed score the sparse case
 // runs at close to the dense rate.
 //
-// Time O(B H n (keys per row) d); memory O(threads block_q (block_k + d)), plus the pattern.
+// Backward (dense_attention_backward, block_sparse_attention_backward): the forward keeps only
+// out and every row's log-sum-exp (LseView); the backward recomputes P tile by tile for the
+// same (query tile, key block) pairs, with the same masks, in one loop for both cases. Its
+// tasks are (batch, head, key block), each summing its block's dK and dV; dQ is summed per
+// thread and reduced. Its tile products are Eigen's on every target.
+//
+// Time O(B H n (keys per row) d); memory O(threads block_q (block_k + d)), plus the pattern
+// (backward: plus a dQ accumulator [B, H, n, d] per thread but one).
 #pragma once
 
 #include <memory>
 
+#include "common/backward.h"
 #include "common/pattern.h"
 #include "common/registry.h"
 
@@ -69,6 +77,36 @@ void dense_attention(const Problem& p, ConstTensorView q, ConstTensorView k, Con
                      TensorView out, int64_t block_q, int64_t block_k,
                      const LseView* lse = nullptr);
 
+/// The engine's backward pass, dense case (the forward: dense_attention with the same tiles):
+/// dq [B, H, n, d], dk and dv [B, H, m, d] (overwritten) of L = sum(dout ∘ out) for exact
+/// attention under the causal mask, key padding and attention mask, from the forward's out and
+/// its rows' log-sum-exps lse (what dense_attention wrote). Scores scaled_dot only (the caller
+/// maps dot and bilinear). Recomputes every (query tile, key block) pair the forward visits:
+///   S = Q K^T / sqrt(d) + bias, P = exp(S - L), dV += P^T dO, dP = dO V^T,
+///   dS = P ∘ (dP - D) with D_i = sum_c dO_ic O_ic, dQ += dS K / sqrt(d), dK += dS^T Q / sqrt(d);
+/// n x m is never held. OpenMP over (batch, head, key block); rows with no key get dq = 0 and
+/// give nothing to dk and dv.
+void dense_attention_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
+                              ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                              const LseView& lse, TensorView dq, TensorView dk, TensorView dv,
+                              int64_t block_q, int64_t block_k);
+
+/// The engine's backward pass, block-sparse case: dense_attention_backward restricted to the
+/// pattern `pat` the forward (block_sparse_attention, with lse) ran.
+void block_sparse_attention_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                     ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                                     const LseView& lse, const SparsePattern& pat, TensorView dq,
+                                     TensorView dk, TensorView dv);
+
+/// Bytes dense_attention_backward allocates beyond inputs, out, lse and gradients: the rows'
+/// D, per thread the tiles, and a dQ accumulator [B, H, n, d] per thread but one.
+double dense_attention_backward_memory(const Problem& p, int64_t block_q, int64_t block_k);
+/// The same for block_sparse_attention_backward with a pattern of this block size listing
+/// `listed_blocks` (query block, key block) pairs over all heads, plus its inverse lists.
+double block_sparse_backward_memory(const Problem& p, int64_t block, double listed_blocks);
+/// The (query block, key block) pairs `pat` lists over all heads of p.
+double listed_blocks(const Problem& p, const SparsePattern& pat);
+
 /// out (holding the attention of its rows over one set of keys, with log-sum-exps lse_out)
 /// becomes the attention over that set and a disjoint one whose result is other (with
 /// lse_other): each row is the two rows weighted by exp(lse) over their sum, 0 where neither
@@ -94,12 +132,37 @@ inline ParamSpec block_param() {
 
 /// Base of the pattern variants: a subclass only describes its pattern (make_pattern);
 /// forward runs the engine, flops count the scores the engine computes (4 d per score).
-class PatternVariant : public Variant {
+/// The backward (common/backward.h): forward_train runs the engine keeping the pattern and the
+/// rows' log-sum-exps, backward the engine's block-sparse backward with that pattern (its
+/// discrete choices, for data-dependent patterns, constants). A subclass whose function is not
+/// softmax attention restricted to make_pattern must override backward() to return nullptr.
+class PatternVariant : public Variant, public Backward {
  public:
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override;
   double flops(const Problem& p) const override;
   double memory_estimate(const Problem& p) const override;
+
+  Backward* backward() override { return this; }
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override;
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override;
+  double backward_flops(const Problem& p) const override;
+  double saved_estimate(const Problem& p) const override;
+  double backward_memory_estimate(const Problem& p) const override;
+
+ protected:
+  /// Sizes of the pattern on p for the estimates: the scores the engine computes over all
+  /// heads, the (query block, key block) pairs listed, the pattern's bytes, its block size.
+  struct Counts {
+    double scores = 0, listed = 0, bytes = 0;
+    int64_t block = 1;
+  };
+  /// The default builds make_pattern(p, {}, {}) and counts; a data-dependent pattern (which
+  /// needs q and k) overrides it with bounds.
+  virtual Counts pattern_counts(const Problem& p) const;
 };
 
 }  // namespace attnbench

@@ -28,7 +28,8 @@ enum Role : uint64_t {
   kWBilinear,
   kWQuery,
   kWKey,
-  kWScore
+  kWScore,
+  kDout
 };
 // Generated tensors may start at head (b0, h0) of the problem's full input (see
 // generate_head_inputs); stream ids are those of the full input.
@@ -49,6 +50,16 @@ void fill_gaussian(const Problem& p, const Origin& o, Role role, TensorView t) {
       for (int64_t i = 0; i < len * d; ++i) x[i] = float(rs.normal(uint64_t(i)));
     }
 }
+
+}  // namespace
+
+Tensor generate_dout(const Problem& p) {
+  Tensor t(p.q_shape());
+  fill_gaussian(p, Origin{}, kDout, t.view());
+  return t;
+}
+
+namespace {
 
 // local: a shared latent AR(1) sequence z_t = rho z_{t-1} + sqrt(1 - rho^2) e_t with
 // correlation length 16 positions; q and k are the latent plus a little noise, so q_i . k_j is

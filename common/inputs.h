@@ -14,7 +14,14 @@ namespace attnbench {
 /// q [B, H, n, d], k and v [B, H, m, d].
 struct Inputs {
   Tensor q, k, v;
+  /// The upstream gradient dO [B, H, n, d] of the training passes when an inputs file gives
+  /// one ('do'); empty otherwise (the harness then draws it: generate_dout).
+  Tensor dout = {};
 };
+
+/// dO for the training passes: iid N(0, 1) entries [B, H, n, d], each head from a random
+/// stream of its own under p.seed, independent of the inputs' streams and the thread count.
+Tensor generate_dout(const Problem& p);
 
 /// Names of the generated distributions: gaussian, local, clustered, lowrank.
 const std::vector<std::string>& input_distributions();

@@ -44,6 +44,7 @@
 #include <functional>
 #include <vector>
 
+#include "common/backward.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
@@ -71,6 +72,22 @@ class FeatureMap {
   /// max(phi(q)^T z + eps, floor c), and attend counts the rows it raised. 0 (the default):
   /// no floor; a denominator <= 0 gives a 0 row.
   virtual float denominator_floor() const { return 0.0f; }
+
+  /// The backward of queries(): dx (row r at dx + r lddx, d floats, overwritten) of `rows`
+  /// query rows x from their features phi (as queries() wrote them) and dL/dphi. A query's
+  /// own positive scale factor (the Performer's per-row shift) is a constant. dphi may be
+  /// overwritten.
+  virtual void queries_backward(const float* x, int64_t ldx, int64_t rows, const float* phi,
+                                int64_t ldp, float* dphi, int64_t ldd, float* dx,
+                                int64_t lddx) const = 0;
+  /// The backward of keys(), with the key scale exp(-shift) a constant (it cancels in the
+  /// ratio, so the gradient through it is zero).
+  virtual void keys_backward(const float* x, int64_t ldx, int64_t rows, const float* phi,
+                             int64_t ldp, float* dphi, int64_t ldd, float* dx,
+                             int64_t lddx) const = 0;
+  /// Floating-point operations of the backward of one query row / one key row.
+  virtual double query_backward_flops() const = 0;
+  virtual double key_backward_flops() const = 0;
 };
 
 /// Katharopoulos et al. 2020: phi(x) = elu(x) + 1 (x + 1 for x > 0, exp(x) otherwise),
@@ -84,6 +101,15 @@ class EluFeatureMap final : public FeatureMap {
             float& shift) const override;
   double query_flops() const override { return 2.0 * double(d_); }
   double key_flops() const override { return 2.0 * double(d_); }
+  /// dx = dphi for x > 0, dphi exp(x) = dphi phi otherwise.
+  void queries_backward(const float* x, int64_t ldx, int64_t rows, const float* phi, int64_t ldp,
+                        float* dphi, int64_t ldd, float* dx, int64_t lddx) const override;
+  void keys_backward(const float* x, int64_t ldx, int64_t rows, const float* phi, int64_t ldp,
+                     float* dphi, int64_t ldd, float* dx, int64_t lddx) const override {
+    queries_backward(x, ldx, rows, phi, ldp, dphi, ldd, dx, lddx);
+  }
+  double query_backward_flops() const override { return 2.0 * double(d_); }
+  double key_backward_flops() const override { return 2.0 * double(d_); }
 
  private:
   int64_t d_;
@@ -112,8 +138,20 @@ class PerformerFeatureMap final : public FeatureMap {
             float& shift) const override;
   double query_flops() const override;
   double key_flops() const override;
+  /// softmax: dx = W~^T (dphi o phi) (the query's shift, which takes |x~|^2/2 with it, is a
+  /// constant); relu: dx = W~^T (features^-1/2 dphi [W x~ > 0]).
+  void queries_backward(const float* x, int64_t ldx, int64_t rows, const float* phi, int64_t ldp,
+                        float* dphi, int64_t ldd, float* dx, int64_t lddx) const override;
+  /// softmax: dx = W~^T (dphi o phi) - x / sqrt(d) sum(dphi o phi) (the |x~|^2/2 term);
+  /// relu: as queries.
+  void keys_backward(const float* x, int64_t ldx, int64_t rows, const float* phi, int64_t ldp,
+                     float* dphi, int64_t ldd, float* dx, int64_t lddx) const override;
+  double query_backward_flops() const override;
+  double key_backward_flops() const override;
 
  private:
+  // dx = y W~ for y (rows x features): the transpose of project
+  void project_back(const float* y, int64_t ldy, int64_t rows, float* dx, int64_t lddx) const;
   // out = x W~^T with W~ = W d^-1/4 (the scaling is folded into the projection)
   void project(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo) const;
   std::vector<float> ws_;  // W d^-1/4, features x d
@@ -146,17 +184,21 @@ int64_t workspace_floats(const Schedule& s, int64_t features, int64_t d);
 /// n x d; the keys past b's key padding length are never mapped nor summed. `work` holds
 /// workspace_floats(s, fm.features(), p.dim) floats, 64-byte aligned. Returns the number of
 /// rows whose denominator was raised to the map's floor (FeatureMap::denominator_floor).
+/// den (n floats, optional): each row's denominator for the backward (HeadGrads::den).
 int64_t attend_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& s,
                     const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
-                    int64_t ldv, float* out, int64_t ldo, float eps, float* work);
+                    int64_t ldv, float* out, int64_t ldo, float eps, float* work,
+                    float* den = nullptr);
 
 /// Every (batch, head) of the problem: OpenMP over (batch, head) with BLAS single-threaded
 /// inside, or one head at a time with multi-threaded BLAS when there are fewer heads than
 /// threads. map_for_head(h) gives the feature map of head h (the same for every batch item).
 /// Returns the number of rows (over every batch item and head) raised to the map's floor.
+/// den ([B, H, n] floats, optional): the rows' denominators for attend_backward.
 int64_t attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out, float eps, int64_t features,
-               const std::function<const FeatureMap&(int64_t head)>& map_for_head);
+               const std::function<const FeatureMap&(int64_t head)>& map_for_head,
+               float* den = nullptr);
 
 /// Threads attend() runs on: min(threads, B H) when there are at least as many heads as
 /// threads, else 1 (multi-threaded BLAS).
@@ -173,5 +215,72 @@ double attend_flops(const Problem& p, int64_t features, double query_map_flops,
 /// Bytes attend() allocates: one workspace per thread (plus OpenBLAS's per-call job array
 /// when it runs the GEMMs multi-threaded, with fewer heads than threads).
 double attend_bytes(const Problem& p, int64_t features);
+
+// ----- the backward -----
+//
+// With num_i = phi(q_i)^T S_i, den_i = phi(q_i)^T z_i + eps, out_i = num_i / den_i and
+// upstream dO: g_i = dO_i / den_i, dden_i = -(dO_i . out_i) / den_i (0 for a row raised to the
+// floor: the floor is a constant), and
+//   dphi(q_i) = S_i^T g_i + dden_i z_i,
+//   dphi(k_j) = sum_{i sees j} phi(q_i) (g_i . v_j + dden_i) = U_j v_j + u_j,
+//   dv_j      = sum_{i sees j} (phi(q_i) . phi(k_j)) g_i    = U_j^T phi(k_j),
+// U_j = sum_{i sees j} phi(q_i) g_i^T (F x d), u_j = sum_{i sees j} dden_i phi(q_i). The rows
+// that see key j are a suffix of the rows (Problem::visible is non-decreasing in i), so:
+//   pass 1 walks the rows forwards as attend_head does (prefix state S, z, the same key
+//          blocks, sub-chunks and key scale): dphi(Q) of each block, then dq through the map;
+//   pass 2 walks them backwards with the suffix state U, u: before a sub-chunk's rows join
+//          it, the keys only later rows see are final (dphi(K) = V U^T + 1 u^T, dV = phi(K) U,
+//          then dk through the map); the chunk's own diagonal keys add the masked products
+//          B^T phi(Q_c) (B = G_c V_w^T + dden, masked) and (A o mask)^T G_c (A = phi(Q_c)
+//          phi(K_w)^T).
+// Nothing per position beyond one block is held; phi(Q) and phi(K) are mapped again in each
+// pass. Key scale: pass 1 records the key shift of every row block (the one the forward used
+// for the block's den); pass 2 keeps U at the shift of the block it is in (scaled down by
+// exp(new - old) when it moves to an earlier block with a smaller shift) and maps keys at that
+// shift, so phi(k) and 1/den always meet at the same scale.
+
+/// What one (batch, head) of the backward reads and writes. den: the row denominators the
+/// forward divided by (attend's `den` output): > 0 normally, < 0 (the negated floor) for a row
+/// raised to the floor, 0 for a row that is 0 (no visible key, or a denominator <= 0).
+struct HeadGrads {
+  const float *q, *k, *v, *out, *dout, *den;
+  int64_t ldq, ldk, ldv, ldo, lddo;
+  float *dq, *dk, *dv;
+  int64_t lddq, lddk, lddv;
+};
+
+/// The saved state of the kernel variants' forward_train: each row's denominator (attend's
+/// `den` output, [B, H, n]), 4 B H n bytes. phi(Q) and phi(K) are not kept ((n + m) F floats
+/// per head): the backward maps them again, one block at a time.
+class RowDenominators final : public SavedState {
+ public:
+  explicit RowDenominators(const Problem& p) : den(size_t(p.batch * p.heads * p.n)) {}
+  std::vector<float> den;
+  /// Bytes of the state for p: the denominators and the object itself.
+  static double bytes(const Problem& p);
+  /// The state of a forward_train; UsageError if `saved` is another variant's.
+  static const RowDenominators& of(const SavedState& saved, const Problem& p);
+};
+
+/// Floats of one thread's workspace for attend_backward_head.
+int64_t backward_workspace_floats(const Schedule& s, int64_t features, int64_t d);
+
+/// The gradients of one (batch, head) of batch element b (see above); dk and dv rows of keys
+/// no row sees (key padding) are 0. `work`: backward_workspace_floats floats, 64-byte aligned.
+void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& s,
+                          const HeadGrads& io, float* work);
+
+/// Every (batch, head), threaded as attend(). den: [B, H, n] from attend's `den` output.
+void attend_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                     ConstTensorView out, ConstTensorView dout, const float* den, TensorView dq,
+                     TensorView dk, TensorView dv, int64_t features,
+                     const std::function<const FeatureMap&(int64_t head)>& map_for_head);
+
+/// Floating-point operations of attend_backward, walked over the engine's blocks.
+double attend_backward_flops(const Problem& p, int64_t features, double query_map_flops,
+                             double key_map_flops, double query_back_flops, double key_back_flops);
+
+/// Bytes attend_backward allocates (per-thread workspaces and the block shifts).
+double attend_backward_bytes(const Problem& p, int64_t features);
 
 }  // namespace attnbench::kernel_attention

@@ -516,6 +516,15 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
   copy("q", q, in.q);
   copy("k", k, in.k);
   copy("v", v, in.v);
+  // the upstream gradient of the training passes, optional: the shape of q
+  if (arrays.count("do")) {
+    NpyArray& g = take("do");
+    if (g.shape != q.shape)
+      throw InputError(fmt::format("{}: 'do' has shape ({}) but q has ({}); they must match", path,
+                                   fmt::join(g.shape, ", "), fmt::join(q.shape, ", ")));
+    in.dout = Tensor(p->q_shape());
+    copy("do", g, in.dout);
+  }
   score_weights_from_arrays(arrays, path, p);
   return in;
 }

@@ -5,6 +5,7 @@
 #include <optional>
 #include <vector>
 
+#include "common/error.h"
 #include "common/omp_guard.h"
 
 namespace attnbench {
@@ -131,6 +132,89 @@ void weighted_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Const
 }
 
 }  // namespace
+
+HeadGradients reference_head_gradients(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                       ConstTensorView v, ConstTensorView dout, int64_t b,
+                                       int64_t h, const SparsePattern* pattern) {
+  if (p.score == Score::additive)
+    throw UnsupportedError("the reference gradient does not cover the additive score");
+  const int64_t n = p.n, m = p.keys(), d = p.dim;
+  HeadGradients g{std::vector<double>(size_t(n * d), 0.0), std::vector<double>(size_t(m * d), 0.0),
+                  std::vector<double>(size_t(m * d), 0.0)};
+  const double f = p.score == Score::scaled_dot ? 1.0 / std::sqrt(double(d)) : 1.0;
+  const float* wb =
+      p.score == Score::bilinear ? p.score_weights->w_bilinear.data() + h * d * d : nullptr;
+  // Blocks of R query rows: P and dS of the block (R x m each), dQ of its rows (parallel over
+  // rows), then the block's share of dK and dV (parallel over keys, rows summed in order: the
+  // same numbers on any thread count). Memory O(R m).
+  constexpr int64_t R = 128;
+  std::vector<double> prob(size_t(R * m)), ds(size_t(R * m)), qs(size_t(R * d));
+  OmpGuard guard;
+  for (int64_t i0 = 0; i0 < n; i0 += R) {
+    const int64_t rows = std::min(R, n - i0);
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t r = 0; r < rows; ++r)
+      guard.run([&] {
+        const int64_t i = i0 + r;
+        double* pr = prob.data() + r * m;
+        double* dsr = ds.data() + r * m;
+        const std::vector<double> pv = probabilities(p, q, k, b, h, i, pattern, false);
+        std::copy(pv.begin(), pv.end(), pr);
+        const float* doi = dout.row(b, h, i);
+        double dsum = 0;
+        for (int64_t j = 0; j < m; ++j) {
+          dsr[j] = 0;
+          if (pr[j] == 0) continue;
+          const float* vj = v.row(b, h, j);
+          double s = 0;
+          for (int64_t c = 0; c < d; ++c) s += double(doi[c]) * double(vj[c]);
+          dsr[j] = s;
+          dsum += pr[j] * s;
+        }
+        // dS = P (dP - D); the gradient of the logits wrt q_i gathered as sum_j dS_ij k_j
+        std::vector<double> gq(size_t(d), 0.0);
+        for (int64_t j = 0; j < m; ++j) {
+          if (pr[j] == 0) continue;
+          dsr[j] = pr[j] * (dsr[j] - dsum);
+          const float* kj = k.row(b, h, j);
+          for (int64_t c = 0; c < d; ++c) gq[size_t(c)] += dsr[j] * double(kj[c]);
+        }
+        // the query side of a(q_i, k) = qs_i . k: f q_i (dot products) or W^T q_i (bilinear);
+        // dq_i = f gq or W gq
+        const float* qi = q.row(b, h, i);
+        double* qsr = qs.data() + r * d;
+        double* dqi = g.dq.data() + i * d;
+        if (wb) {
+          std::fill(qsr, qsr + d, 0.0);
+          for (int64_t x = 0; x < d; ++x)
+            for (int64_t c = 0; c < d; ++c) qsr[c] += double(qi[x]) * double(wb[x * d + c]);
+          for (int64_t x = 0; x < d; ++x) {
+            double s = 0;
+            for (int64_t c = 0; c < d; ++c) s += double(wb[x * d + c]) * gq[size_t(c)];
+            dqi[x] = s;
+          }
+        } else {
+          for (int64_t c = 0; c < d; ++c) qsr[c] = f * double(qi[c]), dqi[c] = f * gq[size_t(c)];
+        }
+      });
+    guard.rethrow();
+    // dK_j += sum_i dS_ij qs_i, dV_j += sum_i P_ij dO_i over the block's rows
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < m; ++j) {
+      double* dkj = g.dk.data() + j * d;
+      double* dvj = g.dv.data() + j * d;
+      for (int64_t r = 0; r < rows; ++r) {
+        const double pj = prob[size_t(r * m + j)];
+        if (pj == 0) continue;
+        const double dsj = ds[size_t(r * m + j)];
+        const double* qsr = qs.data() + r * d;
+        const float* doi = dout.row(b, h, i0 + r);
+        for (int64_t c = 0; c < d; ++c) dkj[c] += dsj * qsr[c], dvj[c] += pj * double(doi[c]);
+      }
+    }
+  }
+  return g;
+}
 
 std::vector<double> reference_probabilities(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             int64_t b, int64_t h, int64_t i,

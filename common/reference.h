@@ -49,4 +49,18 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
                                  const SparsePattern& pattern, int64_t b, int64_t h,
                                  std::span<const int64_t> rows, std::span<const double> lse);
 
+/// Exact gradients of L = sum(dout ∘ O) for one head (b, h), in float64 (VARIANTS.md,
+/// "Backward"): with P the reference probabilities (optionally restricted to a pattern),
+///   dV = Pᵀ dO,  dS = P ∘ (dO Vᵀ − D), D_i = Σ_j P_ij (dO_i · v_j),
+///   dQ_i = Σ_j dS_ij ∂a(q_i, k_j)/∂q_i,  dK_j = Σ_i dS_ij ∂a(q_i, k_j)/∂k_j
+/// for the scaled_dot, dot and bilinear scores (a = s q·k or qᵀ W k). Rows with no visible key
+/// contribute nothing. dq is n x d, dk and dv m x d, row-major. O(n m d). Throws
+/// UnsupportedError for the additive score.
+struct HeadGradients {
+  std::vector<double> dq, dk, dv;
+};
+HeadGradients reference_head_gradients(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                       ConstTensorView v, ConstTensorView dout, int64_t b,
+                                       int64_t h, const SparsePattern* pattern = nullptr);
+
 }  // namespace attnbench

@@ -281,6 +281,131 @@ void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstT
   compute(p, q, k, v, out);
 }
 
+void Backward::check_backward(const Problem& p) const {
+  if (p.score == Score::additive)
+    throw UnsupportedError(
+        "the backward pass does not support the additive score (its weights are not "
+        "differentiated); scaled_dot, dot and bilinear are supported");
+}
+
+void Variant::check_backward(const Problem& p) const {
+  check_supported(p);
+  Backward* bw = const_cast<Variant*>(this)->backward();
+  if (!bw)
+    throw UnsupportedError(fmt::format(
+        "{} has no backward pass; variants that do: those whose `list` entry says backward",
+        info_->name));
+  bw->check_backward(p);
+}
+
+namespace {
+
+/// The saved state of a forward_train under the dot or bilinear score: the mapped q' the
+/// variant saw, and the variant's own state.
+class MappedQuerySaved final : public SavedState {
+ public:
+  MappedQuerySaved(Tensor mapped, std::unique_ptr<SavedState> inner)
+      : mapped(std::move(mapped)), inner(std::move(inner)) {}
+  Tensor mapped;
+  std::unique_ptr<SavedState> inner;
+};
+
+Backward& backward_of(Variant& v) {
+  Backward* bw = v.backward();
+  if (!bw) throw UnsupportedError(fmt::format("{} has no backward pass", v.info().name));
+  return *bw;
+}
+
+}  // namespace
+
+std::unique_ptr<SavedState> Variant::compute_train(const Problem& p, ConstTensorView q,
+                                                   ConstTensorView k, ConstTensorView v,
+                                                   TensorView out) {
+  Backward& bw = backward_of(*this);
+  if (p.score != Score::dot && p.score != Score::bilinear) return bw.forward_train(p, q, k, v, out);
+  Tensor mapped = linear_score_query(p, q);
+  std::unique_ptr<SavedState> inner =
+      bw.forward_train(linear_score_problem(p), mapped.view(), k, v, out);
+  return std::make_unique<MappedQuerySaved>(std::move(mapped), std::move(inner));
+}
+
+void Variant::compute_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
+                               ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                               const SavedState& saved, TensorView dq, TensorView dk,
+                               TensorView dv) {
+  Backward& bw = backward_of(*this);
+  if (p.score != Score::dot && p.score != Score::bilinear) {
+    bw.backward(p, q, k, v, out, dout, saved, dq, dk, dv);
+    return;
+  }
+  const auto* ms = dynamic_cast<const MappedQuerySaved*>(&saved);
+  if (!ms || !ms->inner)
+    throw UsageError("compute_backward: the saved state is not from compute_train on this score");
+  // dL/dq' first, then back through q' = sqrt(d) q or q'_i = sqrt(d) W^T q_i
+  Tensor dmapped(p.q_shape());
+  bw.backward(linear_score_problem(p), ms->mapped.view(), k, v, out, dout, *ms->inner,
+              dmapped.view(), dk, dv);
+  const int64_t d = p.dim;
+  const float root = float(std::sqrt(double(d)));
+  const float* w = p.score == Score::bilinear ? p.score_weights->w_bilinear.data() : nullptr;
+  const ConstTensorView dm = dmapped.view();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const float* wh = w ? w + h * d * d : nullptr;
+      for (int64_t i = 0; i < p.n; ++i) {
+        const float* g = dm.row(b, h, i);
+        float* o = dq.row(b, h, i);
+        if (!wh) {
+          for (int64_t c = 0; c < d; ++c) o[c] = root * g[c];
+          continue;
+        }
+        // (W dq')_r = sum_c W[r, c] dq'_c
+        for (int64_t r = 0; r < d; ++r) {
+          const float* wr = wh + r * d;
+          float acc = 0;
+          for (int64_t c = 0; c < d; ++c) acc += wr[c] * g[c];
+          o[r] = root * acc;
+        }
+      }
+    }
+}
+
+namespace {
+
+void expect_shape(const char* what, const Shape4& got, const Shape4& want) {
+  if (!(got == want))
+    throw InputError(fmt::format("{} has shape {}, expected {}", what, got.str(), want.str()));
+}
+
+}  // namespace
+
+std::unique_ptr<SavedState> Variant::run_train(const Problem& p, ConstTensorView q,
+                                               ConstTensorView k, ConstTensorView v,
+                                               TensorView out) {
+  check_backward(p);
+  expect_shape("q", q.shape, p.q_shape());
+  expect_shape("k", k.shape, p.kv_shape());
+  expect_shape("v", v.shape, p.kv_shape());
+  expect_shape("out", out.shape, p.q_shape());
+  return compute_train(p, q, k, v, out);
+}
+
+void Variant::run_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
+                           ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                           const SavedState& saved, TensorView dq, TensorView dk, TensorView dv) {
+  check_backward(p);
+  expect_shape("q", q.shape, p.q_shape());
+  expect_shape("k", k.shape, p.kv_shape());
+  expect_shape("v", v.shape, p.kv_shape());
+  expect_shape("out", out.shape, p.q_shape());
+  expect_shape("dout", dout.shape, p.q_shape());
+  expect_shape("dq", dq.shape, p.q_shape());
+  expect_shape("dk", dk.shape, p.kv_shape());
+  expect_shape("dv", dv.shape, p.kv_shape());
+  compute_backward(p, q, k, v, out, dout, saved, dq, dk, dv);
+}
+
 Registry& Registry::instance() {
   static Registry r;
   return r;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/abi.h"
+#include "common/backward.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 #include "common/workload.h"
@@ -161,6 +162,10 @@ class Variant {
   /// the results' prepare_s column; a variant whose forward() reuses prepared draws says so
   /// in notes(). forward() without prepare() draws everything itself on every call.
   virtual bool prepare(const Problem& /*p*/) { return false; }
+  /// The training pass (common/backward.h) if this variant implements one, else nullptr: a
+  /// variant with a backward derives from Backward too and returns this. `list` and the
+  /// harness read the capability from here.
+  virtual Backward* backward() { return nullptr; }
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }
@@ -177,6 +182,26 @@ class Variant {
   /// Checks shapes and support, then calls compute().
   void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
            TensorView out);
+
+  /// Throws UnsupportedError unless this variant has a backward pass for the problem.
+  void check_backward(const Problem& p) const;
+  /// Backward::forward_train under the problem's scoring function, as compute() runs
+  /// forward(): the dot and bilinear scores map q once and keep the mapped q in the saved
+  /// state. What the harness times for the training forward.
+  std::unique_ptr<SavedState> compute_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out);
+  /// Backward::backward under the problem's scoring function: for dot and bilinear the
+  /// gradient of the mapped q is taken back through the map (dq = sqrt(d) dq', or
+  /// dq_i = sqrt(d) W dq'_i). saved comes from compute_train on the same problem and inputs.
+  void compute_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                        ConstTensorView out, ConstTensorView dout, const SavedState& saved,
+                        TensorView dq, TensorView dk, TensorView dv);
+  /// Checks shapes and support (forward and backward), then compute_train / compute_backward.
+  std::unique_ptr<SavedState> run_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                        ConstTensorView v, TensorView out);
+  void run_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    ConstTensorView out, ConstTensorView dout, const SavedState& saved,
+                    TensorView dq, TensorView dk, TensorView dv);
 
  private:
   friend class Registry;

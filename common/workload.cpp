@@ -1,6 +1,7 @@
 #include "common/workload.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,13 +27,21 @@ void Workload::validate(const Problem& p) const {
         lo, double(std::numeric_limits<float>::max()), p.dim, scale));
   }
   if (threads < 0) throw UsageError(fmt::format("threads must be >= 0 (0 = all), got {}", threads));
+  const auto& passes = pass_names();
+  if (std::find(passes.begin(), passes.end(), pass) == passes.end())
+    throw UsageError(fmt::format("unknown pass '{}'; accepted: {}", pass, fmt::join(passes, ", ")));
+}
+
+const std::vector<std::string>& pass_names() {
+  static const std::vector<std::string> names = {"fwd", "bwd", "fwdbwd"};
+  return names;
 }
 
 std::string describe(const Problem& p, const Workload& w) {
   return fmt::format("B={},H={},n={},m={},d={},causal={}{},input={},scale={},seed={}", p.batch,
                      p.heads, p.n, p.keys(), p.dim, int(p.causal), p.score_str(), w.input, w.scale,
                      p.seed) +
-         mask_suffix(p);
+         mask_suffix(p) + (w.pass == "fwd" || w.pass.empty() ? "" : ",pass=" + w.pass);
 }
 
 }  // namespace attnbench

@@ -232,6 +232,12 @@ std::string progress_line(size_t i, size_t n, double elapsed, double eta, const 
 
 // ----- list -----
 
+// Whether the variant, built with its default parameters, has a backward pass
+// (Variant::backward): read from what it implements, never from a flag.
+bool has_backward(const VariantInfo& v) {
+  return Registry::instance().make(v.name)->backward() != nullptr;
+}
+
 nlohmann::ordered_json variants_json() {
   nlohmann::ordered_json all = nlohmann::ordered_json::array();
   for (const VariantInfo* v : Registry::instance().all()) {
@@ -255,6 +261,7 @@ nlohmann::ordered_json variants_json() {
                    {"additive", v->caps.additive},
                    {"key_padding", v->caps.key_padding},
                    {"attn_mask", v->caps.attn_mask},
+                   {"backward", has_backward(*v)},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
                                                 : nlohmann::ordered_json(v->plugin)},
                    {"params", params}});
@@ -280,11 +287,16 @@ void print_list() {
     head += fmt::format(" {:<{}}", h, width(h));
     indent += 1 + width(h);
   }
+  // the backward column comes from the variant itself (has_backward), not from a flag
+  const std::string bwd = "backward";
+  head += fmt::format(" {:<{}}", bwd, width(bwd));
+  indent += 1 + width(bwd);
   fmt::print("{} {}\n", head, "summary / parameters");
   for (const VariantInfo* v : Registry::instance().all()) {
     std::string line = fmt::format("{:<{}}", v->name, w);
     for (const auto& [h, flag] : kCapabilityColumns)
       line += fmt::format(" {:<{}}", v->caps.*flag ? "yes" : "no", width(h));
+    line += fmt::format(" {:<{}}", has_backward(*v) ? "yes" : "no", width(bwd));
     fmt::print("{} {}\n", line, v->summary);
     fmt::print("{:<{}} {}\n", "", indent, v->complexity);
     if (!v->plugin.empty()) fmt::print("{:<{}} from plugin {}\n", "", indent, v->plugin);
@@ -487,8 +499,12 @@ void print_row(const Row& r) {
       r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
   fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's GEMM rate)\n", r.gflops,
              r.gemm_fraction * 100);
-  fmt::print("memory       {} peak beyond inputs and output (estimate {})\n",
-             human_bytes(r.peak_bytes), human_bytes(r.estimated_bytes));
+  const std::string& pass = r.workload.pass;
+  fmt::print("memory       {} peak {} (estimate {})\n", human_bytes(r.peak_bytes),
+             pass == "bwd"      ? "of the backward beyond inputs, output, saved state and gradients"
+             : pass == "fwdbwd" ? "beyond inputs, output and gradients (the saved state included)"
+                                : "beyond inputs and output",
+             human_bytes(r.estimated_bytes));
   fmt::print(
       "error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
       "rows)\n",
@@ -503,6 +519,16 @@ void print_row(const Row& r) {
         "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
         "variant's pattern\n",
         r.error.mass_mean, r.error.mass_min);
+  if (r.workload.pass != "fwd") {
+    fmt::print("saved        {} kept by the forward for the backward (estimate {})\n",
+               human_bytes(r.saved_bytes), human_bytes(r.saved_estimate_bytes));
+    if (r.grad_heads > 0)
+      fmt::print(
+          "grad error   rel. Frobenius dq {:.3e}, dk {:.3e}, dv {:.3e} against exact "
+          "attention's gradient ({} of {} heads)\n",
+          r.grad_err_q, r.grad_err_k, r.grad_err_v, r.grad_heads,
+          r.problem.batch * r.problem.heads);
+  }
   if (r.embed > 0)
     fmt::print("core share   {:.1f}% of the layer's time in the attention core (measured)\n",
                100 * r.attention_share);
@@ -590,7 +616,7 @@ void add_mask_options(CLI::App* cmd, std::string& key_padding, std::string& mask
 
 struct RunCommand {
   ProblemOptions o;
-  std::string spec, inputs_path, output_path, key_padding, mask_path;
+  std::string spec, inputs_path, output_path, key_padding, mask_path, pass = "fwd", grads_path;
   bool json = false;
   std::vector<CLI::Option*> shape_opts;
 
@@ -620,15 +646,28 @@ struct RunCommand {
         ->excludes(input_opt)
         ->excludes(scale_opt);
     cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+    cmd->add_option("--pass", pass,
+                    "what is timed: fwd (the forward pass), bwd (the backward pass alone, from a "
+                    "saved forward) or fwdbwd (both)")
+        ->capture_default_str()
+        ->check(CLI::IsMember(pass_names()));
+    cmd->add_option("--save-grads", grads_path,
+                    "write dq, dk, dv of the checked backward pass to this .npz (--pass bwd or "
+                    "fwdbwd; dO is the inputs file's 'do' or drawn from the seed)");
     add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
   }
 
   int run() const {
+    if (!grads_path.empty() && pass == "fwd")
+      throw UsageError(
+          "--save-grads needs a backward pass: add --pass bwd or --pass fwdbwd (the gradients "
+          "are those of the checked backward)");
     auto variant = make_one_variant(spec, "run");
     Problem p = o.problem();
     Workload w = o.workload();
+    w.pass = pass;
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
     if (given) w.input = "file";
     if (!key_padding.empty()) p.key_lengths = parse_key_lengths(key_padding, p.batch);
@@ -640,9 +679,14 @@ struct RunCommand {
     MachineFigures mf = measure_machine(w.threads, /*quick=*/true);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out;
-    Row row = run_one(*variant, p, w, given ? &*given : nullptr, mf, opt, &out);
+    Gradients grads;
+    Row row = run_one(*variant, p, w, given ? &*given : nullptr, mf, opt, &out, nullptr,
+                      grads_path.empty() ? nullptr : &grads);
     if (!print_result(row, json)) return 1;
     if (!output_path.empty()) write_npy(output_path, to_npy(out));
+    if (!grads_path.empty())
+      write_npz(grads_path,
+                {{"dq", to_npy(grads.dq)}, {"dk", to_npy(grads.dk)}, {"dv", to_npy(grads.dv)}});
     return 0;
   }
 };
@@ -750,7 +794,7 @@ struct SweepCommand {
   std::string seq_list = "256..4096", seq_k_list = "same", batch_list = "1", heads_list = "8",
               dim_list = "64", embed_list, causal_mode = "off", score_list = "scaled_dot",
               input_list = "gaussian", scale_list = "1", out_dir, key_padding_lists,
-              padding_fractions;
+              padding_fractions, pass_list = "fwd";
   bool resume = false;
   int retry_noisy = 0;
   std::vector<std::string> also;
@@ -786,6 +830,10 @@ struct SweepCommand {
     cmd->add_option("--scale", scale_list,
                     "logit sharpening factors: q multiplied by each, comma-separated (1,2,4)")
         ->capture_default_str();
+    cmd->add_option("--pass", pass_list,
+                    "what is timed, comma-separated: fwd (forward), bwd (backward alone, from a "
+                    "saved forward), fwdbwd (both)")
+        ->capture_default_str();
     add_timing_options(cmd, o);
     cmd->add_option("--key-padding", key_padding_lists,
                     "key padding settings separated by ';', each a comma list of valid key "
@@ -820,6 +868,7 @@ struct SweepCommand {
     if (!embed_list.empty()) axes.embeds = parse_int_list(embed_list, "--embed");
     axes.inputs = parse_input_list(input_list);
     axes.scales = parse_scale_list(scale_list);
+    axes.passes = parse_pass_list(pass_list);
     axes.causals = parse_causal_mode(causal_mode);
     axes.scores = parse_score_list(score_list);
     axes.score_hidden = o.score_hidden;
@@ -846,8 +895,8 @@ struct SweepCommand {
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
             "problem and variant options (--variant, --seq, --seq-k, --batch, --heads, --dim, "
-            "--embed, --causal, --score, --score-hidden, --input, --scale, --key-padding, "
-            "--padding-fraction)",
+            "--embed, --causal, --score, --score-hidden, --input, --scale, --pass, "
+            "--key-padding, --padding-fraction)",
             args, name));
     if (cmd->get_option("--out")->count() > 1)
       throw UsageError(fmt::format("--also '{}': --out belongs to the whole sweep", args));

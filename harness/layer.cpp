@@ -561,6 +561,9 @@ Row run_layer(Variant& variant, const LayerProblem& lp, const Workload& w, const
     row.spec = variant.spec();
     row.variant = variant.info().name;
     check_run_options(opt);
+    if (w.pass != "fwd")
+      throw UsageError(fmt::format(
+          "pass {}: the multi-head layer measures the forward pass only; accepted: fwd", w.pass));
     lp.validate();
     row.problem = lp.attention();
     row.workload.threads = resolve_threads(w.threads);

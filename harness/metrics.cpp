@@ -229,4 +229,73 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
   return e;
 }
 
+std::vector<int64_t> pick_gradient_heads(const Problem& p, double exact_limit) {
+  const int64_t heads = p.batch * p.heads;
+  const double per_head = double(p.n) * double(p.keys());
+  std::vector<int64_t> chosen;
+  if (per_head > exact_limit) return chosen;
+  const int64_t wanted = std::min<int64_t>(heads, int64_t(exact_limit / per_head));
+  if (wanted == heads) {
+    for (int64_t bh = 0; bh < heads; ++bh) chosen.push_back(bh);
+    return chosen;
+  }
+  RandomStream rs(p.seed, 0x67ad1e7dULL);
+  std::unordered_set<int64_t> seen;
+  for (uint64_t draw = 0; int64_t(seen.size()) < wanted; ++draw)
+    seen.insert(int64_t(rs.below(draw, uint64_t(heads))));
+  chosen.assign(seen.begin(), seen.end());
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+GradErrorStats measure_grad_error(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                  ConstTensorView v, ConstTensorView dout, ConstTensorView dq,
+                                  ConstTensorView dk, ConstTensorView dv, double exact_limit) {
+  GradErrorStats st;
+  const std::vector<int64_t> heads = pick_gradient_heads(p, exact_limit);
+  if (heads.empty()) return st;
+  const int64_t d = p.dim;
+  // squared norms of the differences and of the reference, per tensor
+  double diff[3] = {0, 0, 0}, ref[3] = {0, 0, 0};
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (const int64_t bh : heads) {
+    const int64_t b = bh / p.heads, h = bh % p.heads;
+    const HeadGradients g = reference_head_gradients(p, q, k, v, dout, b, h);
+    const std::vector<double>* want[3] = {&g.dq, &g.dk, &g.dv};
+    const ConstTensorView got[3] = {dq, dk, dv};
+    for (int t = 0; t < 3; ++t) {
+      const int64_t rows = t == 0 ? p.n : p.keys();
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* r = got[t].row(b, h, i);
+        const double* w = want[t]->data() + i * d;
+        for (int64_t c = 0; c < d; ++c) {
+          if (!std::isfinite(r[c]))
+            throw Error(fmt::format("{} holds a non-finite value ({}) at [{}, {}, {}, {}]",
+                                    names[t], r[c], b, h, i, c));
+          const double e = double(r[c]) - w[c];
+          diff[t] += e * e;
+          ref[t] += w[c] * w[c];
+        }
+      }
+    }
+  }
+  double err[3];
+  for (int t = 0; t < 3; ++t) {
+    // a zero reference (e.g. every row masked): the error is the gradient's own norm
+    err[t] = ref[t] > 0 ? std::sqrt(diff[t] / ref[t]) : std::sqrt(diff[t]);
+    if (!std::isfinite(err[t]))
+      throw Error(fmt::format("the {} gradient error is not finite", names[t]));
+  }
+  st.q = err[0], st.k = err[1], st.v = err[2];
+  st.heads = int64_t(heads.size());
+  return st;
+}
+
+double grad_error_memory_estimate(const Problem& p) {
+  // one head's dq, dk, dv in double, and the reference's row blocks (P, dS: 128 x m doubles
+  // each, plus 128 x d)
+  const double n = double(p.n), m = double(p.keys()), d = double(p.dim);
+  return (n + 2 * m) * d * 8.0 + 2 * 128.0 * m * 8.0 + 128.0 * d * 8.0 + double(p.n) * 8.0;
+}
+
 }  // namespace attnbench

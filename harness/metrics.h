@@ -45,4 +45,29 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
 /// Bytes the error measurement will allocate.
 double error_memory_estimate(const Problem& p, double exact_limit = kExactPairsLimit);
 
+/// Gradient error of a backward pass against exact softmax attention's (reference_head_gradients)
+/// on the same inputs and dO: relative Frobenius errors of dQ, dK and dV over whole heads
+/// (NaN when no head was compared).
+struct GradErrorStats {
+  double q = NAN, k = NAN, v = NAN;
+  int64_t heads = 0;  ///< heads compared (0: not measured, the problem's heads are too large)
+};
+
+/// The heads (b * H + h, sorted) whose gradients are compared: every head while B H n m is at
+/// most `exact_limit` pairs, else a seeded sample of floor(exact_limit / (n m)) heads; none
+/// when a single head holds more than exact_limit pairs (the gradient of one head needs all of
+/// its rows, so it cannot be sampled by rows as the forward error is).
+std::vector<int64_t> pick_gradient_heads(const Problem& p, double exact_limit);
+
+/// Compares dq, dk, dv with the float64 gradients of exact softmax attention on the heads of
+/// pick_gradient_heads. Throws Error if a gradient compared holds a non-finite value or an
+/// error figure is not finite.
+GradErrorStats measure_grad_error(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                  ConstTensorView v, ConstTensorView dout, ConstTensorView dq,
+                                  ConstTensorView dk, ConstTensorView dv,
+                                  double exact_limit = kExactPairsLimit);
+
+/// Bytes measure_grad_error allocates (one head's gradients in double, and its row blocks).
+double grad_error_memory_estimate(const Problem& p);
+
 }  // namespace attnbench

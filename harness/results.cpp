@@ -29,16 +29,21 @@ std::string field_text(const nlohmann::ordered_json& v) {
 }
 
 const std::vector<std::string> kKeyColumns = {
-    "spec",  "batch",        "heads", "n",     "m",    "dim",     "embed",       "causal",
-    "score", "score_hidden", "input", "scale", "seed", "threads", "key_padding", "attn_mask"};
+    "spec",        "batch",     "heads",        "n",     "m",     "dim",  "embed",
+    "causal",      "score",     "score_hidden", "input", "scale", "seed", "threads",
+    "key_padding", "attn_mask", "pass"};
 
 // Columns results.csv (and patterns/index.csv) gained after their first version, with the
 // field a row of an older file stands for (what the row meant before the column existed):
 // resuming such a file rewrites its lines with the current columns (upgrade_line).
 const std::map<std::string, std::string> kAddedColumns = {
-    {"embed", "0"},      {"attention_share", ""}, {"score", "scaled_dot"}, {"score_hidden", "0"},
-    {"key_padding", ""}, {"attn_mask", ""},       {"time_spread", ""},     {"load_avg", ""},
-    {"other_load", ""},  {"noisy", ""},           {"uniform_error", ""},   {"prepare_s", ""}};
+    {"embed", "0"},         {"attention_share", ""}, {"score", "scaled_dot"},
+    {"score_hidden", "0"},  {"key_padding", ""},     {"attn_mask", ""},
+    {"time_spread", ""},    {"load_avg", ""},        {"other_load", ""},
+    {"noisy", ""},          {"uniform_error", ""},   {"prepare_s", ""},
+    {"pass", "fwd"},        {"saved_bytes", ""},     {"saved_estimate_bytes", ""},
+    {"grad_rel_err_q", ""}, {"grad_rel_err_k", ""},  {"grad_rel_err_v", ""},
+    {"grad_heads", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;

@@ -17,6 +17,7 @@
 
 #include "common/checked.h"
 #include "common/error.h"
+#include "common/inputs.h"
 #include "common/pattern.h"
 #include "common/phase.h"
 #include "harness/memory.h"
@@ -306,7 +307,7 @@ bool prepare_variant(Variant& variant, const Problem& p, Row& row) {
 
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output,
-            nlohmann::json* bench_json) {
+            nlohmann::json* bench_json, Gradients* grads) {
   Row row;
   row.problem = p;
   row.workload = w;
@@ -323,12 +324,34 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     p.validate();
     w.validate(p);
     variant.check_supported(p);
-    row.flops = variant.flops(p);
-    row.estimated_bytes = variant.memory_estimate(p);
+    const bool train = w.pass != "fwd";
+    if (train) variant.check_backward(p);
+    Backward* bw = train ? variant.backward() : nullptr;
+    // FLOPs and bytes of what is timed: the forward, the backward alone, or both (the
+    // backward's peak excludes the saved state, allocated before its timed passes; both
+    // together hold it throughout)
+    auto pass_flops = [&] {
+      if (!train) return variant.flops(p);
+      return (w.pass == "bwd" ? 0.0 : variant.flops(p)) + bw->backward_flops(p);
+    };
+    row.flops = pass_flops();
+    row.saved_estimate_bytes = train ? bw->saved_estimate(p) : NAN;
+    if (!train)
+      row.estimated_bytes = variant.memory_estimate(p);
+    else if (w.pass == "bwd")
+      row.estimated_bytes = bw->backward_memory_estimate(p);
+    else
+      row.estimated_bytes = row.saved_estimate_bytes +
+                            std::max(variant.memory_estimate(p), bw->backward_memory_estimate(p));
     // Refuse what cannot fit rather than meet the OOM killer.
     const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4;
-    const double need =
-        row.estimated_bytes + (given ? 0 : io_bytes) + error_memory_estimate(p, opt.exact_limit);
+    // training: dO, dQ, dK, dV, the saved state, and the float64 gradients of one head
+    const double train_bytes =
+        train ? double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4 +
+                    row.saved_estimate_bytes + grad_error_memory_estimate(p)
+              : 0.0;
+    const double need = row.estimated_bytes + (given ? 0 : io_bytes) + train_bytes +
+                        error_memory_estimate(p, opt.exact_limit);
     if (std::string why = too_large(need, row.estimated_bytes, opt); !why.empty()) {
       row.status = "skipped";
       row.message = why;
@@ -336,14 +359,24 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     }
 
     // the per-pass work of a prepared variant leaves its draws out
-    if (prepare_variant(variant, p, row)) row.flops = variant.flops(p);
+    if (prepare_variant(variant, p, row)) row.flops = pass_flops();
 
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);
     const Inputs& in = given ? *given : generated;
     Tensor out(p.q_shape());
     // Checked pass: its output is what the error is measured on.
-    variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    std::unique_ptr<SavedState> saved;
+    if (!train) {
+      variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    } else {
+      // twice: the first call may leave allocations of its own behind (thread teams, BLAS
+      // buffers); what the second holds after it returns is the saved state
+      variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view()).reset();
+      const int64_t before = heap_current_bytes();
+      saved = variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+      if (heap_counting()) row.saved_bytes = double(heap_current_bytes() - before);
+    }
     if (int64_t bad = first_non_finite(out); bad >= 0) {
       row.status = "error";
       row.message = fmt::format("output holds a non-finite value ({}) at flat index {}",
@@ -357,16 +390,65 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     row.error_seconds = omp_get_wtime() - e0;
     pattern.reset();
 
-    if (!time_passes(
-            fmt::format("{}/{}", row.spec, describe(p, w)), opt, mf,
-            [&] { variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view()); }, row,
-            bench_json))
-      return row;
+    const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
+    std::string grad_note;
+    if (!train) {
+      if (!time_passes(
+              name, opt, mf,
+              [&] { variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view()); }, row,
+              bench_json))
+        return row;
+    } else {
+      Tensor generated_dout;
+      if (in.dout.numel() == 0) generated_dout = generate_dout(p);
+      const ConstTensorView dout =
+          in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
+      Tensor dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+      variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
+                           dq.view(), dk.view(), dv.view());
+      for (const auto* t : {&dq, &dk, &dv})
+        if (int64_t bad = first_non_finite(*t); bad >= 0) {
+          row.status = "error";
+          row.message =
+              fmt::format("{} holds a non-finite value ({}) at flat index {}",
+                          t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
+          return row;
+        }
+      const double g0 = omp_get_wtime();
+      const GradErrorStats ge =
+          measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout, dq.view(), dk.view(),
+                             dv.view(), opt.exact_limit);
+      row.error_seconds += omp_get_wtime() - g0;
+      row.grad_err_q = ge.q, row.grad_err_k = ge.k, row.grad_err_v = ge.v;
+      row.grad_heads = ge.heads;
+      std::function<void()> pass;
+      if (w.pass == "bwd")
+        pass = [&] {
+          variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
+                                   *saved, dq.view(), dk.view(), dv.view());
+        };
+      else
+        pass = [&] {
+          saved.reset();  // each pass builds its own state
+          saved = variant.compute_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+          variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
+                                   *saved, dq.view(), dk.view(), dv.view());
+        };
+      if (w.pass == "fwdbwd") saved.reset();
+      if (!time_passes(name, opt, mf, pass, row, bench_json)) return row;
+      if (ge.heads == 0)
+        grad_note = fmt::format(
+            "gradient error not measured: one head holds {} query-key pairs, above the {} "
+            "compared in float64",
+            double(p.n) * double(p.keys()), opt.exact_limit);
+      if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv)};
+    }
     row.notes = variant.notes();  // of the last timed pass
     if (!p.unmasked())
       if (const int64_t empty = p.rows_without_keys(); empty > 0)
         row.notes += fmt::format("{}{} masked rows without keys (output 0)",
                                  row.notes.empty() ? "" : "; ", empty);
+    if (!grad_note.empty()) row.notes += (row.notes.empty() ? "" : "; ") + grad_note;
     if (output) *output = std::move(out);
   } catch (const std::exception& e) {
     record_failure(row, e);
@@ -403,6 +485,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"threads", w.threads},
            {"key_padding", key_padding_text(p)},
            {"attn_mask", p.attn_mask ? p.attn_mask->name : std::string()},
+           {"pass", w.pass},
            {"status", r.status},
            {"message", r.message},
            {"time_median_s", num(r.time_median)},
@@ -431,7 +514,13 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"notes", r.notes},
            {"phases", phases_text(r.phases)},
            {"attention_share", num(r.attention_share)},
-           {"prepare_s", num(r.prepare_seconds)}};
+           {"prepare_s", num(r.prepare_seconds)},
+           {"saved_bytes", num(r.saved_bytes)},
+           {"saved_estimate_bytes", num(r.saved_estimate_bytes)},
+           {"grad_rel_err_q", num(r.grad_err_q)},
+           {"grad_rel_err_k", num(r.grad_err_k)},
+           {"grad_rel_err_v", num(r.grad_err_v)},
+           {"grad_heads", r.grad_heads}};
 }
 
 }  // namespace attnbench

@@ -59,6 +59,14 @@ struct Row {
   /// Wall seconds of the variant's prepare() (Variant::prepare: random draws made once per
   /// problem, outside the timed passes); NaN for a variant with nothing to prepare.
   double prepare_seconds = NAN;
+  /// Training passes (workload pass bwd or fwdbwd; NaN for fwd rows): the bytes the forward
+  /// kept for the backward (held after forward_train returned, beyond inputs and output), as
+  /// measured by the counting allocator and as the variant estimates them; and the relative
+  /// Frobenius error of dQ, dK and dV against exact softmax attention's gradient in float64 on
+  /// the same inputs and dO, over grad_heads whole heads (see pick_gradient_heads).
+  double saved_bytes = NAN, saved_estimate_bytes = NAN;
+  double grad_err_q = NAN, grad_err_k = NAN, grad_err_v = NAN;
+  int64_t grad_heads = 0;
 };
 
 /// A row's time is marked noisy (Row::noisy, a warning on stderr) when its repetitions
@@ -111,9 +119,19 @@ double available_memory();
 /// The output of the checked forward pass is moved into *output if requested. The Google
 /// Benchmark JSON of the runs is stored in *bench_json when given. Never throws for a
 /// variant's failure: the row's status says what happened.
+///
+/// Training passes (w.pass bwd or fwdbwd; see common/backward.h): the checked pass is
+/// Variant::run_train (its output measured as above, and the bytes its saved state holds),
+/// then Variant::run_backward on dO (given->dout if the inputs carry one, else generate_dout),
+/// whose gradients are compared with exact attention's (measure_grad_error) and moved into
+/// *grads if requested. bwd times the backward alone on that saved state; fwdbwd times
+/// run_train and the backward together, each pass building its own state.
+struct Gradients {
+  Tensor dq, dk, dv;
+};
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output = nullptr,
-            nlohmann::json* bench_json = nullptr);
+            nlohmann::json* bench_json = nullptr, Gradients* grads = nullptr);
 
 /// Calls variant.prepare(p) (Variant::prepare: its draws from the seed and shapes, made once,
 /// outside the timed passes) and, when it prepared anything, stores its wall time in

@@ -98,13 +98,20 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             "--score {}: layer rows (--embed) score as torch.nn.MultiheadAttention does; "
             "accepted with --embed: scaled_dot",
             score_name(s)));
+    for (const auto& ps : axes.passes)
+      if (ps != "fwd")
+        throw UsageError(fmt::format(
+            "--pass {}: layer rows (--embed) measure the forward pass only; accepted with "
+            "--embed: fwd",
+            ps));
   }
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   // the weights depend on the score, H, d and h only: one set per such shape
   std::map<std::tuple<Score, int64_t, int64_t>, std::shared_ptr<const ScoreWeights>> weights;
   // One configuration per variant of the problem the outer loops chose.
   auto add = [&](const std::string& in, double scale, bool c, Score s, int64_t size, int64_t h,
-                 int64_t b, const PaddingSetting& pad, int64_t n, int64_t seq_k) {
+                 int64_t b, const PaddingSetting& pad, int64_t n, int64_t seq_k,
+                 const std::string& pass) {
     // m = n is written m = 0, as without --seq-k: the same row (and for a layer,
     // self-attention)
     const int64_t m = seq_k == n ? 0 : seq_k;
@@ -123,7 +130,7 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
     if (!pad.lengths.empty()) p.key_lengths = parse_key_lengths(pad.lengths, b);
     if (pad.fraction >= 0) p.key_lengths = padding_lengths(p, pad.fraction);
     Workload w;
-    w.input = in, w.scale = scale, w.threads = axes.threads;
+    w.input = in, w.scale = scale, w.threads = axes.threads, w.pass = pass;
     p.validate();
     w.validate(p);
     if (s == Score::bilinear || s == Score::additive) {
@@ -151,7 +158,9 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
               for (auto b : axes.batches)
                 for (const auto& pad : paddings)
                   for (auto n : axes.seqs)
-                    for (auto m : axes.seq_ks) add(in, scale, c, s, size, h, b, pad, n, m);
+                    for (auto m : axes.seq_ks)
+                      for (const auto& ps : axes.passes)
+                        add(in, scale, c, s, size, h, b, pad, n, m, ps);
   return plan;
 }
 
@@ -242,6 +251,18 @@ std::vector<bool> parse_causal_mode(const std::string& mode) {
   throw UsageError(fmt::format("--causal: unknown mode '{}'; accepted: off, on, both", mode));
 }
 
+std::vector<std::string> parse_pass_list(const std::string& text) {
+  const auto& names = pass_names();
+  std::vector<std::string> passes;
+  for (auto& s : split_csv_line(text)) {
+    if (std::find(names.begin(), names.end(), s) == names.end())
+      throw UsageError(
+          fmt::format("--pass: unknown pass '{}'; accepted: {}", s, fmt::join(names, ", ")));
+    passes.push_back(s);
+  }
+  return passes;
+}
+
 std::vector<std::string> parse_input_list(const std::string& text) {
   const auto& names = input_distributions();
   std::vector<std::string> inputs;
@@ -282,6 +303,7 @@ LayerProblem layer_problem(const SweepConfig& config) {
 bool sweep_runnable(const SweepConfig& config) {
   try {
     config.variant->check_supported(config.problem);
+    if (config.workload.pass != "fwd") config.variant->check_backward(config.problem);
     return true;
   } catch (const UnsupportedError&) {
     return false;
@@ -293,8 +315,14 @@ double sweep_work(const SweepConfig& config) {
   if (!sweep_runnable(config)) return 0;
   double f = 0;
   try {
-    f = config.embed > 0 ? layer_flops(*config.variant, layer_problem(config))
-                         : config.variant->flops(config.problem);
+    const std::string& pass = config.workload.pass;
+    if (config.embed > 0)
+      f = layer_flops(*config.variant, layer_problem(config));
+    else if (pass == "fwd")
+      f = config.variant->flops(config.problem);
+    else  // bwd, or the forward and the backward (sweep_runnable: it has one)
+      f = (pass == "bwd" ? 0.0 : config.variant->flops(config.problem)) +
+          config.variant->backward()->backward_flops(config.problem);
   } catch (const std::exception&) {
   }
   return std::isfinite(f) && f > 0 ? f : 0;
@@ -308,6 +336,10 @@ double sweep_reference_work(const SweepConfig& config) {
       !p.causal ? n * m : (m >= n ? n * (m - n) + n * (n + 1) / 2 : m * (m + 1) / 2);
   const double pairs = double(p.batch) * double(p.heads) * per_head;
   double work = std::min(pairs, kExactPairsLimit) * double(p.dim);
+  // the gradients of whole heads (measure_grad_error): about three times a forward row's work
+  // per pair, on up to kExactPairsLimit pairs, none when one head holds more
+  if (config.workload.pass != "fwd" && n * m <= kExactPairsLimit)
+    work += 3.0 * std::min(pairs, std::floor(kExactPairsLimit / (n * m)) * n * m) * double(p.dim);
   if (config.embed > 0)  // the float64 layer projects every input row of the batch items used
     work += 4.0 * double(p.batch) * (n + m) * double(config.embed) * double(config.embed);
   return work;

@@ -37,6 +37,7 @@ struct SweepAxes {
   int64_t score_hidden = 0;                         ///< additive hidden size (0: d)
   std::vector<std::string> inputs;                  ///< input distributions
   std::vector<double> scales = {1.0};               ///< logit sharpening factors (Workload)
+  std::vector<std::string> passes = {"fwd"};        ///< fwd, bwd, fwdbwd (Workload::pass)
   /// Key padding settings (parse_padding_settings); empty or {none}: no padding.
   std::vector<PaddingSetting> paddings;
   uint64_t seed = 0;
@@ -89,11 +90,10 @@ std::vector<std::string> expand_spec_grids(const std::string& spec);
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
 /// Expands variants x axes into the plan. Order, outermost first: inputs, scales, causal,
-/// scores, dims (or embeds), heads, batches, paddings, seqs, seq_ks, variants. The bilinear and
-/// additive problems
-/// carry their seeded weights (make_score_weights, one set per shape shared by the
-/// configurations). Throws UsageError for a problem that fails Problem::validate (or a workload
-/// that fails Workload::validate), and for layer rows (embeds) with another input than
+/// scores, dims (or embeds), heads, batches, paddings, seqs, seq_ks, passes, variants. The bilinear
+/// and additive problems carry their seeded weights (make_score_weights, one set per shape shared
+/// by the configurations). Throws UsageError for a problem that fails Problem::validate (or a
+/// workload that fails Workload::validate), and for layer rows (embeds) with another input than
 /// gaussian, another scale than 1 or another score than scaled_dot.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
@@ -103,6 +103,10 @@ std::vector<bool> parse_causal_mode(const std::string& mode);
 /// --score of the sweep: comma-separated scoring function names, in the order given. Throws
 /// UsageError naming an unknown one and the accepted names.
 std::vector<Score> parse_score_list(const std::string& text);
+
+/// --pass of the sweep: comma-separated passes (fwd, bwd, fwdbwd), in the order given. Throws
+/// UsageError naming an unknown one and the accepted names.
+std::vector<std::string> parse_pass_list(const std::string& text);
 
 /// --input of the sweep: comma-separated input distribution names, in the order given.
 /// Throws UsageError naming an unknown one and the accepted names.

@@ -1,11 +1,17 @@
 #!/usr/bin/python3
 """Times the PyTorch CPU expression softmax(Q K^T / sqrt(d)) V, the baseline `full` is held
-against. Needs Debian's python3-torch (not installed by scripts/deps.sh).
+against: its forward pass (`--pass fwd`, under no_grad), torch.autograd's backward alone
+(`--pass bwd`, from a forward kept with its graph) or both (`--pass fwdbwd`), with dO drawn
+N(0, 1). With `--rss`, each pass runs in a fresh process and its maximum resident set size
+(the training peak PyTorch reaches) is reported too. Needs Debian's python3-torch (not
+installed by scripts/deps.sh).
 
-    scripts/pytorch_baseline.py --seq 4096 --heads 8 --dim 64 --threads 2
+    scripts/pytorch_baseline.py --seq 4096 --heads 8 --dim 64 --threads 2 --pass fwd bwd fwdbwd
 """
 import argparse
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -15,32 +21,74 @@ except ImportError:
     sys.exit("pytorch_baseline.py: PyTorch is missing; apt-get install python3-torch")
 
 
+def attention(q, k, v, scale):
+    return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
+
+
+def time_pass(a, n, kind):
+    """Median seconds of one pass of `kind` over a.reps repetitions (after a warm-up)."""
+    q, k, v = (torch.randn(a.batch, a.heads, n, a.dim, requires_grad=kind != "fwd")
+               for _ in range(3))
+    do = torch.randn(a.batch, a.heads, n, a.dim)
+    scale = a.dim ** -0.5
+    times = []
+    for r in range(a.reps + 1):
+        if kind == "fwd":
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                attention(q, k, v, scale)
+        elif kind == "bwd":
+            out = attention(q, k, v, scale)  # the forward and its graph, not timed
+            q.grad = k.grad = v.grad = None
+            t0 = time.perf_counter()
+            out.backward(do)
+        else:
+            q.grad = k.grad = v.grad = None
+            t0 = time.perf_counter()
+            attention(q, k, v, scale).backward(do)
+        if r:  # the first pass warms up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, nargs="+", default=[4096])
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pass", dest="passes", nargs="+", default=["fwd"],
+                    choices=["fwd", "bwd", "fwdbwd"])
+    ap.add_argument("--rss", action="store_true",
+                    help="also report each pass's maximum resident set size (fresh process)")
+    ap.add_argument("--one", nargs=2, metavar=("N", "PASS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    print("n,time_median_s,gflops")
+    if a.one:  # a child of --rss: one pass, then its peak RSS
+        t = time_pass(a, int(a.one[0]), a.one[1])
+        print(t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return
+    print("n,pass,time_median_s,gflops" + (",max_rss_bytes" if a.rss else ""))
     for n in a.seq:
-        q, k, v = (torch.randn(a.batch, a.heads, n, a.dim) for _ in range(3))
-        scale = a.dim ** -0.5
-        times = []
-        with torch.no_grad():
-            for r in range(a.reps + 1):
-                t0 = time.perf_counter()
-                out = torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
-                if r:  # the first pass warms up
-                    times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        flops = 4.0 * a.batch * a.heads * n * n * a.dim
-        print(f"{n},{t:.6f},{flops / t / 1e9:.2f}")
-        del out
+        for kind in a.passes:
+            rss = ""
+            if a.rss:
+                cmd = [sys.executable, __file__, "--batch", str(a.batch), "--heads", str(a.heads),
+                       "--dim", str(a.dim), "--threads", str(a.threads), "--reps", str(a.reps),
+                       "--one", str(n), kind]
+                t, peak = subprocess.run(cmd, check=True, capture_output=True,
+                                         text=True).stdout.split()
+                t, rss = float(t), f",{int(peak)}"
+            else:
+                t = time_pass(a, n, kind)
+            fwd = 4.0 * a.batch * a.heads * n * n * a.dim
+            # the backward's four products against the forward's two
+            flops = {"fwd": fwd, "bwd": 2.0 * fwd, "fwdbwd": 3.0 * fwd}[kind]
+            print(f"{n},{kind},{t:.6f},{flops / t / 1e9:.2f}{rss}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@
 // valid keys only (each channel normalised over L_b positions), so padded keys and values
 // change nothing. A key range of step 1 that holds no valid key is left out of the merge;
 // with L_b = 0 there is no G, and every row of b is exactly 0.
+// Backward: the chain rule through the two softmaxes and the product (Efficient::backward);
+// nothing saved, the key statistics and G recomputed. Time O(B H (n + m) d^2).
 // Not causal: a causal form would need a d x d prefix state per position; causal problems are
 // refused with UnsupportedError.
 #include <cblas.h>
@@ -47,7 +49,7 @@ namespace {
 constexpr int64_t kChunkK = 512;  // keys per G update
 constexpr int64_t kBlockQ = 512;  // query rows per task in step 2
 
-class Efficient final : public Variant {
+class Efficient final : public Variant, public Backward {
  public:
   static KeySplit plan(const Problem& p) { return KeySplit(p, kChunkK); }
 
@@ -163,6 +165,136 @@ class Efficient final : public Variant {
       }
     }
     guard.rethrow();
+  }
+
+  Backward* backward() override { return this; }
+
+  // Nothing saved: the backward recomputes the column statistics of K and G (one m d^2 GEMM
+  // more than keeping G, d^2 + 2 d floats per head, would cost).
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    forward(p, q, k, v, out);
+    return std::make_unique<SavedState>();
+  }
+
+  // With Sq = softmax_row(Q), Pk = softmax_col(K) over the L_b valid keys, G = Pk^T V,
+  // out = Sq G:
+  //   dSq = dO G^T,  dq_i = Sq_i o (dSq_i - Sq_i . dSq_i),  dG = Sq^T dO,
+  //   dV = Pk dG,    dPk = V dG^T,  dK[:, c] = Pk[:, c] o (dPk[:, c] - s_c)
+  // with s_c = sum_j Pk[j, c] dPk[j, c] = G[c, :] . dG[c, :]. Padded keys get 0.
+  // Per (batch, head): the keys (max, sums, G), the queries in blocks (dq, dG), the keys
+  // again (dk, dv).
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView, ConstTensorView dout, const SavedState&, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
+    const int64_t dd = d * d, rows_max = std::max(std::min(kChunkK, m), std::min(kBlockQ, n));
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::unique_ptr<float[]> buf;
+      guard.run([&] { buf.reset(new float[size_t(2 * rows_max * d + 2 * dd + 3 * d)]); });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < BH; ++bh)
+        guard.run([&] {
+          const int64_t b = bh / H, h = bh % H;
+          const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
+          float *x = buf.get(), *y = x + rows_max * d, *g = y + rows_max * d, *dg = g + dd,
+                *mx = dg + dd, *sum = mx + d, *sc = sum + d;
+          for (int64_t j = len; j < m; ++j) {
+            std::fill_n(dk.row(b, h, j), d, 0.0f);
+            std::fill_n(dv.row(b, h, j), d, 0.0f);
+          }
+          if (len == 0) {
+            for (int64_t i = 0; i < n; ++i) std::fill_n(dq.row(b, h, i), d, 0.0f);
+            return;
+          }
+          // Pk of keys [c0, c0 + rows) into x
+          auto column_softmax = [&](int64_t c0, int64_t rows) {
+            for (int64_t j = 0; j < rows; ++j) {
+              const float* kr = k.row(b, h, c0 + j);
+              float* pr = x + j * d;
+              for (int64_t c = 0; c < d; ++c) pr[c] = fast_exp(kr[c] - mx[c]) * sum[c];
+            }
+          };
+          // 1. column max and sums over the valid keys, G = Pk^T V
+          std::fill(mx, mx + d, -INFINITY);
+          std::fill(sum, sum + d, 0.0f);
+          for (int64_t j = 0; j < len; ++j) {
+            const float* kr = k.row(b, h, j);
+            for (int64_t c = 0; c < d; ++c) mx[c] = std::max(mx[c], kr[c]);
+          }
+          for (int64_t j = 0; j < len; ++j) {
+            const float* kr = k.row(b, h, j);
+            for (int64_t c = 0; c < d; ++c) sum[c] += fast_exp(kr[c] - mx[c]);
+          }
+          for (int64_t c = 0; c < d; ++c) sum[c] = 1.0f / sum[c];  // from here on: 1 / sum
+          for (int64_t c0 = 0; c0 < len; c0 += kChunkK) {
+            const int64_t rows = std::min(kChunkK, len - c0);
+            column_softmax(c0, rows);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(d), int(d), int(rows), 1.0f, x,
+                        int(d), v.row(b, h, c0), int(v.stride_row), c0 == 0 ? 0.0f : 1.0f, g,
+                        int(d));
+          }
+          // 2. queries: Sq (x), dSq = dO G^T (y), dq, dG += Sq^T dO
+          std::fill(dg, dg + dd, 0.0f);
+          for (int64_t i0 = 0; i0 < n; i0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, n - i0);
+            for (int64_t r = 0; r < rows; ++r) {
+              std::copy_n(q.row(b, h, i0 + r), d, x + r * d);
+              softmax_row(x + r * d, d, 1.0f);
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(d), int(d), 1.0f,
+                        dout.row(b, h, i0), int(dout.stride_row), g, int(d), 0.0f, y, int(d));
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(d), int(d), int(rows), 1.0f, x,
+                        int(d), dout.row(b, h, i0), int(dout.stride_row), 1.0f, dg, int(d));
+            for (int64_t r = 0; r < rows; ++r) {
+              const float *sr = x + r * d, *yr = y + r * d;
+              float dot = 0.0f;
+              for (int64_t c = 0; c < d; ++c) dot += sr[c] * yr[c];
+              float* o = dq.row(b, h, i0 + r);
+              for (int64_t c = 0; c < d; ++c) o[c] = sr[c] * (yr[c] - dot);
+            }
+          }
+          // 3. s_c = G[c, :] . dG[c, :]
+          for (int64_t c = 0; c < d; ++c) {
+            float acc = 0.0f;
+            for (int64_t e = 0; e < d; ++e) acc += g[c * d + e] * dg[c * d + e];
+            sc[c] = acc;
+          }
+          // 4. keys: dV = Pk dG, dPk = V dG^T (y), dK = Pk o (dPk - s)
+          for (int64_t c0 = 0; c0 < len; c0 += kChunkK) {
+            const int64_t rows = std::min(kChunkK, len - c0);
+            column_softmax(c0, rows);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(d), 1.0f,
+                        x, int(d), dg, int(d), 0.0f, dv.row(b, h, c0), int(dv.stride_row));
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(d), int(d), 1.0f,
+                        v.row(b, h, c0), int(v.stride_row), dg, int(d), 0.0f, y, int(d));
+            for (int64_t j = 0; j < rows; ++j) {
+              const float *pr = x + j * d, *yr = y + j * d;
+              float* o = dk.row(b, h, c0 + j);
+              for (int64_t c = 0; c < d; ++c) o[c] = pr[c] * (yr[c] - sc[c]);
+            }
+          }
+        });
+    }
+    guard.rethrow();
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const double bh = double(p.batch * p.heads), d = double(p.dim);
+    const double n = double(p.n), m = double(p.keys());
+    // keys: G (2 m d^2) and Pk twice (about 5 per entry each, with max and sums); queries:
+    // softmax (4 per entry), dO G^T and Sq^T dO (4 n d^2), dq (4 per entry); s (2 d^2); keys
+    // again: Pk dG and V dG^T (4 m d^2), dk (2 per entry)
+    return bh * (6.0 * m * d * d + 12.0 * m * d + 4.0 * n * d * d + 8.0 * n * d + 2.0 * d * d);
+  }
+  double saved_estimate(const Problem&) const override { return double(sizeof(SavedState)); }
+  double backward_memory_estimate(const Problem& p) const override {
+    const double d = double(p.dim), f = sizeof(float);
+    const double rows = double(std::max(std::min(kChunkK, p.keys()), std::min(kBlockQ, p.n)));
+    const int64_t threads = std::min<int64_t>(team_threads(), p.batch * p.heads);
+    return double(std::max<int64_t>(threads, 1)) * (2.0 * rows * d + 2.0 * d * d + 3.0 * d) * f;
   }
 
   double flops(const Problem& p) const override {

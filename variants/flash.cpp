@@ -25,14 +25,30 @@
 // tanh evaluations per score instead of a d-term dot product, still tiled.
 // At B=1 H=8 n=4096 d=64 on 2 Zen 4 cores the AVX-512 passes run at about 205 GFLOP/s, as
 // fast as OpenBLAS sgemm on the same cores (the Eigen passes: about 75).
+//
+// Backward (training): forward_train keeps each row's log-sum-exp L_i (B H n floats), and the
+// backward is the engine's dense backward (dense_attention_backward), which recomputes
+// P = exp(S - L) tile by tile: dV = P^T dO, dS = P ∘ (dO V^T - D), dQ = dS K / sqrt(d),
+// dK = dS^T Q / sqrt(d), n x m never stored (Dao et al. 2022, algorithm 4).
+#include <algorithm>
+#include <memory>
+#include <vector>
+
 #include "common/additive_score.h"
 #include "common/block_sparse.h"
+#include "common/error.h"
 #include "common/registry.h"
 
 namespace attnbench {
 namespace {
 
-class Flash final : public Variant {
+/// What forward_train keeps: each row's log-sum-exp [B, H, n].
+class FlashSaved final : public SavedState {
+ public:
+  std::vector<float> lse;
+};
+
+class Flash final : public Variant, public Backward {
  public:
   Flash(int64_t bq, int64_t bk) : bq_(bq), bk_(bk) {}
 
@@ -50,7 +66,47 @@ class Flash final : public Variant {
     return dense_attention_memory(p, bq_, bk_);
   }
 
+  // The backward: the forward with the rows' log-sum-exps, and the engine's dense backward,
+  // which recomputes P tile by tile from them.
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<FlashSaved>();
+    saved->lse.resize(size_t(p.batch * p.heads * p.n));
+    const LseView lse{saved->lse.data(), p.heads * p.n, p.n, 1};
+    dense_attention(p, q, k, v, out, bq_, bk_, &lse);
+    return saved;
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const auto* st = dynamic_cast<const FlashSaved*>(&saved);
+    if (!st || st->lse.size() != size_t(p.batch * p.heads * p.n))
+      throw UsageError("flash: the saved state is not from its forward_train on this problem");
+    const LseView lse{const_cast<float*>(st->lse.data()), p.heads * p.n, p.n, 1};
+    dense_attention_backward(p, q, k, v, out, dout, lse, dq, dk, dv, bwd_q(), bwd_k());
+  }
+
+  double backward_flops(const Problem& p) const override {
+    // per score S and dP (the forward's two products), then dV, dK and dQ
+    return 2.5 * flops(p);
+  }
+  double saved_estimate(const Problem& p) const override {
+    return double(p.batch * p.heads * p.n) * sizeof(float);
+  }
+  double backward_memory_estimate(const Problem& p) const override {
+    return dense_attention_backward_memory(p, bwd_q(), bwd_k());
+  }
+
  private:
+  // The backward's tiles: the key block is at most kBwdKeys keys, so that a task's dK and dV
+  // sums and the score tiles stay in L2 (the forward's default block_k = 256 is not).
+  static constexpr int64_t kBwdKeys = 128;
+  int64_t bwd_q() const { return bq_; }
+  int64_t bwd_k() const { return std::min(bk_, kBwdKeys); }
+
   int64_t bq_, bk_;
 };
 

@@ -18,6 +18,9 @@
 // product inside it.
 // Time O((n + m) d^2 + n C d) (C = 16, causal only); memory O(threads (R d + d^2 + C^2))
 // beyond inputs and output (R = 1024 rows per block for d <= 64), independent of n and m.
+// Backward (common/kernel_attention.h, attend_backward): forward_train keeps each row's
+// denominator; a forward walk for dq (prefix state) and a backward walk for dk, dv (suffix
+// state), about 2.5 times the forward's FLOPs.
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -31,7 +34,7 @@ namespace {
 
 namespace ka = kernel_attention;
 
-class Linear final : public Variant {
+class Linear final : public Variant, public Backward {
  public:
   explicit Linear(const ParamValues& pv) : eps_(float(pv.get_float("eps"))) {}
 
@@ -39,6 +42,37 @@ class Linear final : public Variant {
                TensorView out) override {
     const ka::EluFeatureMap fm(p.dim);
     ka::attend(p, q, k, v, out, eps_, p.dim, [&](int64_t) -> const ka::FeatureMap& { return fm; });
+  }
+
+  Backward* backward() override { return this; }
+
+  // Saved: each row's denominator (4 B H n bytes); the backward maps phi(Q), phi(K) again.
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<ka::RowDenominators>(p);
+    const ka::EluFeatureMap fm(p.dim);
+    ka::attend(
+        p, q, k, v, out, eps_, p.dim, [&](int64_t) -> const ka::FeatureMap& { return fm; },
+        saved->den.data());
+    return saved;
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const ka::EluFeatureMap fm(p.dim);
+    ka::attend_backward(p, q, k, v, out, dout, ka::RowDenominators::of(saved, p).den.data(), dq, dk,
+                        dv, p.dim, [&](int64_t) -> const ka::FeatureMap& { return fm; });
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const ka::EluFeatureMap fm(p.dim);
+    return ka::attend_backward_flops(p, p.dim, fm.query_flops(), fm.key_flops(),
+                                     fm.query_backward_flops(), fm.key_backward_flops());
+  }
+  double saved_estimate(const Problem& p) const override { return ka::RowDenominators::bytes(p); }
+  double backward_memory_estimate(const Problem& p) const override {
+    return ka::attend_backward_bytes(p, p.dim);
   }
 
   double flops(const Problem& p) const override {

@@ -40,6 +40,8 @@
 // division). The relu kernel has no exp and the same reductions, so the bound covers it.
 //
 // Causal via prefix states in 16-row chunks (see common/kernel_attention.h).
+// Backward: attend_backward with the map's derivative (W and the shifts constant); saved
+// state: each row's denominator.
 // Time O((n + m) F d + n 16 (F + d)) plus O(H ceil(F/d) d^3) for the QRs; memory
 // O(H F d) for the projections plus O(threads (2 R F + F d + 16^2)) per-thread state, R =
 // min(1024, 65536 / F) rows per block (256 at the default F).
@@ -62,7 +64,7 @@ namespace {
 
 namespace ka = kernel_attention;
 
-class Performer final : public Variant {
+class Performer final : public Variant, public Backward {
  public:
   explicit Performer(const ParamValues& pv)
       : features_(pv.get_int("features")),
@@ -85,6 +87,47 @@ class Performer final : public Variant {
   }
 
   std::string notes() const override { return maps_.note(); }
+
+  Backward* backward() override { return this; }
+
+  // Saved: each row's denominator (4 B H n bytes); the backward maps phi(Q), phi(K) again with
+  // the same W (prepared, or drawn again).
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<ka::RowDenominators>(p);
+    Maps::Heads fresh;
+    const Maps::Heads& maps = maps_.get(
+        p, [&](int64_t h) { return make_map(p, h); }, fresh);
+    ka::attend(
+        p, q, k, v, out, 0.0f, features_,
+        [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; }, saved->den.data());
+    return saved;
+  }
+
+  // The shifts (a query's own max, the keys' running max) are constants: they cancel in the
+  // ratio, so the gradient through them is zero.
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const float* den = ka::RowDenominators::of(saved, p).den.data();
+    Maps::Heads fresh;
+    const Maps::Heads& maps = maps_.get(
+        p, [&](int64_t h) { return make_map(p, h); }, fresh);
+    ka::attend_backward(p, q, k, v, out, dout, den, dq, dk, dv, features_,
+                        [&](int64_t h) -> const ka::FeatureMap& { return *maps[size_t(h)]; });
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const ka::PerformerFeatureMap fm({}, features_, p.dim, kernel_);
+    return ka::attend_backward_flops(p, features_, fm.query_flops(), fm.key_flops(),
+                                     fm.query_backward_flops(), fm.key_backward_flops());
+  }
+  double saved_estimate(const Problem& p) const override { return ka::RowDenominators::bytes(p); }
+  // the projections only when they are drawn for this call (not prepared)
+  double backward_memory_estimate(const Problem& p) const override {
+    return (maps_.ready(p) ? 0.0 : double(p.heads) * double(features_) * double(p.dim) * 4.0) +
+           ka::attend_backward_bytes(p, features_);
+  }
 
   double flops(const Problem& p) const override {
     const ka::PerformerFeatureMap fm({}, features_, p.dim, kernel_);

@@ -61,6 +61,9 @@
 // floor hook). Time O((n + m) D d + n 16 (D + d)), memory O(H D d + threads D (4 R + 2 d)),
 // R = min(1024, 32768 / D). Gated: a recurrence over the keys of each (batch, head), features
 // mapped in blocks of 256 rows. Time O((n + m) D d), memory O(H D d + threads D (1024 + 2 d)).
+// Backward (plain only; gate=true has none): attend_backward with the derivative of the map
+// through sin, cos and the normalisation x / |x|; rows raised to the floor divide by a
+// constant.
 #include <cblas.h>
 #include <fmt/format.h>
 #include <omp.h>
@@ -136,6 +139,43 @@ class RfaFeatureMap final : public ka::FeatureMap {
   }
   double key_flops() const override { return query_flops(); }
   float denominator_floor() const override { return floor_; }
+
+  // a_f = (W x^)_f: da_f = D^-1/2 (dphi_f cos a_f - dphi_{D+f} sin a_f)
+  //                      = dphi_f phi_{D+f} - dphi_{D+f} phi_f;
+  // dx^ = W^T da, and through x^ = x / |x|: dx = (dx^ - x^ (x^ . dx^)) / |x| (0 for x = 0)
+  void queries_backward(const float* x, int64_t ldx, int64_t rows, const float* phi, int64_t ldp,
+                        float* dphi, int64_t ldd, float* dx, int64_t lddx) const override {
+    const int64_t D = freqs_, d = d_;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* pr = phi + r * ldp;
+      float* gr = dphi + r * ldd;
+      for (int64_t f = 0; f < D; ++f) gr[f] = gr[f] * pr[D + f] - gr[D + f] * pr[f];
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(D), 1.0f, dphi,
+                int(ldd), w_.data(), int(d), 0.0f, dx, int(lddx));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * ldx;
+      float* o = dx + r * lddx;
+      float ss = 0.0f, dot = 0.0f;
+      for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c], dot += xr[c] * o[c];
+      if (!(ss > 0.0f)) {
+        std::fill(o, o + d, 0.0f);
+        continue;
+      }
+      const float inv = 1.0f / std::sqrt(ss);
+      const float proj = dot * inv * inv;  // x^ . dx^ / |x|
+      for (int64_t c = 0; c < d; ++c) o[c] = (o[c] - xr[c] * proj) * inv;
+    }
+  }
+  void keys_backward(const float* x, int64_t ldx, int64_t rows, const float* phi, int64_t ldp,
+                     float* dphi, int64_t ldd, float* dx, int64_t lddx) const override {
+    queries_backward(x, ldx, rows, phi, ldp, dphi, ldd, dx, lddx);
+  }
+  // da (3 per frequency), the GEMM back through W, the normalisation (6 per entry)
+  double query_backward_flops() const override {
+    return 2.0 * double(freqs_ * d_) + 3.0 * double(freqs_) + 6.0 * double(d_);
+  }
+  double key_backward_flops() const override { return query_backward_flops(); }
 
  private:
   void map(const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo) const {
@@ -259,7 +299,7 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
   return clamped;
 }
 
-class Rfa final : public Variant {
+class Rfa final : public Variant, public Backward {
  public:
   explicit Rfa(const ParamValues& pv)
       : freqs_(pv.get_int("features")), sigma_(pv.get_float("sigma")), gate_(pv.get_bool("gate")) {}
@@ -303,6 +343,49 @@ class Rfa final : public Variant {
   bool prepare(const Problem& p) override {
     heads_.prepare(p, [&](int64_t h) { return make_head(p, h); });
     return true;
+  }
+
+  // Plain RFA only: the gated recurrence has no backward (nullptr when gate=true).
+  Backward* backward() override { return gate_ ? nullptr : this; }
+
+  // Saved: each row's denominator (4 B H n bytes; the floor marked by its sign).
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<ka::RowDenominators>(p);
+    Heads::Heads fresh;
+    const Heads::Heads& drawn = heads_.get(
+        p, [&](int64_t h) { return make_head(p, h); }, fresh);
+    rows_ = p.batch * p.heads * p.n;
+    clamped_ = ka::attend(
+        p, q, k, v, out, 0.0f, 2 * freqs_,
+        [&](int64_t h) -> const ka::FeatureMap& { return drawn[size_t(h)]->map; },
+        saved->den.data());
+    return saved;
+  }
+
+  // A row raised to the floor divides by a constant (the floor): no gradient through its
+  // denominator.
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const float* den = ka::RowDenominators::of(saved, p).den.data();
+    Heads::Heads fresh;
+    const Heads::Heads& drawn = heads_.get(
+        p, [&](int64_t h) { return make_head(p, h); }, fresh);
+    ka::attend_backward(p, q, k, v, out, dout, den, dq, dk, dv, 2 * freqs_,
+                        [&](int64_t h) -> const ka::FeatureMap& { return drawn[size_t(h)]->map; });
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const RfaFeatureMap fm({}, freqs_, p.dim, 0.0f);
+    return ka::attend_backward_flops(p, fm.features(), fm.query_flops(), fm.key_flops(),
+                                     fm.query_backward_flops(), fm.key_backward_flops());
+  }
+  double saved_estimate(const Problem& p) const override { return ka::RowDenominators::bytes(p); }
+  // the projections only when they are drawn for this call (not prepared)
+  double backward_memory_estimate(const Problem& p) const override {
+    return (heads_.ready(p) ? 0.0 : double(p.heads) * double(freqs_ * p.dim) * 4.0) +
+           ka::attend_backward_bytes(p, 2 * freqs_);
   }
 
   std::string notes() const override {

@@ -349,22 +349,25 @@ class Sinkhorn final : public PatternVariant {
   // The matching depends on q and k, so the estimates do not build a pattern: they count the
   // worst case, an upper bound of what forward does.
   double flops(const Problem& p) const override {
-    const int64_t n = p.n, m = p.keys(), bs = block_, nb = blocks(p);
-    // attention: query block i computes its own block (up to the diagonal under a causal mask,
-    // as the engine counts it) and, in the worst case, one other whole block, 4 d per score
-    double scores = 0;
-    for (int64_t qb = 0; qb < nb; ++qb) {
-      const int64_t i0 = qb * bs, rows = std::min(bs, n - i0), kend = p.visible(i0 + rows - 1);
-      const int64_t own = std::clamp<int64_t>(kend - i0, 0, std::min(bs, m - i0));
-      const bool other = nb > 1 && (!p.causal || qb > 0);
-      scores += double(rows) * double(own + (other ? std::min(bs, m) : 0));
-    }
+    const int64_t n = p.n, m = p.keys(), nb = blocks(p);
+    const double scores = head_scores(p);
     const double d = double(p.dim), blocks2 = double(nb) * double(nb);
     // matching: summaries (n + m) d adds, S_q S_k^T 2 nb^2 d, the log per entry and about
     // 6 operations per entry and Sinkhorn step (max, subtract, exp, add, subtract lse)
     const double matching =
         double(n + m) * d + 2.0 * blocks2 * d + blocks2 + 6.0 * 2.0 * double(iterations_) * blocks2;
     return double(p.batch * p.heads) * (4.0 * d * scores + matching);
+  }
+
+  // The backward's estimates, by the same worst case: two key blocks per query block.
+  Counts pattern_counts(const Problem& p) const override {
+    const double heads = double(p.batch * p.heads);
+    Counts c;
+    c.scores = heads * head_scores(p);
+    c.listed = heads * 2.0 * double(blocks(p));
+    c.bytes = heads * double(blocks(p)) * sizeof(int32_t);
+    c.block = block_;
+    return c;
   }
 
   double memory_estimate(const Problem& p) const override {
@@ -377,6 +380,21 @@ class Sinkhorn final : public PatternVariant {
 
  private:
   int64_t blocks(const Problem& p) const { return (p.n + block_ - 1) / block_; }
+
+  // Scores the engine computes in one head, at most: query block i computes its own block (up
+  // to the diagonal under a causal mask, as the engine counts it) and, in the worst case, one
+  // other whole block.
+  double head_scores(const Problem& p) const {
+    const int64_t n = p.n, m = p.keys(), bs = block_, nb = blocks(p);
+    double scores = 0;
+    for (int64_t qb = 0; qb < nb; ++qb) {
+      const int64_t i0 = qb * bs, rows = std::min(bs, n - i0), kend = p.visible(i0 + rows - 1);
+      const int64_t own = std::clamp<int64_t>(kend - i0, 0, std::min(bs, m - i0));
+      const bool other = nb > 1 && (!p.causal || qb > 0);
+      scores += double(rows) * double(own + (other ? std::min(bs, m) : 0));
+    }
+    return scores;
+  }
 
   int64_t block_;
   double temperature_;

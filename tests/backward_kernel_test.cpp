@@ -1,0 +1,251 @@
+// The backward of kernel ("linear") attention (common/kernel_attention.h, attend_backward) and
+// of efficient attention: linear, performer, rfa and efficient differentiate their own
+// function, checked against float64 central finite differences of each variant's registered
+// oracle (same random draws) on small ragged problems, causal, key padding and m != n.
+//
+// Inputs are multiples of 2^-12 and perturbed by h = 2^-9 along random +-1 directions u, so
+// x +- h u is exact in float. (L(x + h u) - L(x - h u)) / 2h, L = sum(dO o oracle), is
+// compared with <grad, u>. Tolerance 1e-3 of ||grad||_2 (the size of <grad, u> for random
+// signs): the central difference is off by h^2/6 L''' (about 1e-6 relative for these smooth
+// functions of O(1) inputs), the float32 gradient by roundings of about 1e-6 relative per
+// entry, and a wrong or missing term moves <grad, u> by a sizeable fraction of ||grad||_2.
+// Single entries are compared within 1e-3 of max |grad|.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/registry.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+constexpr double kStep = 0x1p-9;  // h
+// Kinks take smaller steps (x +- 2^-k stays exact in float while |x| < 2^(24 - k)): the
+// Performer's relu kernel is piecewise linear, and a feature W x~ crossing 0 inside the step
+// moves the difference by O(h) (about 5% at h = 2^-9 with F = 16), so it takes 2^-13; RFA's
+// floor max(den, floor) bends rows whose den is near the floor (the difference there converges
+// to the gradient only below h = 2^-17 in a D = 1 case), so rfa takes 2^-20 (exact for
+// |x| < 2^4).
+constexpr double kReluStep = 0x1p-13;
+constexpr double kRfaStep = 0x1p-20;
+constexpr double kTol = 1e-3;
+
+/// x rounded to multiples of 2^-12.
+void round_grid(Tensor& t) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    t.data()[i] = float(std::nearbyint(double(t.data()[i]) * 4096.0) / 4096.0);
+}
+
+Tensor random_tensor(Shape4 s, uint64_t seed) {
+  Tensor t(s);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd;
+  for (int64_t i = 0; i < t.numel(); ++i) t.data()[i] = float(nd(rng));
+  return t;
+}
+
+struct Case {
+  std::string spec;
+  Problem p;
+};
+
+struct Checker {
+  Case c;
+  std::unique_ptr<Variant> var;
+  Tensor q, k, v, dout, out, dq, dk, dv;
+
+  double step;
+
+  explicit Checker(Case cs)
+      : c(std::move(cs)),
+        var(make_variant(c.spec)),
+        step(c.spec.find("relu") != std::string::npos ? kReluStep
+             : c.spec.rfind("rfa", 0) == 0            ? kRfaStep
+                                                      : kStep) {
+    const Problem& p = c.p;
+    Inputs in = generate_inputs(p);
+    q = std::move(in.q), k = std::move(in.k), v = std::move(in.v);
+    for (Tensor* t : {&q, &k, &v}) round_grid(*t);
+    dout = random_tensor(p.q_shape(), p.seed + 99);
+    out = Tensor(p.q_shape());
+    dq = Tensor(p.q_shape()), dk = Tensor(p.kv_shape()), dv = Tensor(p.kv_shape());
+    const auto saved = var->run_train(p, q.view(), k.view(), v.view(), out.view());
+    var->run_backward(p, q.view(), k.view(), v.view(), out.view(), dout.view(), *saved, dq.view(),
+                      dk.view(), dv.view());
+  }
+
+  double loss(const Tensor& qx, const Tensor& kx, const Tensor& vx) const {
+    const std::vector<double> o = var->info().oracle(*var, c.p, qx.view(), kx.view(), vx.view());
+    double l = 0;
+    for (size_t i = 0; i < o.size(); ++i) l += double(dout.data()[i]) * o[i];
+    return l;
+  }
+
+  // L(x + h u) - L(x - h u) over 2h, tensor `which` (0 q, 1 k, 2 v) moved along u
+  double central(int which, const std::vector<double>& u) const {
+    auto moved = [&](double sign) {
+      const Tensor* src[3] = {&q, &k, &v};
+      Tensor t(src[which]->shape());
+      for (int64_t i = 0; i < t.numel(); ++i)
+        t.data()[i] = float(double(src[which]->data()[i]) + sign * step * u[size_t(i)]);
+      return loss(which == 0 ? t : q, which == 1 ? t : k, which == 2 ? t : v);
+    };
+    return (moved(1.0) - moved(-1.0)) / (2.0 * step);
+  }
+
+  void check(int directions = 3, int entries = 2) const {
+    const char* names[3] = {"dq", "dk", "dv"};
+    const Tensor* grads[3] = {&dq, &dk, &dv};
+    std::mt19937_64 rng(c.p.seed * 7 + 5);
+    for (int which = 0; which < 3; ++which) {
+      SCOPED_TRACE(names[which]);
+      const Tensor& g = *grads[which];
+      const int64_t count = g.numel();
+      double norm = 0, top = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const double x = g.data()[i];
+        ASSERT_TRUE(std::isfinite(x));
+        norm += x * x, top = std::max(top, std::abs(x));
+      }
+      norm = std::sqrt(norm);
+      std::vector<double> u(static_cast<size_t>(count));
+      for (int t = 0; t < directions; ++t) {
+        double dot = 0;
+        for (int64_t i = 0; i < count; ++i) {
+          u[size_t(i)] = (rng() & 1) ? 1.0 : -1.0;
+          dot += u[size_t(i)] * double(g.data()[i]);
+        }
+        const double fd = central(which, u);
+        EXPECT_NEAR(dot, fd, kTol * norm) << "direction " << t << ", |grad| " << norm;
+      }
+      for (int t = 0; t < entries; ++t) {
+        const int64_t e = int64_t(rng() % uint64_t(count));
+        std::fill(u.begin(), u.end(), 0.0);
+        u[size_t(e)] = 1.0;
+        EXPECT_NEAR(double(g.data()[e]), central(which, u), kTol * top) << "entry " << e;
+      }
+    }
+  }
+};
+
+Problem problem(int64_t n, int64_t m, bool causal, std::vector<int64_t> lengths = {},
+                uint64_t seed = 3) {
+  Problem p = test::problem(2, 2, n, m, 8, causal, seed + uint64_t(n * 31 + m));
+  p.key_lengths = std::move(lengths);
+  return p;
+}
+
+/// The small ragged problems: self and cross, causal (rows with no key when m < n), padding
+/// (including an element with no valid key).
+std::vector<Problem> ragged(bool causal_too) {
+  std::vector<Problem> ps = {problem(21, 21, false), problem(19, 23, false),
+                             problem(23, 19, false, {19, 4})};
+  if (causal_too) {
+    ps.push_back(problem(21, 21, true));
+    ps.push_back(problem(19, 23, true));
+    ps.push_back(problem(23, 19, true));  // rows 0-3 see no key
+    ps.push_back(problem(21, 23, true, {23, 0}));
+    ps.push_back(problem(23, 23, true, {9, 17}));
+  }
+  return ps;
+}
+
+void check_all(const std::string& spec, bool causal_too) {
+  for (const Problem& p : ragged(causal_too)) {
+    SCOPED_TRACE(spec + " " + p.str());
+    Checker(Case{spec, p}).check();
+  }
+}
+
+TEST(BackwardKernel, LinearMatchesFiniteDifferences) { check_all("linear", true); }
+
+TEST(BackwardKernel, PerformerMatchesFiniteDifferences) {
+  check_all("performer:features=16", true);
+  check_all("performer:features=16,orthogonal=false,kernel=relu", true);
+}
+
+TEST(BackwardKernel, RfaMatchesFiniteDifferences) {
+  check_all("rfa:features=8", true);
+  check_all("rfa:features=32,sigma=2", true);
+}
+
+TEST(BackwardKernel, RfaFlooredRowsMatchFiniteDifferences) {
+  // D = 1: phi(q)^T phi(k) = cos(a_q - a_k), so many denominators fall below the floor, which
+  // is then a constant of the row
+  for (bool causal : {false, true}) {
+    const Problem p = problem(21, 23, causal);
+    SCOPED_TRACE(p.str());
+    const Checker ch(Case{"rfa:features=1", p});
+    EXPECT_NE(ch.var->notes().find("divided by the floor"), std::string::npos) << ch.var->notes();
+    ch.check();
+  }
+}
+
+TEST(BackwardKernel, EfficientMatchesFiniteDifferences) { check_all("efficient", false); }
+
+TEST(BackwardKernel, DefaultsMatchFiniteDifferences) {
+  // performer (F = 256, 256-row blocks) and rfa (2 D = 256) with their default parameters
+  for (const char* spec : {"performer", "rfa"})
+    for (bool causal : {false, true}) {
+      const Problem p = problem(19, 23, causal);
+      SCOPED_TRACE(std::string(spec) + " " + p.str());
+      Checker(Case{spec, p}).check(2, 1);
+    }
+}
+
+TEST(BackwardKernel, AcrossBlocksAndKeyScales) {
+  // several row blocks: performer at F = 512 runs blocks of 128 rows, and under the causal
+  // mask each block maps its keys at a larger running shift (pass 2 rescales U between them);
+  // linear at F = d = 4 runs blocks of 1024 rows
+  struct Big {
+    const char* spec;
+    int64_t n, m, d;
+  };
+  for (const Big& c : {Big{"performer:features=512", 200, 190, 8},
+                       Big{"performer:features=512", 190, 200, 8}, Big{"linear", 1040, 1030, 4}})
+    for (bool causal : {true, false}) {
+      Problem p = test::problem(1, 1, c.n, c.m, c.d, causal, 17);
+      if (!causal) p.key_lengths = {c.m - 5};
+      SCOPED_TRACE(std::string(c.spec) + " " + p.str());
+      Checker(Case{c.spec, p}).check(2, 1);
+    }
+}
+
+TEST(BackwardKernel, PaddedKeysAndEmptyRowsGetZero) {
+  for (const char* spec : {"linear", "performer:features=16", "rfa:features=8", "efficient"}) {
+    const bool causal = std::string(spec) != "efficient";
+    const Problem p = problem(23, 19, causal, {12, 0});
+    SCOPED_TRACE(std::string(spec) + " " + p.str());
+    const Checker ch(Case{spec, p});
+    const int64_t d = p.dim;
+    for (int64_t h = 0; h < p.heads; ++h) {
+      for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t j = p.key_lengths[size_t(b)]; j < p.keys(); ++j)
+          for (int64_t c = 0; c < d; ++c) {
+            EXPECT_EQ(ch.dk.view().row(b, h, j)[c], 0.0f);
+            EXPECT_EQ(ch.dv.view().row(b, h, j)[c], 0.0f);
+          }
+      for (int64_t i = 0; i < p.n; ++i) {
+        if (p.visible(1, i) != 0) continue;
+        for (int64_t c = 0; c < d; ++c) EXPECT_EQ(ch.dq.view().row(1, h, i)[c], 0.0f);
+      }
+    }
+  }
+}
+
+TEST(BackwardKernel, GatedRfaHasNoBackward) {
+  EXPECT_EQ(make_variant("rfa:gate=true")->backward(), nullptr);
+  EXPECT_NE(make_variant("rfa")->backward(), nullptr);
+  const Problem p = problem(8, 8, true);
+  EXPECT_THROW(make_variant("rfa:gate=true")->check_backward(p), UnsupportedError);
+}
+
+}  // namespace
+}  // namespace attnbench
