@@ -29,8 +29,9 @@
 //   pass 4  acc = acc c + P V: register tile of up to 6 rows x 64 features
 //           (24 accumulators) summing the block's P V from 0, then one FMA into acc.
 //
-// Portable (any other target): the same passes with Eigen tile products and the scalar
-// fast_exp.
+// Portable (any other target): the same passes with Eigen tile products, and the row max
+// and exponentials of common/softmax.h (8-lane AVX2 loops when the compiler targets AVX2 with
+// FMA, scalar fast_exp otherwise).
 //
 // Overflow. With P <= 1, acc can still overflow when v holds values near FLT_MAX (sum_j p_j v_j
 // over several keys), although the output, a convex combination of v rows, is finite. That
@@ -544,7 +545,7 @@ inline bool finish_tile(const Tiles& tl, const Workspace& w, int64_t rows, float
 #pragma GCC diagnostic pop
 #endif  // __AVX512F__
 
-// ----- the portable passes (Eigen tile products, scalar fast_exp, natural-base max) -----
+// ----- the portable passes (Eigen tile products, softmax.h row helpers, natural-base max) -----
 namespace portable {
 
 using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -590,24 +591,25 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
   if (bias)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) sb(r, c) += bias[r * cols + c];
-  // pass 2-3: per row, mask, new max, exponentials, rescale the running state
+  // pass 2-3: per row, mask, new max, exponentials, rescale the running state. The max and
+  // the exponentials run through row_max and exp_sum (common/softmax.h), whose lane-wise
+  // loops the compiler vectorises.
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = w.s.row(r).data();
     const int64_t vis = std::clamp<int64_t>(causal_first + r, 0, cols);
-    const uint8_t* mr = mask ? mask + r * cols : nullptr;
-    if (mr)
-      for (int64_t c = 0; c < vis; ++c)
-        if (!mr[c]) sr[c] = -INFINITY;
-    // the max over the visible keys; NaN if they are all -inf (overflowed logits)
-    float bm = -INFINITY;
-    bool seen = false;
-    for (int64_t c = 0; c < vis; ++c) {
-      if (std::isnan(sr[c]))
-        bm = NAN;
-      else
-        bm = sr[c] > bm ? sr[c] : bm;
-      seen |= !mr || mr[c];
+    bool seen = vis > 0;  // the row keeps some visible key
+    if (const uint8_t* mr = mask ? mask + r * cols : nullptr) {
+      uint8_t any = 0;
+      for (int64_t c = 0; c < vis; ++c) {
+        sr[c] = mr[c] ? sr[c] : -INFINITY;
+        any |= mr[c];
+      }
+      seen = any != 0;
     }
+    // the max over the visible keys; NaN if they are all -inf (overflowed logits). row_max
+    // passes a NaN score over, but its exponential below is NaN and makes l (and so the
+    // row's output) NaN all the same.
+    float bm = row_max(sr, vis);
     if (seen && bm == -INFINITY) bm = NAN;
     const float new_mx = std::isnan(bm) ? bm : std::max(w.mx[r], bm);
     if (new_mx == -INFINITY) {  // nothing seen yet in this row
@@ -615,10 +617,10 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
       continue;
     }
     const float corr = fast_exp((w.mx[r] - new_mx) * scale);
-    float sum = 0.0f;
-    for (int64_t c = 0; c < vis; ++c) {
-      sr[c] = fast_exp((sr[c] - new_mx) * scale) * pscale;
-      sum += sr[c];
+    float sum = exp_sum(sr, vis, scale, new_mx);
+    if (pscale != 1.0f) {  // a power of two: the scaled sum is the sum of the scaled terms
+      for (int64_t c = 0; c < vis; ++c) sr[c] *= pscale;
+      sum *= pscale;
     }
     std::fill(sr + vis, sr + cols, 0.0f);
     w.l[r] = w.l[r] * corr + sum;

@@ -485,7 +485,18 @@ inline void pair_grads(Tiles& w, const PairArgs& a, int64_t rows, int64_t cols, 
         gr[c] = pr * (gr[c] - D) * scale;
       }
     } else {
-      for (int64_t c = 0; c < vis; ++c) {
+      int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 sv = _mm256_set1_ps(scale), lv = _mm256_set1_ps(L), dv = _mm256_set1_ps(D);
+      for (; c + 8 <= vis; c += 8) {
+        const __m256 pr = simd::avx2::exp_ps(_mm256_fmsub_ps(_mm256_loadu_ps(sr + c), sv, lv));
+        _mm256_storeu_ps(sr + c, pr);
+        _mm256_storeu_ps(
+            gr + c,
+            _mm256_mul_ps(_mm256_mul_ps(pr, _mm256_sub_ps(_mm256_loadu_ps(gr + c), dv)), sv));
+      }
+#endif
+      for (; c < vis; ++c) {
         const float pr = fast_exp(sr[c] * scale - L);
         sr[c] = pr;
         gr[c] = pr * (gr[c] - D) * scale;

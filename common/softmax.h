@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/simd.h"
+
 namespace attnbench {
 
 /// exp(x) to about 2 ulp for x in [-87.3, 88.7]; exactly 0 below that (so exp(-inf) = 0)
@@ -27,8 +29,10 @@ inline float fast_exp_in_range(float xc) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  int32_t bits = (std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kRound) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
+  // 2^n as two powers of two of normal range each (n reaches 128 near the top of the range)
+  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kRound);
+  const int32_t n1 = ni >> 1, n2 = ni - n1;
+  return p * std::bit_cast<float>((n1 + 127) << 23) * std::bit_cast<float>((n2 + 127) << 23);
 }
 
 inline float fast_exp(float x) {
@@ -40,15 +44,25 @@ inline float fast_exp(float x) {
 /// max of x[0, len) (-inf for an empty row). The max is kept in 16 lanes with a plain
 /// comparison, so GCC vectorises it (std::fmax becomes a libm call per element).
 inline float row_max(const float* x, int64_t len) {
+  int64_t j = 0;
+  float mx = -INFINITY;
+#if defined(__AVX2__) && defined(__FMA__)
+  // x first: a NaN score is passed over, as the comparison below does
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+  for (; j + 16 <= len; j += 16) {
+    m0 = _mm256_max_ps(_mm256_loadu_ps(x + j), m0);
+    m1 = _mm256_max_ps(_mm256_loadu_ps(x + j + 8), m1);
+  }
+  mx = simd::avx2::reduce_max(_mm256_max_ps(m0, m1));
+#else
   constexpr int kLanes = 16;
   float m[kLanes];
   for (int l = 0; l < kLanes; ++l) m[l] = -INFINITY;
-  int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes)
     for (int l = 0; l < kLanes; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
-  float mx = -INFINITY;
-  for (; j < len; ++j) mx = x[j] > mx ? x[j] : mx;
   for (int l = 0; l < kLanes; ++l) mx = m[l] > mx ? m[l] : mx;
+#endif
+  for (; j < len; ++j) mx = x[j] > mx ? x[j] : mx;
   return mx;
 }
 
@@ -58,18 +72,34 @@ inline float row_max(const float* x, int64_t len) {
 /// max * scale, and at |logit| ~ 1e9 that rounding alone is past exp's range). A NaN, or
 /// max = +-inf (an overflowed logit), gives NaN, never a finite wrong value.
 inline float exp_sum(float* x, int64_t len, float scale, float max) {
+  int64_t j = 0;
+  float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(max), sv = _mm256_set1_ps(scale);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  for (; j + 16 <= len; j += 16) {
+    const __m256 e0 =
+        simd::avx2::exp_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv), sv));
+    const __m256 e1 =
+        simd::avx2::exp_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), mv), sv));
+    _mm256_storeu_ps(x + j, e0);
+    _mm256_storeu_ps(x + j + 8, e1);
+    s0 = _mm256_add_ps(s0, e0);
+    s1 = _mm256_add_ps(s1, e1);
+  }
+  sum = simd::avx2::reduce_add(_mm256_add_ps(s0, s1));
+#else
   constexpr int kLanes = 16;
   float s[kLanes] = {};
-  int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes)
     for (int l = 0; l < kLanes; ++l) {
       const float e = fast_exp((x[j + l] - max) * scale);
       x[j + l] = e;
       s[l] += e;
     }
-  float sum = 0.0f;
-  for (; j < len; ++j) sum += x[j] = fast_exp((x[j] - max) * scale);
   for (int l = 0; l < kLanes; ++l) sum += s[l];
+#endif
+  for (; j < len; ++j) sum += x[j] = fast_exp((x[j] - max) * scale);
   return sum;
 }
 

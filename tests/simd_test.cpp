@@ -9,6 +9,8 @@
 #include <limits>
 #include <vector>
 
+#include "common/softmax.h"
+
 namespace {
 
 /// Distance in units of the float spacing at the reference value (at least the smallest
@@ -28,6 +30,37 @@ std::vector<float> grid(float lo, float hi, int count) {
   }
   while (x.size() % 16 != 0) x.push_back(lo);
   return x;
+}
+
+// row_max and exp_sum (common/softmax.h) take their vector path on whole groups of lanes
+// and a scalar one on the rest: every length up to a few groups, against double precision.
+TEST(Softmax, RowMaxAndExpSumMatchDoubleOnEveryLength) {
+  for (int64_t len = 0; len <= 70; ++len) {
+    std::vector<float> x(static_cast<size_t>(len));
+    for (int64_t j = 0; j < len; ++j) x[size_t(j)] = float(std::sin(double(j) * 1.7) * 6.0);
+    if (len > 3) x[size_t(len / 3)] = -INFINITY;  // a key left out
+    double mx = -INFINITY;
+    for (float v : x) mx = std::max(mx, double(v));
+    ASSERT_EQ(double(attnbench::row_max(x.data(), len)), mx) << len;
+    const float scale = 0.37f, m = float(mx);
+    std::vector<float> y = x;
+    const float sum = attnbench::exp_sum(y.data(), len, scale, m);
+    double want_sum = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const double e = std::exp((double(x[size_t(j)]) - m) * scale);
+      want_sum += e;
+      EXPECT_NEAR(y[size_t(j)], e, 4e-7 * e + 1e-30) << len << " " << j;
+    }
+    EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum) << len;
+  }
+  // fast_exp over the top of its range, where 2^n reaches 2^128
+  for (float top : {88.0f, 88.3f, 88.69f})
+    EXPECT_NEAR(attnbench::fast_exp(top), std::exp(double(top)), 3e-7 * std::exp(double(top)));
+  // a NaN score is passed over by the max, and makes the sum NaN
+  std::vector<float> x(40, 1.0f);
+  x[21] = NAN;
+  EXPECT_EQ(attnbench::row_max(x.data(), 40), 1.0f);
+  EXPECT_TRUE(std::isnan(attnbench::exp_sum(x.data(), 40, 1.0f, 1.0f)));
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -72,6 +105,40 @@ TEST(SimdAvx2, Exp2GoesThroughTheSubnormalsToZeroAndOverflowsToInf) {
   EXPECT_EQ(y[13], 2.0f);
   EXPECT_EQ(y[14], 0.5f);
   EXPECT_EQ(y[15], 0x1p127f);
+}
+
+std::vector<float> exp_avx2(const std::vector<float>& x) {
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); i += 8)
+    _mm256_storeu_ps(&y[i], v8::exp_ps(_mm256_loadu_ps(&x[i])));
+  return y;
+}
+
+TEST(SimdAvx2, ExpIsFastExpLaneByLaneAndWithinAFewUlp) {
+  std::vector<float> x = grid(-87.3f, 88.7f, 20000);
+  for (float top : {88.0f, 88.3f, 88.5f, 88.69f}) x.push_back(top);  // 2^128 < e^x
+  while (x.size() % 8 != 0) x.push_back(0.0f);
+  const std::vector<float> y = exp_avx2(x);
+  double worst = 0, worst_scalar = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    worst = std::max(worst, ulps(y[i], std::exp(double(x[i]))));
+    worst_scalar = std::max(worst_scalar, ulps(y[i], double(attnbench::fast_exp(x[i]))));
+  }
+  EXPECT_LE(worst, 3.0);
+  EXPECT_LE(worst_scalar, 1.0);  // the scalar form may round one FMA differently
+}
+
+TEST(SimdAvx2, ExpIsZeroBelowItsRangeInfAboveAndKeepsNaN) {
+  const std::vector<float> x = {-87.34f, -100.0f, -INFINITY, 88.71f, 1000.0f, INFINITY, NAN, 0.0f};
+  const std::vector<float> y = exp_avx2(x);
+  EXPECT_EQ(y[0], 0.0f);
+  EXPECT_EQ(y[1], 0.0f);
+  EXPECT_EQ(y[2], 0.0f);
+  EXPECT_EQ(y[3], INFINITY);
+  EXPECT_EQ(y[4], INFINITY);
+  EXPECT_EQ(y[5], INFINITY);
+  EXPECT_TRUE(std::isnan(y[6]));
+  EXPECT_EQ(y[7], 1.0f);
 }
 
 TEST(SimdAvx2, SincosIsWithinAFewUlpOfTheArgumentsAngle) {
