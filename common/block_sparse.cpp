@@ -1,5 +1,6 @@
 #include "common/block_sparse.h"
 
+#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -362,12 +363,12 @@ double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
 // pass over query tiles recomputing S, P and dS for dQ alone (7 tile products per pair
 // instead of 5), the accumulators took 3.1 s against 5.9 s (causal: 1.6 s against 2.6 s, on
 // a loaded machine), for (threads - 1) B H n d floats more.
-// The tile products are Eigen's (the portable path on every target).
+// The five tile products per pair are OpenBLAS sgemm calls (single-threaded inside the
+// parallel region), on every target: at B=1 H=8 n=4096 d=64 on 2 Zen 4 cores they took the
+// flash backward from 598 ms (Eigen's products) to 497 ms, local (window 256) from 92 to 75 ms.
 namespace bwd {
 
-using kernels::portable::ConstMap;
 using kernels::portable::RowMat;
-using MutMap = Eigen::Map<RowMat, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 /// A query tile that lists a key block: the inverse of SparsePattern::key_blocks.
 struct Visit {
@@ -460,15 +461,11 @@ struct PairArgs {
 inline void pair_grads(Tiles& w, const PairArgs& a, int64_t rows, int64_t cols, int64_t d,
                        float scale, int64_t causal_first, const uint8_t* mask, const float* bias,
                        bool kv) {
-  const ConstMap qm(a.q0, rows, d, Eigen::OuterStride<>(a.ldq));
-  const ConstMap om(a.do0, rows, d, Eigen::OuterStride<>(a.ldo));
-  const ConstMap km(a.k0, cols, d, Eigen::OuterStride<>(a.ldk));
-  const ConstMap vm(a.v0, cols, d, Eigen::OuterStride<>(a.ldv));
-  auto s = w.s.topLeftCorner(rows, cols);
-  auto g = w.ds.topLeftCorner(rows, cols);
-  s.noalias() = qm * km.transpose();
-  g.noalias() = om * vm.transpose();
   const int64_t lds = w.s.cols(), ldg = w.ds.cols();
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cols), int(d), 1.0f, a.q0,
+              int(a.ldq), a.k0, int(a.ldk), 0.0f, w.s.data(), int(lds));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cols), int(d), 1.0f, a.do0,
+              int(a.ldo), a.v0, int(a.ldv), 0.0f, w.ds.data(), int(ldg));
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = w.s.data() + r * lds;
     float* gr = w.ds.data() + r * ldg;
@@ -506,13 +503,14 @@ inline void pair_grads(Tiles& w, const PairArgs& a, int64_t rows, int64_t cols, 
     std::fill(gr + vis, gr + cols, 0.0f);
   }
   if (kv) {
-    w.dv.topRows(cols).noalias() += s.transpose() * om;
-    w.dk.topRows(cols).noalias() += g.transpose() * qm;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(rows), 1.0f,
+                w.s.data(), int(lds), a.do0, int(a.ldo), 1.0f, w.dv.data(), int(d));
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(rows), 1.0f,
+                w.ds.data(), int(ldg), a.q0, int(a.ldq), 1.0f, w.dk.data(), int(d));
   }
-  if (a.dq0) {
-    MutMap dqm(a.dq0, rows, d, Eigen::OuterStride<>(a.lddq));
-    dqm.noalias() += g * km;
-  }
+  if (a.dq0)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(cols), 1.0f,
+                w.ds.data(), int(ldg), a.k0, int(a.ldk), 1.0f, a.dq0, int(a.lddq));
 }
 
 /// D_i = sum_c dO_ic O_ic of every row, [B, H, n] contiguous.
