@@ -240,11 +240,46 @@ TEST(BackwardKernel, PaddedKeysAndEmptyRowsGetZero) {
   }
 }
 
-TEST(BackwardKernel, GatedRfaHasNoBackward) {
-  EXPECT_EQ(make_variant("rfa:gate=true")->backward(), nullptr);
-  EXPECT_NE(make_variant("rfa")->backward(), nullptr);
-  const Problem p = problem(8, 8, true);
+TEST(BackwardKernel, GatedRfaMatchesFiniteDifferences) {
+  // the causal ragged problems (rows with no key, key padding with an empty element, m != n)
+  for (const char* spec : {"rfa:gate=true,features=8", "rfa:gate=true,features=32,sigma=2"})
+    for (const Problem& p : ragged(true)) {
+      if (!p.causal) continue;
+      SCOPED_TRACE(std::string(spec) + " " + p.str());
+      Checker(Case{spec, p}).check();
+    }
+}
+
+TEST(BackwardKernel, GatedRfaAcrossChunks) {
+  // several checkpoint chunks of 64 keys (the last one partial), self and cross, key padding
+  // ending inside a chunk, and rows past the last valid key reading the final state
+  struct Shape {
+    int64_t n, m;
+    std::vector<int64_t> lengths;
+  };
+  for (const Shape& s : {Shape{150, 150, {}}, Shape{131, 160, {}}, Shape{140, 129, {}},
+                         Shape{145, 145, {100, 64}}}) {
+    Problem p = test::problem(2, 1, s.n, s.m, 4, true, 23 + uint64_t(s.n));
+    p.key_lengths = s.lengths;
+    SCOPED_TRACE(p.str());
+    Checker(Case{"rfa:gate=true,features=4", p}).check(2, 2);
+  }
+}
+
+TEST(BackwardKernel, GatedRfaFlooredRowsMatchFiniteDifferences) {
+  // one frequency: den = phi(q)^T z is often below the floor, whose weight sum depends on the
+  // gates
+  const Problem p = problem(21, 23, true);
+  const Checker ch(Case{"rfa:gate=true,features=1", p});
+  EXPECT_NE(ch.var->notes().find("divided by the floor"), std::string::npos) << ch.var->notes();
+  ch.check();
+}
+
+TEST(BackwardKernel, GatedRfaBackwardIsCausalOnly) {
+  EXPECT_NE(make_variant("rfa:gate=true")->backward(), nullptr);
+  const Problem p = problem(8, 8, false);
   EXPECT_THROW(make_variant("rfa:gate=true")->check_backward(p), UnsupportedError);
+  EXPECT_NO_THROW(make_variant("rfa:gate=true")->check_backward(problem(8, 8, true)));
 }
 
 }  // namespace

@@ -61,9 +61,12 @@
 // floor hook). Time O((n + m) D d + n 16 (D + d)), memory O(H D d + threads D (4 R + 2 d)),
 // R = min(1024, 32768 / D). Gated: a recurrence over the keys of each (batch, head), features
 // mapped in blocks of 256 rows. Time O((n + m) D d), memory O(H D d + threads D (1024 + 2 d)).
-// Backward (plain only; gate=true has none): attend_backward with the derivative of the map
-// through sin, cos and the normalisation x / |x|; rows raised to the floor divide by a
-// constant.
+// Backward, plain: attend_backward with the derivative of the map through sin, cos and the
+// normalisation x / |x|; rows raised to the floor divide by a constant (their key count).
+// Gated (gated_head_backward): reverse-mode through the recurrence, its state rebuilt chunk by
+// chunk from checkpoints every 64 keys (never one state per position kept); the gates are
+// differentiated (through w_g . k_j), and a row raised to the floor through its weight sum
+// M_i = 1 - prod g, which depends on the gates. W, w_g and b_g are constants.
 #include <cblas.h>
 #include <fmt/format.h>
 #include <omp.h>
@@ -299,6 +302,165 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
   return clamped;
 }
 
+// Keys per chunk of the gated backward: the recurrence's state is checkpointed at the start
+// of every chunk, and the states inside one chunk are recomputed and kept.
+constexpr int64_t kGatedChunk = 64;
+
+/// Floats of one thread's workspace for gated_head_backward on m keys: the checkpoints, the
+/// C + 1 states of one chunk, the adjoint state, the chunk's key features, their gradients and
+/// gate gradients, and one query row's features, gradients and d-vectors.
+int64_t gated_backward_floats(int64_t features, int64_t d, int64_t m) {
+  const int64_t state = features * d + features + 1;
+  const int64_t chunks = std::max<int64_t>(1, (m + kGatedChunk - 1) / kGatedChunk);
+  return (chunks + kGatedChunk + 2) * state + 2 * kGatedChunk * features + 3 * kGatedChunk +
+         3 * features + d;
+}
+
+/// The gradients of gated RFA on one (batch, head) of batch element b (causal), of the
+/// function gated_head computes. The state (S, z, mass) after each key is rebuilt, never
+/// stored whole: a first pass over the valid keys keeps the state at the start of every chunk
+/// of kGatedChunk keys; then, chunk by chunk from the last, the chunk's states are recomputed
+/// from its checkpoint and the adjoints (dS, dz, dmass) run backwards through its keys:
+///   a read out_i = phi_i^T S / den, den = phi_i^T z (or floor mass when raised to the floor):
+///     dS += phi_i (dO_i / den)^T,  dz += phi_i dden (floor: dmass += floor dden),
+///     dphi_i = S dO_i / den + z dden,  dden = -(dO_i . out_i) / den;
+///   a key j, S_j = g S_{j-1} + h phi_j v_j^T (z and mass alike, h = 1 - g):
+///     dg = <dS, S_{j-1}> + dz . z_{j-1} + dmass mass_{j-1},
+///     dh = phi_j . (dS v_j + dz) + dmass,  dphi_j = h (dS v_j + dz),  dv_j = h dS^T phi_j,
+///     g = sigmoid(x_j), x_j = w_g . k_j + b_g:  dx_j = g h (dg - dh),  dk_j gets dx_j w_g,
+///     then dS, dz, dmass are multiplied by g.
+/// The maps' backward (x / |x|, sin, cos) turns dphi into dq and dk. Keys past L_b and rows
+/// that see no key get 0. Time about three times the forward's; memory
+/// gated_backward_floats.
+void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate, const Problem& p,
+                         int64_t b, const ka::HeadGrads& io, float* work) {
+  const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), off = m - n;
+  const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
+  const float floor = fm.denominator_floor();
+  const int64_t st = f * d + f + 1, C = kGatedChunk;
+  const int64_t chunks = (len + C - 1) / C;
+  float* ckpt = work;                                        // the checkpoints
+  float* states = ckpt + std::max<int64_t>(1, chunks) * st;  // C + 1 states of a chunk
+  float* adj = states + (C + 1) * st;                        // dS, dz, dmass
+  float *phk = adj + st, *dphk = phk + C * f;                // C x f each
+  float *gk = dphk + C * f, *hk = gk + C, *dx = hk + C;      // C each
+  float *phq = dx + C, *dphq = phq + f, *w = dphq + f, *gu = w + f;
+  for (int64_t i = 0; i < n; ++i) std::fill_n(io.dq + i * io.lddq, d, 0.0f);
+  for (int64_t j = 0; j < m; ++j) {
+    std::fill_n(io.dk + j * io.lddk, d, 0.0f);
+    std::fill_n(io.dv + j * io.lddv, d, 0.0f);
+  }
+  if (len == 0) return;
+
+  // features and gates of the keys [j0, j0 + cnt)
+  auto key_chunk = [&](int64_t j0, int64_t cnt) {
+    float shift = 0.0f;
+    fm.keys(io.k + j0 * io.ldk, io.ldk, cnt, phk, f, shift);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const float* kj = io.k + (j0 + t) * io.ldk;
+      float x = gate[size_t(d)];
+      for (int64_t c = 0; c < d; ++c) x += gate[size_t(c)] * kj[c];
+      gk[t] = 1.0f / (1.0f + std::exp(-x));
+      hk[t] = 1.0f / (1.0f + std::exp(x));
+    }
+  };
+  // the state after key j0 + t from the state before it (the forward's update)
+  auto step = [&](const float* from, float* to, int64_t t, int64_t j) {
+    const float g = gk[t], h = hk[t];
+    const float* pk = phk + t * f;
+    const float* vj = io.v + j * io.ldv;
+    for (int64_t e = 0; e < f; ++e) {
+      const float c = h * pk[e];
+      const float* a = from + e * d;
+      float* o = to + e * d;
+      for (int64_t x = 0; x < d; ++x) o[x] = g * a[x] + c * vj[x];
+      to[f * d + e] = g * from[f * d + e] + c;
+    }
+    to[st - 1] = g * from[st - 1] + h;
+  };
+  // the gradient of the read of row i from the state `after`
+  auto read_backward = [&](int64_t i, const float* after) {
+    const float *S = after, *z = after + f * d;
+    const float mass = after[st - 1];
+    const float* qi = io.q + i * io.ldq;
+    fm.queries(qi, io.ldq, 1, phq, f);
+    // u = S^T phi (into gu), den = z . phi
+    cblas_sgemv(CblasRowMajor, CblasTrans, int(f), int(d), 1.0f, S, int(d), phq, 1, 0.0f, gu, 1);
+    float den = cblas_sdot(int(f), z, 1, phq, 1);
+    const bool floored = !(den >= floor * mass);
+    if (floored) den = floor * mass;
+    if (!(den > 0.0f)) return;  // the row is 0 whatever its inputs: no gradient
+    const float* go = io.dout + i * io.lddo;
+    float dot = 0.0f;
+    for (int64_t x = 0; x < d; ++x) dot += go[x] * gu[x];
+    const float dden = -dot / (den * den);
+    for (int64_t x = 0; x < d; ++x) gu[x] = go[x] / den;
+    float *dS = adj, *dz = adj + f * d;
+    // dS += phi gu^T, dphi = S gu
+    cblas_sger(CblasRowMajor, int(f), int(d), 1.0f, phq, 1, gu, 1, dS, int(d));
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, int(f), int(d), 1.0f, S, int(d), gu, 1, 0.0f, dphq, 1);
+    if (floored) {
+      adj[st - 1] += floor * dden;
+    } else {
+      for (int64_t e = 0; e < f; ++e) dz[e] += phq[e] * dden, dphq[e] += z[e] * dden;
+    }
+    fm.queries_backward(qi, io.ldq, 1, phq, f, dphq, f, io.dq + i * io.lddq, io.lddq);
+  };
+
+  // 1. the checkpoints
+  float* run = states;
+  std::fill_n(run, st, 0.0f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t j0 = c * C, cnt = std::min(C, len - j0);
+    std::copy_n(run, st, ckpt + c * st);
+    key_chunk(j0, cnt);
+    for (int64_t t = 0; t < cnt; ++t) step(run, run, t, j0 + t);
+  }
+  // 2. the chunks from the last, their keys from the last
+  std::fill_n(adj, st, 0.0f);
+  for (int64_t c = chunks - 1; c >= 0; --c) {
+    const int64_t j0 = c * C, cnt = std::min(C, len - j0);
+    key_chunk(j0, cnt);
+    std::copy_n(ckpt + c * st, st, states);
+    for (int64_t t = 0; t < cnt; ++t) step(states + t * st, states + (t + 1) * st, t, j0 + t);
+    for (int64_t t = cnt - 1; t >= 0; --t) {
+      const int64_t j = j0 + t;
+      // the rows that read the state after key j: i = j - off, and after the last valid key
+      // every row whose last visible key is at or past it
+      const int64_t r0 = std::max<int64_t>(0, j - off);
+      const int64_t r1 = j == len - 1 ? n : std::min(n, j - off + 1);
+      for (int64_t i = r0; i < r1; ++i) read_backward(i, states + (t + 1) * st);
+      // back through S_j = g S_{j-1} + h phi_j v_j^T (and z, mass)
+      const float* before = states + t * st;
+      const float g = gk[t], h = hk[t];
+      const float* pk = phk + t * f;
+      const float* vj = io.v + j * io.ldv;
+      float* dvj = io.dv + j * io.lddv;
+      const float* dS = adj;
+      // dg = <(dS, dz, dmass), state before key j> (one dot over the contiguous layout)
+      const float dg = cblas_sdot(int(st), adj, 1, before, 1);
+      // w = dS v_j + dz, dh = phi_j . w + dmass, dphi_j = h w, dv_j = h dS^T phi_j
+      std::copy_n(adj + f * d, f, w);
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(f), int(d), 1.0f, dS, int(d), vj, 1, 1.0f, w, 1);
+      const float dh = cblas_sdot(int(f), pk, 1, w, 1) + adj[st - 1];
+      for (int64_t e = 0; e < f; ++e) dphk[t * f + e] = h * w[e];
+      cblas_sgemv(CblasRowMajor, CblasTrans, int(f), int(d), h, dS, int(d), pk, 1, 0.0f, dvj, 1);
+      dx[t] = g * h * (dg - dh);
+      cblas_sscal(int(st), g, adj, 1);
+    }
+    // dk of the chunk's keys: through their maps, and through their gates
+    fm.keys_backward(io.k + j0 * io.ldk, io.ldk, cnt, phk, f, dphk, f, io.dk + j0 * io.lddk,
+                     io.lddk);
+    for (int64_t t = 0; t < cnt; ++t) {
+      float* dkj = io.dk + (j0 + t) * io.lddk;
+      for (int64_t x = 0; x < d; ++x) dkj[x] += dx[t] * gate[size_t(x)];
+    }
+  }
+}
+
+/// What forward_train keeps for the gated backward: nothing (it rebuilds the recurrence).
+class GatedSaved final : public SavedState {};
+
 class Rfa final : public Variant, public Backward {
  public:
   explicit Rfa(const ParamValues& pv)
@@ -306,10 +468,7 @@ class Rfa final : public Variant, public Backward {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
-    if (gate_ && !p.causal)
-      throw UnsupportedError(
-          "rfa: gate=true is a recurrence over positions (S_j = g_j S_{j-1} + (1 - g_j) "
-          "phi(k_j) v_j^T), defined for causal attention only; use causal masking, or gate=false");
+    check_gated(p);
     Heads::Heads fresh;
     const Heads::Heads& drawn = heads_.get(
         p, [&](int64_t h) { return make_head(p, h); }, fresh);
@@ -345,12 +504,20 @@ class Rfa final : public Variant, public Backward {
     return true;
   }
 
-  // Plain RFA only: the gated recurrence has no backward (nullptr when gate=true).
-  Backward* backward() override { return gate_ ? nullptr : this; }
+  Backward* backward() override { return this; }
+  void check_backward(const Problem& p) const override {
+    Backward::check_backward(p);
+    check_gated(p);
+  }
 
-  // Saved: each row's denominator (4 B H n bytes; the floor marked by its sign).
+  // Saved, plain: each row's denominator (4 B H n bytes; the floor marked by its sign).
+  // Gated: nothing; the backward runs the recurrence again (gated_head_backward).
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
+    if (gate_) {
+      forward(p, q, k, v, out);
+      return std::make_unique<GatedSaved>();
+    }
     auto saved = std::make_unique<ka::RowDenominators>(p);
     Heads::Heads fresh;
     const Heads::Heads& drawn = heads_.get(
@@ -368,8 +535,35 @@ class Rfa final : public Variant, public Backward {
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    const float* den = ka::RowDenominators::of(saved, p).den.data();
     Heads::Heads fresh;
+    if (gate_) {
+      if (!dynamic_cast<const GatedSaved*>(&saved))
+        throw UsageError("rfa: the saved state is not from its forward_train with gate=true");
+      const Heads::Heads& drawn = heads_.get(
+          p, [&](int64_t h) { return make_head(p, h); }, fresh);
+      const int64_t heads = p.batch * p.heads;
+      OmpGuard guard;
+#pragma omp parallel
+      {
+        std::vector<float> work;
+        guard.run([&] { work.resize(size_t(gated_backward_floats(2 * freqs_, p.dim, p.keys()))); });
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < heads; ++bh)
+          guard.run([&] {
+            const int64_t b = bh / p.heads, h = bh % p.heads;
+            const ka::HeadGrads io{q.head(b, h),    k.head(b, h),   v.head(b, h),    out.head(b, h),
+                                   dout.head(b, h), nullptr,        q.stride_row,    k.stride_row,
+                                   v.stride_row,    out.stride_row, dout.stride_row, dq.head(b, h),
+                                   dk.head(b, h),   dv.head(b, h),  dq.stride_row,   dk.stride_row,
+                                   dv.stride_row};
+            gated_head_backward(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, io,
+                                work.data());
+          });
+      }
+      guard.rethrow();
+      return;
+    }
+    const float* den = ka::RowDenominators::of(saved, p).den.data();
     const Heads::Heads& drawn = heads_.get(
         p, [&](int64_t h) { return make_head(p, h); }, fresh);
     ka::attend_backward(p, q, k, v, out, dout, den, dq, dk, dv, 2 * freqs_,
@@ -378,14 +572,33 @@ class Rfa final : public Variant, public Backward {
 
   double backward_flops(const Problem& p) const override {
     const RfaFeatureMap fm({}, freqs_, p.dim, 0.0f);
+    if (gate_) {
+      const double f = double(fm.features()), d = double(p.dim);
+      // per key: its map and gate and the update, twice (checkpoints, then the chunk's
+      // states); the map's backward; the adjoints (dg, dS v, dv: 6 f d; the decay: f d)
+      const double step = fm.key_flops() + 2.0 * d + 8.0 + 3.0 * f * (d + 1.0);
+      const double per_key = 2.0 * step + fm.key_backward_flops() + 7.0 * f * (d + 1.0) + 2.0 * d;
+      // per read: its map, u and den, dS += phi gu and S gu (4 f d), dz, the map's backward
+      const double per_read = fm.query_flops() + 2.0 * f * (d + 1.0) + 4.0 * f * d + 4.0 * f +
+                              4.0 * d + fm.query_backward_flops();
+      const double reads = double(std::min(p.n, p.keys()));
+      return double(p.batch * p.heads) * (double(p.keys()) * per_key + reads * per_read);
+    }
     return ka::attend_backward_flops(p, fm.features(), fm.query_flops(), fm.key_flops(),
                                      fm.query_backward_flops(), fm.key_backward_flops());
   }
-  double saved_estimate(const Problem& p) const override { return ka::RowDenominators::bytes(p); }
-  // the projections only when they are drawn for this call (not prepared)
+  double saved_estimate(const Problem& p) const override {
+    return gate_ ? double(sizeof(GatedSaved)) : ka::RowDenominators::bytes(p);
+  }
+  // the projections (and gates) only when they are drawn for this call (not prepared)
   double backward_memory_estimate(const Problem& p) const override {
-    return (heads_.ready(p) ? 0.0 : double(p.heads) * double(freqs_ * p.dim) * 4.0) +
-           ka::attend_backward_bytes(p, 2 * freqs_);
+    const double drawn = heads_.ready(p) ? 0.0
+                                         : double(p.heads) * double(freqs_ * p.dim) * 4.0 +
+                                               (gate_ ? double(p.heads * (p.dim + 1)) * 4.0 : 0.0);
+    if (!gate_) return drawn + ka::attend_backward_bytes(p, 2 * freqs_);
+    const int threads = std::min<int64_t>(team_threads(), p.batch * p.heads);
+    return drawn +
+           double(threads) * double(gated_backward_floats(2 * freqs_, p.dim, p.keys())) * 4.0;
   }
 
   std::string notes() const override {
@@ -425,6 +638,12 @@ class Rfa final : public Variant, public Backward {
     std::vector<float> gate;
   };
   using Heads = PreparedHeads<Head>;
+  void check_gated(const Problem& p) const {
+    if (gate_ && !p.causal)
+      throw UnsupportedError(
+          "rfa: gate=true is a recurrence over positions (S_j = g_j S_{j-1} + (1 - g_j) "
+          "phi(k_j) v_j^T), defined for causal attention only; use causal masking, or gate=false");
+  }
   std::unique_ptr<Head> make_head(const Problem& p, int64_t h) const {
     return std::make_unique<Head>(
         Head{RfaFeatureMap(rfa_projection(p.seed, h, freqs_, p.dim, sigma_), freqs_, p.dim,
