@@ -225,6 +225,16 @@ class RfaFeatureMap final : public ka::FeatureMap {
   float floor_;
 };
 
+/// The gate of a key row kj: g = sigmoid(w_g . kj + b_g) and h = 1 - g, each as a sigmoid
+/// (no cancellation in 1 - g).
+inline void key_gate(const std::vector<float>& gate, const float* kj, int64_t d, float& g,
+                     float& h) {
+  float x = gate[size_t(d)];
+  for (int64_t c = 0; c < d; ++c) x += gate[size_t(c)] * kj[c];
+  g = 1.0f / (1.0f + std::exp(-x));
+  h = 1.0f / (1.0f + std::exp(x));
+}
+
 int64_t gated_workspace_floats(int64_t features, int64_t d) {
   return 2 * kGatedBlock * features + features * d + features;
 }
@@ -272,11 +282,9 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
     if (i1 > i0) fm.queries(q + i0 * ldq, ldq, i1 - i0, phq, f);
     for (int64_t t = 0; t < cnt; ++t) {
       const int64_t j = j0 + t;
-      // 2. the gate of key j: g and 1 - g, each as a sigmoid (no cancellation in 1 - g)
-      const float* kj = k + j * ldk;
-      float x = gate[size_t(d)];
-      for (int64_t c = 0; c < d; ++c) x += gate[size_t(c)] * kj[c];
-      const float g = 1.0f / (1.0f + std::exp(-x)), h = 1.0f / (1.0f + std::exp(x));
+      // 2. the gate of key j
+      float g, h;
+      key_gate(gate, k + j * ldk, d, g, h);
       // 3. S = g S + h phi(k_j) v_j^T, z = g z + h phi(k_j)
       const float* pk = phk + t * f;
       const float* vj = v + j * ldv;
@@ -356,13 +364,7 @@ void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate
   auto key_chunk = [&](int64_t j0, int64_t cnt) {
     float shift = 0.0f;
     fm.keys(io.k + j0 * io.ldk, io.ldk, cnt, phk, f, shift);
-    for (int64_t t = 0; t < cnt; ++t) {
-      const float* kj = io.k + (j0 + t) * io.ldk;
-      float x = gate[size_t(d)];
-      for (int64_t c = 0; c < d; ++c) x += gate[size_t(c)] * kj[c];
-      gk[t] = 1.0f / (1.0f + std::exp(-x));
-      hk[t] = 1.0f / (1.0f + std::exp(x));
-    }
+    for (int64_t t = 0; t < cnt; ++t) key_gate(gate, io.k + (j0 + t) * io.ldk, d, gk[t], hk[t]);
   };
   // the state after key j0 + t from the state before it (the forward's update)
   auto step = [&](const float* from, float* to, int64_t t, int64_t j) {
