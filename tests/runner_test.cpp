@@ -132,6 +132,41 @@ TEST(Prepare, PreparedDrawsGiveTheSameOutputAndAreReported) {
   EXPECT_LT(performer->flops(p), before);
 }
 
+// linformer keeps E and F (k x m per head) when they fit in its budget: the output is
+// bit-identical, a shorter m is served by the kept columns, a longer m or another seed draws
+// afresh, and a problem over the budget prepares nothing.
+TEST(Prepare, LinformerKeepsItsProjectionsWithinABudget) {
+  for (const std::string spec : {"linformer:proj=24", "linformer:proj=24,share_kv=true"}) {
+    SCOPED_TRACE(spec);
+    Problem p = test::problem(2, 3, 37, 300, 16, false, 5);
+    p.key_lengths = {300, 211};
+    auto v = make_variant(spec);
+    ASSERT_TRUE(v->prepare(p));
+    auto same = [&](const Problem& q, bool prepared) {
+      SCOPED_TRACE(q.str());
+      const Inputs in = generate_inputs(q);
+      const Tensor fresh = test::run(spec, q, in);
+      Tensor out(q.q_shape());
+      v->run(q, in.q.view(), in.k.view(), in.v.view(), out.view());
+      EXPECT_EQ(v->notes().find("prepare_s") != std::string::npos, prepared) << v->notes();
+      EXPECT_EQ(std::memcmp(out.data(), fresh.data(), size_t(out.numel()) * sizeof(float)), 0);
+    };
+    same(p, true);
+    Problem shorter = p;
+    shorter.m = 257, shorter.key_lengths = {};
+    same(shorter, true);
+    Problem longer = p;
+    longer.m = 301;
+    same(longer, false);
+    Problem reseeded = p;
+    reseeded.seed = 6;
+    same(reseeded, false);
+    // 8 heads x 2^17 keys x 24 x 4 bytes (x 2 without share_kv) is over the 64 MiB budget
+    Problem big = test::problem(1, 8, 16, int64_t(1) << 17, 16, false, 5);
+    EXPECT_FALSE(v->prepare(big));
+  }
+}
+
 TEST(Prepare, RunOneReportsThePreparationTime) {
   const Problem p = test::problem(1, 2, 32, 0, 8, false);
   const RunOptions opt{.reps = 1, .min_time = 0};
