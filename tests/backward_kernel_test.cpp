@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -238,6 +239,33 @@ TEST(BackwardKernel, PaddedKeysAndEmptyRowsGetZero) {
       }
     }
   }
+}
+
+TEST(BackwardKernel, LinformerMatchesFiniteDifferences) {
+  check_all("linformer:proj=8", false);
+  check_all("linformer:proj=8,share_kv=true", false);
+  // more keys than one chunk of generated columns (256), key padding ending in the second
+  for (const auto& lengths : {std::vector<int64_t>{}, std::vector<int64_t>{300, 150}}) {
+    Problem p = test::problem(2, 1, 20, 300, 4, false, 31);
+    p.key_lengths = lengths;
+    SCOPED_TRACE(p.str());
+    Checker(Case{"linformer:proj=4", p}).check(2, 2);
+  }
+}
+
+TEST(BackwardKernel, LinformerPreparedProjectionsGiveTheSameGradients) {
+  Problem p = test::problem(2, 2, 30, 290, 8, false, 41);
+  p.key_lengths = {290, 100};
+  const Checker fresh(Case{"linformer:proj=16", p});
+  auto v = make_variant("linformer:proj=16");
+  ASSERT_TRUE(v->prepare(p));
+  Tensor out(p.q_shape()), dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+  const auto saved = v->run_train(p, fresh.q.view(), fresh.k.view(), fresh.v.view(), out.view());
+  v->run_backward(p, fresh.q.view(), fresh.k.view(), fresh.v.view(), out.view(), fresh.dout.view(),
+                  *saved, dq.view(), dk.view(), dv.view());
+  EXPECT_NE(v->notes().find("prepare_s"), std::string::npos) << v->notes();
+  for (const auto& [a, b] : {std::pair{&dq, &fresh.dq}, {&dk, &fresh.dk}, {&dv, &fresh.dv}})
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), size_t(a->numel()) * sizeof(float)), 0);
 }
 
 TEST(BackwardKernel, GatedRfaMatchesFiniteDifferences) {

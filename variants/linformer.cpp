@@ -14,8 +14,8 @@
 // not of flops(). E and F depend on (seed, head, k, column) alone, so prepare() generates
 // them once per problem when they fit in kPrepareBudget (H m k floats, twice without
 // share_kv): forward() then reads them, the harness reports that time as prepare_s, and the
-// notes say so and how many bytes are held. Above the budget (n = m = 4096 and more at the
-// defaults, H = 8) every pass generates them. The recipe (see projection_columns):
+// notes say so and how many bytes are held. Above the budget (m > 4096 at the defaults,
+// H = 8) every pass generates them. The recipe (see projection_columns):
 //   stream   RandomStream(seed, projection_stream(h, f)), id from the head index only
 //   column j the splitmix64 sequence seeded by key_j = stream.bits(j): pair t (rows 2t and
 //            2t + 1) takes the 64 bits b = mix64(key_j + t 0x9e3779b97f4a7c15)
@@ -42,8 +42,12 @@
 // projection (m terms) and the dot product (d terms); then the softmax over k and the reduction
 // over k rows of F V.
 // Time O(B H (n + m) k d) (+ O(H k m) random normals); memory O(B H k d + threads k (chunk +
-// block)). Not causal: the projection mixes all keys, so no causal form exists without
-// changing the method.
+// block)).
+// Backward: forward_train keeps EK and FV (B H 2 k d floats); the backward recomputes each
+// query block's P = softmax(s Q EK^T) from them and runs softmax attention's backward over
+// the k projected rows (dQ, dEK, dFV), then dK = E^T dEK and dV = F^T dFV over the valid keys,
+// E and F generated again (or read from prepare()). E and F are constants of the backward. Not
+// causal: the projection mixes all keys, so no causal form exists without changing the method.
 #include "variants/linformer.h"
 
 #include <cblas.h>
@@ -62,6 +66,7 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
 #include "common/prepared.h"
@@ -349,7 +354,13 @@ constexpr int64_t kBlockQ = 256;  // query rows per task in step 2
 // The most bytes of projections prepare() keeps.
 constexpr double kPrepareBudget = 64.0 * 1024 * 1024;
 
-class Linformer final : public Variant {
+/// What forward_train keeps: EK and FV of every (batch, head), [B, H, 2, k, d].
+class LinformerSaved final : public SavedState {
+ public:
+  std::vector<float> proj;
+};
+
+class Linformer final : public Variant, public Backward {
  public:
   Linformer(int64_t proj, bool share_kv) : k_(proj), share_(share_kv) {}
 
@@ -369,14 +380,142 @@ class Linformer final : public Variant {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
-    const int64_t n = p.n, m = p.keys(), d = p.dim, B = p.batch, H = p.heads, kp = k_;
+    std::unique_ptr<float[]> proj(new float[size_t(p.batch * p.heads * 2 * k_ * p.dim)]);
+    project(p, k, v, proj.get());
+    attend(p, q, proj.get(), out);
+  }
+
+  // The backward: the saved EK and FV, and per query block the softmax recomputed from them.
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<LinformerSaved>();
+    saved->proj.resize(size_t(p.batch * p.heads * 2 * k_ * p.dim));
+    project(p, k, v, saved->proj.data());
+    attend(p, q, saved->proj.data(), out);
+    return saved;
+  }
+
+  // With P = softmax(s Q EK^T) (rows recomputed from EK), D_i = dO_i . O_i,
+  // dS = P o (dO FV^T - D):  dQ = s dS EK,  dEK = s dS^T Q,  dFV = P^T dO,
+  // then dK = E^T dEK and dV = F^T dFV (E = F with share_kv: both through E), over the valid
+  // keys of each batch element (the rest 0). E and F are constants.
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    (void)k, (void)v;
+    const auto* st = dynamic_cast<const LinformerSaved*>(&saved);
+    const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, kp = k_;
+    const int64_t per_bh = 2 * kp * d;
+    if (!st || st->proj.size() != size_t(p.batch * H * per_bh))
+      throw UsageError("linformer: the saved state is not from its forward_train on this problem");
+    used_ = ready(p);
+    const float scale = p.softmax_scale();
+    const int64_t rows_max = std::min(kBlockQ, n), cols_max = std::min(kChunk, m);
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::vector<float> ps, dps, grad, gen;
+      guard.run([&] {
+        ps.resize(size_t(rows_max * kp)), dps.resize(size_t(rows_max * kp));
+        grad.resize(size_t(per_bh));
+        if (!used_) gen.resize(size_t((share_ ? 1 : 2) * cols_max * kp));
+      });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < p.batch * H; ++bh)
+        guard.run([&] {
+          const int64_t b = bh / H, h = bh % H;
+          const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
+          for (int64_t i = 0; i < n; ++i) std::fill_n(dq.row(b, h, i), d, 0.0f);
+          for (int64_t j = 0; j < m; ++j) {
+            std::fill_n(dk.row(b, h, j), d, 0.0f);
+            std::fill_n(dv.row(b, h, j), d, 0.0f);
+          }
+          if (len == 0) return;  // every row is 0 whatever the inputs
+          const float* ek = st->proj.data() + bh * per_bh;
+          const float* fv = ek + kp * d;
+          float *dek = grad.data(), *dfv = dek + kp * d;
+          std::fill(grad.begin(), grad.end(), 0.0f);
+          for (int64_t i0 = 0; i0 < n; i0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, n - i0);
+            float *pm = ps.data(), *g = dps.data();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(kp), int(d), 1.0f,
+                        q.row(b, h, i0), int(q.stride_row), ek, int(d), 0.0f, pm, int(kp));
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(kp), int(d), 1.0f,
+                        dout.row(b, h, i0), int(dout.stride_row), fv, int(d), 0.0f, g, int(kp));
+            for (int64_t r = 0; r < rows; ++r) {
+              float* pr = pm + r * kp;
+              float* gr = g + r * kp;
+              softmax_row(pr, kp, scale);
+              const float* o = out.row(b, h, i0 + r);
+              const float* go = dout.row(b, h, i0 + r);
+              float dsum = 0.0f;
+              for (int64_t c = 0; c < d; ++c) dsum += o[c] * go[c];
+              for (int64_t c = 0; c < kp; ++c) gr[c] = pr[c] * (gr[c] - dsum) * scale;
+            }
+            // dQ = dS EK, dEK += dS^T Q, dFV += P^T dO (dS carries the scale)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kp), 1.0f,
+                        g, int(kp), ek, int(d), 0.0f, dq.row(b, h, i0), int(dq.stride_row));
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(rows), 1.0f,
+                        g, int(kp), q.row(b, h, i0), int(q.stride_row), 1.0f, dek, int(d));
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(rows), 1.0f,
+                        pm, int(kp), dout.row(b, h, i0), int(dout.stride_row), 1.0f, dfv, int(d));
+          }
+          // dK = E^T dEK, dV = F^T dFV over the valid keys, a chunk of columns at a time
+          for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
+            const int64_t cols = std::min(kChunk, len - j0);
+            const float *et, *ft;
+            if (used_) {
+              et = kept_[size_t(h)].e.data() + j0 * kp;
+              ft = share_ ? et : kept_[size_t(h)].f.data() + j0 * kp;
+            } else {
+              linformer::projection_columns(p.seed, h, false, kp, j0, cols, gen.data());
+              if (!share_)
+                linformer::projection_columns(p.seed, h, true, kp, j0, cols,
+                                              gen.data() + cols_max * kp);
+              et = gen.data();
+              ft = share_ ? et : gen.data() + cols_max * kp;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(cols), int(d), int(kp), 1.0f,
+                        et, int(kp), dek, int(d), 0.0f, dk.row(b, h, j0), int(dk.stride_row));
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(cols), int(d), int(kp), 1.0f,
+                        ft, int(kp), dfv, int(d), 0.0f, dv.row(b, h, j0), int(dv.stride_row));
+          }
+        });
+    }
+    guard.rethrow();
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const double bh = double(p.batch * p.heads), k = double(k_), d = double(p.dim);
+    const double n = double(p.n), m = double(p.keys());
+    // S and dP again, dQ, dEK, dFV (2 n k d each), the softmax and dS (7 per score), dK and dV
+    // (2 m k d each); the projections drawn again (when not prepared) are not counted
+    return bh * (10.0 * n * k * d + 7.0 * n * k + 4.0 * m * k * d + 2.0 * n * d);
+  }
+  double saved_estimate(const Problem& p) const override {
+    return double(p.batch * p.heads * 2 * k_ * p.dim) * sizeof(float) +
+           double(sizeof(LinformerSaved));
+  }
+  double backward_memory_estimate(const Problem& p) const override {
+    const double f = sizeof(float);
+    const int64_t threads = team_threads();
+    const double per_thread =
+        double(2 * std::min(kBlockQ, p.n) * k_ + 2 * k_ * p.dim) * f +
+        (ready(p) ? 0.0 : double((share_ ? 1 : 2) * std::min(kChunk, p.keys()) * k_) * f);
+    return double(threads) * per_thread;
+  }
+
+  /// proj[(b H + h) 2 k d ...]: EK (k x d) followed by FV (k x d) of every (batch, head).
+  void project(const Problem& p, ConstTensorView k, ConstTensorView v, float* proj_out) {
+    const int64_t m = p.keys(), d = p.dim, B = p.batch, H = p.heads, kp = k_;
     const Plan pl = plan(p);
     const int64_t per_bh = 2 * kp * d;  // EK then FV
     // the longest valid key length of any batch element: no column of E or F past it is drawn
     const int64_t longest =
         p.key_lengths.empty() ? m : *std::max_element(p.key_lengths.begin(), p.key_lengths.end());
-    // proj[(b H + h) per_bh ...]: EK (k x d) followed by FV (k x d)
-    std::unique_ptr<float[]> proj(new float[size_t(B * H * per_bh)]);
+    float* proj = proj_out;
     used_ = ready(p);  // E and F from prepare()
 
     {
@@ -411,7 +550,7 @@ class Linformer final : public Variant {
               const float beta = c == c0 ? 0.0f : 1.0f;
               for (int64_t b = 0; b < B; ++b) {
                 float* dst = pl.splits > 1 ? partial.get() + (t * B + b) * per_bh
-                                           : proj.get() + (b * H + h) * per_bh;
+                                           : proj + (b * H + h) * per_bh;
                 // under key padding, only the chunk's valid keys of batch element b
                 const int64_t use =
                     p.key_lengths.empty()
@@ -437,7 +576,7 @@ class Linformer final : public Variant {
           for (int64_t bh = 0; bh < B * H; ++bh) {
             if (guard.failed()) continue;  // a partial sum is missing
             const int64_t b = bh / H, h = bh % H;
-            float* dst = proj.get() + bh * per_bh;
+            float* dst = proj + bh * per_bh;
             std::memcpy(dst, partial.get() + ((h * pl.splits) * B + b) * per_bh,
                         size_t(per_bh) * sizeof(float));
             for (int64_t s = 1; s < pl.splits; ++s) {
@@ -449,8 +588,12 @@ class Linformer final : public Variant {
       }
       guard.rethrow();
     }
+  }
 
-    // step 2: attention of every query block over the k projected keys
+  /// Step 2: attention of every query block over the k projected keys and values.
+  void attend(const Problem& p, ConstTensorView q, const float* proj, TensorView out) const {
+    const int64_t n = p.n, d = p.dim, B = p.batch, H = p.heads, kp = k_;
+    const int64_t per_bh = 2 * kp * d;
     const float scale = p.softmax_scale();
     const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = B * H * qblocks;
     OmpGuard guard;
@@ -467,7 +610,7 @@ class Linformer final : public Variant {
             for (int64_t r = 0; r < rows; ++r) std::fill_n(out.row(b, h, i0 + r), d, 0.0f);
             return;  // no valid key
           }
-          const float* ek = proj.get() + bh * per_bh;
+          const float* ek = proj + bh * per_bh;
           const float* fv = ek + kp * d;
           float* s = scores.get();
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(kp), int(d), 1.0f,
