@@ -35,7 +35,7 @@
 // out and every row's log-sum-exp (LseView); the backward recomputes P tile by tile for the
 // same (query tile, key block) pairs, with the same masks, in one loop for both cases. Its
 // tasks are (batch, head, key block), each summing its block's dK and dV; dQ is summed per
-// thread and reduced. Its tile products are Eigen's on every target.
+// thread and reduced. Its tile products are OpenBLAS sgemm calls on every target.
 //
 // Time O(B H n (keys per row) d); memory O(threads block_q (block_k + d)), plus the pattern
 // (backward: plus a dQ accumulator [B, H, n, d] per thread but one).

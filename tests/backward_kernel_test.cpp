@@ -268,6 +268,21 @@ TEST(BackwardKernel, LinformerPreparedProjectionsGiveTheSameGradients) {
     EXPECT_EQ(std::memcmp(a->data(), b->data(), size_t(a->numel()) * sizeof(float)), 0);
 }
 
+TEST(BackwardKernel, CompressedMatchesFiniteDifferences) {
+  // mean and conv pooling, ratios that leave a ragged last group, causal staircases with rows
+  // that see no complete group, key padding ending inside a group
+  for (const char* spec : {"compressed", "compressed:ratio=2,pool=conv", "compressed:ratio=1"})
+    check_all(spec, true);
+  // more pooled keys and query rows than one 64-row tile of the engine
+  for (bool causal : {false, true}) {
+    Problem p = test::problem(1, 2, 150, 203, 4, causal, 37);
+    if (!causal) p.key_lengths = {190};
+    SCOPED_TRACE(p.str());
+    Checker(Case{"compressed:ratio=2", p}).check(2, 2);
+    Checker(Case{"compressed:ratio=3,pool=conv", p}).check(2, 2);
+  }
+}
+
 TEST(BackwardKernel, GatedRfaMatchesFiniteDifferences) {
   // the causal ragged problems (rows with no key, key padding with an empty element, m != n)
   for (const char* spec : {"rfa:gate=true,features=8", "rfa:gate=true,features=32,sigma=2"})

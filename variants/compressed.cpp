@@ -32,6 +32,10 @@
 // derived problem (n queries, m' keys, no causal mask) with the staircase as its pattern
 // (non-causal: every pooled key). The pooled keys mix keys, so there is no pattern over the
 // original keys: make_pattern returns nullptr (no `attnbench pattern`, no mass).
+// Backward: forward_train keeps the pooled K' and V' and the rows' log-sum-exps; the engine's
+// block-sparse backward over the staircase gives dQ, dK' and dV', and the pooling's transpose
+// gives dK and dV (mean: dK_j = dK'_t / |group t|; conv: dK_{t r + s} = dK'_t Wk_s). The conv
+// weights are constants of the backward; padded keys get 0.
 // Oracle: pooling and softmax over the complete groups in double, with the same conv weights
 // (conv_weights, which forward() calls too).
 // Tolerance (the float32 error model of common/oracle.h): softmax attention over the pooled
@@ -50,6 +54,7 @@
 #include <vector>
 
 #include "common/block_sparse.h"
+#include "common/error.h"
 #include "common/oracle.h"
 #include "common/random.h"
 
@@ -150,26 +155,129 @@ void conv_pool(const float* x, int64_t ld, int64_t len, int64_t d, int64_t r, co
   }
 }
 
-class Compressed final : public Variant {
+/// What forward_train keeps: the pooled keys and values [B, H, m', d] and the rows'
+/// log-sum-exps over them [B, H, n].
+class CompressedSaved final : public SavedState {
+ public:
+  Tensor pk, pv;
+  std::vector<float> lse;
+};
+
+/// The transpose of mean_pool: dx_j = dy_t / |group t| for the len valid rows (stride ld).
+void mean_unpool(const float* dy, int64_t len, int64_t d, int64_t r, float* dx, int64_t ld) {
+  for (int64_t t = 0; t * r < len; ++t) {
+    const int64_t j0 = t * r, j1 = std::min(len, j0 + r);
+    const float count = float(j1 - j0);
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t c = 0; c < d; ++c) dx[j * ld + c] = dy[t * d + c] / count;
+  }
+}
+
+/// The transpose of conv_pool: dx_{t r + s} = dy_t W_s for the len valid rows (stride ld),
+/// one GEMM per tap over the rows s, s + r, s + 2r, ...
+void conv_unpool(const float* dy, int64_t len, int64_t d, int64_t r, const float* w, float* dx,
+                 int64_t ld) {
+  for (int64_t s = 0; s < std::min(r, len); ++s) {
+    const int64_t rows = (len - s + r - 1) / r;  // groups that have tap s
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(d), 1.0f, dy,
+                int(d), w + s * d * d, int(d), 0.0f, dx + s * ld, int(r * ld));
+  }
+}
+
+class Compressed final : public Variant, public Backward {
  public:
   Compressed(int64_t ratio, bool conv) : r_(ratio), conv_(conv) {}
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
+    const int64_t mp = pooled(p);
+    Tensor pk(Shape4{p.batch, p.heads, mp, p.dim}), pv(Shape4{p.batch, p.heads, mp, p.dim});
+    pool(p, k, v, pk, pv);
+    // pass 3: exact attention over the pooled keys, the staircase as the pattern
+    const StaircasePattern pat(p, r_, mp);
+    block_sparse_attention(derived(p), q, pk.view(), pv.view(), out, pat);
+  }
+
+  // The backward: the engine's block-sparse backward over the pooled keys (their gradients
+  // dK', dV'), then back through the pooling: mean, dK_j = dK'_t / |group t|; conv,
+  // dK_{t r + s} = dK'_t Wk_s (dV alike with Wv). The conv weights are constants.
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    const int64_t mp = pooled(p);
+    auto st = std::make_unique<CompressedSaved>();
+    st->pk = Tensor(Shape4{p.batch, p.heads, mp, p.dim});
+    st->pv = Tensor(Shape4{p.batch, p.heads, mp, p.dim});
+    st->lse.resize(size_t(p.batch * p.heads * p.n));
+    pool(p, k, v, st->pk, st->pv);
+    const StaircasePattern pat(p, r_, mp);
+    const LseView lse{st->lse.data(), p.heads * p.n, p.n, 1};
+    block_sparse_attention(derived(p), q, st->pk.view(), st->pv.view(), out, pat, &lse);
+    return st;
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
     const int64_t B = p.batch, H = p.heads, d = p.dim, mp = pooled(p);
-    // pass 1: the conv weights of every head, keys then values
-    std::vector<float> weights;
-    if (conv_) {
-      const int64_t per = r_ * d * d;
-      weights.resize(size_t(2 * H * per));
-#pragma omp parallel for schedule(static)
-      for (int64_t t = 0; t < 2 * H; ++t)
-        conv_weights(p.seed, t / 2, int(t % 2), r_, d, weights.data() + t * per);
+    const auto* st = dynamic_cast<const CompressedSaved*>(&saved);
+    if (!st || st->lse.size() != size_t(B * H * p.n) || st->pk.shape() != Shape4{B, H, mp, d})
+      throw UsageError("compressed: the saved state is not from its forward_train on this problem");
+    Tensor dpk(Shape4{B, H, mp, d}), dpv(Shape4{B, H, mp, d});
+    const StaircasePattern pat(p, r_, mp);
+    const LseView lse{const_cast<float*>(st->lse.data()), H * p.n, p.n, 1};
+    block_sparse_attention_backward(derived(p), q, st->pk.view(), st->pv.view(), out, dout, lse,
+                                    pat, dq, dpk.view(), dpv.view());
+    const std::vector<float> weights = conv_ ? all_conv_weights(p) : std::vector<float>();
+    const ConstTensorView gk = dpk.view(), gv = dpv.view();
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < B * H; ++t) {
+      const int64_t b = t / H, h = t % H, len = valid_keys(p, b);
+      for (int64_t j = len; j < p.keys(); ++j) {  // padded keys: no gradient
+        std::fill_n(dk.row(b, h, j), d, 0.0f);
+        std::fill_n(dv.row(b, h, j), d, 0.0f);
+      }
+      if (conv_) {
+        const float* wk = weights.data() + (2 * h) * r_ * d * d;
+        conv_unpool(gk.row(b, h, 0), len, d, r_, wk, dk.row(b, h, 0), dk.stride_row);
+        conv_unpool(gv.row(b, h, 0), len, d, r_, wk + r_ * d * d, dv.row(b, h, 0), dv.stride_row);
+      } else {
+        mean_unpool(gk.row(b, h, 0), len, d, r_, dk.row(b, h, 0), dk.stride_row);
+        mean_unpool(gv.row(b, h, 0), len, d, r_, dv.row(b, h, 0), dv.stride_row);
+      }
     }
-    // pass 2: pooled keys and values [B, H, m', d]; under key padding the first
-    // ceil(L_b / r) pooled rows of batch element b, from its valid keys (the rest are never
-    // read: the derived problem pads them and the staircase stops before them)
-    Tensor pk(Shape4{B, H, mp, d}), pv(Shape4{B, H, mp, d});
+  }
+
+  double backward_flops(const Problem& p) const override {
+    double m = 0;
+    for (int64_t b = 0; b < p.batch; ++b) m += double(valid_keys(p, b));
+    const double d = double(p.dim);
+    // the engine's backward (2.5 times its forward's scores), then the pooling's transpose
+    const double unpool = 2.0 * (conv_ ? 2.0 * m * d * d : m * d);
+    return 2.5 * (flops(p) - double(p.heads) * pool_flops(p)) + double(p.heads) * unpool;
+  }
+  double saved_estimate(const Problem& p) const override {
+    return double(p.batch * p.heads) * double(2 * pooled(p) * p.dim + p.n) * sizeof(float) +
+           double(sizeof(CompressedSaved));
+  }
+  double backward_memory_estimate(const Problem& p) const override {
+    const double f = sizeof(float);
+    const double grads = 2.0 * double(p.batch * p.heads * pooled(p) * p.dim) * f;
+    const double weights = conv_ ? 2.0 * double(p.heads * r_ * p.dim * p.dim) * f : 0.0;
+    const StaircasePattern pat(p, r_, pooled(p));
+    const Problem e = derived(p);
+    return grads + weights + block_sparse_backward_memory(e, kTile, listed_blocks(e, pat));
+  }
+
+  /// Pooled keys and values [B, H, m', d] (pk, pv); under key padding the first
+  /// ceil(L_b / r) pooled rows of batch element b, from its valid keys (the rest are never
+  /// read: the derived problem pads them and the staircase stops before them).
+  void pool(const Problem& p, ConstTensorView k, ConstTensorView v, Tensor& pk, Tensor& pv) const {
+    const int64_t B = p.batch, H = p.heads, d = p.dim;
+    // pass 1: the conv weights of every head, keys then values
+    const std::vector<float> weights = conv_ ? all_conv_weights(p) : std::vector<float>();
+    // pass 2: the pooled rows
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < B * H; ++t) {
       const int64_t b = t / H, h = t % H, len = valid_keys(p, b);
@@ -183,25 +291,35 @@ class Compressed final : public Variant {
         mean_pool(v.row(b, h, 0), v.stride_row, len, d, r_, pv.view().row(b, h, 0));
       }
     }
-    // pass 3: exact attention over the pooled keys, the staircase as the pattern
-    const StaircasePattern pat(p, r_, mp);
-    block_sparse_attention(derived(p), q, pk.view(), pv.view(), out, pat);
+  }
+
+  /// The conv weights of every head, keys then values: [H][2][r][d][d].
+  std::vector<float> all_conv_weights(const Problem& p) const {
+    const int64_t per = r_ * p.dim * p.dim;
+    std::vector<float> weights(size_t(2 * p.heads * per));
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < 2 * p.heads; ++t)
+      conv_weights(p.seed, t / 2, int(t % 2), r_, p.dim, weights.data() + t * per);
+    return weights;
+  }
+
+  /// FLOPs of pooling K and V of one head over every batch element: about m d adds (mean) or
+  /// 2 m d^2 (conv) each.
+  double pool_flops(const Problem& p) const {
+    double m = 0;
+    for (int64_t b = 0; b < p.batch; ++b) m += double(valid_keys(p, b));
+    const double d = double(p.dim);
+    return 2.0 * (conv_ ? 2.0 * m * d * d : m * d);
   }
 
   double flops(const Problem& p) const override {
     const int64_t mp = pooled(p);
     const StaircasePattern pat(p, r_, mp);
     const Problem e = derived(p);
-    // per head: the scores and the pooled (valid) keys of every batch element
-    double scores = 0, m = 0;
-    for (int64_t b = 0; b < p.batch; ++b) {
-      scores += pattern_scores(e, pat, b, 0);
-      m += double(valid_keys(p, b));
-    }
-    const double d = double(p.dim);
-    // pooling of K and V: about m d adds (mean) or 2 m d^2 (conv) each
-    const double pool = 2.0 * (conv_ ? 2.0 * m * d * d : m * d);
-    return double(p.heads) * (4.0 * d * scores + pool);
+    // per head: the scores of every batch element, and the pooling
+    double scores = 0;
+    for (int64_t b = 0; b < p.batch; ++b) scores += pattern_scores(e, pat, b, 0);
+    return double(p.heads) * (4.0 * double(p.dim) * scores + pool_flops(p));
   }
 
   double memory_estimate(const Problem& p) const override {
