@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "common/error.h"
@@ -143,6 +144,78 @@ TEST(Routing, OneClusterIsFullAttention) {
 TEST(Routing, CausalValuesOfLaterTokensNeverReachEarlierRows) {
   expect_later_values_never_reach_earlier_rows("routing", test::problem(2, 3, 300, 0, 16, true, 7),
                                                170);
+}
+
+// The backward pass differentiates the function on the forward's routes: float64 central
+// finite differences of oracle_on_routes with the routes held fixed (a perturbation that
+// moved a query or key to another cluster would otherwise change the function itself).
+TEST(Routing, BackwardMatchesFiniteDifferencesOnFrozenRoutes) {
+  struct Case {
+    int64_t n, m;
+    bool causal;
+    std::vector<int64_t> lengths;
+  };
+  const std::vector<Case> cases = {{40, 40, false, {}},
+                                   {40, 40, true, {}},
+                                   {37, 45, true, {}},
+                                   {45, 37, false, {37, 20}},
+                                   {33, 29, true, {29, 0}}};
+  constexpr double kStep = 0x1p-9, kTol = 1e-3;
+  for (const Case& c : cases) {
+    Problem p = test::problem(2, 2, c.n, c.m, 8, c.causal, 19 + uint64_t(c.n));
+    p.key_lengths = c.lengths;
+    SCOPED_TRACE(p.str());
+    Inputs in = generate_inputs(p);
+    for (Tensor* t : {&in.q, &in.k, &in.v})  // on a 2^-12 grid: x +- 2^-9 is exact in float
+      for (int64_t i = 0; i < t->numel(); ++i)
+        t->data()[i] = float(std::nearbyint(double(t->data()[i]) * 4096.0) / 4096.0);
+    Tensor dout(p.q_shape());
+    std::mt19937_64 rng(c.n * 7 + c.m);
+    std::normal_distribution<double> nd;
+    for (int64_t i = 0; i < dout.numel(); ++i) dout.data()[i] = float(nd(rng));
+    const char* spec = "routing:clusters=3,window=12,iterations=2";
+    auto var = make_variant(spec);
+    Tensor out(p.q_shape()), dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+    const auto saved = var->run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    var->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(), *saved,
+                      dq.view(), dk.view(), dv.view());
+    const routing::Sizes sz = routing::sizes(p, 3, 12, 4096);
+    std::vector<routing::Routes> routes;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h)
+        routes.push_back(routing::route(p, sz, 2, in.q.view(), in.k.view(), b, h));
+    auto loss = [&](const Tensor& qx, const Tensor& kx, const Tensor& vx) {
+      const auto o = routing::oracle_on_routes(p, sz, routes, qx.view(), kx.view(), vx.view());
+      double l = 0;
+      for (size_t i = 0; i < o.size(); ++i) l += double(dout.data()[i]) * o[i];
+      return l;
+    };
+    const Tensor* src[3] = {&in.q, &in.k, &in.v};
+    const Tensor* grads[3] = {&dq, &dk, &dv};
+    for (int which = 0; which < 3; ++which) {
+      SCOPED_TRACE(which);
+      const Tensor& g = *grads[which];
+      double norm = 0;
+      for (int64_t i = 0; i < g.numel(); ++i) norm += double(g.data()[i]) * g.data()[i];
+      norm = std::sqrt(norm);
+      for (int dir = 0; dir < 3; ++dir) {
+        std::vector<double> u(size_t(g.numel()));
+        double dot = 0;
+        for (int64_t i = 0; i < g.numel(); ++i) {
+          u[size_t(i)] = (rng() & 1) ? 1.0 : -1.0;
+          dot += u[size_t(i)] * double(g.data()[i]);
+        }
+        auto moved = [&](double sign) {
+          Tensor t(src[which]->shape());
+          for (int64_t i = 0; i < t.numel(); ++i)
+            t.data()[i] = float(double(src[which]->data()[i]) + sign * kStep * u[size_t(i)]);
+          return loss(which == 0 ? t : in.q, which == 1 ? t : in.k, which == 2 ? t : in.v);
+        };
+        const double fd = (moved(1.0) - moved(-1.0)) / (2.0 * kStep);
+        EXPECT_NEAR(dot, fd, kTol * norm) << "direction " << dir;
+      }
+    }
+  }
 }
 
 TEST(Routing, SeedChoosesTheCentroids) {

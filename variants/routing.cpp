@@ -33,6 +33,12 @@
 // alignment over the full m). L_b = 0 gives rows of 0.
 // Time O(iterations sample c d + (n + m) c d + c w_q w_k d) = O(n^1.5 d) with the defaults;
 // memory O(n d + c w_q d) for one head at a time.
+// Backward: forward_train keeps every head's routes (c (w_q + w_k) indices); the centroids,
+// memberships and top-w selections are constants of the backward. Per cluster it gathers the
+// queries, keys and values, recomputes P and the cluster's output, and runs softmax
+// attention's backward with query i's upstream gradient divided by the number of clusters
+// its output averages; dQ, dK, dV are scattered back (a row or key in several clusters sums
+// them). Tested against finite differences of oracle_on_routes with the routes frozen.
 #include "variants/routing.h"
 
 #include <cblas.h>
@@ -57,6 +63,7 @@
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
+#include "common/softmax.h"
 #include "common/tensor.h"
 #include "common/threads.h"
 #include "common/tile_attention.h"
@@ -337,6 +344,15 @@ Routes route(const Problem& p, const Sizes& all, int64_t iterations, ConstTensor
 
 std::vector<double> oracle(const Problem& p, const Sizes& sz, int64_t iterations, ConstTensorView q,
                            ConstTensorView k, ConstTensorView v, int64_t* unrouted) {
+  std::vector<Routes> routes;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) routes.push_back(route(p, sz, iterations, q, k, b, h));
+  return oracle_on_routes(p, sz, routes, q, k, v, unrouted);
+}
+
+std::vector<double> oracle_on_routes(const Problem& p, const Sizes& sz,
+                                     const std::vector<Routes>& routes, ConstTensorView q,
+                                     ConstTensorView k, ConstTensorView v, int64_t* unrouted) {
   const int64_t n = p.n, d = p.dim;
   const double scale = 1.0 / std::sqrt(double(d));
   std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
@@ -345,7 +361,7 @@ std::vector<double> oracle(const Problem& p, const Sizes& sz, int64_t iterations
   std::vector<int64_t> used(static_cast<size_t>(n)), seen;
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
-      const Routes r = route(p, sz, iterations, q, k, b, h);
+      const Routes& r = routes[size_t(b * p.heads + h)];
       std::fill(sum.begin(), sum.end(), 0.0);
       std::fill(used.begin(), used.end(), 0);
       for (int64_t u = 0; u < (r.wk > 0 ? sz.c : 0); ++u)
@@ -403,7 +419,13 @@ Sizes sizes_of(const Variant& var, const Problem& p) {
   return routing::sizes(p, pv.get_int("clusters"), pv.get_int("window"), pv.get_int("sample"));
 }
 
-class RoutingVariant final : public Variant {
+/// What forward_train keeps: the routes of every head, [b H + h].
+class RoutingSaved final : public SavedState {
+ public:
+  std::vector<Routes> routes;
+};
+
+class RoutingVariant final : public Variant, public Backward {
  public:
   RoutingVariant(int64_t clusters, int64_t window, int64_t iterations, int64_t sample)
       : clusters_(clusters), window_(window), iterations_(iterations), sample_(sample) {}
@@ -416,6 +438,70 @@ class RoutingVariant final : public Variant {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
+    run_heads(p, q, k, v, out, nullptr);
+  }
+
+  // The backward: the routes (clusters, their top-w queries and keys) are the forward's and
+  // constants of it; each cluster's softmax attention is differentiated as exact attention's,
+  // with the upstream gradient of query i divided among the clusters its output averages.
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto st = std::make_unique<RoutingSaved>();
+    st->routes.resize(size_t(p.batch * p.heads));
+    run_heads(p, q, k, v, out, &st->routes);
+    for (Routes& r : st->routes) r.centroids = {};  // the backward needs the memberships only
+    return st;
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const auto* st = dynamic_cast<const RoutingSaved*>(&saved);
+    if (!st || st->routes.size() != size_t(p.batch * p.heads))
+      throw UsageError("routing: the saved state is not from its forward_train on this problem");
+    const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::vector<float> buf;
+      std::vector<int32_t> used;
+      guard.run([&] {
+        buf.resize(size_t(cluster_floats(p, pl)));
+        used.resize(size_t(p.n));
+      });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
+        guard.run([&] {
+          backward_head(p, pl, st->routes[size_t(bh)], q, k, v, dout, dq, dk, dv, bh / p.heads,
+                        bh % p.heads, buf.data(), used.data());
+        });
+    }
+    guard.rethrow();
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
+    // per cluster: S, O again, dP, dQ, dK, dV (2 wq wk d each), the softmax and dS
+    return double(p.batch * p.heads) * double(pl.c) * double(pl.wq) * double(pl.wk) *
+           (12.0 * double(p.dim) + 8.0);
+  }
+  double saved_estimate(const Problem& p) const override {
+    const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
+    return double(p.batch * p.heads) *
+               (4.0 * double(pl.c) * double(pl.wq + pl.wk) + double(sizeof(Routes))) +
+           double(sizeof(RoutingSaved));
+  }
+  double backward_memory_estimate(const Problem& p) const override {
+    const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
+    return double(team_threads()) * (4.0 * double(cluster_floats(p, pl)) + 4.0 * double(p.n));
+  }
+
+  /// Every head's routes and attention; with `keep`, the routes of head (b, h) are kept in
+  /// (*keep)[b H + h].
+  void run_heads(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                 TensorView out, std::vector<Routes>* keep) {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
     const int64_t heads = p.batch * p.heads;
     int64_t unrouted = 0;
@@ -442,6 +528,7 @@ class RoutingVariant final : public Variant {
           }
           attend(p, pl, r, q, k, v, b, h, *ho);
           unrouted += combine(p, pl, r, out, b, h, *ho);
+          if (keep) (*keep)[size_t(bh)] = r;
         });
     }
     guard.rethrow();
@@ -520,6 +607,91 @@ class RoutingVariant final : public Variant {
       return 4.0 * double(pl.c * pl.wq) * double(p.dim + 2) + 8.0 * double(p.n + 1);
     }
   };
+
+  /// Floats of one thread's buffers for backward_head: a cluster's gathered Q, K, V, dO, O
+  /// (wq or wk rows of d) and its P and dP (wq x wk).
+  static int64_t cluster_floats(const Problem& p, const Sizes& pl) {
+    return (3 * pl.wq + 2 * pl.wk) * p.dim + 2 * pl.wq * pl.wk + pl.wq * p.dim;
+  }
+
+  /// The gradients of head (b, h) on its routes r: per cluster, gather its queries, keys and
+  /// values, recompute P (softmax over the keys each query may see) and the cluster's output
+  /// O, and with dO_i divided by the number of clusters row i averages over:
+  ///   dP = dO V^T, dS = P o (dP - rowsum(dO o O)), dQ = s dS K, dK = s dS^T Q, dV = P^T dO,
+  /// scattered back to the rows and keys (a key or query in several clusters sums them).
+  void backward_head(const Problem& p, const Sizes& pl, const Routes& r, ConstTensorView q,
+                     ConstTensorView k, ConstTensorView v, ConstTensorView dout, TensorView dq,
+                     TensorView dk, TensorView dv, int64_t b, int64_t h, float* buf,
+                     int32_t* used) const {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, wq = pl.wq, wk = r.wk;
+    for (int64_t i = 0; i < n; ++i) std::fill_n(dq.row(b, h, i), d, 0.0f);
+    for (int64_t j = 0; j < m; ++j) {
+      std::fill_n(dk.row(b, h, j), d, 0.0f);
+      std::fill_n(dv.row(b, h, j), d, 0.0f);
+    }
+    if (wk == 0) return;  // no valid key: every row is 0
+    const float scale = p.softmax_scale();
+    // the clusters each row's output averages: those that selected it and hold a key it sees
+    // (a cluster's keys ascend, so its first key decides)
+    std::fill_n(used, n, 0);
+    for (int64_t u = 0; u < pl.c; ++u)
+      for (int64_t t = 0; t < wq; ++t) {
+        const int32_t i = r.queries[size_t(u * wq + t)];
+        if (r.keys[size_t(u * wk)] < p.visible(b, i)) ++used[i];
+      }
+    float *gq = buf, *gk = gq + wq * d, *gv = gk + wk * d, *go = gv + wk * d, *oo = go + wq * d;
+    float *pm = oo + wq * d, *gp = pm + wq * wk, *gx = gp + wq * wk;  // gx: wq x d
+    for (int64_t u = 0; u < pl.c; ++u) {
+      const int32_t* qi = r.queries.data() + u * wq;
+      const int32_t* kj = r.keys.data() + u * wk;
+      for (int64_t t = 0; t < wq; ++t) {
+        std::copy_n(q.row(b, h, qi[t]), d, gq + t * d);
+        const float* g = dout.row(b, h, qi[t]);
+        const float w = used[qi[t]] > 0 ? 1.0f / float(used[qi[t]]) : 0.0f;
+        for (int64_t x = 0; x < d; ++x) go[t * d + x] = g[x] * w;
+      }
+      for (int64_t e = 0; e < wk; ++e) {
+        std::copy_n(k.row(b, h, kj[e]), d, gk + e * d);
+        std::copy_n(v.row(b, h, kj[e]), d, gv + e * d);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(wq), int(wk), int(d), 1.0f, gq,
+                  int(d), gk, int(d), 0.0f, pm, int(wk));
+      for (int64_t t = 0; t < wq; ++t) {
+        float* row = pm + t * wk;
+        const int64_t vis = p.visible(b, qi[t]);
+        int64_t seen = 0;  // keys ascend: the visible ones are a prefix
+        while (seen < wk && kj[seen] < vis) ++seen;
+        softmax_row(row, seen, scale);
+        std::fill(row + seen, row + wk, 0.0f);
+      }
+      // O = P V, dP = dO V^T, dS = s P o (dP - D)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(wq), int(d), int(wk), 1.0f, pm,
+                  int(wk), gv, int(d), 0.0f, oo, int(d));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(wq), int(wk), int(d), 1.0f, go,
+                  int(d), gv, int(d), 0.0f, gp, int(wk));
+      for (int64_t t = 0; t < wq; ++t) {
+        float D = 0.0f;
+        for (int64_t x = 0; x < d; ++x) D += go[t * d + x] * oo[t * d + x];
+        for (int64_t e = 0; e < wk; ++e)
+          gp[t * wk + e] = pm[t * wk + e] * (gp[t * wk + e] - D) * scale;
+      }
+      // dQ rows, then dK and dV rows (through gx and oo as scratch)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(wq), int(d), int(wk), 1.0f, gp,
+                  int(wk), gk, int(d), 0.0f, gx, int(d));
+      for (int64_t t = 0; t < wq; ++t) {
+        float* o = dq.row(b, h, qi[t]);
+        for (int64_t x = 0; x < d; ++x) o[x] += gx[t * d + x];
+      }
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(wk), int(d), int(wq), 1.0f, gp,
+                  int(wk), gq, int(d), 0.0f, gk, int(d));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(wk), int(d), int(wq), 1.0f, pm,
+                  int(wk), go, int(d), 0.0f, gv, int(d));
+      for (int64_t e = 0; e < wk; ++e) {
+        float *ok = dk.row(b, h, kj[e]), *ov = dv.row(b, h, kj[e]);
+        for (int64_t x = 0; x < d; ++x) ok[x] += gk[e * d + x], ov[x] += gv[e * d + x];
+      }
+    }
+  }
 
   /// Every cluster: its queries attend its keys (exact softmax, causal mask by position; the
   /// keys are valid ones, so key padding needs no mask).

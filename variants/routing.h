@@ -62,4 +62,11 @@ std::vector<double> oracle(const Problem& p, const Sizes& sizes, int64_t iterati
                            ConstTensorView q, ConstTensorView k, ConstTensorView v,
                            int64_t* unrouted = nullptr);
 
+/// The same function on given routes, routes[b H + h] for head (b, h): the function the
+/// backward pass differentiates, the routes being constants of it.
+std::vector<double> oracle_on_routes(const Problem& p, const Sizes& sizes,
+                                     const std::vector<Routes>& routes, ConstTensorView q,
+                                     ConstTensorView k, ConstTensorView v,
+                                     int64_t* unrouted = nullptr);
+
 }  // namespace attnbench::routing
