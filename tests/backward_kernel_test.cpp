@@ -283,6 +283,19 @@ TEST(BackwardKernel, CompressedMatchesFiniteDifferences) {
   }
 }
 
+TEST(BackwardKernel, NystromMatchesFiniteDifferences) {
+  // through the landmark means, the three softmaxes and the pinv iteration as it runs
+  check_all("nystrom:landmarks=4,pinv_iterations=3", false);
+  check_all("nystrom:landmarks=7", false);
+  // more keys than one 512-key chunk, key padding ending in the second, ragged segments
+  for (const auto& lengths : {std::vector<int64_t>{}, std::vector<int64_t>{600, 530}}) {
+    Problem p = test::problem(2, 1, 30, 600, 4, false, 43);
+    p.key_lengths = lengths;
+    SCOPED_TRACE(p.str());
+    Checker(Case{"nystrom:landmarks=5,pinv_iterations=4", p}).check(2, 2);
+  }
+}
+
 TEST(BackwardKernel, GatedRfaMatchesFiniteDifferences) {
   // the causal ragged problems (rows with no key, key padding with an empty element, m != n)
   for (const char* spec : {"rfa:gate=true,features=8", "rfa:gate=true,features=32,sigma=2"})

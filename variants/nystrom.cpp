@@ -57,6 +57,11 @@
 // Many iterations make the bound loose: the converged pseudo-inverse amplifies by cond(A),
 // which only the data decide.
 // Time O(B H ((n + m) L d + iterations L^3)); memory O(B H L d + threads L (512 + 256 + 5 L)).
+// Backward: the forward keeps nothing. Per head the backward recomputes Q~, K~, B (two passes
+// over the keys: row maxima, then sums and P V), A, Z (keeping its iterates) and W, then
+// differentiates each step in reverse (backward_head): F's softmax per query block, W = Z B,
+// the pinv iteration step by step with its starting scale 1 / (R C) (iterative_pinv_backward),
+// A's softmax, B's softmax per key chunk, and the landmark means.
 // Not causal: the landmarks mix all positions.
 #include <cblas.h>
 #include <omp.h>
@@ -67,6 +72,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/error.h"
 #include "common/key_split.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
@@ -113,8 +119,10 @@ void shifted_negation(int64_t L, T c, T* x) {
 }
 
 // Z = pinv(A) by `iters` iterations of the Nyströmformer iteration. work holds 3 L^2 values.
+// With `iterates`, Z_0 .. Z_{iters - 1} (the input of every iteration) are kept there, L^2
+// values each (for the backward).
 template <class T>
-void iterative_pinv(int64_t L, const T* a, int64_t iters, T* z, T* work) {
+void iterative_pinv(int64_t L, const T* a, int64_t iters, T* z, T* work, T* iterates = nullptr) {
   T max_row = 0, max_col = 0;
   for (int64_t i = 0; i < L; ++i) {
     T row = 0, col = 0;
@@ -126,6 +134,7 @@ void iterative_pinv(int64_t L, const T* a, int64_t iters, T* z, T* work) {
     for (int64_t j = 0; j < L; ++j) z[i * L + j] = a[j * L + i] * inv;
   T *az = work, *t1 = work + L * L, *t2 = work + 2 * L * L;
   for (int64_t it = 0; it < iters; ++it) {
+    if (iterates) std::memcpy(iterates + it * L * L, z, size_t(L * L) * sizeof(T));
     gemm_square(L, a, z, T(0), az);  // AZ
     std::memcpy(t1, az, size_t(L * L) * sizeof(T));
     shifted_negation(L, T(7), t1);             // 7I - AZ
@@ -135,6 +144,70 @@ void iterative_pinv(int64_t L, const T* a, int64_t iters, T* z, T* work) {
     shifted_negation(L, T(13), t1);            // 13I - ...
     gemm_square(L, z, t1, T(0), t2, T(0.25));  // Z <- Z (13I - ...) / 4
     std::memcpy(z, t2, size_t(L * L) * sizeof(T));
+  }
+}
+
+// The gradient dA of pinv(A) by iterative_pinv from dZ (the gradient of its result), given A
+// and the iterates Z_0 .. Z_{iters - 1}; dz is overwritten. Reverse mode through each step
+// Z' = Z T5 / 4, T5 = 13I - X T3, T3 = 15I - X T1, T1 = 7I - X, X = A Z, then through
+// Z_0 = A^T / (R C), R and C the largest row and column sums of |A| (A >= 0 here): the
+// argmax row and column take the gradient of R and C. work holds 6 L^2 values.
+void iterative_pinv_backward(int64_t L, const double* a, int64_t iters, const double* iterates,
+                             double* dz, double* da, double* work) {
+  double *x = work, *t1 = x + L * L, *t3 = t1 + L * L, *t5 = t3 + L * L, *dx = t5 + L * L,
+         *tmp = dx + L * L;
+  auto mul = [L](CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, double alpha, const double* p,
+                 const double* q, double beta, double* c) {
+    cblas_dgemm(CblasRowMajor, ta, tb, int(L), int(L), int(L), alpha, p, int(L), q, int(L), beta, c,
+                int(L));
+  };
+  std::fill(da, da + L * L, 0.0);
+  for (int64_t it = iters - 1; it >= 0; --it) {
+    const double* z = iterates + it * L * L;
+    // the step's intermediates again
+    gemm_square(L, a, z, 0.0, x);  // X = AZ
+    std::memcpy(t1, x, size_t(L * L) * sizeof(double));
+    shifted_negation(L, 7.0, t1);  // T1 = 7I - X
+    gemm_square(L, x, t1, 0.0, t3);
+    shifted_negation(L, 15.0, t3);  // T3 = 15I - X T1
+    gemm_square(L, x, t3, 0.0, t5);
+    shifted_negation(L, 13.0, t5);  // T5 = 13I - X T3
+    // Z' = Z T5 / 4: dT5 = Z^T dZ' / 4 (in tmp), dZ = dZ' T5^T / 4 (through dx, free here)
+    mul(CblasTrans, CblasNoTrans, 0.25, z, dz, 0.0, tmp);
+    mul(CblasNoTrans, CblasTrans, 0.25, dz, t5, 0.0, dx);
+    std::memcpy(dz, dx, size_t(L * L) * sizeof(double));
+    // T5 = 13I - X T3: dX = -dT5 T3^T, dT3 = -X^T dT5
+    mul(CblasNoTrans, CblasTrans, -1.0, tmp, t3, 0.0, dx);
+    mul(CblasTrans, CblasNoTrans, -1.0, x, tmp, 0.0, t3);  // t3 <- dT3
+    // T3 = 15I - X T1: dX -= dT3 T1^T, dT1 = -X^T dT3
+    mul(CblasNoTrans, CblasTrans, -1.0, t3, t1, 1.0, dx);
+    mul(CblasTrans, CblasNoTrans, -1.0, x, t3, 0.0, tmp);  // tmp <- dT1
+    // T1 = 7I - X: dX -= dT1
+    for (int64_t i = 0; i < L * L; ++i) dx[i] -= tmp[i];
+    // X = A Z: dA += dX Z^T, dZ += A^T dX
+    mul(CblasNoTrans, CblasTrans, 1.0, dx, z, 1.0, da);
+    mul(CblasTrans, CblasNoTrans, 1.0, a, dx, 1.0, dz);
+  }
+  // Z_0 = A^T inv, inv = 1 / (R C)
+  double rmax = -1, cmax = -1;
+  int64_t ri = 0, ci = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    double row = 0, col = 0;
+    for (int64_t j = 0; j < L; ++j) row += std::abs(a[i * L + j]), col += std::abs(a[j * L + i]);
+    if (row > rmax) rmax = row, ri = i;
+    if (col > cmax) cmax = col, ci = i;
+  }
+  const double inv = 1.0 / (rmax * cmax);
+  double dinv = 0;
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < L; ++j) {
+      da[i * L + j] += dz[j * L + i] * inv;
+      dinv += dz[j * L + i] * a[i * L + j];
+    }
+  const double dr = -dinv * inv / rmax, dc = -dinv * inv / cmax;
+  for (int64_t j = 0; j < L; ++j) {
+    da[ri * L + j] += dr * (a[ri * L + j] < 0 ? -1.0 : 1.0);
+    da[j * L + ci] += dc * (a[j * L + ci] < 0 ? -1.0 : 1.0);
   }
 }
 
@@ -151,7 +224,10 @@ void segment_means(const float* x, int64_t ld, int64_t len, int64_t d, int64_t L
   }
 }
 
-class Nystrom final : public Variant {
+/// What forward_train keeps: nothing (the backward recomputes the method from q, k, v).
+class NystromSaved final : public SavedState {};
+
+class Nystrom final : public Variant, public Backward {
  public:
   Nystrom(int64_t landmarks, int64_t iters) : landmarks_(landmarks), iters_(iters) {}
 
@@ -338,6 +414,59 @@ class Nystrom final : public Variant {
     guard.rethrow();
   }
 
+  // The backward recomputes the method per head and differentiates every step the forward
+  // runs (backward_head); the forward keeps nothing.
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    forward(p, q, k, v, out);
+    return std::make_unique<NystromSaved>();
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    if (!dynamic_cast<const NystromSaved*>(&saved))
+      throw UsageError("nystrom: the saved state is not from its forward_train");
+    const Plan pl = plan(p);
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::vector<float> fbuf;
+      std::vector<double> dbuf;
+      guard.run([&] {
+        fbuf.resize(size_t(backward_floats(p, pl.L)));
+        dbuf.resize(size_t(backward_doubles(pl.L, p.dim)));
+      });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
+        guard.run([&] {
+          backward_head(p, pl, bh / p.heads, bh % p.heads, q, k, v, dout, dq, dk, dv, fbuf.data(),
+                        dbuf.data());
+        });
+    }
+    guard.rethrow();
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double bh = double(p.batch * p.heads), L = double(pl.L), d = double(p.dim);
+    const double n = double(p.n), m = double(p.keys()), it = double(iters_);
+    // Q~ K^T three times and P V, dP, dQ~, dK (2 L m d each); Q K~^T, dF, dW, dQ, dK~ (2 n L d
+    // each); the pinv forward (8 L^3 per iteration) and backward (the step again, 6 L^3, and 8
+    // L^3); W = Z B, dZ, dB, A and its backward (about 10 L^2 d); softmaxes and landmarks
+    return bh * (12.0 * L * m * d + 10.0 * n * L * d + 22.0 * it * L * L * L + 10.0 * L * L * d +
+                 10.0 * (n * L + L * m + L * L) + 2.0 * (n + m) * d);
+  }
+  double saved_estimate(const Problem&) const override { return double(sizeof(NystromSaved)); }
+  double backward_memory_estimate(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double threads = double(std::min<int64_t>(team_threads(), p.batch * p.heads));
+    return threads * (double(backward_floats(p, pl.L)) * sizeof(float) +
+                      double(backward_doubles(pl.L, p.dim)) * sizeof(double));
+  }
+
   double flops(const Problem& p) const override {
     const Plan pl = plan(p);
     const double bh = double(p.batch * p.heads), L = double(pl.L), d = double(p.dim);
@@ -367,6 +496,169 @@ class Nystrom final : public Variant {
   }
 
  private:
+  // Float buffers of backward_head: Q~, K~, their gradients, W, dW (L x d each), row maxima
+  // and sums (L), a score tile and its gradient (max(block, chunk) x L each).
+  static int64_t backward_floats(const Problem& p, int64_t L) {
+    const int64_t tile = std::max({std::min(kBlockQ, p.n), std::min(kChunkK, p.keys()), L});
+    return 6 * L * p.dim + 2 * L + 2 * tile * L;
+  }
+  // Double buffers: A, Z, dA, dZ and the pinv backward's work (10 L^2), the iterates
+  // (iters L^2), B, dB (L x d each), the iteration's work (3 L^2).
+  int64_t backward_doubles(int64_t L, int64_t d) const { return (13 + iters_) * L * L + 2 * L * d; }
+
+  /// The gradients of head (b, h), every step of the forward differentiated in reverse:
+  ///   out = F W, F = softmax(s Q K~^T), W = Z B, Z = pinv(A), A = softmax(s Q~ K~^T),
+  ///   B = Pb V, Pb = softmax(s Q~ K^T) over the valid keys, Q~, K~ segment means;
+  /// dF = dO W^T, dW = F^T dO; dZ = dW B^T, dB = Z^T dW; dA from the iteration
+  /// (iterative_pinv_backward); each softmax's dS = P o (dP - rowsum(dP o P)) s; then the
+  /// landmark means spread dQ~ and dK~ over their segments. Padded keys get 0.
+  void backward_head(const Problem& p, const Plan& pl, int64_t b, int64_t h, ConstTensorView q,
+                     ConstTensorView k, ConstTensorView v, ConstTensorView dout, TensorView dq,
+                     TensorView dk, TensorView dv, float* fb, double* db) const {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, L = pl.L;
+    const int64_t len = valid_keys(p, b), Lb = landmarks(p, pl, b);
+    const float scale = p.softmax_scale();
+    for (int64_t j = 0; j < m; ++j) {
+      std::fill_n(dk.row(b, h, j), d, 0.0f);
+      std::fill_n(dv.row(b, h, j), d, 0.0f);
+    }
+    if (Lb == 0) {  // no valid key: the rows are 0
+      for (int64_t i = 0; i < n; ++i) std::fill_n(dq.row(b, h, i), d, 0.0f);
+      return;
+    }
+    float *qt = fb, *kt = qt + L * d, *dqt = kt + L * d, *dkt = dqt + L * d, *w = dkt + L * d;
+    float *dw = w + L * d, *mx = dw + L * d, *sum = mx + L, *st = sum + L;
+    const int64_t tile = std::max({std::min(kBlockQ, n), std::min(kChunkK, m), L});
+    float* gt = st + tile * L;
+    double *a = db, *z = a + L * L, *da = z + L * L, *dz = da + L * L, *work = dz + L * L;
+    double *iterates = work + 6 * L * L, *bb = iterates + iters_ * L * L, *dbb = bb + L * d;
+    double* pwork = dbb + L * d;  // 3 L^2
+    std::vector<double> acc(static_cast<size_t>(d));
+    segment_means(q.head(b, h), q.stride_row, n, d, Lb, qt, acc.data());
+    segment_means(k.head(b, h), k.stride_row, len, d, Lb, kt, acc.data());
+    std::fill(dqt, dqt + Lb * d, 0.0f);
+    std::fill(dkt, dkt + Lb * d, 0.0f);
+    // Pb's scores of the keys [j0, j0 + cols) into st (Lb x cols)
+    auto pb_scores = [&](int64_t j0, int64_t cols) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, qt,
+                  int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, st, int(cols));
+    };
+    // 1. B = Pb V: the row maxima, then the sums and P V
+    std::fill(mx, mx + Lb, -INFINITY);
+    for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
+      const int64_t cols = std::min(kChunkK, len - j0);
+      pb_scores(j0, cols);
+      for (int64_t r = 0; r < Lb; ++r) mx[r] = std::max(mx[r], row_max(st + r * cols, cols));
+    }
+    std::fill(sum, sum + Lb, 0.0f);
+    std::fill(w, w + Lb * d, 0.0f);  // w holds P V until B is formed
+    for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
+      const int64_t cols = std::min(kChunkK, len - j0);
+      pb_scores(j0, cols);
+      for (int64_t r = 0; r < Lb; ++r) sum[r] += exp_sum(st + r * cols, cols, scale, mx[r]);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, st,
+                  int(cols), v.row(b, h, j0), int(v.stride_row), 1.0f, w, int(d));
+    }
+    for (int64_t r = 0; r < Lb; ++r)
+      for (int64_t x = 0; x < d; ++x) bb[r * d + x] = double(w[r * d + x]) / double(sum[r]);
+    // 2. A, Z (keeping the iterates), W = Z B
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0f, qt, int(d),
+                kt, int(d), 0.0f, st, int(Lb));
+    for (int64_t r = 0; r < Lb; ++r) softmax_row(st + r * Lb, Lb, scale);
+    for (int64_t i = 0; i < Lb * Lb; ++i) a[i] = double(st[i]);
+    iterative_pinv(Lb, a, iters_, z, pwork, iterates);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0, z,
+                int(Lb), bb, int(d), 0.0, dbb, int(d));
+    for (int64_t i = 0; i < Lb * d; ++i) w[i] = float(dbb[i]);
+    // 3. out = F W per block of query rows: dQ (through F's scores), dK~, dW
+    std::fill(dw, dw + Lb * d, 0.0f);
+    for (int64_t i0 = 0; i0 < n; i0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, n - i0);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
+                  q.row(b, h, i0), int(q.stride_row), kt, int(d), 0.0f, st, int(Lb));
+      for (int64_t r = 0; r < rows; ++r) softmax_row(st + r * Lb, Lb, scale);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
+                  dout.row(b, h, i0), int(dout.stride_row), w, int(d), 0.0f, gt, int(Lb));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, st,
+                  int(Lb), dout.row(b, h, i0), int(dout.stride_row), 1.0f, dw, int(d));
+      softmax_grad(st, gt, rows, Lb, scale);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(Lb), 1.0f, gt,
+                  int(Lb), kt, int(d), 0.0f, dq.row(b, h, i0), int(dq.stride_row));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, gt,
+                  int(Lb), q.row(b, h, i0), int(q.stride_row), 1.0f, dkt, int(d));
+    }
+    // 4. W = Z B: dZ = dW B^T, dB = Z^T dW; then dA through the iteration
+    std::vector<double> dwd(size_t(Lb * d));
+    for (int64_t i = 0; i < Lb * d; ++i) dwd[size_t(i)] = double(dw[i]);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0, dwd.data(),
+                int(d), bb, int(d), 0.0, dz, int(Lb));
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0, z, int(Lb),
+                dwd.data(), int(d), 0.0, dbb, int(d));
+    iterative_pinv_backward(Lb, a, iters_, iterates, dz, da, work);
+    // 5. A = softmax(s Q~ K~^T): dQ~ += dS K~, dK~ += dS^T Q~
+    for (int64_t i = 0; i < Lb * Lb; ++i) st[i] = float(a[i]), gt[i] = float(da[i]);
+    softmax_grad(st, gt, Lb, Lb, scale);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
+                int(Lb), kt, int(d), 1.0f, dqt, int(d));
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
+                int(Lb), qt, int(d), 1.0f, dkt, int(d));
+    // 6. B = Pb V over chunks of keys: dV = Pb^T dB, dS = Pb o (dB V^T - rowsum(dB o B)) s,
+    // dQ~ += dS K, dK = dS^T Q~ (dw holds dB in float, the rows' D in sum)
+    for (int64_t r = 0; r < Lb; ++r) {
+      double D = 0;
+      for (int64_t x = 0; x < d; ++x) {
+        dw[r * d + x] = float(dbb[r * d + x]);
+        D += dbb[r * d + x] * bb[r * d + x];
+      }
+      gt[r] = float(D);
+    }
+    std::vector<float> dsum(gt, gt + Lb);
+    for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
+      const int64_t cols = std::min(kChunkK, len - j0);
+      pb_scores(j0, cols);
+      for (int64_t r = 0; r < Lb; ++r) {
+        exp_sum(st + r * cols, cols, scale, mx[r]);
+        const float inv = 1.0f / sum[r];
+        for (int64_t c = 0; c < cols; ++c) st[r * cols + c] *= inv;
+      }
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, st,
+                  int(cols), dw, int(d), 0.0f, dv.row(b, h, j0), int(dv.stride_row));
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, dw,
+                  int(d), v.row(b, h, j0), int(v.stride_row), 0.0f, gt, int(cols));
+      for (int64_t r = 0; r < Lb; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          gt[r * cols + c] = st[r * cols + c] * (gt[r * cols + c] - dsum[size_t(r)]) * scale;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, gt,
+                  int(cols), k.row(b, h, j0), int(k.stride_row), 1.0f, dqt, int(d));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, gt,
+                  int(cols), qt, int(d), 0.0f, dk.row(b, h, j0), int(dk.stride_row));
+    }
+    // 7. the landmark means: each row of a segment gets its landmark's gradient / its size
+    auto spread = [&](const float* g, int64_t rows, TensorView dx) {
+      for (int64_t r = 0; r < Lb; ++r) {
+        const int64_t lo = r * rows / Lb, hi = (r + 1) * rows / Lb;
+        const float inv = 1.0f / float(hi - lo);
+        for (int64_t i = lo; i < hi; ++i) {
+          float* o = dx.row(b, h, i);
+          for (int64_t x = 0; x < d; ++x) o[x] += g[r * d + x] * inv;
+        }
+      }
+    };
+    spread(dqt, n, dq);
+    spread(dkt, len, dk);
+  }
+
+  // g <- P o (g - rowsum(g o P)) s for rows x cols softmax probabilities P (row-major).
+  static void softmax_grad(const float* pm, float* g, int64_t rows, int64_t cols, float scale) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* pr = pm + r * cols;
+      float* gr = g + r * cols;
+      float dot = 0.0f;
+      for (int64_t c = 0; c < cols; ++c) dot += gr[c] * pr[c];
+      for (int64_t c = 0; c < cols; ++c) gr[c] = pr[c] * (gr[c] - dot) * scale;
+    }
+  }
+
   int64_t landmarks_, iters_;
 };
 
