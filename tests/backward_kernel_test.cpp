@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "common/inputs.h"
 #include "common/registry.h"
 #include "test_util.h"
+#include "variants/clustered.h"
 
 namespace attnbench {
 namespace {
@@ -82,8 +84,14 @@ struct Checker {
                       dk.view(), dv.view());
   }
 
+  // The function whose finite differences the gradient is checked against (the registered
+  // oracle unless a test sets another, e.g. one with the discrete choices frozen).
+  std::function<std::vector<double>(const Tensor&, const Tensor&, const Tensor&)> oracle;
+
   double loss(const Tensor& qx, const Tensor& kx, const Tensor& vx) const {
-    const std::vector<double> o = var->info().oracle(*var, c.p, qx.view(), kx.view(), vx.view());
+    const std::vector<double> o =
+        oracle ? oracle(qx, kx, vx)
+               : var->info().oracle(*var, c.p, qx.view(), kx.view(), vx.view());
     double l = 0;
     for (size_t i = 0; i < o.size(); ++i) l += double(dout.data()[i]) * o[i];
     return l;
@@ -294,6 +302,28 @@ TEST(BackwardKernel, NystromMatchesFiniteDifferences) {
     SCOPED_TRACE(p.str());
     Checker(Case{"nystrom:landmarks=5,pinv_iterations=4", p}).check(2, 2);
   }
+}
+
+// clustered: the clusters and top keys are the forward's, held fixed (finite differences of
+// oracle_on_choices): a perturbation that moved a query to another cluster, or a key into a
+// group's top keys, would change the function itself.
+TEST(BackwardKernel, ClusteredMatchesFiniteDifferencesOnFrozenChoices) {
+  for (const char* spec : {"clustered:clusters=4,bits=8", "clustered:clusters=3,bits=0,topk=5",
+                           "clustered:clusters=5,topk=3", "clustered:clusters=2,topk=40"})
+    for (Problem p : ragged(false)) {
+      SCOPED_TRACE(std::string(spec) + " " + p.str());
+      Checker ch(Case{spec, p});
+      const ParamValues& pv = ch.var->params();
+      const clustered::Settings s{.clusters = pv.get_int("clusters"),
+                                  .iterations = pv.get_int("iterations"),
+                                  .bits = int(pv.get_int("bits"))};
+      const int64_t topk = pv.get_int("topk");
+      const auto frozen = clustered::choices(p, s, topk, ch.q.view(), ch.k.view());
+      ch.oracle = [&, topk](const Tensor& qx, const Tensor& kx, const Tensor& vx) {
+        return clustered::oracle_on_choices(p, topk, frozen, qx.view(), kx.view(), vx.view());
+      };
+      ch.check();
+    }
 }
 
 TEST(BackwardKernel, GatedRfaMatchesFiniteDifferences) {

@@ -43,6 +43,11 @@
 // thread count.
 // Time O(B H (iterations n c + n d bits + c m d + n k d)) with codes (iterations n c d with
 // bits = 0); memory O(B H (n + c d) + threads (min(c, 128) m + n)).
+// Backward: the forward keeps nothing; the backward clusters the queries again (the same
+// clusters and top keys, deterministic functions of q and k) and holds them constant, as the
+// paper trains: dR_g = sum of the members' dO; the members' exact attention over T_g (scaled
+// by mhat_g) gives dq, dK_T, dV_T and dmhat_g; dA = dR V^T off T_g and dmhat_g on it; the
+// centroid softmax's backward gives dQ_G and dK, and each member gets dQ_g / |g|.
 // Departures from fast-transformers: it draws new planes on every call, initialises the
 // centroids with the first c codes, reseeds empty clusters at random and counts `iterations`
 // as the number of assignments; here planes and initial rows come from the seed per head,
@@ -68,6 +73,7 @@
 #include <memory>
 #include <utility>
 
+#include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
 #include "common/random.h"
@@ -445,7 +451,11 @@ Settings settings(const ParamValues& pv) {
                   .bits = int(pv.get_int("bits"))};
 }
 
-class Clustered final : public Variant {
+/// What forward_train keeps: nothing (the backward clusters the queries again, which gives
+/// the forward's clusters and top keys: both are deterministic functions of q and k).
+class ClusteredSaved final : public SavedState {};
+
+class Clustered final : public Variant, public Backward {
  public:
   Clustered(Settings s, int64_t topk) : s_(s), topk_(topk) {}
 
@@ -535,6 +545,62 @@ class Clustered final : public Variant {
     guard.rethrow();
   }
 
+  // The backward: the clusters and the top keys are constants (recomputed as the forward
+  // makes them); the centroid means, both softmaxes, mhat and the residual are differentiated
+  // (backward_head).
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    forward(p, q, k, v, out);
+    return std::make_unique<ClusteredSaved>();
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    if (!dynamic_cast<const ClusteredSaved*>(&saved))
+      throw UsageError("clustered: the saved state is not from its forward_train");
+    std::vector<Groups> groups(size_t(p.batch * p.heads));
+    cluster_all(p, q, groups);
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::vector<float> buf;
+      guard.run([&] { buf.resize(size_t(backward_floats(p))); });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
+        guard.run([&] {
+          backward_head(p, bh / p.heads, bh % p.heads, groups[size_t(bh)], q, k, v, dout, dq, dk,
+                        dv, buf.data());
+        });
+    }
+    guard.rethrow();
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const double bh = double(p.batch * p.heads), n = double(p.n), m = double(p.keys()),
+                 d = double(p.dim), c = double(std::min(s_.clusters, p.n)),
+                 kk = double(std::min(topk_, p.keys()));
+    // the clustering again (flops() less its attention part), then S, dA, dV, dQ_G and dK
+    // (2 c m d each), both softmax backward passes, and per member of the improved variant
+    // S2, O2, dP, dq, dK_T and dV_T (2 kk d each)
+    const double attention = 10.0 * c * m * d + 8.0 * c * m + 2.0 * n * d;
+    const double members = kk > 0 ? n * (12.0 * kk * d + 8.0 * kk) : 0.0;
+    return flops(p) + bh * (attention + members);
+  }
+  double saved_estimate(const Problem&) const override { return double(sizeof(ClusteredSaved)); }
+  // The forward's groups and clustering (memory_estimate), then per thread the buffers of
+  // backward_head and group_top_keys' scores, heap and lists.
+  double backward_memory_estimate(const Problem& p) const override {
+    const double c = double(std::min(s_.clusters, p.n)), m = double(p.keys());
+    const double kk = double(std::min(topk_, p.keys()));
+    const double top =
+        kk > 0 ? 4.0 * std::min(double(kChunkG), c) * m + 8.0 * kk + 4.0 * c * kk : 0;
+    return memory_estimate(p) +
+           double(team_threads()) * (double(backward_floats(p)) * sizeof(float) + top);
+  }
+
   double flops(const Problem& p) const override {
     const double bh = double(p.batch * p.heads), n = double(p.n), m = double(p.keys()),
                  d = double(p.dim), c = double(std::min(s_.clusters, p.n)),
@@ -614,6 +680,142 @@ class Clustered final : public Variant {
 
  private:
   // Step 1: clusters and groups of every head.
+  // Floats of one thread's buffers for backward_head: A, dA and the masked A (c x m each), dR
+  // and dQ_G (c x d each), mhat and dmhat (c), and for the improved members Q, dO, O2 (n x d
+  // each), P and dP (n x kk), K_T, V_T and their gradients (kk x d each).
+  int64_t backward_floats(const Problem& p) const {
+    const int64_t c = std::min(s_.clusters, p.n), m = p.keys(), d = p.dim, n = p.n;
+    const int64_t kk = std::min(topk_, m);
+    return 3 * c * m + 2 * c * d + 2 * c + (kk > 0 ? 3 * n * d + 2 * n * kk + 4 * kk * d : 0);
+  }
+
+  /// The gradients of head (b, h) with its groups gr. With A = softmax(s Q_G K^T) over the
+  /// valid keys, T_g the top keys, mhat_g = sum_{j in T_g} A_gj, R_g = sum_{j not in T_g} A_gj
+  /// v_j and member i's out_i = R_g + mhat_g P_i V_T, P_i = softmax(s q_i K_T^T):
+  ///   dR_g = sum_{i in g} dO_i;  per member, dO2_i = mhat_g dO_i, dmhat_g += dO_i . (P_i V_T),
+  ///   softmax attention's backward over T_g (dq_i, dK_T, dV_T);
+  ///   dA_gj = dR_g . v_j off T_g and dmhat_g on it, dV += A_masked^T dR,
+  ///   dS = A o (dA - rowsum(A o dA)) s, dQ_G = dS K, dK += dS^T Q_G, dq_i += dQ_g / |g|.
+  /// The plain variant is the case T empty. Padded keys get 0.
+  void backward_head(const Problem& p, int64_t b, int64_t h, const Groups& gr, ConstTensorView q,
+                     ConstTensorView k, ConstTensorView v, ConstTensorView dout, TensorView dq,
+                     TensorView dk, TensorView dv, float* buf) const {
+    const int64_t n = p.n, m = p.keys(), d = p.dim, G = gr.size();
+    const int64_t mb = valid_keys(p, b), kb = std::min(topk_, mb);
+    const float scale = p.softmax_scale();
+    for (int64_t i = 0; i < n; ++i) std::fill_n(dq.row(b, h, i), d, 0.0f);
+    for (int64_t j = 0; j < m; ++j) {
+      std::fill_n(dk.row(b, h, j), d, 0.0f);
+      std::fill_n(dv.row(b, h, j), d, 0.0f);
+    }
+    if (mb == 0 || G == 0) return;  // no key: the rows are 0
+    const std::vector<int32_t> top =
+        kb > 0 ? group_top_keys(gr, k.head(b, h), k.stride_row, mb, d, kb) : std::vector<int32_t>();
+    float *a = buf, *da = a + G * mb, *am = da + G * mb, *dr = am + G * mb, *dqg = dr + G * d;
+    float *mhat = dqg + G * d, *dmhat = mhat + G;
+    float *qm = dmhat + G, *om = qm + n * d, *o2 = om + n * d, *pm = o2 + n * d, *gp = pm + n * kb;
+    float *kt = gp + n * kb, *vt = kt + kb * d, *dkt = vt + kb * d, *dvt = dkt + kb * d;
+    // A, its masked copy and mhat
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(G), int(mb), int(d), 1.0f,
+                gr.means.data(), int(d), k.head(b, h), int(k.stride_row), 0.0f, a, int(mb));
+    for (int64_t g = 0; g < G; ++g) {
+      softmax_row(a + g * mb, mb, scale);
+      std::copy_n(a + g * mb, mb, am + g * mb);
+      float mass = 0.0f;
+      for (int64_t e = 0; e < kb; ++e) {
+        const int32_t j = top[size_t(g * kb + e)];
+        mass += a[g * mb + j];
+        am[g * mb + j] = 0.0f;
+      }
+      mhat[g] = mass;
+      dmhat[g] = 0.0f;
+    }
+    // dR_g, and the members' exact attention over T_g
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
+      const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
+      float* r = dr + g * d;
+      std::fill_n(r, d, 0.0f);
+      for (int64_t e = 0; e < count; ++e) {
+        const float* go = dout.row(b, h, mem[e]);
+        for (int64_t x = 0; x < d; ++x) r[x] += go[x];
+      }
+      if (kb == 0) continue;
+      const int32_t* tk = top.data() + g * kb;
+      for (int64_t e = 0; e < kb; ++e) {
+        std::copy_n(k.row(b, h, tk[e]), d, kt + e * d);
+        std::copy_n(v.row(b, h, tk[e]), d, vt + e * d);
+      }
+      for (int64_t e = 0; e < count; ++e) {
+        std::copy_n(q.row(b, h, mem[e]), d, qm + e * d);
+        std::copy_n(dout.row(b, h, mem[e]), d, om + e * d);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(count), int(kb), int(d), 1.0f, qm,
+                  int(d), kt, int(d), 0.0f, pm, int(kb));
+      for (int64_t e = 0; e < count; ++e) softmax_row(pm + e * kb, kb, scale);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(count), int(d), int(kb), 1.0f, pm,
+                  int(kb), vt, int(d), 0.0f, o2, int(d));
+      // dmhat = sum_i dO_i . O2_i; then dO2 = mhat dO (in om)
+      float dm = 0.0f;
+      for (int64_t i = 0; i < count * d; ++i) dm += om[i] * o2[i];
+      dmhat[g] = dm;
+      for (int64_t i = 0; i < count * d; ++i) om[i] *= mhat[g];
+      // dP = dO2 V_T^T, dS = P o (dP - rowsum(dO2 o O2)) s
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(count), int(kb), int(d), 1.0f, om,
+                  int(d), vt, int(d), 0.0f, gp, int(kb));
+      for (int64_t e = 0; e < count; ++e) {
+        float D = 0.0f;
+        for (int64_t x = 0; x < d; ++x) D += om[e * d + x] * o2[e * d + x];
+        for (int64_t t = 0; t < kb; ++t)
+          gp[e * kb + t] = pm[e * kb + t] * (gp[e * kb + t] - D) * scale;
+      }
+      // dq_i = dS K_T (through o2), dK_T = dS^T Q, dV_T = P^T dO2
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(count), int(d), int(kb), 1.0f, gp,
+                  int(kb), kt, int(d), 0.0f, o2, int(d));
+      for (int64_t e = 0; e < count; ++e) {
+        float* o = dq.row(b, h, mem[e]);
+        for (int64_t x = 0; x < d; ++x) o[x] += o2[e * d + x];
+      }
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kb), int(d), int(count), 1.0f, gp,
+                  int(kb), qm, int(d), 0.0f, dkt, int(d));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kb), int(d), int(count), 1.0f, pm,
+                  int(kb), om, int(d), 0.0f, dvt, int(d));
+      for (int64_t e = 0; e < kb; ++e) {
+        float *ok = dk.row(b, h, tk[e]), *ov = dv.row(b, h, tk[e]);
+        for (int64_t x = 0; x < d; ++x) ok[x] += dkt[e * d + x], ov[x] += dvt[e * d + x];
+      }
+    }
+    // dA = dR V^T off T, dmhat on T; dV += A_masked^T dR
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(G), int(mb), int(d), 1.0f, dr, int(d),
+                v.head(b, h), int(v.stride_row), 0.0f, da, int(mb));
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t e = 0; e < kb; ++e) da[g * mb + top[size_t(g * kb + e)]] = dmhat[g];
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(mb), int(d), int(G), 1.0f, am, int(mb),
+                dr, int(d), 1.0f, dv.head(b, h), int(dv.stride_row));
+    // the centroid softmax: dS, dQ_G = dS K, dK += dS^T Q_G
+    for (int64_t g = 0; g < G; ++g) {
+      const float* ar = a + g * mb;
+      float* gr2 = da + g * mb;
+      float dot = 0.0f;
+      for (int64_t j = 0; j < mb; ++j) dot += ar[j] * gr2[j];
+      for (int64_t j = 0; j < mb; ++j) gr2[j] = ar[j] * (gr2[j] - dot) * scale;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(G), int(d), int(mb), 1.0f, da,
+                int(mb), k.head(b, h), int(k.stride_row), 0.0f, dqg, int(d));
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(mb), int(d), int(G), 1.0f, da, int(mb),
+                gr.means.data(), int(d), 1.0f, dk.head(b, h), int(dk.stride_row));
+    // the means: each member gets dQ_g / |g|
+    for (int64_t g = 0; g < G; ++g) {
+      const int32_t* mem = gr.members.data() + gr.start[size_t(g)];
+      const int64_t count = gr.start[size_t(g) + 1] - gr.start[size_t(g)];
+      const float inv = 1.0f / float(count);
+      for (int64_t e = 0; e < count; ++e) {
+        float* o = dq.row(b, h, mem[e]);
+        for (int64_t x = 0; x < d; ++x) o[x] += dqg[g * d + x] * inv;
+      }
+    }
+  }
+
   void cluster_all(const Problem& p, ConstTensorView q, std::vector<Groups>& groups) const {
     const int64_t BH = p.batch * p.heads, H = p.heads;
     const bool per_head = BH >= team_threads();
@@ -695,12 +897,35 @@ std::vector<int32_t> group_top_keys(const Groups& gr, const float* k, int64_t ld
   return keys;
 }
 
+std::vector<Choices> choices(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
+                             ConstTensorView k) {
+  std::vector<Choices> out;
+  Clusters cl;
+  Groups gr;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const int64_t m = p.key_lengths.empty() ? p.keys() : p.key_lengths[size_t(b)];
+      cluster_queries(q.head(b, h), q.stride_row, p.n, p.dim, s, p.seed, h, false, cl);
+      group_queries(q.head(b, h), q.stride_row, p.n, p.dim, cl.assign.data(), cl.c, gr);
+      out.push_back(Choices{
+          cl.assign, cl.c,
+          m == 0 ? std::vector<int32_t>()
+                 : group_top_keys(gr, k.head(b, h), k.stride_row, m, p.dim, std::min(topk, m))});
+    }
+  return out;
+}
+
 std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
                            ConstTensorView k, ConstTensorView v) {
+  return oracle_on_choices(p, topk, choices(p, s, topk, q, k), q, k, v);
+}
+
+std::vector<double> oracle_on_choices(const Problem& p, int64_t topk,
+                                      const std::vector<Choices>& choices, ConstTensorView q,
+                                      ConstTensorView k, ConstTensorView v) {
   const int64_t n = p.n, d = p.dim;
   const double scale = 1.0 / std::sqrt(double(d));
   std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
-  Clusters cl;
   Groups gr;
   std::vector<double> centre(static_cast<size_t>(d)), a, rest(static_cast<size_t>(d)), w;
   std::vector<uint8_t> in_top;
@@ -714,9 +939,9 @@ std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, Co
       a.assign(size_t(m), 0.0);
       w.assign(size_t(kk), 0.0);
       in_top.assign(size_t(m), 0);
-      cluster_queries(q.head(b, h), q.stride_row, n, d, s, p.seed, h, false, cl);
-      group_queries(q.head(b, h), q.stride_row, n, d, cl.assign.data(), cl.c, gr);
-      const std::vector<int32_t> top = group_top_keys(gr, k.head(b, h), k.stride_row, m, d, kk);
+      const Choices& ch = choices[size_t(b * p.heads + h)];
+      group_queries(q.head(b, h), q.stride_row, n, d, ch.assign.data(), ch.c, gr);
+      const std::vector<int32_t>& top = ch.top;
       double* o = out.data() + (b * p.heads + h) * n * d;
       for (int64_t g = 0; g < gr.size(); ++g) {
         const int32_t* mem = gr.members.data() + gr.start[size_t(g)];

@@ -89,4 +89,20 @@ std::vector<int32_t> group_top_keys(const Groups& gr, const float* k, int64_t ld
 std::vector<double> oracle(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
                            ConstTensorView k, ConstTensorView v);
 
+/// The discrete choices of one head: the final assignment of its queries to c clusters and
+/// the top keys of its groups ([g kk, (g + 1) kk), kk = min(topk, valid keys)).
+struct Choices {
+  std::vector<int32_t> assign;
+  int64_t c = 0;
+  std::vector<int32_t> top;
+};
+/// The choices forward() makes on every head, [b H + h].
+std::vector<Choices> choices(const Problem& p, const Settings& s, int64_t topk, ConstTensorView q,
+                             ConstTensorView k);
+/// oracle() on given choices: the function the backward pass differentiates (the centroid
+/// means follow q; the memberships and top keys are constants).
+std::vector<double> oracle_on_choices(const Problem& p, int64_t topk,
+                                      const std::vector<Choices>& choices, ConstTensorView q,
+                                      ConstTensorView k, ConstTensorView v);
+
 }  // namespace attnbench::clustered
