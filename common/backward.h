@@ -33,6 +33,9 @@ class SavedState {
   virtual ~SavedState() = default;
 };
 
+/// The saved state of a backward that recomputes what it needs from q, k and v: nothing.
+class NothingSaved final : public SavedState {};
+
 /// The backward pass of a variant (Variant::backward()).
 class Backward {
  public:

@@ -451,10 +451,6 @@ Settings settings(const ParamValues& pv) {
                   .bits = int(pv.get_int("bits"))};
 }
 
-/// What forward_train keeps: nothing (the backward clusters the queries again, which gives
-/// the forward's clusters and top keys: both are deterministic functions of q and k).
-class ClusteredSaved final : public SavedState {};
-
 class Clustered final : public Variant, public Backward {
  public:
   Clustered(Settings s, int64_t topk) : s_(s), topk_(topk) {}
@@ -553,13 +549,13 @@ class Clustered final : public Variant, public Backward {
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
     forward(p, q, k, v, out);
-    return std::make_unique<ClusteredSaved>();
+    return std::make_unique<NothingSaved>();
   }
 
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    if (!dynamic_cast<const ClusteredSaved*>(&saved))
+    if (!dynamic_cast<const NothingSaved*>(&saved))
       throw UsageError("clustered: the saved state is not from its forward_train");
     std::vector<Groups> groups(size_t(p.batch * p.heads));
     cluster_all(p, q, groups);
@@ -589,7 +585,7 @@ class Clustered final : public Variant, public Backward {
     const double members = kk > 0 ? n * (12.0 * kk * d + 8.0 * kk) : 0.0;
     return flops(p) + bh * (attention + members);
   }
-  double saved_estimate(const Problem&) const override { return double(sizeof(ClusteredSaved)); }
+  double saved_estimate(const Problem&) const override { return double(sizeof(NothingSaved)); }
   // The forward's groups and clustering (memory_estimate), then per thread the buffers of
   // backward_head and group_top_keys' scores, heap and lists.
   double backward_memory_estimate(const Problem& p) const override {

@@ -174,7 +174,7 @@ class Efficient final : public Variant, public Backward {
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
     forward(p, q, k, v, out);
-    return std::make_unique<SavedState>();
+    return std::make_unique<NothingSaved>();
   }
 
   // With Sq = softmax_row(Q), Pk = softmax_col(K) over the L_b valid keys, G = Pk^T V,

@@ -224,9 +224,6 @@ void segment_means(const float* x, int64_t ld, int64_t len, int64_t d, int64_t L
   }
 }
 
-/// What forward_train keeps: nothing (the backward recomputes the method from q, k, v).
-class NystromSaved final : public SavedState {};
-
 class Nystrom final : public Variant, public Backward {
  public:
   Nystrom(int64_t landmarks, int64_t iters) : landmarks_(landmarks), iters_(iters) {}
@@ -421,13 +418,13 @@ class Nystrom final : public Variant, public Backward {
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
     forward(p, q, k, v, out);
-    return std::make_unique<NystromSaved>();
+    return std::make_unique<NothingSaved>();
   }
 
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    if (!dynamic_cast<const NystromSaved*>(&saved))
+    if (!dynamic_cast<const NothingSaved*>(&saved))
       throw UsageError("nystrom: the saved state is not from its forward_train");
     const Plan pl = plan(p);
     OmpGuard guard;
@@ -459,7 +456,7 @@ class Nystrom final : public Variant, public Backward {
     return bh * (12.0 * L * m * d + 10.0 * n * L * d + 22.0 * it * L * L * L + 10.0 * L * L * d +
                  10.0 * (n * L + L * m + L * L) + 2.0 * (n + m) * d);
   }
-  double saved_estimate(const Problem&) const override { return double(sizeof(NystromSaved)); }
+  double saved_estimate(const Problem&) const override { return double(sizeof(NothingSaved)); }
   double backward_memory_estimate(const Problem& p) const override {
     const Plan pl = plan(p);
     const double threads = double(std::min<int64_t>(team_threads(), p.batch * p.heads));

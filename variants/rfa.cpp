@@ -460,9 +460,6 @@ void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate
   }
 }
 
-/// What forward_train keeps for the gated backward: nothing (it rebuilds the recurrence).
-class GatedSaved final : public SavedState {};
-
 class Rfa final : public Variant, public Backward {
  public:
   explicit Rfa(const ParamValues& pv)
@@ -518,7 +515,7 @@ class Rfa final : public Variant, public Backward {
                                             ConstTensorView v, TensorView out) override {
     if (gate_) {
       forward(p, q, k, v, out);
-      return std::make_unique<GatedSaved>();
+      return std::make_unique<NothingSaved>();
     }
     auto saved = std::make_unique<ka::RowDenominators>(p);
     Heads::Heads fresh;
@@ -539,7 +536,7 @@ class Rfa final : public Variant, public Backward {
                 TensorView dk, TensorView dv) override {
     Heads::Heads fresh;
     if (gate_) {
-      if (!dynamic_cast<const GatedSaved*>(&saved))
+      if (!dynamic_cast<const NothingSaved*>(&saved))
         throw UsageError("rfa: the saved state is not from its forward_train with gate=true");
       const Heads::Heads& drawn = heads_.get(
           p, [&](int64_t h) { return make_head(p, h); }, fresh);
@@ -590,7 +587,7 @@ class Rfa final : public Variant, public Backward {
                                      fm.query_backward_flops(), fm.key_backward_flops());
   }
   double saved_estimate(const Problem& p) const override {
-    return gate_ ? double(sizeof(GatedSaved)) : ka::RowDenominators::bytes(p);
+    return gate_ ? double(sizeof(NothingSaved)) : ka::RowDenominators::bytes(p);
   }
   // the projections (and gates) only when they are drawn for this call (not prepared)
   double backward_memory_estimate(const Problem& p) const override {
