@@ -1,6 +1,6 @@
 // The training pass: an optional capability a variant opts into by returning a Backward from
 // Variant::backward(). `list` derives its `backward` column from that pointer, so no flag can
-// claim a backward pass that is not implemented.
+// claim a backward pass a variant lacks.
 //
 // For a variant computing O = f(Q, K, V) and an upstream gradient dO, the backward pass writes
 // the gradients of L = sum(dO ∘ O):
@@ -20,7 +20,9 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
+#include "common/error.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
@@ -34,7 +36,15 @@ class SavedState {
 };
 
 /// The saved state of a backward that recomputes what it needs from q, k and v: nothing.
-class NothingSaved final : public SavedState {};
+class NothingSaved final : public SavedState {
+ public:
+  /// UsageError naming `variant` unless `saved` is a NothingSaved (another variant's state).
+  static void expect(const SavedState& saved, const char* variant) {
+    if (!dynamic_cast<const NothingSaved*>(&saved))
+      throw UsageError(std::string(variant) +
+                       ": the saved state is not from its forward_train (it keeps nothing)");
+  }
+};
 
 /// The backward pass of a variant (Variant::backward()).
 class Backward {

@@ -555,8 +555,7 @@ class Clustered final : public Variant, public Backward {
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    if (!dynamic_cast<const NothingSaved*>(&saved))
-      throw UsageError("clustered: the saved state is not from its forward_train");
+    NothingSaved::expect(saved, "clustered");
     std::vector<Groups> groups(size_t(p.batch * p.heads));
     cluster_all(p, q, groups);
     OmpGuard guard;

@@ -185,8 +185,9 @@ class Efficient final : public Variant, public Backward {
   // Per (batch, head): the keys (max, sums, G), the queries in blocks (dq, dG), the keys
   // again (dk, dv).
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                ConstTensorView, ConstTensorView dout, const SavedState&, TensorView dq,
+                ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
+    NothingSaved::expect(saved, "efficient");
     const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
     const int64_t dd = d * d, rows_max = std::max(std::min(kChunkK, m), std::min(kBlockQ, n));
     OmpGuard guard;

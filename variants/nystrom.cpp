@@ -424,8 +424,7 @@ class Nystrom final : public Variant, public Backward {
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    if (!dynamic_cast<const NothingSaved*>(&saved))
-      throw UsageError("nystrom: the saved state is not from its forward_train");
+    NothingSaved::expect(saved, "nystrom");
     const Plan pl = plan(p);
     OmpGuard guard;
 #pragma omp parallel

@@ -536,8 +536,7 @@ class Rfa final : public Variant, public Backward {
                 TensorView dk, TensorView dv) override {
     Heads::Heads fresh;
     if (gate_) {
-      if (!dynamic_cast<const NothingSaved*>(&saved))
-        throw UsageError("rfa: the saved state is not from its forward_train with gate=true");
+      NothingSaved::expect(saved, "rfa:gate=true");
       const Heads::Heads& drawn = heads_.get(
           p, [&](int64_t h) { return make_head(p, h); }, fresh);
       const int64_t heads = p.batch * p.heads;
