@@ -113,4 +113,29 @@ inline float softmax_row(float* x, int64_t len, float scale) {
   return sum;
 }
 
+/// Sum of a[c] b[c] over [0, len).
+inline float dot(const float* a, const float* b, int64_t len) {
+  float sum = 0.0f;
+  for (int64_t c = 0; c < len; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+/// The backward of one softmax row (softmax_row's output p, `len` entries): the gradient g of
+/// the loss in p becomes the gradient in the row's unscaled logits, g <- p o (g - D) scale.
+/// D = rowsum(p o g); for an attention row O = P V with upstream dO it equals dO . O, which
+/// callers holding both pass instead.
+inline void softmax_backward_row(const float* p, float* g, int64_t len, float D, float scale) {
+  for (int64_t c = 0; c < len; ++c) g[c] = p[c] * (g[c] - D) * scale;
+}
+
+/// softmax_backward_row over `rows` rows of `cols` (row-major, no gaps), D from p and g.
+inline void softmax_backward_rows(const float* p, float* g, int64_t rows, int64_t cols,
+                                  float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + r * cols;
+    float* gr = g + r * cols;
+    softmax_backward_row(pr, gr, cols, dot(pr, gr, cols), scale);
+  }
+}
+
 }  // namespace attnbench

@@ -758,12 +758,8 @@ class Clustered final : public Variant, public Backward {
       // dP = dO2 V_T^T, dS = P o (dP - rowsum(dO2 o O2)) s
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(count), int(kb), int(d), 1.0f, om,
                   int(d), vt, int(d), 0.0f, gp, int(kb));
-      for (int64_t e = 0; e < count; ++e) {
-        float D = 0.0f;
-        for (int64_t x = 0; x < d; ++x) D += om[e * d + x] * o2[e * d + x];
-        for (int64_t t = 0; t < kb; ++t)
-          gp[e * kb + t] = pm[e * kb + t] * (gp[e * kb + t] - D) * scale;
-      }
+      for (int64_t e = 0; e < count; ++e)
+        softmax_backward_row(pm + e * kb, gp + e * kb, kb, dot(om + e * d, o2 + e * d, d), scale);
       // dq_i = dS K_T (through o2), dK_T = dS^T Q, dV_T = P^T dO2
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(count), int(d), int(kb), 1.0f, gp,
                   int(kb), kt, int(d), 0.0f, o2, int(d));
@@ -788,13 +784,7 @@ class Clustered final : public Variant, public Backward {
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(mb), int(d), int(G), 1.0f, am, int(mb),
                 dr, int(d), 1.0f, dv.head(b, h), int(dv.stride_row));
     // the centroid softmax: dS, dQ_G = dS K, dK += dS^T Q_G
-    for (int64_t g = 0; g < G; ++g) {
-      const float* ar = a + g * mb;
-      float* gr2 = da + g * mb;
-      float dot = 0.0f;
-      for (int64_t j = 0; j < mb; ++j) dot += ar[j] * gr2[j];
-      for (int64_t j = 0; j < mb; ++j) gr2[j] = ar[j] * (gr2[j] - dot) * scale;
-    }
+    softmax_backward_rows(a, da, G, mb, scale);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(G), int(d), int(mb), 1.0f, da,
                 int(mb), k.head(b, h), int(k.stride_row), 0.0f, dqg, int(d));
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(mb), int(d), int(G), 1.0f, da, int(mb),

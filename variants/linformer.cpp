@@ -448,11 +448,8 @@ class Linformer final : public Variant, public Backward {
               float* pr = pm + r * kp;
               float* gr = g + r * kp;
               softmax_row(pr, kp, scale);
-              const float* o = out.row(b, h, i0 + r);
-              const float* go = dout.row(b, h, i0 + r);
-              float dsum = 0.0f;
-              for (int64_t c = 0; c < d; ++c) dsum += o[c] * go[c];
-              for (int64_t c = 0; c < kp; ++c) gr[c] = pr[c] * (gr[c] - dsum) * scale;
+              softmax_backward_row(pr, gr, kp,
+                                   dot(out.row(b, h, i0 + r), dout.row(b, h, i0 + r), d), scale);
             }
             // dQ = dS EK, dEK += dS^T Q, dFV += P^T dO (dS carries the scale)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kp), 1.0f,

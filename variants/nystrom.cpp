@@ -577,7 +577,7 @@ class Nystrom final : public Variant, public Backward {
                   dout.row(b, h, i0), int(dout.stride_row), w, int(d), 0.0f, gt, int(Lb));
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, st,
                   int(Lb), dout.row(b, h, i0), int(dout.stride_row), 1.0f, dw, int(d));
-      softmax_grad(st, gt, rows, Lb, scale);
+      softmax_backward_rows(st, gt, rows, Lb, scale);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(Lb), 1.0f, gt,
                   int(Lb), kt, int(d), 0.0f, dq.row(b, h, i0), int(dq.stride_row));
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, gt,
@@ -593,7 +593,7 @@ class Nystrom final : public Variant, public Backward {
     iterative_pinv_backward(Lb, a, iters_, iterates, dz, da, work);
     // 5. A = softmax(s Q~ K~^T): dQ~ += dS K~, dK~ += dS^T Q~
     for (int64_t i = 0; i < Lb * Lb; ++i) st[i] = float(a[i]), gt[i] = float(da[i]);
-    softmax_grad(st, gt, Lb, Lb, scale);
+    softmax_backward_rows(st, gt, Lb, Lb, scale);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
                 int(Lb), kt, int(d), 1.0f, dqt, int(d));
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
@@ -622,8 +622,7 @@ class Nystrom final : public Variant, public Backward {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, dw,
                   int(d), v.row(b, h, j0), int(v.stride_row), 0.0f, gt, int(cols));
       for (int64_t r = 0; r < Lb; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          gt[r * cols + c] = st[r * cols + c] * (gt[r * cols + c] - dsum[size_t(r)]) * scale;
+        softmax_backward_row(st + r * cols, gt + r * cols, cols, dsum[size_t(r)], scale);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, gt,
                   int(cols), k.row(b, h, j0), int(k.stride_row), 1.0f, dqt, int(d));
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, gt,
@@ -642,17 +641,6 @@ class Nystrom final : public Variant, public Backward {
     };
     spread(dqt, n, dq);
     spread(dkt, len, dk);
-  }
-
-  // g <- P o (g - rowsum(g o P)) s for rows x cols softmax probabilities P (row-major).
-  static void softmax_grad(const float* pm, float* g, int64_t rows, int64_t cols, float scale) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* pr = pm + r * cols;
-      float* gr = g + r * cols;
-      float dot = 0.0f;
-      for (int64_t c = 0; c < cols; ++c) dot += gr[c] * pr[c];
-      for (int64_t c = 0; c < cols; ++c) gr[c] = pr[c] * (gr[c] - dot) * scale;
-    }
   }
 
   int64_t landmarks_, iters_;

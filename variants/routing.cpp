@@ -483,9 +483,9 @@ class RoutingVariant final : public Variant, public Backward {
 
   double backward_flops(const Problem& p) const override {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
-    // per cluster: S, O again, dP, dQ, dK, dV (2 wq wk d each), the softmax and dS
+    // per cluster: S again, dP, dQ, dK, dV (2 wq wk d each), the softmax and dS
     return double(p.batch * p.heads) * double(pl.c) * double(pl.wq) * double(pl.wk) *
-           (12.0 * double(p.dim) + 8.0);
+           (10.0 * double(p.dim) + 8.0);
   }
   double saved_estimate(const Problem& p) const override {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
@@ -608,16 +608,16 @@ class RoutingVariant final : public Variant, public Backward {
     }
   };
 
-  /// Floats of one thread's buffers for backward_head: a cluster's gathered Q, K, V, dO, O
-  /// (wq or wk rows of d) and its P and dP (wq x wk).
+  /// Floats of one thread's buffers for backward_head: a cluster's gathered Q, K, V, dO (wq or
+  /// wk rows of d), its P and dP (wq x wk) and the cluster's dQ rows (wq x d).
   static int64_t cluster_floats(const Problem& p, const Sizes& pl) {
-    return (3 * pl.wq + 2 * pl.wk) * p.dim + 2 * pl.wq * pl.wk + pl.wq * p.dim;
+    return (2 * pl.wq + 2 * pl.wk) * p.dim + 2 * pl.wq * pl.wk + pl.wq * p.dim;
   }
 
   /// The gradients of head (b, h) on its routes r: per cluster, gather its queries, keys and
-  /// values, recompute P (softmax over the keys each query may see) and the cluster's output
-  /// O, and with dO_i divided by the number of clusters row i averages over:
-  ///   dP = dO V^T, dS = P o (dP - rowsum(dO o O)), dQ = s dS K, dK = s dS^T Q, dV = P^T dO,
+  /// values, recompute P (softmax over the keys each query may see), and with dO_i divided by
+  /// the number of clusters row i averages over:
+  ///   dP = dO V^T, dS = P o (dP - rowsum(P o dP)), dQ = s dS K, dK = s dS^T Q, dV = P^T dO,
   /// scattered back to the rows and keys (a key or query in several clusters sums them).
   void backward_head(const Problem& p, const Sizes& pl, const Routes& r, ConstTensorView q,
                      ConstTensorView k, ConstTensorView v, ConstTensorView dout, TensorView dq,
@@ -639,8 +639,8 @@ class RoutingVariant final : public Variant, public Backward {
         const int32_t i = r.queries[size_t(u * wq + t)];
         if (r.keys[size_t(u * wk)] < p.visible(b, i)) ++used[i];
       }
-    float *gq = buf, *gk = gq + wq * d, *gv = gk + wk * d, *go = gv + wk * d, *oo = go + wq * d;
-    float *pm = oo + wq * d, *gp = pm + wq * wk, *gx = gp + wq * wk;  // gx: wq x d
+    float *gq = buf, *gk = gq + wq * d, *gv = gk + wk * d, *go = gv + wk * d;
+    float *pm = go + wq * d, *gp = pm + wq * wk, *gx = gp + wq * wk;  // gx: wq x d
     for (int64_t u = 0; u < pl.c; ++u) {
       const int32_t* qi = r.queries.data() + u * wq;
       const int32_t* kj = r.keys.data() + u * wk;
@@ -664,18 +664,11 @@ class RoutingVariant final : public Variant, public Backward {
         softmax_row(row, seen, scale);
         std::fill(row + seen, row + wk, 0.0f);
       }
-      // O = P V, dP = dO V^T, dS = s P o (dP - D)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(wq), int(d), int(wk), 1.0f, pm,
-                  int(wk), gv, int(d), 0.0f, oo, int(d));
+      // dP = dO V^T, dS = s P o (dP - rowsum(P o dP)) (the cluster's share of dO . O)
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(wq), int(wk), int(d), 1.0f, go,
                   int(d), gv, int(d), 0.0f, gp, int(wk));
-      for (int64_t t = 0; t < wq; ++t) {
-        float D = 0.0f;
-        for (int64_t x = 0; x < d; ++x) D += go[t * d + x] * oo[t * d + x];
-        for (int64_t e = 0; e < wk; ++e)
-          gp[t * wk + e] = pm[t * wk + e] * (gp[t * wk + e] - D) * scale;
-      }
-      // dQ rows, then dK and dV rows (through gx and oo as scratch)
+      softmax_backward_rows(pm, gp, wq, wk, scale);
+      // dQ rows (through gx), then dK and dV rows (into gk and gv)
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(wq), int(d), int(wk), 1.0f, gp,
                   int(wk), gk, int(d), 0.0f, gx, int(d));
       for (int64_t t = 0; t < wq; ++t) {
