@@ -4,11 +4,14 @@
 # scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments replace the default
 # sweep and go to `attnbench sweep` as they are.
 #
-# The default sweep is one `attnbench sweep` of three sets of problems (the others given with
+# The default sweep is one `attnbench sweep` of four sets of problems (the others given with
 # --also, so that the progress line's ETA covers them all):
 #   1. speed: every variant with its defaults, n = 256..8192, causal off and on, gaussian
 #      inputs;
-#   2. accuracy: every variant at n = 256..8192 without causal masking, on the other input
+#   2. training: the same problems timing the backward alone (bwd, from a saved forward) and
+#      the forward with the backward (fwdbwd), with each variant's gradient error against exact
+#      attention's gradients, for the training figures and table of the report;
+#   3. accuracy: every variant at n = 256..8192 without causal masking, on the other input
 #      distributions (local, clustered, lowrank) at --scale 1, 2 and 4 and on gaussian inputs
 #      at --scale 2 and 4, so that the error figure has a panel each. Sharper logits are where
 #      the structured inputs separate the variants (on iid gaussian inputs every softmax row is
@@ -39,6 +42,7 @@ out=${1:-results/default}
 shift || true
 if [ $# -eq 0 ]; then
   "$bin" sweep --out "$out" --resume --seq 256..8192 --causal both \
+    --also='--seq 256..8192 --causal both --pass bwd,fwdbwd' \
     --also='--seq 256..8192 --causal off --input local,clustered,lowrank --scale 1,2,4' \
     --also='--seq 256..8192 --causal off --input gaussian --scale 2,4'
 else
