@@ -169,6 +169,15 @@ class Context:
                     axes[r][c].set_visible(False)
         return fig, axes
 
+    def panels_at(self, n, title):
+        """The figure of grid() titled `title`, and per panel of panels() (its axes, its timed
+        rows at length n, its title): the figures at one n."""
+        at_n = self.timed[self.timed["n"] == n]
+        fig, axes = self.grid(sharey=False)
+        fig.suptitle(title, fontsize=10.5)
+        return fig, [(axes[r][c], self.layout.select(at_n, cfg, causal),
+                      self.panel_title(cfg, causal)) for r, c, cfg, causal in self.panels()]
+
     def panel_title(self, cfg, causal):
         return f"{causal_name(causal)}, {self.layout.config_label(cfg)}"
 

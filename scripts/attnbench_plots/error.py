@@ -211,8 +211,8 @@ class ErrorAxis:
 
 
 FORWARD_AXIS = ErrorAxis(
-    "speed_vs_error", "rel_fro_error", ERROR_LABEL, "rel. error", "zero output", True, "median time (s)",
-    "Time against error", "Speed against error",
+    "speed_vs_error", "rel_fro_error", ERROR_LABEL, "rel. error", "zero output", True,
+    "median time (s)", "Time against error", "Speed against error",
     "Lower left is better. A variant \"beats doing nothing\" when its error is below that of "
     "a zero output (1) and, where the results have it, below that of the uniform average "
     "(dashed line); the others are drawn pale. The frontier joins the variants that beat doing "
@@ -264,15 +264,10 @@ def speed_error_figure(ctx, axis, n, how):
     configuration and causal setting, with the Pareto frontier of the variants that beat a
     zero (and the uniform average, when `axis` has it); its report section says n and `how`
     it was chosen."""
-    lay = ctx.layout
-    at_n = ctx.timed[ctx.timed["n"] == n]
-    fig, axes = ctx.grid(sharey=False)
     title = f"{axis.title} at n = {fmt_n(n)} ({ctx.title_suffix()})"
-    fig.suptitle(title, fontsize=10.5)
+    fig, cells = ctx.panels_at(n, title)
     panels, records, tables = [], [], []
-    for r, c, cfg, causal in ctx.panels():
-        ax = axes[r][c]
-        sub = lay.select(at_n, cfg, causal)
+    for ax, sub, panel_title in cells:
         pts = speed_points(ctx, sub, axis.column)
         un, uy = uniform_series(sub) if axis.uniform else ([], [])
         uniform = float(uy[0]) if len(uy) else None
@@ -292,7 +287,7 @@ def speed_error_figure(ctx, axis, n, how):
         ax.set_yscale("log")
         ax.set_xlabel(axis.label)
         ax.set_ylabel(axis.time_label)
-        ax.set_title(ctx.panel_title(cfg, causal))
+        ax.set_title(panel_title)
         if pts:
             xs = [p[1] for p in pts] + [ZERO_ERROR] + ([uniform] if uniform else [])
             pad_log_limits(ax, xs, [p[2] for p in pts])
@@ -311,8 +306,7 @@ def speed_error_figure(ctx, axis, n, how):
                                  color=REFERENCE_COLOR, ha="right", va="bottom",
                                  transform=on_x))
         panels.append((ax, pts, marks))
-        records.append({"title": ctx.panel_title(cfg, causal), "zero_output": ZERO_ERROR,
-                        "uniform": uniform,
+        records.append({"title": panel_title, "zero_output": ZERO_ERROR, "uniform": uniform,
                         "points": [{"spec": s, "text": ctx.styles.label(s), "error": e,
                                     "time": t, "beats": good, "on_front": i in front}
                                    for i, ((s, e, t), good) in enumerate(zip(pts, beats))],
@@ -320,7 +314,7 @@ def speed_error_figure(ctx, axis, n, how):
         rows = [[code(s), format_seconds(t), fmt_sci(e), "yes" if good else "no",
                  "yes" if i in front else ""]
                 for i, ((s, e, t), good) in enumerate(zip(pts, beats))]
-        tables.append((ctx.panel_title(cfg, causal), rows, uniform))
+        tables.append((panel_title, rows, uniform))
     # Labels next to the points where they collide with nothing; the legend names the rest.
     in_legend = label_points(ctx, fig, panels, records)
     handles = [ctx.styles.handle(s, line=False) for s in ctx.styles.order if s in in_legend]

@@ -29,7 +29,6 @@ is charged with it, and the tables name which gradient is the largest.
 
 import math
 
-import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.transforms import blended_transform_factory
 
@@ -206,16 +205,12 @@ def gradient_points(ctx, sub):
 
 
 def gradient_figure(ctx, n, how):
-    lay = ctx.layout
     name = "grad_vs_fwd_error"
-    at_n = ctx.timed[ctx.timed["n"] == n]
-    fig, axes = ctx.grid(sharey=False)
     title = f"Gradient error against forward error at n = {fmt_n(n)} ({ctx.title_suffix()})"
-    fig.suptitle(title, fontsize=10.5)
+    fig, cells = ctx.panels_at(n, title)
     panels, records, tables = [], [], []
-    for r, c, cfg, causal in ctx.panels():
-        ax = axes[r][c]
-        pts = gradient_points(ctx, lay.select(at_n, cfg, causal))
+    for ax, sub, panel_title in cells:
+        pts = gradient_points(ctx, sub)
         for spec, x, y, _ in pts:
             ax.plot([x], [y], linestyle="none", markersize=6.5, label=ctx.styles.label(spec),
                     **ctx.styles(spec, line=False))
@@ -230,7 +225,7 @@ def gradient_figure(ctx, n, how):
         ax.set_ylim(lo, hi)
         ax.set_xlabel(ERROR_LABEL)
         ax.set_ylabel(GRAD_LABEL)
-        ax.set_title(ctx.panel_title(cfg, causal))
+        ax.set_title(panel_title)
         if not pts:
             ax.text(0.5, 0.5, f"no training row with an error at n = {fmt_n(n)}",
                     ha="center", va="center", transform=ax.transAxes, color="0.4")
@@ -241,9 +236,9 @@ def gradient_figure(ctx, n, how):
                  ax.text(0.01, ZERO_ERROR, "zero gradient", fontsize=7, color=REFERENCE_COLOR,
                          ha="left", va="bottom", transform=on_y)]
         panels.append((ax, [(s, x, y) for s, x, y, _ in pts], marks))
-        records.append({"title": ctx.panel_title(cfg, causal), "diagonal": [lo, hi],
+        records.append({"title": panel_title, "diagonal": [lo, hi],
                         "points": [rec for _, _, _, rec in pts]})
-        tables.append((ctx.panel_title(cfg, causal), [
+        tables.append((panel_title, [
             [code(s), fmt_sci(x)] + [fmt_sci(rec["grad"][g] if rec["grad"][g] is not None
                                              else math.nan) for g in GRAD_NAMES.values()] +
             [f"{fmt_sci(y)} ({rec['worst']})", times(y / x)] for s, x, y, rec in pts]))
