@@ -16,16 +16,30 @@ import pandas as pd
 
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
 PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score", "score_hidden",
-                   "input", "scale", "seed", "threads", "key_padding", "attn_mask"]
+                   "input", "scale", "seed", "threads", "key_padding", "attn_mask", "pass"]
 # The mask columns: text, empty when the row has no key padding or no attention mask.
 MASK_COLUMNS = ["key_padding", "attn_mask"]
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # Key columns later versions added, with the value a row of an older file (written before the
 # column existed) stands for (harness/results.cpp, kAddedColumns): read_csv fills them in, so old
 # and new results join. `embed` is the embedding size of a multi-head layer row, 0 for plain
-# attention; the mask columns are empty for no key padding and no attention mask.
+# attention; the mask columns are empty for no key padding and no attention mask. `pass` is what
+# a row timed (FORWARD, or a training pass of TRAIN_PASSES): every row of a file written before
+# it timed the forward. The training columns are empty on forward rows.
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
-                 "attn_mask": "", "prepare_s": math.nan}
+                 "attn_mask": "", "prepare_s": math.nan, "pass": "fwd",
+                 "saved_bytes": math.nan, "saved_estimate_bytes": math.nan,
+                 "grad_rel_err_q": math.nan, "grad_rel_err_k": math.nan,
+                 "grad_rel_err_v": math.nan, "grad_heads": math.nan}
+# The values of `pass` (`attnbench sweep --pass`): the forward alone, the backward alone (from a
+# saved forward, its peak without the saved state) and both in one timed pass.
+FORWARD = "fwd"
+TRAIN_PASSES = ["bwd", "fwdbwd"]
+# Columns of the training rows (pass bwd or fwdbwd; harness/runner.h, Row): the bytes the
+# forward kept for the backward, measured and estimated, and the relative Frobenius error of
+# dQ, dK and dV against exact attention's gradients over grad_heads whole heads.
+GRAD_ERROR_COLUMNS = ["grad_rel_err_q", "grad_rel_err_k", "grad_rel_err_v"]
+TRAIN_COLUMNS = ["saved_bytes", "saved_estimate_bytes"] + GRAD_ERROR_COLUMNS + ["grad_heads"]
 # Columns about the timing's trust (harness/runner.h, noise_reason): NaN in a file written
 # before them, which compare.py then never calls noisy.
 NOISE_COLUMNS = ["time_spread", "load_avg", "other_load", "noisy"]
@@ -54,7 +68,8 @@ def load_results(directory, need_ok=True):
     Checks: the directory and file exist, the file parses as CSV, every REQUIRED_COLUMNS
     column is present, there is at least one row and (with need_ok) at least one row with
     status "ok", and the key and timing columns of ok rows are numbers. Returns the frame with
-    numeric columns converted and `causal` as 0/1.
+    numeric columns converted and `causal` as 0/1; a file written before the `pass` column (or
+    the training columns) gets them as ADDED_COLUMNS says: every such row timed the forward.
     """
     if not os.path.isdir(directory):
         raise ResultsError(f"'{directory}' is not a directory; expected a results directory "
@@ -63,7 +78,7 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "score", "input", "status", "message"] + MASK_COLUMNS,
+    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass"] + MASK_COLUMNS,
                   REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
     for c in MASK_COLUMNS:
@@ -73,7 +88,9 @@ def load_results(directory, need_ok=True):
                            f"(variant, problem) from a sweep")
     df["message"] = df["message"].fillna("")
     df["status"] = df["status"].fillna("")
-    for c in NUMERIC_COLUMNS + [c for c in NOISE_COLUMNS + [UNIFORM_ERROR] if c in df.columns]:
+    df["pass"] = df["pass"].fillna(FORWARD)
+    for c in NUMERIC_COLUMNS + TRAIN_COLUMNS + [c for c in NOISE_COLUMNS + [UNIFORM_ERROR]
+                                                if c in df.columns]:
         df[c] = pd.to_numeric(df[c], errors="coerce")
     ok = df["status"] == "ok"
     if need_ok and not ok.any():

@@ -41,7 +41,7 @@ PROG = "compare.py"
 SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E",
          "causal": "causal", "score": "score", "score_hidden": "h", "input": "input",
          "scale": "scale", "seed": "seed", "threads": "threads", "key_padding": "padding",
-         "attn_mask": "mask"}
+         "attn_mask": "mask", "pass": "pass"}
 
 
 def machine(meta):

@@ -19,6 +19,21 @@ DIR`) and writes DIR/plots/*.png and DIR/report.md:
   patterns.png        one head's attention pattern per pattern variant, as the sweep stored it
                       (DIR/patterns/*.npy)
 
+With training rows (`attnbench sweep --pass fwd,bwd,fwdbwd`), also:
+
+  train_time_vs_n.png       median time of a forward and backward pass (pass fwdbwd) against n,
+                            drawn as time_vs_n
+  train_memory_vs_n.png     training memory: the peak heap of the fwdbwd pass (saved state plus
+                            the working memory of forward or backward), the saved state dashed
+  grad_vs_fwd_error.png     gradient error (the largest of dQ, dK, dV's relative errors) against
+                            the forward's error at one n, with the diagonal y = x
+  train_speed_vs_error.png  fwdbwd time against gradient error at one n, with the frontier
+
+and a training table in the report (per variant at the largest n: fwd, bwd and fwdbwd time,
+bwd/fwd, saved bytes, gradient error, the length from which its fwdbwd beats flash's). Every
+other figure and table draws the forward rows (pass fwd) only; results without a pass column
+(an older attnbench) are all forward rows.
+
 Only rows with status "ok" are drawn; the others are listed at the end of the report. A
 variant's colour and marker come from its name and its line style from its family, the same in
 every figure of every run (attnbench_plots/style.py); legends name a spec by its non-default
@@ -55,8 +70,10 @@ def main():
                                "from an attnbench results directory.")
     ap.add_argument("dir", metavar="DIR", help="results directory of `attnbench sweep --out DIR`")
     ap.add_argument("--n", type=int, default=None,
-                    help="sequence length of the speed-vs-error figure (default: the largest n "
-                         "at which more than half of the variants have an ok row)")
+                    help="sequence length of the speed-vs-error figures and of the gradient "
+                         "against forward error (default: the largest n at which more than "
+                         "half of the variants have an ok row, of the training passes for the "
+                         "training figures)")
     ap.add_argument("--input", default=None,
                     help="input distribution of the time, memory and crossover figures "
                          "(default: gaussian if present, else the first in the results)")

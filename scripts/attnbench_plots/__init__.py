@@ -7,6 +7,8 @@ family so that new families (training, decode) join without growing one file:
   error        error against n, and speed against error with the Pareto frontier
   crossover    time relative to flash and full, and the crossover lengths
   patterns     the attention-pattern gallery from the patterns the sweep stored
+  training     the training passes (bwd, fwdbwd): time and memory against n, gradient error
+               against forward error, time against gradient error, the training table
   report       report.md: the run header, every section in order, the rows not drawn
 
 Everything is read from the results directory (results.csv, meta.json, patterns/); no

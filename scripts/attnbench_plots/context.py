@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from attnbench_results import ResultsError, spec_order
+from attnbench_results import FORWARD, TRAIN_PASSES, ResultsError, spec_order
 
 from .style import Styles, causal_name, code, fmt_n, md_table, new_grid, num, warn
 
@@ -59,10 +59,16 @@ class Context:
         self.plots = os.path.join(self.dir, "plots")
         self.df = df
         self.meta = meta
-        self.ok = df[df["status"] == "ok"].copy()
+        all_ok = df[df["status"] == "ok"].copy()
+        # Every figure and table draws the forward rows (pass fwd, every row of a file written
+        # before the column), except the training section (training.py), which draws the rows
+        # of the training passes: mixing passes would draw several times per point.
+        self.all_ok = all_ok
+        self.ok = all_ok[all_ok["pass"] == FORWARD]
+        self.train = all_ok[all_ok["pass"].isin(TRAIN_PASSES)]
         self.styles = Styles(spec_order(df),
                              meta.get("variants") if isinstance(meta, dict) else None)
-        self.layout = Layout(self.ok)
+        self.layout = Layout(all_ok)
         inputs = self.layout.inputs
         if args.input is not None:
             if args.input not in inputs:
@@ -75,7 +81,8 @@ class Context:
         # the error), and one scale for the figures of time and memory, which do not depend
         # on it: 1 when present, else the smallest (--scale chooses)
         self.timed_all = self.ok[self.ok["input"] == self.input]
-        scales = sorted(self.timed_all["scale"].unique()) if "scale" in self.ok.columns else []
+        timed_any = all_ok[all_ok["input"] == self.input]
+        scales = sorted(timed_any["scale"].unique()) if "scale" in all_ok.columns else []
         self.scale = None
         if getattr(args, "scale", None) is not None:
             if args.scale not in scales:
@@ -85,13 +92,20 @@ class Context:
             self.scale = args.scale
         elif len(scales) > 1:
             self.scale = 1.0 if 1.0 in scales else scales[0]
-        self.timed = self.timed_all if self.scale is None else \
-            self.timed_all[self.timed_all["scale"] == self.scale]
+        self.timed = self.of_scale(self.timed_all)
+        # the training rows of the timed input, every scale and the one of self.timed
+        self.train_timed_all = self.train[self.train["input"] == self.input]
+        self.train_timed = self.of_scale(self.train_timed_all)
         self.md = []
         self.problems = []  # what the report could not show, also said on stderr
         # What each figure drew, by figure name (panels, lines, reference lines, labels):
         # written as JSON with --debug-json so that tests check the figures' content.
         self.debug = {}
+
+    def of_scale(self, rows):
+        """The rows of the scale the time and memory figures use (all of them when the results
+        hold one scale)."""
+        return rows if self.scale is None else rows[rows["scale"] == self.scale]
 
     def note(self, text):
         warn(text)
@@ -114,8 +128,15 @@ class Context:
     @contextlib.contextmanager
     def every_scale(self):
         """Within it, the timed rows (and so panels() and grid()) hold every scale."""
+        with self.drawing(self.timed_all):
+            yield
+
+    @contextlib.contextmanager
+    def drawing(self, rows):
+        """Within it, the timed rows (and so panels(), grid() and the figures drawn from them)
+        are `rows`: the training section draws the figures of the forward from its own rows."""
         kept = self.timed
-        self.timed = self.timed_all
+        self.timed = rows
         try:
             yield
         finally:
@@ -147,6 +168,15 @@ class Context:
                 if (r, c) not in used:
                     axes[r][c].set_visible(False)
         return fig, axes
+
+    def panels_at(self, n, title):
+        """The figure of grid() titled `title`, and per panel of panels() (its axes, its timed
+        rows at length n, its title): the figures at one n."""
+        at_n = self.timed[self.timed["n"] == n]
+        fig, axes = self.grid(sharey=False)
+        fig.suptitle(title, fontsize=10.5)
+        return fig, [(axes[r][c], self.layout.select(at_n, cfg, causal),
+                      self.panel_title(cfg, causal)) for r, c, cfg, causal in self.panels()]
 
     def panel_title(self, cfg, causal):
         return f"{causal_name(causal)}, {self.layout.config_label(cfg)}"

@@ -105,20 +105,24 @@ def ratio_series(sub, spec, base_spec):
             (j["bad_v"] | j["bad_b"]).to_numpy(dtype=bool))
 
 
+def baseline(ctx, name, what="crossover"):
+    """The spec of the variant `name` in the timed rows (the first, said when there are
+    several), or None, said as a note of `what`."""
+    specs = [s for s in ctx.styles.order
+             if s.split(":")[0] == name and (ctx.timed["spec"] == s).any()]
+    if not specs:
+        ctx.note(f"{what}: no ok row of `{name}` with input {ctx.input}; no crossover lengths "
+                 f"against {name}")
+        return None
+    if len(specs) > 1:
+        ctx.note(f"{what}: several {name} specs; the baseline is {specs[0]}")
+    return specs[0]
+
+
 def baselines(ctx):
     """The spec of `flash` and of `full` (the first of each name in the results)."""
-    out = []
-    for name in ["flash", "full"]:
-        specs = [s for s in ctx.styles.order
-                 if s.split(":")[0] == name and (ctx.timed["spec"] == s).any()]
-        if not specs:
-            ctx.note(f"crossover: no ok row of `{name}` with input {ctx.input}; no "
-                     f"crossover lengths against {name}")
-            continue
-        if len(specs) > 1:
-            ctx.note(f"crossover: several {name} specs; the baseline is {specs[0]}")
-        out.append((name, specs[0]))
-    return out
+    return [(name, spec) for name in ["flash", "full"]
+            if (spec := baseline(ctx, name)) is not None]
 
 
 def stack_marks(ax, marks):

@@ -196,15 +196,37 @@ def error_vs_n(ctx):
 
 
 # --- speed against error ------------------------------------------------------------------
-def speed_points(ctx, sub):
+class ErrorAxis:
+    """What a time-against-error figure draws on its error axis: the figure's name, the column
+    of the error, its axis label, what a zero of it is called (its relative error is 1),
+    whether the uniform average's error is a reference, and the words of its report section
+    (`short`: the error's column heading in its tables)."""
+
+    def __init__(self, name, column, label, short, zero, uniform, time_label, title, heading,
+                 intro):
+        self.name, self.column, self.label, self.short = name, column, label, short
+        self.zero = zero
+        self.uniform, self.time_label, self.title = uniform, time_label, title
+        self.heading, self.intro = heading, intro
+
+
+FORWARD_AXIS = ErrorAxis(
+    "speed_vs_error", "rel_fro_error", ERROR_LABEL, "rel. error", "zero output", True,
+    "median time (s)", "Time against error", "Speed against error",
+    "Lower left is better. A variant \"beats doing nothing\" when its error is below that of "
+    "a zero output (1) and, where the results have it, below that of the uniform average "
+    "(dashed line); the others are drawn pale. The frontier joins the variants that beat doing "
+    "nothing and that no other such variant beats in both time and error.")
+
+
+def speed_points(ctx, sub, column="rel_fro_error"):
     """(spec, error, time) of each spec in a panel at one n, medians over its rows."""
     out = []
     for spec in ctx.styles.order:
         s = sub[sub["spec"] == spec]
-        s = s[(s["rel_fro_error"] > 0) & (s["time_median_s"] > 0)]
+        s = s[(s[column] > 0) & (s["time_median_s"] > 0)]
         if not s.empty:
-            out.append((spec, float(s["rel_fro_error"].median()),
-                        float(s["time_median_s"].median())))
+            out.append((spec, float(s[column].median()), float(s["time_median_s"].median())))
     return out
 
 
@@ -212,22 +234,42 @@ def speed_vs_error(ctx):
     """Time against error at one n, a panel per configuration of the timed input (every scale:
     sharper inputs change the error, not the time)."""
     with ctx.every_scale():
-        return _speed_vs_error(ctx)
+        n = pick_speed_error_n(ctx.timed, ctx.args.n)
+        how = "chosen with --n" if ctx.args.n is not None else \
+            "the largest n at which more than half of the variants have a measured row"
+        return speed_error_figure(ctx, FORWARD_AXIS, n, how)
 
 
-def _speed_vs_error(ctx):
-    lay = ctx.layout
-    n = pick_speed_error_n(ctx.timed, ctx.args.n)
-    at_n = ctx.timed[ctx.timed["n"] == n]
-    fig, axes = ctx.grid(sharey=False)
-    title = f"Time against error at n = {fmt_n(n)} ({ctx.title_suffix()})"
-    fig.suptitle(title, fontsize=10.5)
+def label_points(ctx, fig, panels, records):
+    """Labels each panel's points next to them where they collide with nothing (after
+    freeze_layout): `panels` are (ax, [(spec, x, y)], reference-line labels to avoid), and
+    each record's "points" get "label": "direct" or "legend". Returns the specs the legend
+    must name."""
+    freeze_layout(fig)
+    in_legend = set()
+    renderer = fig.canvas.get_renderer()
+    for (ax, pts, marks), rec in zip(panels, records):
+        labels = [ctx.styles.label(s) for s, _, _ in pts]
+        avoid = [tuple(m.get_window_extent(renderer).extents) for m in marks]
+        placed = place_labels(ax, [(x, y) for _, x, y in pts], labels, avoid)
+        for p, done in zip(rec["points"], placed):
+            p["label"] = "direct" if done else "legend"
+            if not done:
+                in_legend.add(p["spec"])
+    return in_legend
+
+
+def speed_error_figure(ctx, axis, n, how):
+    """Time against the error `axis` names at length n of the timed rows, a panel per
+    configuration and causal setting, with the Pareto frontier of the variants that beat a
+    zero (and the uniform average, when `axis` has it); its report section says n and `how`
+    it was chosen."""
+    title = f"{axis.title} at n = {fmt_n(n)} ({ctx.title_suffix()})"
+    fig, cells = ctx.panels_at(n, title)
     panels, records, tables = [], [], []
-    for r, c, cfg, causal in ctx.panels():
-        ax = axes[r][c]
-        sub = lay.select(at_n, cfg, causal)
-        pts = speed_points(ctx, sub)
-        un, uy = uniform_series(sub)
+    for ax, sub, panel_title in cells:
+        pts = speed_points(ctx, sub, axis.column)
+        un, uy = uniform_series(sub) if axis.uniform else ([], [])
         uniform = float(uy[0]) if len(uy) else None
         beats = [e < ZERO_ERROR and (uniform is None or e < uniform) for _, e, _ in pts]
         for (spec, e, t), good in zip(pts, beats):
@@ -243,9 +285,9 @@ def _speed_vs_error(ctx):
                     markeredgecolor="0.25", markeredgewidth=0.8, zorder=0)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(ERROR_LABEL)
-        ax.set_ylabel("median time (s)")
-        ax.set_title(ctx.panel_title(cfg, causal))
+        ax.set_xlabel(axis.label)
+        ax.set_ylabel(axis.time_label)
+        ax.set_title(panel_title)
         if pts:
             xs = [p[1] for p in pts] + [ZERO_ERROR] + ([uniform] if uniform else [])
             pad_log_limits(ax, xs, [p[2] for p in pts])
@@ -256,7 +298,7 @@ def _speed_vs_error(ctx):
         ax.axvline(ZERO_ERROR, zorder=1.5, **ZERO_STYLE)
         ax.axvspan(ZERO_ERROR, ax.get_xlim()[1], zorder=0, **WORSE_SHADE)
         on_x = blended_transform_factory(ax.transData, ax.transAxes)
-        marks = [ax.text(ZERO_ERROR, 0.99, "zero output ", rotation=90, fontsize=7,
+        marks = [ax.text(ZERO_ERROR, 0.99, f"{axis.zero} ", rotation=90, fontsize=7,
                          color=REFERENCE_COLOR, ha="left", va="top", transform=on_x)]
         if uniform is not None:
             ax.axvline(uniform, zorder=1.5, **UNIFORM_STYLE)
@@ -264,8 +306,7 @@ def _speed_vs_error(ctx):
                                  color=REFERENCE_COLOR, ha="right", va="bottom",
                                  transform=on_x))
         panels.append((ax, pts, marks))
-        records.append({"title": ctx.panel_title(cfg, causal), "zero_output": ZERO_ERROR,
-                        "uniform": uniform,
+        records.append({"title": panel_title, "zero_output": ZERO_ERROR, "uniform": uniform,
                         "points": [{"spec": s, "text": ctx.styles.label(s), "error": e,
                                     "time": t, "beats": good, "on_front": i in front}
                                    for i, ((s, e, t), good) in enumerate(zip(pts, beats))],
@@ -273,45 +314,28 @@ def _speed_vs_error(ctx):
         rows = [[code(s), format_seconds(t), fmt_sci(e), "yes" if good else "no",
                  "yes" if i in front else ""]
                 for i, ((s, e, t), good) in enumerate(zip(pts, beats))]
-        tables.append((ctx.panel_title(cfg, causal), rows, uniform))
+        tables.append((panel_title, rows, uniform))
     # Labels next to the points where they collide with nothing; the legend names the rest.
-    freeze_layout(fig)
-    in_legend = set()
-    renderer = fig.canvas.get_renderer()
-    for (ax, pts, marks), rec in zip(panels, records):
-        labels = [ctx.styles.label(s) for s, _, _ in pts]
-        avoid = [tuple(m.get_window_extent(renderer).extents) for m in marks]
-        placed = place_labels(ax, [(e, t) for _, e, t in pts], labels, avoid)
-        for p, done in zip(rec["points"], placed):
-            p["label"] = "direct" if done else "legend"
-            if not done:
-                in_legend.add(p["spec"])
+    in_legend = label_points(ctx, fig, panels, records)
     handles = [ctx.styles.handle(s, line=False) for s in ctx.styles.order if s in in_legend]
     handles.append(Line2D([], [], color="0.25", linewidth=1.0, marker="o", markersize=9,
                           markerfacecolor="none", markeredgewidth=0.8,
                           label="Pareto frontier of the variants that beat doing nothing"))
-    handles.append(REFERENCE_HANDLES["zero"])
+    handles.append(Line2D([], [], label=f"{axis.zero} (error 1)", **ZERO_STYLE))
     with_uniform = any(rec["uniform"] is not None for rec in records)
     if with_uniform:
         handles.append(REFERENCE_HANDLES["uniform"])
     handles.append(Line2D([], [], color="0.4", marker="o", alpha=PALE_ALPHA, linestyle="none",
-                          label="pale: no better than the zero output" +
+                          label=f"pale: no better than the {axis.zero}" +
                           (" or the uniform average" if with_uniform else "")))
-    ctx.record("speed_vs_error", n=int(n), panels=records,
-               legend=[h.get_label() for h in handles])
-    finish(fig, ctx.fig_path("speed_vs_error"), handles, title)
-    ctx.md.append(f"## Speed against error at n = {fmt_n(n)}\n")
-    ctx.embed("speed_vs_error", "speed against error")
-    how = "chosen with --n" if ctx.args.n is not None else \
-        "the largest n at which more than half of the variants have a measured row"
-    ctx.md.append(f"n = {n} ({how}). Lower left is better. A variant \"beats doing nothing\" "
-                  f"when its error is below that of a zero output (1) and, where the results "
-                  f"have it, below that of the uniform average (dashed line); the others are "
-                  f"drawn pale. The frontier joins the variants that beat doing nothing and "
-                  f"that no other such variant beats in both time and error.\n")
+    ctx.record(axis.name, n=int(n), panels=records, legend=[h.get_label() for h in handles])
+    finish(fig, ctx.fig_path(axis.name), handles, title)
+    ctx.md.append(f"## {axis.heading} at n = {fmt_n(n)}\n")
+    ctx.embed(axis.name, axis.heading.lower())
+    ctx.md.append(f"n = {n} ({how}). {axis.intro}\n")
     for title_, rows, uniform in tables:
         ctx.md.append(f"\n{title_}" + (f" (uniform average: {fmt_sci(uniform)})"
                                        if uniform is not None else "") + ":\n\n")
-        ctx.md.append(md_table(["variant", "time", "rel. error", "beats doing nothing",
+        ctx.md.append(md_table(["variant", "time", axis.short, "beats doing nothing",
                                 "on the frontier"], rows))
     ctx.md.append("\n")

@@ -5,17 +5,21 @@ import json
 import os
 import re
 
-from attnbench_results import noisy, problem_label
+from attnbench_results import FORWARD, TRAIN_PASSES, noisy, problem_label
 
-from . import crossover, error, layer, patterns, time_memory
+from . import crossover, error, layer, patterns, time_memory, training
 from .context import Context
 from .style import code, md_table, remove, unit
 
-FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover", "patterns"]
+FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover",
+           "patterns"] + training.FIGURES
+PASSES = [FORWARD] + TRAIN_PASSES
+# The sections of the forward rows (pass fwd), drawn when there are any.
+FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
+                    error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
+                    layer.section, patterns.section]
 # The report's sections after its header, in order; each draws its own figures.
-SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
-            error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
-            layer.section, patterns.section]
+SECTIONS = FORWARD_SECTIONS + [training.section]
 
 
 def header(ctx):
@@ -44,12 +48,16 @@ def header(ctx):
         ]
         ctx.md.append(md_table(["", ""], rows))
     counts = ctx.df["status"].value_counts()
-    n_noisy = int(noisy(ctx.ok).sum())
+    n_noisy = int(noisy(ctx.all_ok).sum())
+    passes = ctx.df["pass"].value_counts()
     ctx.md.append("\nRows: " + ", ".join(f"{v} {k}" for k, v in counts.items()) +
+                  (" (" + ", ".join(f"{passes.get(p, 0)} of pass {p}" for p in PASSES) + ")"
+                   if len(passes) > 1 or FORWARD not in passes else "") +
                   (f" ({n_noisy} of the ok rows noisy, marked † in the tables)" if n_noisy
                    else "") +
-                  f". Variants: {len(ctx.styles.order)}. Time, memory, crossover and the "
-                  f"efficiency table use input `{ctx.input}`"
+                  f". Variants: {len(ctx.styles.order)}. Every figure and table but the "
+                  f"training ones draws the forward rows (pass `fwd`). Time, memory, crossover "
+                  f"and the efficiency table use input `{ctx.input}`"
                   + (f" ({ctx.layout.fixed_label()})" if ctx.layout.fixed_label() else "")
                   + ".\n")
 
@@ -60,7 +68,7 @@ def not_ok(ctx):
     if bad.empty:
         ctx.md.append("Every row has status ok.\n")
     else:
-        cols = ["n", "m", "causal", "dim", "heads", "batch", "input"]
+        cols = ["n", "m", "causal", "dim", "heads", "batch", "input", "pass"]
         rows = [[code(r["spec"]), problem_label(r, cols), r["status"], r["message"]]
                 for _, r in bad.iterrows()]
         ctx.md.append(f"{len(bad)} row(s) without a measurement:\n\n")
@@ -78,7 +86,11 @@ def write(args, df, meta):
     for name in FIGURES:
         remove(ctx.fig_path(name))
     header(ctx)
+    if ctx.ok.empty:
+        ctx.note("no ok row of pass fwd: the forward's figures and tables are not drawn")
     for draw in SECTIONS:
+        if draw in FORWARD_SECTIONS and ctx.ok.empty:
+            continue
         draw(ctx)
     not_ok(ctx)
     report = os.path.join(ctx.dir, "report.md")

@@ -426,6 +426,16 @@ def fmt_mib(b):
     return "—" if b is None or not np.isfinite(b) else f"{b / MIB:.3g} MiB"
 
 
+def fmt_bytes(b):
+    """A byte count in B, KiB, MiB or GiB, 3 significant digits."""
+    if b is None or not np.isfinite(b):
+        return "—"
+    for name, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= size:
+            return f"{b / size:.3g} {name}"
+    return f"{b:.0f} B"
+
+
 def unit(v, name):
     return f"{v:.1f} {name}" if isinstance(v, (int, float)) else "unknown"
 

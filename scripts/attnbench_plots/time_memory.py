@@ -112,7 +112,10 @@ def coinciding_notes(ctx, groups_by_panel, n_panels):
     return notes
 
 
-def against_n(ctx, name, column, scale, ylabel, title, section, explain, table):
+def against_n(ctx, name, column, scale, ylabel, title, section, explain, table, also=None):
+    """A figure of `column` (divided by `scale`) against n with a panel per configuration and
+    causal setting of the timed rows, its report section and a table per panel. `also`, when
+    given, draws more in a panel, also(ctx, ax, sub, record), and returns legend entries."""
     lay = ctx.layout
     fig, axes = ctx.grid(sharey=True)
     present, dropped, with_guides, any_noisy = set(), [], False, False
@@ -140,6 +143,8 @@ def against_n(ctx, name, column, scale, ylabel, title, section, explain, table):
                 all_n += list(ns)
                 all_y += list(ys)
         present.update(drawn)
+        if also is not None:
+            extra_handles = also(ctx, ax, sub, record)
         with_guides = guides(ax, all_n, all_y) or with_guides
         ax.set_yscale("log")
         log2_n_axis(ax, sub["n"].unique())
@@ -156,6 +161,8 @@ def against_n(ctx, name, column, scale, ylabel, title, section, explain, table):
         handles.append(SPREAD_HANDLE)
         if any_noisy:
             handles.append(NOISY_HANDLE)
+    if also is not None and panels:
+        handles += extra_handles
     handles += GUIDE_HANDLES if with_guides else []
     notes = coinciding_notes(ctx, groups_by_panel, len(panels))
     ctx.record(name, panels=panels, legend=[h.get_label() for h in handles] + notes)
