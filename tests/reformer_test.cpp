@@ -7,7 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
+#include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "common/error.h"
@@ -303,6 +307,191 @@ TEST(Reformer, OracleIsFarFromSharedQkFullAttention) {
     const Inputs in = generate_inputs(p);
     test::expect_oracle_far_from("reformer:chunk=16", p, in, shared_full(p, in));
   }
+}
+
+// ----- the backward pass -----
+
+/// x rounded to multiples of 2^-12 (x +- 2^-9 is then exact in float).
+void round_grid(Tensor& t) {
+  for (int64_t i = 0; i < t.numel(); ++i)
+    t.data()[i] = float(std::nearbyint(double(t.data()[i]) * 4096.0) / 4096.0);
+}
+
+/// The gradients of `spec` on p (inputs on the 2^-12 grid, a random dO) against float64
+/// central differences of L = sum(dO o oracle_on_buckets) with the forward's buckets frozen
+/// (hash_all on the unperturbed q: a step that moved a token to another bucket would change
+/// the function itself). Along `directions` random +-1 directions u, <grad, u> within 1e-3 of
+/// ||grad||_2 of (L(x + h u) - L(x - h u)) / 2h, h = 2^-9; `entries` single entries within
+/// 1e-3 of max |grad|. The k input is unused: dk must be exactly zero. Unless `zero_dq`, both
+/// gradients must be nonzero (a zero one checks nothing). Returns (dq, dv).
+std::pair<Tensor, Tensor> expect_backward_matches_differences(const std::string& spec,
+                                                              const Problem& p,
+                                                              bool zero_dq = false) {
+  constexpr int directions = 3, entries = 3;
+  constexpr double kStep = 0x1p-9, kTol = 1e-3;
+  auto var = make_variant(spec);
+  const ParamValues& pv = var->params();
+  const std::vector<int64_t> factors = pv.get_int_list("buckets");
+  const int64_t hashes = pv.get_int("hashes"), chunk = pv.get_int("chunk");
+  Inputs in = generate_inputs(p);
+  for (Tensor* t : {&in.q, &in.k, &in.v}) round_grid(*t);
+  const Tensor dout = generate_dout(p);
+  Tensor out(p.q_shape()), dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+  for (Tensor* t : {&dq, &dk, &dv})  // the backward must overwrite them
+    for (int64_t e = 0; e < t->numel(); ++e) t->data()[e] = 7.0f;
+  const auto saved = var->run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  var->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(), *saved,
+                    dq.view(), dk.view(), dv.view());
+  // forward_train gives the forward's output
+  const Tensor fwd = test::run(spec, p, in);
+  EXPECT_EQ(std::memcmp(out.data(), fwd.data(), size_t(out.numel()) * sizeof(float)), 0);
+  // shared QK: the keys are the normalised queries, the k input gets no gradient
+  int64_t nonzero_dk = 0;
+  for (int64_t e = 0; e < dk.numel(); ++e) nonzero_dk += dk.data()[e] != 0.0f;
+  EXPECT_EQ(nonzero_dk, 0);
+
+  const std::vector<int32_t> frozen = reformer::hash_all(p, factors, hashes, chunk, in.q.view());
+  auto loss = [&](const Tensor& qx, const Tensor& vx) {
+    const std::vector<double> o =
+        reformer::oracle_on_buckets(p, factors, hashes, chunk, frozen, qx.view(), vx.view());
+    double l = 0;
+    for (size_t e = 0; e < o.size(); ++e) l += double(dout.data()[e]) * o[e];
+    return l;
+  };
+  auto central = [&](int which, const std::vector<double>& u) {
+    const Tensor& src = which == 0 ? in.q : in.v;
+    auto moved = [&](double sign) {
+      Tensor t(src.shape());
+      for (int64_t e = 0; e < t.numel(); ++e)
+        t.data()[e] = float(double(src.data()[e]) + sign * kStep * u[size_t(e)]);
+      return which == 0 ? loss(t, in.v) : loss(in.q, t);
+    };
+    return (moved(1.0) - moved(-1.0)) / (2.0 * kStep);
+  };
+  std::mt19937_64 rng(p.seed * 7 + 5);
+  for (int which = 0; which < 2; ++which) {
+    SCOPED_TRACE(which == 0 ? "dq" : "dv");
+    const Tensor& g = which == 0 ? dq : dv;
+    const int64_t count = g.numel();
+    double norm = 0, top = 0;
+    for (int64_t e = 0; e < count; ++e) {
+      const double x = g.data()[e];
+      EXPECT_TRUE(std::isfinite(x));
+      norm += x * x, top = std::max(top, std::abs(x));
+    }
+    norm = std::sqrt(norm);
+    if (which == 1 || !zero_dq) {
+      EXPECT_GT(norm, 0.0) << "a zero gradient checks nothing";
+    }
+    std::vector<double> u(static_cast<size_t>(count));
+    for (int t = 0; t < directions; ++t) {
+      double dot = 0;
+      for (int64_t e = 0; e < count; ++e) {
+        u[size_t(e)] = (rng() & 1) ? 1.0 : -1.0;
+        dot += u[size_t(e)] * double(g.data()[e]);
+      }
+      EXPECT_NEAR(dot, central(which, u), kTol * norm) << "direction " << t << ", |grad| " << norm;
+    }
+    for (int t = 0; t < entries; ++t) {
+      const int64_t e = int64_t(rng() % uint64_t(count));
+      std::fill(u.begin(), u.end(), 0.0);
+      u[size_t(e)] = 1.0;
+      EXPECT_NEAR(double(g.data()[e]), central(which, u), kTol * top) << "entry " << e;
+    }
+  }
+  return {std::move(dq), std::move(dv)};
+}
+
+// Several chunks and buckets per round (n not a multiple of the chunk: a short last chunk),
+// one and three rounds, causal (row 0 sees no key in any round: its own value) and not.
+TEST(Reformer, BackwardMatchesFiniteDifferencesOnFrozenBuckets) {
+  struct Case {
+    int64_t n;
+    const char* spec;
+  };
+  for (const Case& c :
+       {Case{37, "reformer:chunk=8,hashes=1"}, Case{37, "reformer:chunk=8,hashes=3"},
+        Case{70, "reformer:chunk=16,hashes=3"}, Case{130, "reformer:chunk=16,hashes=3"},
+        Case{130, "reformer:buckets=4+4,chunk=8,hashes=2"}})
+    for (bool causal : {false, true}) {
+      const Problem p = test::problem(2, 2, c.n, 0, 16, causal, 11 + uint64_t(c.n));
+      SCOPED_TRACE(std::string(c.spec) + " " + p.str());
+      expect_backward_matches_differences(c.spec, p);
+    }
+}
+
+// One head: fewer heads than threads, so the chunks of a round run in parallel (each thread
+// writing only its chunks' key rows) instead of one head per thread.
+TEST(Reformer, BackwardWithChunksInParallel) {
+  for (bool causal : {false, true})
+    for (const auto& lengths : {std::vector<int64_t>{}, std::vector<int64_t>{100}}) {
+      Problem p = test::problem(1, 1, 130, 0, 16, causal, 29);
+      p.key_lengths = lengths;
+      SCOPED_TRACE(p.str());
+      expect_backward_matches_differences("reformer:chunk=8,hashes=3", p);
+    }
+}
+
+// Key padding: padded tokens are queries only (their dv is zero, their dq comes from the
+// query role), a batch element without valid tokens has zero gradients.
+TEST(Reformer, BackwardMatchesFiniteDifferencesUnderKeyPadding) {
+  struct Case {
+    int64_t n;
+    std::vector<int64_t> lengths;
+  };
+  for (const Case& c : {Case{70, {45, 70}}, Case{37, {37, 0}}, Case{130, {9, 100}}})
+    for (bool causal : {false, true}) {
+      Problem p = test::problem(2, 2, c.n, 0, 16, causal, 5 + uint64_t(c.n));
+      p.key_lengths = c.lengths;
+      SCOPED_TRACE(p.str());
+      const auto [dq, dv] = expect_backward_matches_differences("reformer:chunk=16,hashes=3", p);
+      for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t h = 0; h < p.heads; ++h)
+          for (int64_t i = 0; i < p.n; ++i)
+            for (int64_t x = 0; x < p.dim; ++x) {
+              if (i >= p.key_lengths[size_t(b)]) {
+                ASSERT_EQ(dv.view().row(b, h, i)[x], 0.0f) << "padded value " << b << "," << i;
+              }
+              if (p.key_lengths[size_t(b)] == 0) {
+                ASSERT_EQ(dq.view().row(b, h, i)[x], 0.0f) << "empty element " << i;
+              }
+            }
+    }
+}
+
+// One bucket and one chunk: shared-QK full attention; a single token attends only itself.
+TEST(Reformer, BackwardOneBucketOneChunk) {
+  for (bool causal : {false, true}) {
+    for (int64_t n : {1, 37}) {
+      const Problem p = test::problem(2, 2, n, 0, 16, causal, 3 + uint64_t(n));
+      SCOPED_TRACE(p.str());
+      const auto [dq, dv] =
+          expect_backward_matches_differences("reformer:buckets=1,chunk=4096,hashes=2", p, n == 1);
+      if (n == 1) {  // its own value at a constant logit: dv = dO, dq = 0
+        const Tensor dout = generate_dout(p);
+        for (int64_t e = 0; e < dq.numel(); ++e) {
+          EXPECT_EQ(dq.data()[e], 0.0f);
+          EXPECT_FLOAT_EQ(dv.data()[e], dout.data()[e]);
+        }
+      }
+    }
+  }
+}
+
+TEST(Reformer, BackwardRefusesAnotherVariantsState) {
+  const Problem p = test::problem(1, 2, 32, 0, 8, false, 3);
+  const Inputs in = generate_inputs(p);
+  const Tensor dout = generate_dout(p);
+  auto var = make_variant("reformer:chunk=8");
+  ASSERT_NE(var->backward(), nullptr);
+  Tensor out(p.q_shape()), dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+  auto flash = make_variant("flash");
+  const auto other = flash->run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  EXPECT_CONTAINS(test::error_message<UsageError>([&] {
+                    var->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(),
+                                      dout.view(), *other, dq.view(), dk.view(), dv.view());
+                  }),
+                  "not from its forward_train");
 }
 
 }  // namespace

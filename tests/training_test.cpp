@@ -175,6 +175,20 @@ class ZeroWithBackward final : public Variant, public Backward {
   }
 };
 
+/// The same forward without a backward pass.
+class ZeroWithoutBackward final : public Variant {
+ public:
+  void forward(const Problem&, ConstTensorView, ConstTensorView, ConstTensorView,
+               TensorView out) override {
+    for (int64_t b = 0; b < out.shape.batch; ++b)
+      for (int64_t h = 0; h < out.shape.heads; ++h)
+        for (int64_t i = 0; i < out.shape.len; ++i)
+          std::fill(out.row(b, h, i), out.row(b, h, i) + out.shape.dim, 0.0f);
+  }
+  double flops(const Problem&) const override { return 10; }
+  double memory_estimate(const Problem&) const override { return 0; }
+};
+
 void register_zero_variant() {
   static const bool once = [] {
     Registry::instance().add(VariantInfo{
@@ -184,6 +198,13 @@ void register_zero_variant() {
         .params = {},
         .caps = {.causal = true, .cross = true, .exact = false},
         .make = [](const ParamValues&) { return std::make_unique<ZeroWithBackward>(); }});
+    Registry::instance().add(VariantInfo{
+        .name = "test_zero_no_backward",
+        .summary = "test-only variant: output 0, no backward pass",
+        .complexity = "n/a",
+        .params = {},
+        .caps = {.causal = true, .cross = true, .exact = false},
+        .make = [](const ParamValues&) { return std::make_unique<ZeroWithoutBackward>(); }});
     return true;
   }();
   (void)once;
@@ -230,18 +251,16 @@ TEST(TrainingRows, SavedBytesFlopsAndGradientErrorOfAKnownVariant) {
 }
 
 TEST(TrainingRows, AVariantWithoutABackwardIsUnsupported) {
+  // every registered variant has a backward pass: a test-only one without
+  register_zero_variant();
   const Problem p = test::problem(1, 2, 16, 0, 8, false);
-  // a variant without a backward pass: the first registered one whose default has none
-  std::string without;
-  for (const VariantInfo* info : Registry::instance().all())
-    if (!Registry::instance().make(info->name)->backward()) {
-      without = info->name;
-      break;
-    }
-  if (without.empty()) GTEST_SKIP() << "every registered variant has a backward pass";
-  const Row row = run_pass(without, p, "bwd");
-  EXPECT_EQ(row.status, "unsupported");
-  EXPECT_NE(row.message.find("no backward pass"), std::string::npos) << row.message;
+  ASSERT_EQ(make_variant("test_zero_no_backward")->backward(), nullptr);
+  for (const char* pass : {"bwd", "fwdbwd"}) {
+    const Row row = run_pass("test_zero_no_backward", p, pass);
+    EXPECT_EQ(row.status, "unsupported") << pass;
+    EXPECT_NE(row.message.find("no backward pass"), std::string::npos) << row.message;
+  }
+  EXPECT_EQ(run_pass("test_zero_no_backward", p, "fwd").status, "ok");
 }
 
 TEST(TrainingRows, TheAdditiveScoreIsRefusedByDefault) {
@@ -315,14 +334,16 @@ TEST(TrainingCli, PassOptionsAndSavedGradients) {
 
 TEST(TrainingCli, SweepWritesAPassColumnAndResumes) {
   test::TempDir dir;
+  // flash is exact; reformer approximates (shared QK: its k input gets no gradient); the
+  // additive score has no backward pass (reformer has no additive forward either)
   const std::string args =
-      "sweep --variant flash --variant reformer --seq 32 --heads 2 --dim 8 "
-      "--pass fwd,bwd,fwdbwd --reps 1 --min-time 0 --out " +
+      "sweep --variant flash --variant reformer --score scaled_dot,additive --seq 32 --heads 2 "
+      "--dim 8 --pass fwd,bwd,fwdbwd --reps 1 --min-time 0 --out " +
       dir.file("s");
   auto r = test::run_cli(args, dir);
   ASSERT_EQ(r.code, 0) << r.err;
   const std::vector<std::string> lines = test::read_lines(dir.file("s/results.csv"));
-  ASSERT_EQ(lines.size(), 7u);
+  ASSERT_EQ(lines.size(), 13u);
   const std::vector<std::string> header = split_csv_line(lines[0]);
   const auto col = [&](const std::string& name) {
     return size_t(std::find(header.begin(), header.end(), name) - header.begin());
@@ -338,23 +359,32 @@ TEST(TrainingCli, SweepWritesAPassColumnAndResumes) {
       EXPECT_EQ(f[col("grad_rel_err_q")], "");
       continue;
     }
-    if (f[col("status")] == "unsupported") {
-      ++unsupported;
+    if (f[col("score")] == "additive") {
+      EXPECT_EQ(f[col("status")], "unsupported") << lines[i];
+      unsupported += f[col("status")] == "unsupported";
       continue;
     }
     ASSERT_EQ(f[col("status")], "ok") << lines[i];
     ++training_ok;
-    EXPECT_LT(std::stod(f[col("grad_rel_err_q")]), 1e-5) << lines[i];
-    EXPECT_LT(std::stod(f[col("grad_rel_err_k")]), 1e-5) << lines[i];
-    EXPECT_LT(std::stod(f[col("grad_rel_err_v")]), 1e-5) << lines[i];
     EXPECT_EQ(f[col("grad_heads")], "2");
+    if (f[col("variant")] == "flash") {
+      EXPECT_LT(std::stod(f[col("grad_rel_err_q")]), 1e-5) << lines[i];
+      EXPECT_LT(std::stod(f[col("grad_rel_err_k")]), 1e-5) << lines[i];
+      EXPECT_LT(std::stod(f[col("grad_rel_err_v")]), 1e-5) << lines[i];
+      continue;
+    }
+    // reformer: far from exact attention's gradients, and a zero dk is off by all of it
+    EXPECT_EQ(f[col("variant")], "reformer") << lines[i];
+    EXPECT_GT(std::stod(f[col("grad_rel_err_q")]), 1e-2) << lines[i];
+    EXPECT_EQ(std::stod(f[col("grad_rel_err_k")]), 1.0) << lines[i];
+    EXPECT_GT(std::stod(f[col("grad_rel_err_v")]), 1e-2) << lines[i];
   }
-  EXPECT_EQ(training_ok, 2);  // flash bwd and fwdbwd
-  EXPECT_EQ(unsupported, 2);  // reformer has none
+  EXPECT_EQ(training_ok, 4);  // flash and reformer, bwd and fwdbwd
+  EXPECT_EQ(unsupported, 4);  // both, bwd and fwdbwd, under the additive score
   // resuming keeps every row: nothing left to run
   r = test::run_cli(args + " --resume", dir);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_EQ(test::read_lines(dir.file("s/results.csv")).size(), 7u);
+  EXPECT_EQ(test::read_lines(dir.file("s/results.csv")).size(), 13u);
 }
 
 }  // namespace

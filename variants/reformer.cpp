@@ -36,6 +36,27 @@
 // Time O(hashes (n (chunk + C) d + buckets)): per round the projections (n d C), a counting
 // sort (n + buckets) and the chunks (2 n chunk d); memory O(n (3 d + hashes C)) for one head at
 // a time plus per-thread tiles.
+//
+// Backward. Constants of the backward: the buckets of every round (hence each round's sorted
+// order, its chunks and which keys each row sees, and which rows see none and take their own
+// value at the fixed logit -1e5). forward_train keeps them (int32, hashes x n per head; hashing
+// again would cost the projections' GEMM for 4 bytes a row and round) with every row's
+// log-sum-exp per round (float, the same size). Everything else is differentiated:
+//   rounds  out_i = sum_r w_ir o_ir, w_ir = softmax_r(lse_ir): with D_i = dO_i . out_i,
+//           dlse_ir = w_ir (dO_i . o_ir - D_i), and as dlse_ir / ds_ij = p_ij the round's
+//           dS_ij = w_ir p_ij (dO_i . v_j - D_i): softmax attention's backward with the upstream
+//           gradient w_ir dO_i and the combined output's D_i in place of the round's own;
+//   a round per chunk (as the forward runs it): P = exp(S - lse) recomputed, dQ = dS K,
+//           dK = dS^T Q, dV = P^T (w dO); a row that saw no key gets dv_i += w_ir dO_i and no
+//           logit gradient (its logit is the constant -1e5); gradients go back to the tokens'
+//           positions, summed over the rounds and the two chunks a key serves;
+//   keys    k_j = q_j / |q_j|: dq_j += (I - k_j k_j^T) dk_j / |q_j| (a zero q_j has k_j = 0
+//           and no gradient through it).
+// The k input is unused (shared QK): its gradient is exactly zero. Heads run as in the
+// forward; within a head the rounds run one after another and a round's chunks in parallel,
+// each writing only its own chunk's and its previous chunk's key rows (separate buffers), which
+// are added to the tokens after the round. Tested against finite differences of
+// reformer::oracle_on_buckets with the forward's buckets frozen.
 #include "variants/reformer.h"
 
 #include <cblas.h>
@@ -54,6 +75,7 @@
 #include <numeric>
 #include <optional>
 
+#include "common/backward.h"
 #include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
@@ -180,14 +202,42 @@ void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int6
   guard.rethrow();
 }
 
+std::vector<int32_t> hash_all(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,
+                              int64_t chunk, ConstTensorView q) {
+  const int64_t n = p.n;
+  std::vector<int32_t> bucket(static_cast<size_t>(p.batch * p.heads * hashes * n), 0);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t L = valid_tokens(p, b);
+    if (L == 0) continue;  // nothing is hashed: every row is zero
+    const Plan pl = plan(L, buckets, hashes, chunk);
+    for (int64_t h = 0; h < p.heads; ++h)
+      hash_rows(pl, p.seed, h, q.row(b, h, 0), q.stride_row, n, p.dim,
+                bucket.data() + (b * p.heads + h) * hashes * n);
+  }
+  return bucket;
+}
+
 std::vector<double> oracle(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,
                            int64_t chunk, ConstTensorView q, ConstTensorView v,
                            std::vector<std::vector<int64_t>>* attended) {
+  return oracle_on_buckets(p, buckets, hashes, chunk, hash_all(p, buckets, hashes, chunk, q), q, v,
+                           attended);
+}
+
+std::vector<double> oracle_on_buckets(const Problem& p, const std::vector<int64_t>& buckets,
+                                      int64_t hashes, int64_t chunk,
+                                      const std::vector<int32_t>& bucket, ConstTensorView q,
+                                      ConstTensorView v,
+                                      std::vector<std::vector<int64_t>>* attended) {
   constexpr double kSelfLogit = -1e5;
   const int64_t n = p.n, d = p.dim, R = hashes;
+  if (bucket.size() != size_t(p.batch * p.heads * R * n))
+    throw UsageError(fmt::format(
+        "reformer::oracle_on_buckets: {} bucket numbers given, expected batch x heads x hashes x "
+        "n = {} x {} x {} x {}",
+        bucket.size(), p.batch, p.heads, R, n));
   std::vector<double> out(size_t(p.q_shape().numel()), 0.0);
   if (attended != nullptr) attended->assign(size_t(p.batch * p.heads * n), {});
-  std::vector<int32_t> bucket(static_cast<size_t>(R * n));
   std::vector<int64_t> order, rank, window, seen;
   std::vector<double> inv_norm(static_cast<size_t>(n)), logit;
   // per round: the output row of every token (n x d) and its log-sum-exp (n)
@@ -198,7 +248,7 @@ std::vector<double> oracle(const Problem& p, const std::vector<int64_t>& buckets
     const Plan pl = plan(L, buckets, hashes, chunk);
     const int64_t ch = pl.chunk, nch = pl.chunks;
     for (int64_t h = 0; h < p.heads; ++h) {
-      hash_rows(pl, p.seed, h, q.row(b, h, 0), q.stride_row, n, d, bucket.data());
+      const int32_t* head_bucket = bucket.data() + (b * p.heads + h) * R * n;
       for (int64_t j = 0; j < n; ++j) {
         double nn = 0;
         for (int64_t x = 0; x < d; ++x) nn += double(q.row(b, h, j)[x]) * double(q.row(b, h, j)[x]);
@@ -207,7 +257,7 @@ std::vector<double> oracle(const Problem& p, const std::vector<int64_t>& buckets
       std::vector<int64_t>* keys =
           attended != nullptr ? attended->data() + (b * p.heads + h) * n : nullptr;
       for (int64_t r = 0; r < R; ++r) {
-        const int32_t* bk = bucket.data() + r * n;
+        const int32_t* bk = head_bucket + r * n;
         order.resize(size_t(L));  // the valid tokens by (bucket, position)
         std::iota(order.begin(), order.end(), 0);
         std::stable_sort(order.begin(), order.end(),
@@ -316,6 +366,64 @@ struct HeadBuffers {
   }
 };
 
+/// What forward_train keeps for the backward: the buckets of every head and round (the
+/// discrete choice the backward holds fixed) and every row's log-sum-exp per round (the
+/// round weights), both at [(b H + h) hashes + r) n + i].
+class ReformerSaved final : public SavedState {
+ public:
+  std::vector<int32_t> bucket;
+  std::vector<float> lse;
+};
+
+/// The backward's buffers of one head, beside HeadBuffers (reused head after head).
+struct GradBuffers {
+  std::vector<float> weight;  // hashes x n: round weight w_ir = softmax_r(lse_ir)
+  std::vector<float> dfin;    // n: D_i = dO_i . out_i
+  std::vector<float> dw;      // n, sorted: w_ir D_i of the current round
+  // n x d: sorted w_ir dO_i; sorted dQ of the query role; the key and value gradients of
+  // the current round by sorted key position, from the key's own chunk (own) and from the
+  // chunk after it (prev: the key is in that chunk's previous chunk); the unit keys' gradient
+  // summed over the rounds, by token
+  Tensor gs, dqs, dk_own, dk_prev, dv_own, dv_prev, dk_sum;
+  GradBuffers(const Plan& pl, int64_t n, int64_t d)
+      : weight(static_cast<size_t>(pl.hashes * n)),
+        dfin(size_t(n)),
+        dw(size_t(n)),
+        gs(Shape4{1, 1, n, d}),
+        dqs(Shape4{1, 1, n, d}),
+        dk_own(Shape4{1, 1, n, d}),
+        dk_prev(Shape4{1, 1, n, d}),
+        dv_own(Shape4{1, 1, n, d}),
+        dv_prev(Shape4{1, 1, n, d}),
+        dk_sum(Shape4{1, 1, n, d}) {}
+  static double bytes(const Plan& pl, int64_t n, int64_t d) {
+    return 4.0 * double(n) * double(pl.hashes + 2 + 7 * d);
+  }
+};
+
+/// One thread's buffers for a chunk of the backward: the window of up to 2 chunk keys (the
+/// previous chunk's, then the chunk's own), gathered when the two are not adjacent in sorted
+/// order, their gradients, and the scores of up to `chunk` query rows against them.
+struct TaskBuffers {
+  std::vector<float> kw, vw, dkw, dvw;  // 2 chunk x d
+  std::vector<float> sp, dsp;           // chunk x 2 chunk: P and dP, then dS
+  std::vector<int32_t> wperm;           // 2 chunk: the window's tokens
+  std::vector<int64_t> self_rows;       // sorted positions of the rows that saw no key
+  TaskBuffers(int64_t ch, int64_t d)
+      : kw(static_cast<size_t>(2 * ch * d)),
+        vw(static_cast<size_t>(2 * ch * d)),
+        dkw(static_cast<size_t>(2 * ch * d)),
+        dvw(static_cast<size_t>(2 * ch * d)),
+        sp(static_cast<size_t>(2 * ch * ch)),
+        dsp(static_cast<size_t>(2 * ch * ch)),
+        wperm(static_cast<size_t>(2 * ch)) {
+    self_rows.reserve(size_t(ch));
+  }
+  static double bytes(int64_t ch, int64_t d) {
+    return 4.0 * double(ch) * double(8 * d + 4 * ch + 2) + 8.0 * double(ch);
+  }
+};
+
 /// Most buckets per round (the product of the factors): bucket numbers are int32 and the
 /// counting sort keeps a counter per bucket.
 constexpr int64_t kMaxBuckets = int64_t(1) << 24;
@@ -340,7 +448,7 @@ void check_buckets(const std::vector<int64_t>& factors) {
   }
 }
 
-class Reformer final : public Variant {
+class Reformer final : public Variant, public Backward {
  public:
   Reformer(std::vector<int64_t> buckets, int64_t hashes, int64_t chunk)
       : buckets_(std::move(buckets)), hashes_(hashes), chunk_(chunk) {
@@ -362,8 +470,13 @@ class Reformer final : public Variant {
   /// Round r's order into hb.perm: the L valid tokens sorted by (bucket, position), then the
   /// padded ones (L <= i < n) by the chunk they attend (hb.pstart), by position within one.
   void sort_round(const Problem& p, const Plan& pl, int64_t L, int64_t r, HeadBuffers& hb) const {
+    sort_round(p, pl, L, hb.bucket.data() + r * p.n, hb);
+  }
+
+  /// The same for the round whose n buckets are `bucket`.
+  void sort_round(const Problem& p, const Plan& pl, int64_t L, const int32_t* bucket,
+                  HeadBuffers& hb) const {
     const int64_t n = p.n;
-    const int32_t* bucket = hb.bucket.data() + r * n;
     // stable counting sort by bucket
     hb.count.assign(size_t(pl.buckets + 1), 0);
     for (int64_t i = 0; i < L; ++i) ++hb.count[size_t(bucket[i]) + 1];
@@ -393,6 +506,92 @@ class Reformer final : public Variant {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView v,
                TensorView out) override {
+    run(p, q, v, out, nullptr);
+  }
+
+  // The backward (see the top of the file): the forward's buckets are constants of it.
+  Backward* backward() override { return this; }
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView,
+                                            ConstTensorView v, TensorView out) override {
+    auto st = std::make_unique<ReformerSaved>();
+    const size_t size = static_cast<size_t>(p.batch * p.heads * hashes_ * p.n);
+    st->bucket.assign(size, 0);
+    st->lse.assign(size, 0.0f);
+    run(p, q, v, out, st.get());
+    return st;
+  }
+
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    const auto* st = dynamic_cast<const ReformerSaved*>(&saved);
+    const size_t size = static_cast<size_t>(p.batch * p.heads * hashes_ * p.n);
+    if (!st || st->bucket.size() != size || st->lse.size() != size)
+      throw UsageError("reformer: the saved state is not from its forward_train on this problem");
+    const Plan full = plan(p);
+    const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads, R = hashes_;
+    OmpGuard guard;
+#pragma omp parallel if (by_head(p, team_threads()))
+    {
+      std::optional<HeadBuffers> buffers;
+      std::optional<GradBuffers> grads;
+      guard.run([&] {
+        buffers.emplace(full, n, d);
+        grads.emplace(full, n, d);
+      });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bh = 0; bh < heads; ++bh)
+        guard.run([&] {
+          const int64_t b = bh / p.heads, h = bh % p.heads, L = reformer::valid_tokens(p, b);
+          // the keys are the normalised queries: the k input is unused and gets no gradient
+          for (int64_t j = 0; j < n; ++j) std::fill_n(dk.row(b, h, j), d, 0.0f);
+          if (L == 0) {  // zero rows: zero gradients
+            for (int64_t i = 0; i < n; ++i) {
+              std::fill_n(dq.row(b, h, i), d, 0.0f);
+              std::fill_n(dv.row(b, h, i), d, 0.0f);
+            }
+            return;
+          }
+          const Plan pl = L == n ? full : reformer::plan(L, buckets_, hashes_, chunk_);
+          backward_head(p, pl, L, q, v, out, dout, st->bucket.data() + bh * R * n,
+                        st->lse.data() + bh * R * n, dq, dv, b, h, *buffers, *grads);
+        });
+    }
+    guard.rethrow();
+  }
+
+  double backward_flops(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double n = double(p.n), d = double(p.dim);
+    // per round and (query, key) pair: S, dP, dQ, dK and dV (2 d each), the exponential,
+    // dS and the mask (about 4); per round and row the gathered w_r dO and w_r D (2 d); per
+    // row D, the round weights (4 hashes) and the projection of dK onto the query (6 d)
+    const double per_head = double(pl.hashes) * ((10.0 * d + 4.0) * pairs(p) + 2.0 * n * d) +
+                            n * (8.0 * d + 4.0 * double(pl.hashes));
+    return double(p.batch * p.heads) * per_head;
+  }
+
+  double saved_estimate(const Problem& p) const override {
+    // every head's buckets (int32) and log-sum-exps (float) of every round
+    return 8.0 * double(p.batch * p.heads) * double(hashes_) * double(p.n) +
+           double(sizeof(ReformerSaved));
+  }
+
+  double backward_memory_estimate(const Problem& p) const override {
+    Plan pl = plan(p);
+    for (int64_t L : p.key_lengths)  // as in memory_estimate: plan(L) may have more buckets
+      if (L > 0)
+        pl.buckets = std::max(pl.buckets, reformer::plan(L, buckets_, hashes_, chunk_).buckets);
+    const int threads = team_threads();
+    const int copies = by_head(p, threads) ? threads : 1;
+    return (HeadBuffers::bytes(pl, p.n, p.dim) + GradBuffers::bytes(pl, p.n, p.dim)) * copies +
+           TaskBuffers::bytes(pl.chunk, p.dim) * threads;
+  }
+
+  /// The forward; with `keep`, every head's buckets and per-round log-sum-exps are kept.
+  void run(const Problem& p, ConstTensorView q, ConstTensorView v, TensorView out,
+           ReformerSaved* keep) {
     const Plan full = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
     // phases (common/phase.h): "hash" is hashing and sorting (projections, buckets, counting
@@ -415,6 +614,9 @@ class Reformer final : public Variant {
           {
             Phase ph("hash");
             hash(p, pl, q, b, h, hb);
+            if (keep != nullptr)
+              std::copy_n(hb.bucket.data(), pl.hashes * n,
+                          keep->bucket.data() + bh * pl.hashes * n);
           }
           {
             Phase ph("attend");
@@ -436,7 +638,8 @@ class Reformer final : public Variant {
               gather(p, q, v, b, h, hb);
             }
             Phase ph("attend");
-            attend_round(p, pl, L, v, out, b, h, hb);
+            attend_round(p, pl, L, v, out, b, h, hb,
+                         keep != nullptr ? keep->lse.data() + (bh * pl.hashes + r) * n : nullptr);
           }
           Phase ph("attend");
 #pragma omp parallel for schedule(static)
@@ -450,17 +653,24 @@ class Reformer final : public Variant {
     guard.rethrow();
   }
 
-  double flops(const Problem& p) const override {
+  /// (query, key) scores of one round of one head of n tokens.
+  double pairs(const Problem& p) const {
     const Plan pl = plan(p);
     const int64_t n = p.n, ch = pl.chunk, nch = pl.chunks;
-    double pairs = 0;  // (query, key) scores per round
+    double count = 0;
     for (int64_t c = 0; c < nch; ++c) {
       const int64_t rows = std::min(ch, n - c * ch);
       const int64_t prev = nch > 1 ? std::min(ch, n - ((c + nch - 1) % nch) * ch) : 0;
-      pairs += double(rows) * double(rows + prev);
+      count += double(rows) * double(rows + prev);
     }
-    const double hashing = 2.0 * double(n) * double(p.dim) * double(pl.hashes * pl.cols);
-    return double(p.batch * p.heads) * (hashing + double(pl.hashes) * 4.0 * double(p.dim) * pairs);
+    return count;
+  }
+
+  double flops(const Problem& p) const override {
+    const Plan pl = plan(p);
+    const double hashing = 2.0 * double(p.n) * double(p.dim) * double(pl.hashes * pl.cols);
+    return double(p.batch * p.heads) *
+           (hashing + double(pl.hashes) * 4.0 * double(p.dim) * pairs(p));
   }
 
   double memory_estimate(const Problem& p) const override {
@@ -551,7 +761,7 @@ class Reformer final : public Variant {
   /// One round: every chunk attends itself and the previous chunk; the result is folded into
   /// out (running max mx and sum z of the round weights per token).
   void attend_round(const Problem& p, const Plan& pl, int64_t L, ConstTensorView v, TensorView out,
-                    int64_t b, int64_t h, HeadBuffers& hb) const {
+                    int64_t b, int64_t h, HeadBuffers& hb, float* keep_lse) const {
     const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
     // the tiles: each chunk's own rows, then the padded queries of each chunk, ch at a time
     hb.items.clear();
@@ -618,6 +828,7 @@ class Reformer final : public Variant {
               orow = v.row(b, h, i);
               l = kSelfLogit;
             }
+            if (keep_lse != nullptr) keep_lse[i] = l;
             float& mx = hb.mx[size_t(i)];
             float& z = hb.z[size_t(i)];
             const float nm = std::max(mx, l);
@@ -650,6 +861,183 @@ class Reformer final : public Variant {
 #endif
       for (; c < cols; ++c) m[c] = uint8_t(kpos[c] != i && kpos[c] < vis);
     }
+  }
+
+  /// The gradients of head (b, h) on the forward's buckets (bucket: hashes x n) and
+  /// per-round log-sum-exps (lse: hashes x n); dq and dv rows are overwritten.
+  void backward_head(const Problem& p, const Plan& pl, int64_t L, ConstTensorView q,
+                     ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                     const int32_t* bucket, const float* lse, TensorView dq, TensorView dv,
+                     int64_t b, int64_t h, HeadBuffers& hb, GradBuffers& gb) const {
+    const int64_t n = p.n, d = p.dim, R = pl.hashes;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const float* qi = q.row(b, h, i);
+      const float *g = dout.row(b, h, i), *o = out.row(b, h, i);
+      double ss = 0;
+      float D = 0.0f;
+      for (int64_t x = 0; x < d; ++x) {
+        ss += double(qi[x]) * double(qi[x]);
+        D += g[x] * o[x];
+      }
+      hb.inv_norm[size_t(i)] = ss > 0 ? float(1.0 / std::sqrt(ss)) : 0.0f;
+      gb.dfin[size_t(i)] = D;
+      // w_ir = softmax_r(lse_ir), as the forward combined the rounds
+      float mx = -INFINITY, z = 0.0f;
+      for (int64_t r = 0; r < R; ++r) mx = std::max(mx, lse[r * n + i]);
+      for (int64_t r = 0; r < R; ++r)
+        z += gb.weight[size_t(r * n + i)] = std::exp(lse[r * n + i] - mx);
+      for (int64_t r = 0; r < R; ++r) gb.weight[size_t(r * n + i)] /= z;
+      std::fill_n(dq.row(b, h, i), d, 0.0f);
+      std::fill_n(dv.row(b, h, i), d, 0.0f);
+      std::fill_n(gb.dk_sum.data() + i * d, d, 0.0f);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      sort_round(p, pl, L, bucket + r * n, hb);
+      gather(p, q, v, b, h, hb);
+      const float* w = gb.weight.data() + r * n;
+#pragma omp parallel for schedule(static)
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t i = hb.perm[size_t(s)];
+        const float* g = dout.row(b, h, i);
+        float* gd = gb.gs.data() + s * d;
+        const float wi = w[i];
+        for (int64_t x = 0; x < d; ++x) gd[x] = wi * g[x];
+        gb.dw[size_t(s)] = wi * gb.dfin[size_t(i)];
+      }
+      backward_round(p, pl, L, lse + r * n, b, hb, gb);
+      // back to the tokens: each token has one sorted position, so rows do not collide
+      const bool has_prev = pl.chunks > 1;
+#pragma omp parallel for schedule(static)
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t i = hb.perm[size_t(s)];
+        float* o = dq.row(b, h, i);
+        const float* src = gb.dqs.data() + s * d;
+        for (int64_t x = 0; x < d; ++x) o[x] += src[x];
+        if (s >= L) continue;  // padded tokens are no keys
+        float* ok = gb.dk_sum.data() + i * d;
+        float* ov = dv.row(b, h, i);
+        const float *ko = gb.dk_own.data() + s * d, *vo = gb.dv_own.data() + s * d;
+        for (int64_t x = 0; x < d; ++x) ok[x] += ko[x], ov[x] += vo[x];
+        if (!has_prev) continue;
+        const float *kp = gb.dk_prev.data() + s * d, *vp = gb.dv_prev.data() + s * d;
+        for (int64_t x = 0; x < d; ++x) ok[x] += kp[x], ov[x] += vp[x];
+      }
+    }
+    // through k_j = q_j / |q_j|: dq_j += (I - k_j k_j^T) dk_j / |q_j| (0 for a zero q_j)
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < L; ++j) {
+      const float in = hb.inv_norm[size_t(j)];
+      if (in == 0.0f) continue;
+      const float* qj = q.row(b, h, j);
+      const float* g = gb.dk_sum.data() + j * d;
+      float kg = 0.0f;
+      for (int64_t x = 0; x < d; ++x) kg += qj[x] * in * g[x];
+      float* o = dq.row(b, h, j);
+      for (int64_t x = 0; x < d; ++x) o[x] += (g[x] - qj[x] * in * kg) * in;
+    }
+  }
+
+  /// One round of the backward on the sorted rows (hb.qs, ks, vs, gb.gs, dw): per chunk c,
+  /// its rows and the padded rows attending it against the window (previous chunk, then
+  /// chunk c), P = exp(S - lse) under the forward's mask, dP = G V^T, dS = P o (dP - w D),
+  /// dQ = dS K (gb.dqs), dK = dS^T Q and dV = P^T G (+ G for rows that saw no key: their own
+  /// value) into gb.dk_own / dv_own for chunk c's keys and gb.dk_prev / dv_prev for the
+  /// previous chunk's. Each chunk writes its own blocks only: the chunks run in parallel.
+  void backward_round(const Problem& p, const Plan& pl, int64_t L, const float* lse, int64_t b,
+                      HeadBuffers& hb, GradBuffers& gb) const {
+    const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
+    OmpGuard guard;
+#pragma omp parallel
+    {
+      std::optional<TaskBuffers> tb;
+      guard.run([&] { tb.emplace(ch, d); });
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c = 0; c < nch; ++c)
+        guard.run([&] {
+          TaskBuffers& t = *tb;
+          const int64_t own0 = c * ch, cols_c = std::min(ch, L - own0);
+          const int64_t prev = nch > 1 ? (c + nch - 1) % nch : -1;
+          const int64_t cols_p = prev >= 0 ? std::min(ch, L - prev * ch) : 0, cw = cols_p + cols_c;
+          const float *kw, *vw;
+          const int32_t* wperm;
+          if (prev < 0 || prev == c - 1) {  // contiguous in sorted order (chunk c - 1 is full)
+            const int64_t w0 = prev < 0 ? own0 : prev * ch;
+            kw = hb.ks.data() + w0 * d, vw = hb.vs.data() + w0 * d;
+            wperm = hb.perm.data() + w0;
+          } else {  // chunk 0 and the last chunk
+            for (auto [src, dst, rows] : {std::array<int64_t, 3>{prev * ch, 0, cols_p},
+                                          std::array<int64_t, 3>{own0, cols_p, cols_c}}) {
+              std::copy_n(hb.ks.data() + src * d, rows * d, t.kw.data() + dst * d);
+              std::copy_n(hb.vs.data() + src * d, rows * d, t.vw.data() + dst * d);
+              std::copy_n(hb.perm.data() + src, rows, t.wperm.data() + dst);
+            }
+            kw = t.kw.data(), vw = t.vw.data(), wperm = t.wperm.data();
+          }
+          t.self_rows.clear();
+          // the query rows: chunk c's own, then the padded ones attending it, ch at a time
+          bool first = true;
+          const int64_t pad0 = L < n ? L + hb.pstart[size_t(c)] : n;
+          const int64_t pad1 = L < n ? L + hb.pstart[size_t(c + 1)] : n;
+          for (int64_t s0 = own0; s0 < pad1;) {
+            const bool padded = s0 >= L;
+            const int64_t rows = padded ? std::min(ch, pad1 - s0) : cols_c;
+            const float *qt = hb.qs.data() + s0 * d, *gt = gb.gs.data() + s0 * d;
+            float *sp = t.sp.data(), *dsp = t.dsp.data();
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cw), int(d), 1.0f,
+                        qt, int(d), kw, int(d), 0.0f, sp, int(cw));
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cw), int(d), 1.0f,
+                        gt, int(d), vw, int(d), 0.0f, dsp, int(cw));
+            for (int64_t rr = 0; rr < rows; ++rr) {
+              const int32_t i = hb.perm[size_t(s0 + rr)];
+              const float l = lse[i], dwi = gb.dw[size_t(s0 + rr)];
+              float *srow = sp + rr * cw, *drow = dsp + rr * cw;
+              if (padded) {  // a padded row sees every key of its window
+                for (int64_t e = 0; e < cw; ++e) {
+                  const float pe = std::exp(srow[e] - l);
+                  srow[e] = pe;
+                  drow[e] = pe * (drow[e] - dwi);
+                }
+                continue;
+              }
+              // the forward's mask: another token, visible under the causal rule
+              const int64_t vis = p.visible(b, i);
+              bool any = false;
+              for (int64_t e = 0; e < cw; ++e) {
+                const int32_t j = wperm[e];
+                const bool seen = j != i && j < vis;
+                const float pe = seen ? std::exp(srow[e] - l) : 0.0f;
+                any |= seen;
+                srow[e] = pe;
+                drow[e] = pe * (drow[e] - dwi);
+              }
+              // nothing else visible: its own value at the constant logit -1e5
+              if (!any) t.self_rows.push_back(s0 + rr);
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(cw), 1.0f,
+                        dsp, int(cw), kw, int(d), 0.0f, gb.dqs.data() + s0 * d, int(d));
+            const float beta = first ? 0.0f : 1.0f;
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cw), int(d), int(rows), 1.0f,
+                        dsp, int(cw), qt, int(d), beta, t.dkw.data(), int(d));
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cw), int(d), int(rows), 1.0f,
+                        sp, int(cw), gt, int(d), beta, t.dvw.data(), int(d));
+            first = false;
+            s0 = padded ? s0 + rows : pad0;
+          }
+          for (int64_t s : t.self_rows) {
+            float* o = t.dvw.data() + (cols_p + s - own0) * d;
+            const float* g = gb.gs.data() + s * d;
+            for (int64_t x = 0; x < d; ++x) o[x] += g[x];
+          }
+          std::copy_n(t.dkw.data() + cols_p * d, cols_c * d, gb.dk_own.data() + own0 * d);
+          std::copy_n(t.dvw.data() + cols_p * d, cols_c * d, gb.dv_own.data() + own0 * d);
+          if (cols_p > 0) {
+            std::copy_n(t.dkw.data(), cols_p * d, gb.dk_prev.data() + prev * ch * d);
+            std::copy_n(t.dvw.data(), cols_p * d, gb.dv_prev.data() + prev * ch * d);
+          }
+        });
+    }
+    guard.rethrow();
   }
 
   std::vector<int64_t> buckets_;

@@ -56,9 +56,16 @@ inline int64_t valid_tokens(const Problem& p, int64_t b) {
 void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int64_t ld, int64_t n,
                int64_t d, int32_t* bucket);
 
+/// The buckets of every head and round as the variant makes them: hash_rows() of head (b, h)
+/// with plan(L, buckets, hashes, chunk) for the L valid tokens of batch element b, at
+/// [((b H + h) hashes + r) n + i] (all zero for an element with L = 0, which hashes nothing).
+std::vector<int32_t> hash_all(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,
+                              int64_t chunk, ConstTensorView q);
+
 /// The variant's function in double, on the buckets hash_rows() gives (the buckets are the
 /// variant's discrete choice, an argmax of float32 projections: recomputed in double a
-/// near-tied argmax could flip, so the oracle takes them as the variant makes them). Per batch
+/// near-tied argmax could flip, so the oracle takes them as the variant makes them):
+/// oracle_on_buckets() on hash_all(). Per batch
 /// element b with L valid tokens (L = n without key padding), plan(L, buckets, hashes, chunk),
 /// per head and round: the valid tokens stably sorted by bucket, chunks of `chunk` sorted
 /// tokens attending themselves and the previous chunk with logits q_i . q_j / |q_j| (a zero
@@ -72,5 +79,14 @@ void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int6
 std::vector<double> oracle(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,
                            int64_t chunk, ConstTensorView q, ConstTensorView v,
                            std::vector<std::vector<int64_t>>* attended = nullptr);
+
+/// The same function on given buckets, laid out as hash_all() gives them (UsageError if their
+/// count is not B H hashes n): the function the backward pass differentiates, the buckets
+/// (hence every round's order, chunks and visible keys) being constants of it.
+std::vector<double> oracle_on_buckets(const Problem& p, const std::vector<int64_t>& buckets,
+                                      int64_t hashes, int64_t chunk,
+                                      const std::vector<int32_t>& bucket, ConstTensorView q,
+                                      ConstTensorView v,
+                                      std::vector<std::vector<int64_t>>* attended = nullptr);
 
 }  // namespace attnbench::reformer
