@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <vector>
 
 #include "common/attention_kernels.h"
@@ -536,6 +537,9 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
   const int64_t qblocks = (n + bq - 1) / bq, kblocks = (m + bk - 1) / bk;
   const int64_t heads = p.batch * p.heads, tasks = heads * kblocks;
   const float scale = p.softmax_scale();
+  // a tile's rows' log-sum-exps are read as consecutive floats
+  if (lse.stride_row != 1)
+    throw std::logic_error("the engine's backward needs consecutive log-sum-exps (stride_row 1)");
   const std::vector<float> dsum = row_dots(p, out, dout);
   std::optional<Visits> visits;
   if constexpr (!kDense) visits.emplace(p, *pat);

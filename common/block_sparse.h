@@ -42,6 +42,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "common/backward.h"
 #include "common/pattern.h"
@@ -62,6 +64,25 @@ struct LseView {
   }
 };
 
+/// A saved state of every row's log-sum-exp [B, H, n] (with out, what the engine's backward
+/// needs), for variants whose training forward keeps nothing else.
+class LseSaved final : public SavedState {
+ public:
+  explicit LseSaved(const Problem& p) : lse(size_t(p.batch * p.heads * p.n)) {}
+  std::vector<float> lse;
+  LseView view(const Problem& p) const {
+    return LseView{const_cast<float*>(lse.data()), p.heads * p.n, p.n, 1};
+  }
+  /// The LseSaved `saved` is for p; UsageError naming `variant` if it is another state.
+  static const LseSaved& of(const SavedState& saved, const Problem& p, const std::string& variant) {
+    const auto* st = dynamic_cast<const LseSaved*>(&saved);
+    if (!st || st->lse.size() != size_t(p.batch * p.heads * p.n))
+      throw UsageError(variant + ": the saved state is not from its forward_train on this problem");
+    return *st;
+  }
+  static double bytes(const Problem& p) { return double(p.batch * p.heads * p.n) * sizeof(float); }
+};
+
 /// out = attention of q over k, v restricted to `pat` and the causal mask. Rows that attend
 /// no key are 0. OpenMP over (batch, head, query block), dynamically scheduled. With `lse`,
 /// also every row's log-sum-exp.
@@ -80,7 +101,8 @@ void dense_attention(const Problem& p, ConstTensorView q, ConstTensorView k, Con
 /// The engine's backward pass, dense case (the forward: dense_attention with the same tiles):
 /// dq [B, H, n, d], dk and dv [B, H, m, d] (overwritten) of L = sum(dout ∘ out) for exact
 /// attention under the causal mask, key padding and attention mask, from the forward's out and
-/// its rows' log-sum-exps lse (what dense_attention wrote). Scores scaled_dot only (the caller
+/// its rows' log-sum-exps lse (what dense_attention wrote; each row's next to the previous
+/// one, stride_row 1, else std::logic_error). Scores scaled_dot only (the caller
 /// maps dot and bilinear). Recomputes every (query tile, key block) pair the forward visits:
 ///   S = Q K^T / sqrt(d) + bias, P = exp(S - L), dV += P^T dO, dP = dO V^T,
 ///   dS = P ∘ (dP - D) with D_i = sum_c dO_ic O_ic, dQ += dS K / sqrt(d), dK += dS^T Q / sqrt(d);

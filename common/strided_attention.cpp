@@ -6,6 +6,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/additive_score.h"
 #include "common/error.h"
@@ -102,6 +103,62 @@ void run_class(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTens
   }
 }
 
+void backward_class(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                    ConstTensorView out, ConstTensorView dout, const LseView& lse, TensorView dq,
+                    TensorView dk, TensorView dv, int64_t s, int64_t limit, int64_t block,
+                    const ResidueClass& c) {
+  const TensorView dqs = every_sth_row(dq, c.first_query, s, c.rows);
+  if (c.keys == 0) {  // the class's queries see no key: their gradient is 0
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h)
+        for (int64_t u = 0; u < c.rows; ++u) std::fill_n(dqs.row(b, h, u), p.dim, 0.0f);
+    return;
+  }
+  const Problem sub = class_problem(p, s, c);
+  // the engine's backward reads each tile's log-sum-exps as consecutive floats: the class's own
+  std::vector<float> ls(size_t(p.batch * p.heads * c.rows));
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h)
+      for (int64_t u = 0; u < c.rows; ++u)
+        ls[size_t((b * p.heads + h) * c.rows + u)] = lse.at(b, h, c.first_query + u * s);
+  const LseView l{ls.data(), p.heads * c.rows, c.rows, 1};
+  const ConstTensorView qs = every_sth_row(q, c.first_query, s, c.rows);
+  const ConstTensorView os = every_sth_row(out, c.first_query, s, c.rows);
+  const ConstTensorView gs = every_sth_row(dout, c.first_query, s, c.rows);
+  const ConstTensorView ks = every_sth_row(k, c.r, s, c.keys);
+  const ConstTensorView vs = every_sth_row(v, c.r, s, c.keys);
+  const TensorView dks = every_sth_row(dk, c.r, s, c.keys);
+  const TensorView dvs = every_sth_row(dv, c.r, s, c.keys);
+  const int64_t w = class_limit(s, limit);
+  if (w < 0) {
+    dense_attention_backward(sub, qs, ks, vs, os, gs, l, dqs, dks, dvs, block, block);
+  } else {
+    const StridedPattern band(c.rows, c.keys, 1, w, 0, block);
+    block_sparse_attention_backward(sub, qs, ks, vs, os, gs, l, band, dqs, dks, dvs);
+  }
+}
+
+/// Calls f(class) for every class holding a query: in parallel, one thread each, when there
+/// are enough of them to keep the team busy; otherwise one after another, each on the whole
+/// team.
+template <class F>
+void for_each_class(const Problem& p, int64_t stride, F&& f) {
+  const int64_t classes = query_classes(p, stride);
+  const int threads = team_threads();
+  if (threads > 1 && classes >= 4 * int64_t(threads)) {
+    OmpGuard guard;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t u = 0; u < classes; ++u)
+      guard.run([&] {
+        omp_set_num_threads(1);  // the engine's regions inside this class: this thread alone
+        f(query_class(p, stride, u));
+      });
+    guard.rethrow();
+  } else {
+    for (int64_t u = 0; u < classes; ++u) f(query_class(p, stride, u));
+  }
+}
+
 }  // namespace
 
 void strided_attention(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -109,23 +166,29 @@ void strided_attention(const Problem& p, ConstTensorView q, ConstTensorView k, C
                        const LseView* lse) {
   if (stride < 1)
     throw UsageError("strided attention: stride must be at least 1, got " + std::to_string(stride));
-  const int64_t classes = query_classes(p, stride);
-  const int threads = team_threads();
-  // enough classes to keep the team busy one class per thread: classes in parallel, each on
-  // one thread; otherwise one after another, each on the whole team
-  if (threads > 1 && classes >= 4 * int64_t(threads)) {
-    OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t u = 0; u < classes; ++u)
-      guard.run([&] {
-        omp_set_num_threads(1);  // the engine's regions inside this class: this thread alone
-        run_class(p, q, k, v, out, stride, limit, block, lse, query_class(p, stride, u));
-      });
-    guard.rethrow();
-  } else {
-    for (int64_t u = 0; u < classes; ++u)
-      run_class(p, q, k, v, out, stride, limit, block, lse, query_class(p, stride, u));
-  }
+  for_each_class(p, stride, [&](const ResidueClass& c) {
+    run_class(p, q, k, v, out, stride, limit, block, lse, c);
+  });
+}
+
+void strided_attention_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                                const LseView& lse, TensorView dq, TensorView dk, TensorView dv,
+                                int64_t stride, int64_t limit, int64_t block) {
+  if (stride < 1)
+    throw UsageError("strided attention: stride must be at least 1, got " + std::to_string(stride));
+  // with fewer queries than the stride, some classes hold keys but no query: those keys get 0
+  // (the classes' engine calls overwrite the keys they hold)
+  if (query_classes(p, stride) < stride)
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; ++h)
+        for (int64_t j = 0; j < p.keys(); ++j) {
+          std::fill_n(dk.row(b, h, j), p.dim, 0.0f);
+          std::fill_n(dv.row(b, h, j), p.dim, 0.0f);
+        }
+  for_each_class(p, stride, [&](const ResidueClass& c) {
+    backward_class(p, q, k, v, out, dout, lse, dq, dk, dv, stride, limit, block, c);
+  });
 }
 
 double strided_attention_scores(const Problem& p, int64_t stride, int64_t limit, int64_t block) {
@@ -145,6 +208,34 @@ double strided_attention_scores(const Problem& p, int64_t stride, int64_t limit,
     }
   }
   return total * double(p.batch * p.heads);
+}
+
+double strided_attention_backward_memory(const Problem& p, int64_t stride, int64_t limit,
+                                         int64_t block) {
+  // the largest class: ceil(n / s) queries, ceil(m / s) keys; the engine's backward on it
+  // (dense, or on its band)
+  const int64_t s = std::max<int64_t>(1, stride);
+  Problem sub = p;
+  sub.n = (p.n + s - 1) / s;
+  sub.m = (p.keys() + s - 1) / s;
+  sub.attn_mask.reset();
+  const int64_t w = class_limit(s, limit);
+  double engine =
+      w < 0 ? dense_attention_backward_memory(sub, block, block)
+            : block_sparse_backward_memory(
+                  sub, block, listed_blocks(sub, StridedPattern(sub.n, sub.m, 1, w, 0, block)));
+  const int threads = team_threads();
+  const bool parallel = threads > 1 && query_classes(p, s) >= 4 * int64_t(threads);
+  // per class in flight: its log-sum-exps, and its rows and columns of the mask
+  const double rows = double(p.batch * p.heads * sub.n) * sizeof(float);
+  double per_class = rows;
+  if (p.attn_mask)
+    per_class += double(p.attn_mask->batch * p.attn_mask->heads) * double(sub.n) * double(sub.m) *
+                 sizeof(float);
+  // classes in parallel run the engine one thread each: no dQ accumulators (threads - 1 of
+  // them in the team's estimate), and each class its own rows' D
+  if (parallel) engine += double(threads - 1) * (rows - rows * double(p.dim));
+  return engine + (parallel ? threads : 1) * per_class;
 }
 
 double strided_attention_memory(const Problem& p, int64_t stride, int64_t block) {

@@ -31,6 +31,20 @@ void strided_attention(const Problem& p, ConstTensorView q, ConstTensorView k, C
                        TensorView out, int64_t stride, int64_t limit, int64_t block,
                        const LseView* lse = nullptr);
 
+/// The backward of strided_attention: dq [B, H, n, d], dk and dv [B, H, m, d] (overwritten) of
+/// L = sum(dout o out) from its out and rows' log-sum-exps lse, class by class with the
+/// engine's backward (dense_attention_backward, or block_sparse_attention_backward on a band)
+/// on the same strided views; keys of classes without queries get 0. Scores scaled_dot, dot
+/// and bilinear (the caller maps q), as the engine's backward.
+void strided_attention_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                                const LseView& lse, TensorView dq, TensorView dk, TensorView dv,
+                                int64_t stride, int64_t limit, int64_t block);
+
+/// Bytes strided_attention_backward allocates beyond inputs, out, lse and gradients.
+double strided_attention_backward_memory(const Problem& p, int64_t stride, int64_t limit,
+                                         int64_t block);
+
 /// Scores strided_attention computes, over every batch element and head.
 double strided_attention_scores(const Problem& p, int64_t stride, int64_t limit, int64_t block);
 

@@ -21,7 +21,8 @@
 // Fixed mode runs its pattern on the block-sparse engine, which scores whole tiles: the work is
 // O(n m d), as for full attention, when l <= block and c > 0 (every tile holds a summary
 // column), otherwise about O(n (l + m (c + block) / l) d).
-// Memory O(threads block (block + d)); the pattern holds nothing.
+// Memory O(threads block (block + d)); the pattern holds nothing. Training in strided mode runs
+// the two parts' backward passes from the union's log-sum-exps (see backward below).
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019); defaults l = 128, c = 32 as in OpenAI's blocksparse code.
 #include <algorithm>
@@ -151,18 +152,47 @@ class SparseTransformer final : public PatternVariant {
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     if (on_engine(p)) return PatternVariant::forward(p, q, k, v, out);
-    // the band without the own key into out, the stride part (own key included) into `stride`,
-    // each with its rows' log-sum-exps, then merged into one softmax over the union
-    const int64_t rows = p.batch * p.heads * p.n;
-    std::vector<float> lse(size_t(2 * rows));
-    const LseView band_lse{lse.data(), p.heads * p.n, p.n, 1};
-    const LseView stride_lse{lse.data() + rows, p.heads * p.n, p.n, 1};
-    block_sparse_attention(p, q, k, v, out, band(p), &band_lse);
-    // every row is written (rows that see no key as 0), so the buffer needs no clearing
-    const auto buf = std::make_unique_for_overwrite<float[]>(size_t(p.q_shape().numel()));
-    const TensorView strided(buf.get(), p.q_shape());
-    strided_attention(p, q, k, v, strided, l_, -1, block_, &stride_lse);
-    merge_attention(p, out, band_lse, strided, stride_lse);
+    std::vector<float> lse(size_t(p.batch * p.heads * p.n));
+    run_parts(p, q, k, v, out, LseView{lse.data(), p.heads * p.n, p.n, 1});
+  }
+
+  // Strided mode's backward: with the merged rows' log-sum-exps L and the merged output, each
+  // part's backward (the engine's over the band, the reshape's over the stride part) gives the
+  // gradient of its own keys' probabilities exp(s - L), and D = dO . O is the union's; the two
+  // parts' gradients add up.
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    if (on_engine(p)) return PatternVariant::forward_train(p, q, k, v, out);
+    auto saved = std::make_unique<LseSaved>(p);
+    run_parts(p, q, k, v, out, saved->view(p));
+    return saved;
+  }
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    if (on_engine(p)) return PatternVariant::backward(p, q, k, v, out, dout, saved, dq, dk, dv);
+    const LseView lse = LseSaved::of(saved, p, "sparse_transformer").view(p);
+    block_sparse_attention_backward(p, q, k, v, out, dout, lse, band(p), dq, dk, dv);
+    Tensor gq(p.q_shape()), gk(p.kv_shape()), gv(p.kv_shape());
+    strided_attention_backward(p, q, k, v, out, dout, lse, gq.view(), gk.view(), gv.view(), l_, -1,
+                               block_);
+    add(p, gq.view(), dq, p.n);
+    add(p, gk.view(), dk, p.keys());
+    add(p, gv.view(), dv, p.keys());
+  }
+  double backward_flops(const Problem& p) const override {
+    return on_engine(p) ? PatternVariant::backward_flops(p) : 2.5 * flops(p);
+  }
+  double saved_estimate(const Problem& p) const override {
+    return on_engine(p) ? PatternVariant::saved_estimate(p) : LseSaved::bytes(p);
+  }
+  double backward_memory_estimate(const Problem& p) const override {
+    if (on_engine(p)) return PatternVariant::backward_memory_estimate(p);
+    // the larger part's backward, and the stride part's three gradients
+    const double heads = double(p.batch * p.heads);
+    return std::max(block_sparse_backward_memory(p, block_, listed_blocks(p, band(p))),
+                    strided_attention_backward_memory(p, l_, -1, block_)) +
+           heads * double(p.n + 2 * p.keys()) * double(p.dim) * sizeof(float);
   }
 
   double flops(const Problem& p) const override {
@@ -188,6 +218,32 @@ class SparseTransformer final : public PatternVariant {
   // visited anyway (B = 1, H = 8, d = 64, l = 128 on 2 cores: at n = 256 the union took 2.5 ms
   // and the two parts 3.1; at n = 512 the union 9.5 ms and the parts 6.9).
   bool on_engine(const Problem& p) const { return fixed_ || p.n < 4 * l_; }
+
+  // Strided mode's two parts: the band without the own key into out, with its rows'
+  // log-sum-exps in lse, the stride part (own key included) into a buffer with its own, then
+  // merged into one softmax over the union (lse then holds the union's).
+  void run_parts(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                 TensorView out, const LseView& lse) const {
+    std::vector<float> other(size_t(p.batch * p.heads * p.n));
+    const LseView stride_lse{other.data(), p.heads * p.n, p.n, 1};
+    block_sparse_attention(p, q, k, v, out, band(p), &lse);
+    // every row is written (rows that see no key as 0), so the buffer needs no clearing
+    const auto buf = std::make_unique_for_overwrite<float[]>(size_t(p.q_shape().numel()));
+    const TensorView strided(buf.get(), p.q_shape());
+    strided_attention(p, q, k, v, strided, l_, -1, block_, &stride_lse);
+    merge_attention(p, out, lse, strided, stride_lse);
+  }
+
+  // dst += src over rows rows of every head
+  static void add(const Problem& p, ConstTensorView src, TensorView dst, int64_t rows) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* x = src.row(bh / p.heads, bh % p.heads, i);
+        float* y = dst.row(bh / p.heads, bh % p.heads, i);
+        for (int64_t c = 0; c < p.dim; ++c) y[c] += x[c];
+      }
+  }
 
   // strided mode's band part: |a(i) - j| <= l - 1, j != a(i)
   StridedPattern band(const Problem& p) const {

@@ -13,7 +13,9 @@
 // scores (2 span / stride + 1 per row with a span), at the dense kernel's rate. Scoring the
 // pattern tile by tile on the block-sparse engine instead would cost O(n m d) whenever
 // stride < 2 block, as every tile then holds an allowed pair. The exported pattern
-// (StridedPattern, common/strided_pattern.h) is the same set of pairs.
+// (StridedPattern, common/strided_pattern.h) is the same set of pairs. The backward runs the
+// same way: the engine's backward per class, from the rows' log-sum-exps the training forward
+// keeps.
 // Memory O(threads block (block + d)), plus with an attention mask one class's share of it
 // per thread.
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
@@ -50,6 +52,27 @@ class Strided final : public PatternVariant {
 
   double memory_estimate(const Problem& p) const override {
     return strided_attention_memory(p, stride_, block_);
+  }
+
+  // The backward as the forward, class by class: the training forward keeps the rows'
+  // log-sum-exps, and each class runs the engine's backward on its strided views.
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<LseSaved>(p);
+    const LseView lse = saved->view(p);
+    strided_attention(p, q, k, v, out, stride_, limit(), block_, &lse);
+    return saved;
+  }
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) override {
+    strided_attention_backward(p, q, k, v, out, dout, LseSaved::of(saved, p, "strided").view(p), dq,
+                               dk, dv, stride_, limit(), block_);
+  }
+  double backward_flops(const Problem& p) const override { return 2.5 * flops(p); }
+  double saved_estimate(const Problem& p) const override { return LseSaved::bytes(p); }
+  double backward_memory_estimate(const Problem& p) const override {
+    return strided_attention_backward_memory(p, stride_, limit(), block_);
   }
 
  private:
