@@ -42,12 +42,6 @@
 namespace attnbench {
 namespace {
 
-/// What forward_train keeps: each row's log-sum-exp [B, H, n].
-class FlashSaved final : public SavedState {
- public:
-  std::vector<float> lse;
-};
-
 class Flash final : public Variant, public Backward {
  public:
   Flash(int64_t bq, int64_t bk) : bq_(bq), bk_(bk) {}
@@ -72,9 +66,8 @@ class Flash final : public Variant, public Backward {
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
-    auto saved = std::make_unique<FlashSaved>();
-    saved->lse.resize(size_t(p.batch * p.heads * p.n));
-    const LseView lse{saved->lse.data(), p.heads * p.n, p.n, 1};
+    auto saved = std::make_unique<LseSaved>(p);  // each row's log-sum-exp [B, H, n]
+    const LseView lse = saved->view(p);
     dense_attention(p, q, k, v, out, bq_, bk_, &lse);
     return saved;
   }
@@ -82,20 +75,15 @@ class Flash final : public Variant, public Backward {
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    const auto* st = dynamic_cast<const FlashSaved*>(&saved);
-    if (!st || st->lse.size() != size_t(p.batch * p.heads * p.n))
-      throw UsageError("flash: the saved state is not from its forward_train on this problem");
-    const LseView lse{const_cast<float*>(st->lse.data()), p.heads * p.n, p.n, 1};
-    dense_attention_backward(p, q, k, v, out, dout, lse, dq, dk, dv, bwd_q(), bwd_k());
+    dense_attention_backward(p, q, k, v, out, dout, LseSaved::of(saved, p, "flash").view(p), dq, dk,
+                             dv, bwd_q(), bwd_k());
   }
 
   double backward_flops(const Problem& p) const override {
     // per score S and dP (the forward's two products), then dV, dK and dQ
     return 2.5 * flops(p);
   }
-  double saved_estimate(const Problem& p) const override {
-    return double(p.batch * p.heads * p.n) * sizeof(float);
-  }
+  double saved_estimate(const Problem& p) const override { return LseSaved::bytes(p); }
   double backward_memory_estimate(const Problem& p) const override {
     return dense_attention_backward_memory(p, bwd_q(), bwd_k());
   }
