@@ -115,31 +115,9 @@ struct Checker {
     std::mt19937_64 rng(c.p.seed * 7 + 5);
     for (int which = 0; which < 3; ++which) {
       SCOPED_TRACE(names[which]);
-      const Tensor& g = *grads[which];
-      const int64_t count = g.numel();
-      double norm = 0, top = 0;
-      for (int64_t i = 0; i < count; ++i) {
-        const double x = g.data()[i];
-        ASSERT_TRUE(std::isfinite(x));
-        norm += x * x, top = std::max(top, std::abs(x));
-      }
-      norm = std::sqrt(norm);
-      std::vector<double> u(static_cast<size_t>(count));
-      for (int t = 0; t < directions; ++t) {
-        double dot = 0;
-        for (int64_t i = 0; i < count; ++i) {
-          u[size_t(i)] = (rng() & 1) ? 1.0 : -1.0;
-          dot += u[size_t(i)] * double(g.data()[i]);
-        }
-        const double fd = central(which, u);
-        EXPECT_NEAR(dot, fd, kTol * norm) << "direction " << t << ", |grad| " << norm;
-      }
-      for (int t = 0; t < entries; ++t) {
-        const int64_t e = int64_t(rng() % uint64_t(count));
-        std::fill(u.begin(), u.end(), 0.0);
-        u[size_t(e)] = 1.0;
-        EXPECT_NEAR(double(g.data()[e]), central(which, u), kTol * top) << "entry " << e;
-      }
+      test::expect_matches_differences(
+          *grads[which], rng, directions, entries, kTol,
+          [&](const std::vector<double>& u) { return central(which, u); });
     }
   }
 };

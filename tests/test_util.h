@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -56,6 +57,42 @@ inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bo
 }
 
 /// p under the scoring function `score` (hidden size `hidden`, 0 = d), with its seeded weights.
+/// Expects a float gradient g of a loss L to match central differences of L. central(u)
+/// returns (L(x + h u) - L(x - h u)) / 2h along u (g.numel() values). Every entry of g must be
+/// finite; <g, u> along `directions` random +-1 directions must match within tol ||g||_2, and
+/// `entries` random single entries (u = e_i) g_i within tol max |g|. Returns ||g||_2.
+inline double expect_matches_differences(
+    const Tensor& g, std::mt19937_64& rng, int directions, int entries, double tol,
+    const std::function<double(const std::vector<double>&)>& central) {
+  const int64_t count = g.numel();
+  double norm = 0, top = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double x = g.data()[i];
+    if (!std::isfinite(x)) {
+      ADD_FAILURE() << "entry " << i << " of the gradient is " << x;
+      return NAN;
+    }
+    norm += x * x, top = std::max(top, std::abs(x));
+  }
+  norm = std::sqrt(norm);
+  std::vector<double> u(static_cast<size_t>(count));
+  for (int t = 0; t < directions; ++t) {
+    double dot = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      u[size_t(i)] = (rng() & 1) ? 1.0 : -1.0;
+      dot += u[size_t(i)] * double(g.data()[i]);
+    }
+    EXPECT_NEAR(dot, central(u), tol * norm) << "direction " << t << ", |grad| " << norm;
+  }
+  for (int t = 0; t < entries; ++t) {
+    const int64_t e = int64_t(rng() % uint64_t(count));
+    std::fill(u.begin(), u.end(), 0.0);
+    u[size_t(e)] = 1.0;
+    EXPECT_NEAR(double(g.data()[e]), central(u), tol * top) << "entry " << e;
+  }
+  return norm;
+}
+
 inline Problem with_score(Problem p, Score score, int64_t hidden = 0) {
   p.score = score, p.score_hidden = hidden;
   p.score_weights = make_score_weights(p);
