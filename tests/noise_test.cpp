@@ -103,19 +103,29 @@ TEST(Noise, OtherLoadCountsBusyProcessesAndNotThisOne) {
 }
 
 TEST(Noise, RunOneMarksARowTimedBesideBusyProcesses) {
+  // The scheduler decides how much processor time the busy processes get while the row is
+  // timed (other tests may run beside this one), so the measurement is tried up to three
+  // times; every attempt must time the row, and one must see the load and mark the row.
   const int procs = omp_get_num_procs();
   auto v = make_variant("flash");
   Problem p;
   p.batch = 1, p.heads = 2, p.n = 256, p.dim = 32;
-  BusyProcesses busy(procs);
-  const Row row = run_one(*v, p, Workload{.threads = procs}, nullptr, MachineFigures{},
-                          RunOptions{.reps = 3, .min_time = 0.15});
-  ASSERT_EQ(row.status, "ok") << row.message;
-  EXPECT_GT(row.other_load, 0.5) << describe(p, row.workload);
-  EXPECT_TRUE(row.noisy);
-  EXPECT_NE(noise_reason(row).find("other processes"), std::string::npos);
-  EXPECT_FALSE(std::isnan(row.load_avg));
-  EXPECT_NEAR(row.time_spread, row.time_max / row.time_min, 1e-12);
+  std::string attempts;
+  bool marked = false;
+  for (int attempt = 1; attempt <= 3 && !marked; ++attempt) {
+    BusyProcesses busy(procs);
+    ASSERT_EQ(int(busy.size()), procs) << "fork failed";
+    const Row row = run_one(*v, p, Workload{.threads = procs}, nullptr, MachineFigures{},
+                            RunOptions{.reps = 3, .min_time = 0.15});
+    ASSERT_EQ(row.status, "ok") << row.message;
+    EXPECT_FALSE(std::isnan(row.load_avg));
+    EXPECT_NEAR(row.time_spread, row.time_max / row.time_min, 1e-12);
+    const std::string why = noise_reason(row);
+    marked = row.other_load > 0.5 && row.noisy && why.find("other processes") != std::string::npos;
+    attempts += fmt::format("attempt {}: other_load {:.2f}, noisy {}, reason '{}'\n", attempt,
+                            row.other_load, row.noisy, why);
+  }
+  EXPECT_TRUE(marked) << describe(p, Workload{.threads = procs}) << "\n" << attempts;
 }
 
 TEST(Noise, SweepWarnsMarksRetriesAndRecordsTheRun) {
