@@ -157,27 +157,54 @@ struct Workspace {
         bmax(corr + tl.bqp) {}      // block row max (raw scores)
 };
 
+/// Transposes the 16 x 16 block held in r (r[i] = row i) in place: afterwards r[j] holds
+/// column j. Three rounds of in-lane and cross-lane shuffles.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved within 128-bit lanes
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4g + e] holds, in 128-bit lane L, element 4L + e of rows 4g .. 4g + 3
+  __m512 u[16];
+  for (int g = 0; g < 4; ++g) {
+    const __m512 *a = t + 4 * g, *b = t + 4 * g + 2;
+    u[4 * g + 0] = _mm512_shuffle_ps(a[0], b[0], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(a[0], b[0], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(a[1], b[1], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(a[1], b[1], 0xEE);
+  }
+  // column 4L + e gathers lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+  for (int e = 0; e < 4; ++e) {
+    const __m512 even_lo = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);  // lanes 0, 2
+    const __m512 odd_lo = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);   // lanes 1, 3
+    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xDD);
+    r[4 + e] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+
 /// Starts a query tile of `rows` <= bq query rows (row r at q0 + r ldq): packs Q^T, with the
-/// padding rows up to a whole vector 0, and clears acc, mx and l. Q^T is gathered 16 rows at
-/// a time (rows past `rows` are never read).
+/// padding rows up to a whole vector 0, and clears acc, mx and l. Q^T is packed by 16 x 16
+/// blocks transposed in registers (rows past `rows` and features past d are never read).
 inline void begin_tile(const Tiles& tl, const Workspace& w, const float* q0, int64_t ldq,
                        int64_t rows) {
   const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp, d = tl.d;
-  if (ldq < (int64_t(1) << 26)) {  // 32-bit gather offsets
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i idx = _mm512_mullo_epi32(iota, _mm512_set1_epi32(int32_t(ldq)));
-    for (int64_t rv = 0; rv < nrv; ++rv) {
-      const __mmask16 real = simd::first_lanes(rows - rv * kLanes);
-      const float* src = q0 + rv * kLanes * ldq;
-      float* dst = w.qt + rv * kLanes;
-      for (int64_t x = 0; x < d; ++x)
-        _mm512_storeu_ps(dst + x * ld,
-                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, idx, src + x, 4));
-    }
-  } else {
-    for (int64_t r = 0; r < nrv * kLanes; ++r) {
-      const float* src = r < rows ? q0 + r * ldq : nullptr;
-      for (int64_t x = 0; x < d; ++x) w.qt[x * ld + r] = src ? src[x] : 0.0f;
+  for (int64_t rv = 0; rv < nrv; ++rv) {
+    const int64_t real = std::min<int64_t>(kLanes, rows - rv * kLanes);
+    const float* src = q0 + rv * kLanes * ldq;
+    float* dst = w.qt + rv * kLanes;
+    for (int64_t x0 = 0; x0 < d; x0 += kLanes) {
+      const int64_t width = std::min<int64_t>(kLanes, d - x0);
+      const __mmask16 cols = simd::first_lanes(width);
+      __m512 blk[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i)
+        blk[i] = i < real ? _mm512_maskz_loadu_ps(cols, src + i * ldq + x0) : _mm512_setzero_ps();
+      transpose16(blk);
+      for (int64_t j = 0; j < width; ++j) _mm512_storeu_ps(dst + (x0 + j) * ld, blk[j]);
     }
   }
   std::fill(w.acc, w.acc + rows * tl.dp, 0.0f);
@@ -235,16 +262,21 @@ inline void scores_tile(const float* qt, int64_t ldq, const float* const* kr, in
 
 // Pass 1 over one key block of cols keys (key c at kb + c ldk) and nrv row vectors. Key groups
 // past `cols` repeat the block's last key (their scores are computed, never read; the last key
-// of a block needing no mask is one every row sees, so the block max stays right, and the
-// mask pass recomputes it otherwise).
+// of a block needing no mask is one every row sees, so the block max stays right, and the mask
+// pass recomputes it otherwise). Under a causal mask crossing the block (row r sees the keys
+// c < causal_first + r; pass causal_first >= cols otherwise), a key group skips the row vectors
+// whose rows see none of its keys: their scores are left as they were, and the mask pass,
+// which every such block takes, sets them to -inf.
 inline void scores_block(const Tiles& tl, const Workspace& w, int64_t nrv, const float* kb,
-                         int64_t ldk, int64_t cols) {
+                         int64_t ldk, int64_t cols, int64_t causal_first) {
   const int64_t ld = tl.bqp;
   std::fill(w.bmax, w.bmax + nrv * kLanes, -INFINITY);
   for (int64_t g = 0; g < cols; g += kKeys) {
     const float* kr[kKeys];
     for (int c = 0; c < kKeys; ++c) kr[c] = kb + std::min<int64_t>(g + c, cols - 1) * ldk;
-    for (int64_t rv = 0; rv < nrv; rv += kRowVecs) {
+    // the first row seeing key g is g - causal_first + 1; the vectors before its own see none
+    const int64_t first_rv = std::min(nrv, std::max<int64_t>(0, g - causal_first + 1) / kLanes);
+    for (int64_t rv = first_rv; rv < nrv; rv += kRowVecs) {
       const float* qs = w.qt + rv * kLanes;
       float* ss = w.st + g * ld + rv * kLanes;
       float* bm = w.bmax + rv * kLanes;
@@ -444,16 +476,20 @@ inline PvKernel pv_kernel(int64_t nv, int64_t rows) {
 }
 
 // Pass 4 over the whole tile: acc = acc corr + P V_blk for `rows` rows, 64 features at a time
-// (key c of the block at vb + c ldv).
+// (key c of the block at vb + c ldv). Under a causal mask crossing the block (row r sees the
+// keys c < causal_first + r; pass causal_first >= cols otherwise), each register tile of rows
+// stops after the last key its last row sees: the p of the keys after it are 0 on all its rows.
 inline void pv_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* vb,
-                     int64_t ldv, int64_t cols) {
+                     int64_t ldv, int64_t cols, int64_t causal_first) {
   const int64_t d = tl.d;
   for (int64_t c0 = 0; c0 < d; c0 += kPvCols) {
     const int64_t wd = std::min(kPvCols, d - c0), nv = (wd + kLanes - 1) / kLanes;
     const __mmask16 tail = simd::first_lanes(wd - (nv - 1) * kLanes);
     for (int64_t r0 = 0; r0 < rows; r0 += kPvRows[nv]) {
       const int64_t r = std::min<int64_t>(kPvRows[nv], rows - r0);
-      pv_kernel(nv, r)(w.st + r0, tl.bqp, vb + c0, ldv, cols, w.acc + r0 * tl.dp + c0, tl.dp,
+      // the keys c < causal_first + r0 + r - 1; with none, the kernel still rescales acc
+      const int64_t seen = std::clamp<int64_t>(causal_first + r0 + r - 1, 0, cols);
+      pv_kernel(nv, r)(w.st + r0, tl.bqp, vb + c0, ldv, seen, w.acc + r0 * tl.dp + c0, tl.dp,
                        w.corr + r0, tail);
     }
   }
@@ -491,7 +527,7 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   if (hook)
     hook_scores(tl, w, rows, nrv, cols, *hook);
   else
-    scores_block(tl, w, nrv, kb, ldk, cols);
+    scores_block(tl, w, nrv, kb, ldk, cols, std::min(causal_first, cols));
   // the attention mask's finite bias, added in raw score units (the element mask, never
   // null with a bias, recomputes the block max in pass 2)
   if (bias)
@@ -521,7 +557,7 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   else
     softmax_update<true>(w.st, ld, nrv, cols, scale, pscale, w.mx, w.l, w.corr, w.bmax);
   // pass 4: acc = acc corr + P V
-  pv_block(tl, w, rows, vb, ldv, cols);
+  pv_block(tl, w, rows, vb, ldv, cols, causal ? causal_first : cols);
 }
 
 /// Pass 5: out row r (at out0 + r ldo) = acc / l; rows with l = 0 (no key attended) have
@@ -529,17 +565,20 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
 /// overflow note at the top).
 inline bool finish_tile(const Tiles& tl, const Workspace& w, int64_t rows, float* out0,
                         int64_t ldo) {
-  bool finite = true;
+  // y - y is 0 for a finite y and NaN for an infinite or NaN one
+  __mmask16 bad = 0;
+  const __m512 zero = _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out0 + r * ldo;
-    const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
-    for (int64_t x = 0; x < tl.d; ++x) {
-      const float y = w.acc[r * tl.dp + x] * inv;
-      o[x] = y;
-      finite &= std::isfinite(y);
+    const __m512 inv = _mm512_set1_ps(w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f);
+    for (int64_t x = 0; x < tl.d; x += kLanes) {
+      const __mmask16 m = simd::first_lanes(tl.d - x);
+      const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w.acc + r * tl.dp + x), inv);
+      _mm512_mask_storeu_ps(o + x, m, y);
+      bad |= _mm512_mask_cmp_ps_mask(m, _mm512_sub_ps(y, y), zero, _CMP_NEQ_UQ);
     }
   }
-  return finite;
+  return bad == 0;
 }
 
 #pragma GCC diagnostic pop
