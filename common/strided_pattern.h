@@ -45,11 +45,32 @@ class StridedPattern final : public AlignedBlockPattern {
     }
   }
 
+  // Row by row, as ranges: key c of the tile has difference x = x0 - c (x0 = a - j0), so the
+  // limit keeps c in [x0 - limit, x0 + limit], the gap leaves out (x0 - gap, x0 + gap), and
+  // the stride keeps c = x0 mod stride.
   void block_mask(int64_t, int64_t, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
                   uint8_t* mask) const override {
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t a = i0 + r + off_;
-      for (int64_t c = 0; c < cols; ++c) mask[r * cols + c] = allowed(a - (j0 + c));
+      uint8_t* row = mask + r * cols;
+      std::fill(row, row + cols, uint8_t(0));
+      const int64_t x0 = i0 + r + off_ - j0;
+      int64_t lo = 0, hi = cols - 1;
+      if (limit_ >= 0) lo = std::max(lo, x0 - limit_), hi = std::min(hi, x0 + limit_);
+      auto keep = [&](int64_t from, int64_t to) {  // the c of [from, to] on the stride
+        from = std::max(from, lo), to = std::min(to, hi);
+        if (from > to) return;
+        if (s_ == 1) {
+          std::fill(row + from, row + to + 1, uint8_t(1));
+          return;
+        }
+        for (int64_t c = from + pmod(x0 - from, s_); c <= to; c += s_) row[c] = 1;
+      };
+      if (gap_ == 0) {
+        keep(lo, hi);
+      } else {
+        keep(lo, x0 - gap_);
+        keep(x0 + gap_, hi);
+      }
     }
   }
 
