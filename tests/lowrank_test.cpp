@@ -229,25 +229,27 @@ std::vector<double> nystrom_exact_pinv(const Problem& p, const Inputs& in, int64
   });
 }
 
-std::string nystrom_spec(int64_t L, int64_t iters) {
-  return "nystrom:landmarks=" + std::to_string(L) + ",pinv_iterations=" + std::to_string(iters);
+// dtype: pinv_dtype, or "" for the default (float32)
+std::string nystrom_spec(int64_t L, int64_t iters, const std::string& dtype = "") {
+  return "nystrom:landmarks=" + std::to_string(L) + ",pinv_iterations=" + std::to_string(iters) +
+         (dtype.empty() ? "" : ",pinv_dtype=" + dtype);
 }
 
 TEST(Nystrom, OneTokenPerLandmarkIsExactAttention) {
   // L = n = m: every segment is one token, A1 = A2 = A3 = A (the full softmax matrix, the
   // same float numbers in all three places) and A pinv(A) A V = A V. cond(A) is 5e1 .. 2e4
   // here; 50 iterations take even sigma_min^2 / (row max . col max) ~ 1e-9 to 1 (small
-  // values grow by 13/4 per iteration). The iteration runs in double, and W = Z (A V) is V
-  // again, so the float rounding of A V is not amplified by cond(A): the variant lands at
-  // about 4e-7 (with the iteration in float it reached 8e-5), within the float32 error model of
-  // softmax attention (common/oracle.h).
+  // values grow by 13/4 per iteration). The iteration runs in double (pinv_dtype=float64), and
+  // W = Z (A V) is V again, so the float rounding of A V is not amplified by cond(A): the
+  // variant lands at about 4e-7 (with the iteration in float32 it reaches 1e-4), within the
+  // float32 error model of softmax attention (common/oracle.h).
   double worst = 0;
   for (int64_t n : {7, 64, 113})
     for (int64_t d : {17, 64}) {
       Problem p = test::problem(2, 2, n, n, d, false, uint64_t(n + d));
       SCOPED_TRACE(p.str());
       Inputs in = generate_inputs(p);
-      Tensor out = run(nystrom_spec(n, 50), p, in);
+      Tensor out = run(nystrom_spec(n, 50, "float64"), p, in);
       const double err =
           rel_fro_error(out.data(), reference_attention(p, in.q.view(), in.k.view(), in.v.view()));
       EXPECT_LE(err, attention_tolerance(p, Workload{}));
@@ -258,18 +260,19 @@ TEST(Nystrom, OneTokenPerLandmarkIsExactAttention) {
 
 TEST(Nystrom, MatchesFormulaWithItsOwnIteration) {
   // The same formula in double with the same number of iterations (default 6, and 0: Z0
-  // alone), ragged segments and m != n.
+  // alone), ragged segments and m != n, the iteration in either precision.
   for (auto [n, m, d, L] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{300, 250, 64, 64},
                             {113, 300, 17, 10},
                             {7, 113, 64, 64},
                             {1, 7, 17, 3},
                             {1500, 700, 32, 17}})
-    for (int64_t iters : {0, 6}) {
-      const Problem p = test::problem(1, 3, n, m, d, false, uint64_t(n + m + L));
-      const Workload w = test::workload("local");
-      SCOPED_TRACE(nystrom_spec(L, iters) + " " + describe(p, w));
-      expect_matches_oracle(nystrom_spec(L, iters), p, generate_inputs(p, w), w);
-    }
+    for (int64_t iters : {0, 6})
+      for (const char* dtype : {"float32", "float64"}) {
+        const Problem p = test::problem(1, 3, n, m, d, false, uint64_t(n + m + L));
+        const Workload w = test::workload("local");
+        SCOPED_TRACE(nystrom_spec(L, iters, dtype) + " " + describe(p, w));
+        expect_matches_oracle(nystrom_spec(L, iters, dtype), p, generate_inputs(p, w), w);
+      }
 }
 
 // x <- x (13 - 15 x + 7 x^2 - x^3) / 4: what one iteration does to each singular value x of
@@ -287,7 +290,8 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
   // The tolerance is the larger of (1) + 2 cond eps_f and the float32 error model of softmax
   // attention (common/oracle.h); with 40 iterations (1) is 0 for these inputs. The errors land
   // 10-40x below (2) when cond(A2) is large: cond eps_f is the worst case of the perturbation
-  // bound.
+  // bound. The iteration runs in double (pinv_dtype=float64): 40 float32 iterations would
+  // also converge on directions that are rounding noise.
   const double eps_f = kFloat32Roundoff;
   for (auto [n, m, d, L, dist] :
        {std::tuple<int64_t, int64_t, int64_t, int64_t, const char*>{300, 250, 64, 20, "local"},
@@ -298,9 +302,9 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
     const Problem p = test::problem(1, 2, n, m, d, false, uint64_t(n + m + L));
     const Workload w = test::workload(dist);
     const int64_t iters = 40;
-    SCOPED_TRACE(nystrom_spec(L, iters) + " " + describe(p, w));
+    SCOPED_TRACE(nystrom_spec(L, iters, "float64") + " " + describe(p, w));
     Inputs in = generate_inputs(p, w);
-    Tensor out = run(nystrom_spec(L, iters), p, in);
+    Tensor out = run(nystrom_spec(L, iters, "float64"), p, in);
     double tol = 0, worst_cond = 0;
     for (int64_t h = 0; h < p.heads; ++h) {
       const Mat a = nystrom_parts(p, in, 0, h, L).a2;
@@ -321,6 +325,76 @@ TEST(Nystrom, ConvergedIterationMatchesExactPseudoInverse) {
     std::printf("[ nystrom ] %s L=%lld: cond(A2) up to %.1e, tolerance %.1e, error %.1e\n", dist,
                 static_cast<long long>(L), worst_cond, tol, err);
     EXPECT_LE(err, tol);
+  }
+}
+
+TEST(Nystrom, Float32IterationMatchesFloat64Formula) {
+  // The default float32 iteration against the float64 formula (the oracle) and against the
+  // float64 iteration, on every input distribution at logit scales 1 and 4, t <= 20
+  // iterations, L < n (ragged segments), L = n (exact attention in the limit) and L > d.
+  //  - Against the oracle: within the registered tolerance, whose chain has the float32
+  //    iteration's roundings (nystrom_tolerance).
+  //  - Against the float64 iteration, a tolerance from the data: the difference comes from the
+  //    roundings of the iteration (4 products with reductions over L and 4 roundings in series
+  //    per iteration) and of B and W = Z B (one product over L, 4 roundings), each amplified
+  //    by at most the condition number of the directions the iteration has converged in,
+  //    kappa_t = min(sqrt(R C) / sigma_min(A), (13/4)^(t/2)) (R, C: A's largest row and column
+  //    sums; see nystrom.cpp): kErrorMargin u kappa_t (sqrt((4 t + 1) L) + 4 t + 4). kappa_t
+  //    is computed from A's singular values in double. On these inputs the differences stay
+  //    at most 0.2 of it (the bound is the worst case over directions); a float32 iteration
+  //    that diverges on a singular A (clustered inputs, L = n, t = 20: kappa_t = (13/4)^10)
+  //    stays within it too, because kappa_t grows with t.
+  double worst_oracle = 0, worst_f64 = 0;
+  for (const auto& dist : input_distributions())
+    for (double scale : {1.0, 4.0})
+      for (auto [n, d, L] : {std::tuple<int64_t, int64_t, int64_t>{256, 64, 64},
+                             {300, 17, 10},
+                             {400, 32, 128},
+                             {64, 64, 64}})
+        for (int64_t iters : {0, 1, 6, 10, 20}) {
+          const Problem p = test::problem(1, 2, n, n, d, false, uint64_t(n + d + L + iters));
+          const Workload w = test::workload(dist, scale);
+          SCOPED_TRACE(nystrom_spec(L, iters) + " " + describe(p, w));
+          const Inputs in = generate_inputs(p, w);
+          const Tensor f32 = run(nystrom_spec(L, iters), p, in);
+          const Tensor f64 = run(nystrom_spec(L, iters, "float64"), p, in);
+          if (iters <= 10) {  // the float32 iteration as it is meant to be used
+            const test::Expected e = test::expected(nystrom_spec(L, iters), p, in, w);
+            const double err = rel_fro_error(f32.data(), e.out);
+            EXPECT_LE(err, e.tolerance);
+            worst_oracle = std::max(worst_oracle, err / e.tolerance);
+          }
+          double kappa = 0;
+          for (int64_t h = 0; h < p.heads; ++h) {
+            const Mat a = nystrom_parts(p, in, 0, h, L).a2;
+            const Eigen::VectorXd sv = Eigen::JacobiSVD<Mat>(a).singularValues();
+            const double rc =
+                a.cwiseAbs().rowwise().sum().maxCoeff() * a.cwiseAbs().colwise().sum().maxCoeff();
+            kappa = std::max(kappa, std::min(std::sqrt(rc) / sv(sv.size() - 1),
+                                             std::pow(13.0 / 4.0, double(iters) / 2)));
+          }
+          const double t = double(iters);
+          const double tol = kErrorMargin * kFloat32Roundoff * kappa *
+                             (std::sqrt((4 * t + 1) * double(L)) + 4 * t + 4);
+          const double diff =
+              rel_fro_error(f32.data(), std::vector<double>(f64.data(), f64.data() + f64.numel()));
+          EXPECT_LE(diff, tol) << "kappa_t " << kappa;
+          worst_f64 = std::max(worst_f64, diff / tol);
+        }
+  std::printf(
+      "[ nystrom ] float32 iteration: worst error %.3f of the tolerance against the "
+      "formula, difference %.3f of the tolerance from the float64 iteration\n",
+      worst_oracle, worst_f64);
+}
+
+TEST(Nystrom, PinvDtypeRefusesOtherValues) {
+  EXPECT_EQ(make_variant("nystrom")->params().get_choice("pinv_dtype"), "float32");
+  for (const char* bad : {"float16", "double", "fp32", "Float64"}) {
+    SCOPED_TRACE(bad);
+    const std::string msg = test::error_message<SpecError>(
+        [&] { make_variant(std::string("nystrom:pinv_dtype=") + bad); });
+    EXPECT_NE(msg.find("pinv_dtype"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("float32|float64"), std::string::npos) << msg;
   }
 }
 

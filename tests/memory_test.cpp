@@ -309,7 +309,7 @@ INSTANTIATE_TEST_SUITE_P(
                      .shapes = {{1, 8, 1024, 1536}, {1, 1, 3000, 5000}, {2, 3, 700, 300}}},
         EstimateCase{.name = "lowrank",
                      .specs = {"linformer", "linformer:share_kv=true,proj=64", "nystrom",
-                               "nystrom:landmarks=200", "efficient"},
+                               "nystrom:landmarks=200", "nystrom:pinv_dtype=float64", "efficient"},
                      .shapes = {{1, 8, 2048, 2048}, {1, 1, 3000, 5000}, {2, 3, 700, 300}}}),
     [](const testing::TestParamInfo<EstimateCase>& info) { return info.param.name; });
 
