@@ -118,33 +118,6 @@ inline float row_max(const float* y, int64_t count) {
 #endif
 }
 
-/// |x|^2 of count floats.
-inline float sum_squares(const float* x, int64_t count) {
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; i += simd::kLanes) {
-    const __m512 v = _mm512_maskz_loadu_ps(simd::first_lanes(count - i), x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  namespace v8 = simd::avx2;
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + v8::kLanes <= count; i += v8::kLanes) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float s = v8::reduce_add(acc);
-  for (; i < count; ++i) s += x[i] * x[i];
-  return s;
-#else
-  float s = 0.0f;
-  for (int64_t i = 0; i < count; ++i) s += x[i] * x[i];
-  return s;
-#endif
-}
-
 /// A 64-byte aligned float block.
 class Aligned {
  public:
@@ -250,13 +223,13 @@ void PerformerFeatureMap::keys(const float* x, int64_t ldx, int64_t rows, float*
   const float half_inv_sqrt_d = float(0.5 / std::sqrt(double(d)));
   float block_max = -INFINITY;
   for (int64_t r = 0; r < rows; ++r)
-    block_max = std::max(block_max,
-                         row_max(out + r * ldo, f) - sum_squares(x + r * ldx, d) * half_inv_sqrt_d);
+    block_max = std::max(
+        block_max, row_max(out + r * ldo, f) - dot(x + r * ldx, x + r * ldx, d) * half_inv_sqrt_d);
   shift = std::max(shift, block_max);
   const float half_log_f = float(0.5 * std::log(double(f)));
   for (int64_t r = 0; r < rows; ++r)
     exp_shifted(out + r * ldo, f,
-                shift + sum_squares(x + r * ldx, d) * half_inv_sqrt_d + half_log_f);
+                shift + dot(x + r * ldx, x + r * ldx, d) * half_inv_sqrt_d + half_log_f);
 }
 
 double PerformerFeatureMap::query_flops() const {

@@ -16,6 +16,19 @@ inline constexpr float kExp2Poly[kExp2Terms] = {1.535336188319500e-4f,
                                                 6.931472028550421e-1f,
                                                 1.0f};
 
+/// sin and cos reduction and polynomials shared by both widths' sincos_ps: x = j pi/2 + r
+/// with j = round(2 x / pi) and r = x - j (pi/2) in three parts (Cody-Waite; the first part has
+/// 8 significant bits, so j times it is exact for |j| <= 2^13), then Cephes' sinf / cosf
+/// minimax polynomials in r^2 on [-pi/4, pi/4], highest power first.
+inline constexpr float kTwoOverPi = 0.636619772367581343f;
+inline constexpr float kPiOver2Parts[3] = {1.5703125f, 4.837512969970703125e-4f,
+                                           7.54978995489188216e-8f};
+/// Largest |x| sincos_ps reduces exactly: j (pi/2)_hi with |j| <= 2^13 is exact in float.
+inline constexpr float kSincosLimit = 8192.0f;
+inline constexpr float kSinPoly[3] = {-1.9515295891e-4f, 8.3321608736e-3f, -1.6666654611e-1f};
+inline constexpr float kCosPoly[3] = {2.443315711809948e-5f, -1.388731625493765e-3f,
+                                      4.166664568298827e-2f};
+
 }  // namespace attnbench::simd
 
 #ifdef __AVX512F__
@@ -47,6 +60,36 @@ inline __m512 exp2_nonpos_ps(__m512 x) {
 /// 2^x for 16 floats, within about 2 ulp: exp2_nonpos_ps with x also clamped to 128 from
 /// above, so that 128 or more gives +inf. NaN stays NaN.
 inline __m512 exp2_ps(__m512 x) { return exp2_nonpos_ps(_mm512_min_ps(_mm512_set1_ps(128.0f), x)); }
+
+/// sin and cos of 16 floats with |x| <= kSincosLimit (callers check; outside it, and for NaN,
+/// the results are meaningless), within about 2 ulp of the float result: the reduction and
+/// polynomials above, and the quadrant j mod 4 picks and signs them.
+inline void sincos_ps(__m512 x, __m512& sin_out, __m512& cos_out) {
+  const __m512 j = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kTwoOverPi)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = x;
+  for (float part : kPiOver2Parts) r = _mm512_fnmadd_ps(j, _mm512_set1_ps(part), r);
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 ps = _mm512_set1_ps(kSinPoly[0]), pc = _mm512_set1_ps(kCosPoly[0]);
+  for (int i = 1; i < 3; ++i) {
+    ps = _mm512_fmadd_ps(ps, r2, _mm512_set1_ps(kSinPoly[i]));
+    pc = _mm512_fmadd_ps(pc, r2, _mm512_set1_ps(kCosPoly[i]));
+  }
+  const __m512 s = _mm512_fmadd_ps(_mm512_mul_ps(ps, r2), r, r);
+  const __m512 c = _mm512_add_ps(
+      _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), r2, _mm512_mul_ps(_mm512_mul_ps(pc, r2), r2)),
+      _mm512_set1_ps(1.0f));
+  // quadrant q = j mod 4: sin x = (s, c, -s, -c)[q], cos x = (c, -s, -c, s)[q]
+  const __m512i q = _mm512_cvtps_epi32(j);
+  const __mmask16 swap = _mm512_test_epi32_mask(q, _mm512_set1_epi32(1));
+  const __m512i sign_s = _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(2)), 30);
+  const __m512i sign_c = _mm512_slli_epi32(
+      _mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(1)), _mm512_set1_epi32(2)), 30);
+  sin_out = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(_mm512_mask_blend_ps(swap, s, c)), sign_s));
+  cos_out = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(_mm512_mask_blend_ps(swap, c, s)), sign_c));
+}
 
 /// Mask of the first `count` lanes (count clamped to [0, 16]).
 inline __mmask16 first_lanes(int64_t count) {
@@ -136,32 +179,25 @@ inline float reduce_add(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/// Largest |x| sincos_ps reduces exactly: j (pi/2)_hi with |j| <= 2^13 and the 8-bit
-/// (pi/2)_hi below is exact in float.
-inline constexpr float kSincosLimit = 8192.0f;
-
 /// sin and cos of 8 floats with |x| <= kSincosLimit (callers check; outside it, and for NaN,
-/// the results are meaningless), within about 2 ulp of the float result: x = j pi/2 + r with
-/// j = round(2 x / pi) and r in [-pi/4, pi/4] by a three-part Cody-Waite reduction, then
-/// minimax polynomials for sin r and cos r on that interval (Cephes' sinf / cosf), and the
-/// quadrant j mod 4 picks and signs them.
+/// the results are meaningless), within about 2 ulp of the float result: the reduction and
+/// polynomials of simd:: (kPiOver2Parts, kSinPoly, kCosPoly), and the quadrant j mod 4 picks
+/// and signs them.
 inline void sincos_ps(__m256 x, __m256& sin_out, __m256& cos_out) {
-  const __m256 j = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.636619772367581343f)),
+  const __m256 j = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kTwoOverPi)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(j, _mm256_set1_ps(1.5703125f), x);
-  r = _mm256_fnmadd_ps(j, _mm256_set1_ps(4.837512969970703125e-4f), r);
-  r = _mm256_fnmadd_ps(j, _mm256_set1_ps(7.54978995489188216e-8f), r);
+  __m256 r = x;
+  for (float part : kPiOver2Parts) r = _mm256_fnmadd_ps(j, _mm256_set1_ps(part), r);
   const __m256 r2 = _mm256_mul_ps(r, r);
-  __m256 ps = _mm256_set1_ps(-1.9515295891e-4f);
-  ps = _mm256_fmadd_ps(ps, r2, _mm256_set1_ps(8.3321608736e-3f));
-  ps = _mm256_fmadd_ps(ps, r2, _mm256_set1_ps(-1.6666654611e-1f));
+  __m256 ps = _mm256_set1_ps(kSinPoly[0]), pc = _mm256_set1_ps(kCosPoly[0]);
+  for (int i = 1; i < 3; ++i) {
+    ps = _mm256_fmadd_ps(ps, r2, _mm256_set1_ps(kSinPoly[i]));
+    pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(kCosPoly[i]));
+  }
   const __m256 s = _mm256_fmadd_ps(_mm256_mul_ps(ps, r2), r, r);
-  __m256 pc = _mm256_set1_ps(2.443315711809948e-5f);
-  pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(-1.388731625493765e-3f));
-  pc = _mm256_fmadd_ps(pc, r2, _mm256_set1_ps(4.166664568298827e-2f));
-  pc = _mm256_mul_ps(_mm256_mul_ps(pc, r2), r2);
-  const __m256 c =
-      _mm256_add_ps(_mm256_fnmadd_ps(_mm256_set1_ps(0.5f), r2, pc), _mm256_set1_ps(1.0f));
+  const __m256 c = _mm256_add_ps(
+      _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), r2, _mm256_mul_ps(_mm256_mul_ps(pc, r2), r2)),
+      _mm256_set1_ps(1.0f));
   // quadrant q = j mod 4: sin x = (s, c, -s, -c)[q], cos x = (c, -s, -c, s)[q]
   const __m256i q = _mm256_cvtps_epi32(j);
   const __m256 swap = _mm256_castsi256_ps(

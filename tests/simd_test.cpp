@@ -141,18 +141,18 @@ TEST(SimdAvx2, ExpIsZeroBelowItsRangeInfAboveAndKeepsNaN) {
   EXPECT_EQ(y[7], 1.0f);
 }
 
-TEST(SimdAvx2, SincosIsWithinAFewUlpOfTheArgumentsAngle) {
+// sin and cos of every x by one SIMD width's sincos_ps (x.size() a multiple of the lanes)
+using SincosFn = void (*)(const float* x, float* s, float* c);
+
+void expect_sincos_within_a_few_ulp(SincosFn fn, size_t lanes) {
   // float arguments up to the limit; the error is judged against the value a float
   // argument's sine has (absolute near the zeros, as the reduction of a float x is exact to
   // about 2^-24 of pi/2 at most)
-  const std::vector<float> x = grid(-v8::kSincosLimit, v8::kSincosLimit, 200000);
+  const std::vector<float> x =
+      grid(-attnbench::simd::kSincosLimit, attnbench::simd::kSincosLimit, 200000);
+  ASSERT_EQ(x.size() % lanes, 0u);
   std::vector<float> s(x.size()), c(x.size());
-  for (size_t i = 0; i < x.size(); i += 8) {
-    __m256 sv, cv;
-    v8::sincos_ps(_mm256_loadu_ps(&x[i]), sv, cv);
-    _mm256_storeu_ps(&s[i], sv);
-    _mm256_storeu_ps(&c[i], cv);
-  }
+  for (size_t i = 0; i < x.size(); i += lanes) fn(&x[i], &s[i], &c[i]);
   double worst = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     worst = std::max(worst, std::abs(double(s[i]) - std::sin(double(x[i]))));
@@ -161,21 +161,62 @@ TEST(SimdAvx2, SincosIsWithinAFewUlpOfTheArgumentsAngle) {
   EXPECT_LE(worst, 3e-7);
   // small arguments keep their relative accuracy: sin x ~ x
   const std::vector<float> small = grid(-0.75f, 0.75f, 3000);
+  ASSERT_EQ(small.size() % lanes, 0u);
+  std::vector<float> ss(small.size()), cs(small.size());
+  for (size_t i = 0; i < small.size(); i += lanes) fn(&small[i], &ss[i], &cs[i]);
   double worst_rel = 0;
-  for (size_t i = 0; i < small.size(); i += 8) {
-    __m256 sv, cv;
-    v8::sincos_ps(_mm256_loadu_ps(&small[i]), sv, cv);
-    float sa[8], ca[8];
-    _mm256_storeu_ps(sa, sv);
-    _mm256_storeu_ps(ca, cv);
-    for (int l = 0; l < 8; ++l) {
-      const double a = double(small[i + size_t(l)]);
-      if (a != 0) worst_rel = std::max(worst_rel, ulps(sa[l], std::sin(a)));
-      worst_rel = std::max(worst_rel, ulps(ca[l], std::cos(a)));
-    }
+  for (size_t i = 0; i < small.size(); ++i) {
+    const double a = double(small[i]);
+    if (a != 0) worst_rel = std::max(worst_rel, ulps(ss[i], std::sin(a)));
+    worst_rel = std::max(worst_rel, ulps(cs[i], std::cos(a)));
   }
   EXPECT_LE(worst_rel, 3.0);
 }
+
+TEST(SimdAvx2, SincosIsWithinAFewUlpOfTheArgumentsAngle) {
+  expect_sincos_within_a_few_ulp(
+      [](const float* x, float* s, float* c) {
+        __m256 sv, cv;
+        v8::sincos_ps(_mm256_loadu_ps(x), sv, cv);
+        _mm256_storeu_ps(s, sv);
+        _mm256_storeu_ps(c, cv);
+      },
+      8);
+}
+
+#ifdef __AVX512F__
+TEST(SimdAvx512, SincosIsWithinAFewUlpOfTheArgumentsAngle) {
+  expect_sincos_within_a_few_ulp(
+      [](const float* x, float* s, float* c) {
+        __m512 sv, cv;
+        attnbench::simd::sincos_ps(_mm512_loadu_ps(x), sv, cv);
+        _mm512_storeu_ps(s, sv);
+        _mm512_storeu_ps(c, cv);
+      },
+      16);
+}
+
+TEST(SimdAvx512, SincosEqualsTheAvx2OneLaneByLane) {
+  const std::vector<float> x = grid(-1000.0f, 1000.0f, 4096);
+  for (size_t i = 0; i < x.size(); i += 16) {
+    __m512 s16, c16;
+    attnbench::simd::sincos_ps(_mm512_loadu_ps(&x[i]), s16, c16);
+    float a16[16], b16[16], a8[16], b8[16];
+    _mm512_storeu_ps(a16, s16);
+    _mm512_storeu_ps(b16, c16);
+    for (int h = 0; h < 2; ++h) {
+      __m256 s8, c8;
+      v8::sincos_ps(_mm256_loadu_ps(&x[i + 8 * size_t(h)]), s8, c8);
+      _mm256_storeu_ps(a8 + 8 * h, s8);
+      _mm256_storeu_ps(b8 + 8 * h, c8);
+    }
+    for (int l = 0; l < 16; ++l) {
+      ASSERT_EQ(a16[l], a8[l]) << "sin of " << x[i + size_t(l)];
+      ASSERT_EQ(b16[l], b8[l]) << "cos of " << x[i + size_t(l)];
+    }
+  }
+}
+#endif
 #else
 TEST(SimdAvx2, Exp2IsWithinTwoUlpOverTheNormalRange) {
   GTEST_SKIP() << "the build does not target AVX2 with FMA";

@@ -85,6 +85,7 @@
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/simd.h"
+#include "common/softmax.h"
 #include "common/threads.h"
 
 namespace attnbench {
@@ -159,14 +160,13 @@ class RfaFeatureMap final : public ka::FeatureMap {
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * ldx;
       float* o = dx + r * lddx;
-      float ss = 0.0f, dot = 0.0f;
-      for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c], dot += xr[c] * o[c];
+      const float ss = dot(xr, xr, d);
       if (!(ss > 0.0f)) {
         std::fill(o, o + d, 0.0f);
         continue;
       }
       const float inv = 1.0f / std::sqrt(ss);
-      const float proj = dot * inv * inv;  // x^ . dx^ / |x|
+      const float proj = dot(xr, o, d) * inv * inv;  // x^ . dx^ / |x|
       for (int64_t c = 0; c < d; ++c) o[c] = (o[c] - xr[c] * proj) * inv;
     }
   }
@@ -190,17 +190,30 @@ class RfaFeatureMap final : public ka::FeatureMap {
     for (int64_t r = 0; r < rows; ++r) {
       // 2. W x^ = W x / |x| (0 for x = 0), then sin into entry f and cos into entry D + f
       const float* xr = x + r * ldx;
-      float ss = 0.0f;
-      for (int64_t c = 0; c < d; ++c) ss += xr[c] * xr[c];
+      const float ss = dot(xr, xr, d);
       const float inv = ss > 0.0f ? 1.0f / std::sqrt(ss) : 0.0f;
       float* y = out + r * ldo;
       int64_t f = 0;
+      // 16 (AVX-512), then 8 (AVX2) frequencies at a time through the polynomial sincos of
+      // common/simd.h (within a few ulp of libm's; both widths give the same bits); a group
+      // with an angle past its exact range goes the libm way
+#ifdef __AVX512F__
+      const __m512 winv = _mm512_set1_ps(inv), wratio = _mm512_set1_ps(ratio),
+                   wlimit = _mm512_set1_ps(simd::kSincosLimit);
+      for (; f + simd::kLanes <= D; f += simd::kLanes) {
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(y + f), winv);
+        // |a| <= limit in every lane (false for NaN): else these lanes go the narrower ways
+        if (_mm512_cmp_ps_mask(_mm512_abs_ps(a), wlimit, _CMP_LE_OQ) != 0xFFFF) break;
+        __m512 sn, cs;
+        simd::sincos_ps(a, sn, cs);
+        _mm512_storeu_ps(y + D + f, _mm512_mul_ps(cs, wratio));
+        _mm512_storeu_ps(y + f, _mm512_mul_ps(sn, wratio));
+      }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
-      // 8 frequencies at a time through the polynomial sincos of common/simd.h (within a few
-      // ulp of libm's); a group with an angle past its exact range goes the libm way
       namespace v8 = simd::avx2;
       const __m256 vinv = _mm256_set1_ps(inv), vratio = _mm256_set1_ps(ratio),
-                   limit = _mm256_set1_ps(v8::kSincosLimit);
+                   limit = _mm256_set1_ps(simd::kSincosLimit);
       for (; f + v8::kLanes <= D; f += v8::kLanes) {
         const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(y + f), vinv);
         // |a| <= limit in every lane (false for NaN): else these lanes go the scalar way
