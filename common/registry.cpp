@@ -298,6 +298,29 @@ void Variant::check_backward(const Problem& p) const {
   bw->check_backward(p);
 }
 
+void Decoder::check_decode(const Problem& p) const {
+  if (!p.causal || p.keys() != p.n)
+    throw UnsupportedError(
+        "decoding is causal self-attention: it needs --causal and m = n (no --seq-k)");
+  if (p.score != Score::scaled_dot)
+    throw UnsupportedError(
+        fmt::format("decoding supports the scaled_dot score only, not {}", score_name(p.score)));
+  if (p.attn_mask || !p.key_lengths.empty())
+    throw UnsupportedError(
+        "decoding supports neither --attn-mask nor --key-padding (every cached key is visible "
+        "to the causal pattern)");
+}
+
+void Variant::check_decode(const Problem& p) const {
+  check_supported(p);
+  Decoder* dec = const_cast<Variant*>(this)->decoder();
+  if (!dec)
+    throw UnsupportedError(
+        fmt::format("{} has no decode step; variants that do: those whose `list` entry says decode",
+                    info_->name));
+  dec->check_decode(p);
+}
+
 namespace {
 
 /// The saved state of a forward_train under the dot or bilinear score: the mapped q' the

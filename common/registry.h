@@ -22,6 +22,7 @@
 
 #include "common/abi.h"
 #include "common/backward.h"
+#include "common/decode.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 #include "common/workload.h"
@@ -166,6 +167,10 @@ class Variant {
   /// variant with a backward derives from Backward too and returns this. `list` and the
   /// harness read the capability from here.
   virtual Backward* backward() { return nullptr; }
+  /// The generation pass (common/decode.h) if this variant implements one, else nullptr: a
+  /// variant that decodes derives from Decoder too and returns this. `list` and the harness
+  /// read the capability from here.
+  virtual Decoder* decoder() { return nullptr; }
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }
@@ -185,6 +190,9 @@ class Variant {
 
   /// Throws UnsupportedError unless this variant has a backward pass for the problem.
   void check_backward(const Problem& p) const;
+  /// Throws UnsupportedError unless this variant has a decode step for the problem (causal
+  /// self-attention of p.n tokens).
+  void check_decode(const Problem& p) const;
   /// Backward::forward_train under the problem's scoring function, as compute() runs
   /// forward(): the dot and bilinear scores map q once and keep the mapped q in the saved
   /// state. What the harness times for the training forward.

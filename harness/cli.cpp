@@ -238,6 +238,12 @@ bool has_backward(const VariantInfo& v) {
   return Registry::instance().make(v.name)->backward() != nullptr;
 }
 
+// Whether the variant, built with its default parameters, has a decode step
+// (Variant::decoder), read the same way.
+bool has_decode(const VariantInfo& v) {
+  return Registry::instance().make(v.name)->decoder() != nullptr;
+}
+
 nlohmann::ordered_json variants_json() {
   nlohmann::ordered_json all = nlohmann::ordered_json::array();
   for (const VariantInfo* v : Registry::instance().all()) {
@@ -262,6 +268,7 @@ nlohmann::ordered_json variants_json() {
                    {"key_padding", v->caps.key_padding},
                    {"attn_mask", v->caps.attn_mask},
                    {"backward", has_backward(*v)},
+                   {"decode", has_decode(*v)},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
                                                 : nlohmann::ordered_json(v->plugin)},
                    {"params", params}});
@@ -287,16 +294,20 @@ void print_list() {
     head += fmt::format(" {:<{}}", h, width(h));
     indent += 1 + width(h);
   }
-  // the backward column comes from the variant itself (has_backward), not from a flag
-  const std::string bwd = "backward";
-  head += fmt::format(" {:<{}}", bwd, width(bwd));
-  indent += 1 + width(bwd);
+  // the backward and decode columns come from the variant itself (has_backward, has_decode),
+  // not from a flag
+  const std::string bwd = "backward", dec = "decode";
+  for (const std::string& h : {bwd, dec}) {
+    head += fmt::format(" {:<{}}", h, width(h));
+    indent += 1 + width(h);
+  }
   fmt::print("{} {}\n", head, "summary / parameters");
   for (const VariantInfo* v : Registry::instance().all()) {
     std::string line = fmt::format("{:<{}}", v->name, w);
     for (const auto& [h, flag] : kCapabilityColumns)
       line += fmt::format(" {:<{}}", v->caps.*flag ? "yes" : "no", width(h));
     line += fmt::format(" {:<{}}", has_backward(*v) ? "yes" : "no", width(bwd));
+    line += fmt::format(" {:<{}}", has_decode(*v) ? "yes" : "no", width(dec));
     fmt::print("{} {}\n", line, v->summary);
     fmt::print("{:<{}} {}\n", "", indent, v->complexity);
     if (!v->plugin.empty()) fmt::print("{:<{}} from plugin {}\n", "", indent, v->plugin);
