@@ -33,7 +33,7 @@ void Workload::validate(const Problem& p) const {
 }
 
 const std::vector<std::string>& pass_names() {
-  static const std::vector<std::string> names = {"fwd", "bwd", "fwdbwd"};
+  static const std::vector<std::string> names = {"fwd", "bwd", "fwdbwd", "decode"};
   return names;
 }
 

@@ -13,7 +13,7 @@
 
 namespace attnbench {
 
-/// The passes a run can measure: fwd, bwd, fwdbwd.
+/// The passes a run can measure: fwd, bwd, fwdbwd, decode.
 const std::vector<std::string>& pass_names();
 
 struct Workload {
@@ -21,7 +21,8 @@ struct Workload {
   double scale = 1.0;              ///< logit sharpening: generated q is multiplied by scale
   int threads = 0;                 ///< 0 = every core
   /// What is measured: "fwd" (the forward pass), "bwd" (the backward pass alone, from a saved
-  /// forward state) or "fwdbwd" (both); see common/backward.h.
+  /// forward state) or "fwdbwd" (both), see common/backward.h; or "decode" (one generation
+  /// step against the state of n tokens, causal self-attention), see common/decode.h.
   std::string pass = "fwd";
 
   /// Checks the scale against the problem's head dimension and the thread count; throws
@@ -30,8 +31,9 @@ struct Workload {
 };
 
 /// The canonical name of a run of `p` under `w`, as the results and benchmark names carry it:
-/// "B=1,H=8,n=1024,m=1024,d=64,causal=0,input=gaussian,scale=1,seed=0", with ",pass=bwd" or
-/// ",pass=fwdbwd" after it for the training passes (forward rows keep their names).
+/// "B=1,H=8,n=1024,m=1024,d=64,causal=0,input=gaussian,scale=1,seed=0", with ",pass=bwd",
+/// ",pass=fwdbwd" or ",pass=decode" after it for the other passes (forward rows keep their
+/// names).
 std::string describe(const Problem& p, const Workload& w);
 
 }  // namespace attnbench

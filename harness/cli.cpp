@@ -514,6 +514,7 @@ void print_row(const Row& r) {
   fmt::print("memory       {} peak {} (estimate {})\n", human_bytes(r.peak_bytes),
              pass == "bwd"      ? "of the backward beyond inputs, output, saved state and gradients"
              : pass == "fwdbwd" ? "beyond inputs, output and gradients (the saved state included)"
+             : pass == "decode" ? "of a prefill and its timed steps (the state included)"
                                 : "beyond inputs and output",
              human_bytes(r.estimated_bytes));
   fmt::print(
@@ -530,7 +531,19 @@ void print_row(const Row& r) {
         "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
         "variant's pattern\n",
         r.error.mass_mean, r.error.mass_min);
-  if (r.workload.pass != "fwd") {
+  if (pass == "decode") {
+    fmt::print(
+        "decode       {:.2f} us per step ({:.0f} tokens/s for the batch), prefill of n tokens "
+        "{:.3f} ms\n",
+        r.time_per_token * 1e6, r.tokens_per_s, r.prefill_seconds * 1e3);
+    fmt::print("state        {} per sequence; a step reads {}{}\n", human_bytes(r.state_bytes),
+               human_bytes(r.bytes_read_per_step),
+               std::isnan(r.bandwidth_fraction)
+                   ? std::string()
+                   : fmt::format(" ({:.0f}% of the machine's memory bandwidth)",
+                                 100 * r.bandwidth_fraction));
+  }
+  if (pass == "bwd" || pass == "fwdbwd") {
     fmt::print("saved        {} kept by the forward for the backward (estimate {})\n",
                human_bytes(r.saved_bytes), human_bytes(r.saved_estimate_bytes));
     if (r.grad_heads > 0)
@@ -659,7 +672,8 @@ struct RunCommand {
     cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
     cmd->add_option("--pass", pass,
                     "what is timed: fwd (the forward pass), bwd (the backward pass alone, from a "
-                    "saved forward) or fwdbwd (both)")
+                    "saved forward), fwdbwd (both) or decode (one generation step against the "
+                    "state of n tokens; needs --causal)")
         ->capture_default_str()
         ->check(CLI::IsMember(pass_names()));
     cmd->add_option("--save-grads", grads_path,
@@ -671,7 +685,7 @@ struct RunCommand {
   }
 
   int run() const {
-    if (!grads_path.empty() && pass == "fwd")
+    if (!grads_path.empty() && pass != "bwd" && pass != "fwdbwd")
       throw UsageError(
           "--save-grads needs a backward pass: add --pass bwd or --pass fwdbwd (the gradients "
           "are those of the checked backward)");

@@ -137,7 +137,7 @@ std::shared_ptr<const ReferenceRows> reference_for(const Problem& p, ConstTensor
   {
     std::lock_guard lock(cache_mutex);
     if (cached_rows && cached_rows->problem == name && cached_rows->inputs == hash.value() &&
-        cached_rows->exact_limit == exact_limit)
+        cached_rows->exact_limit == exact_limit && cached_rows->rows == rows)
       return cached_rows;
   }
   auto r = std::make_shared<ReferenceRows>();
@@ -160,8 +160,14 @@ std::shared_ptr<const ReferenceRows> reference_for(const Problem& p, ConstTensor
 
 ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                          ConstTensorView out, double exact_limit, const SparsePattern* pattern) {
+  return measure_error_on_rows(p, q, k, v, out, pick_rows(p, exact_limit), exact_limit, pattern);
+}
+
+ErrorStats measure_error_on_rows(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                 ConstTensorView v, ConstTensorView out,
+                                 const std::vector<std::vector<int64_t>>& rows, double exact_limit,
+                                 const SparsePattern* pattern) {
   const int64_t d = p.dim;
-  const auto rows = pick_rows(p, exact_limit);
   const auto cached = reference_for(p, q, k, v, exact_limit, rows);
   ErrorStats e;
   e.rows_total = p.batch * p.heads * p.n;

@@ -42,6 +42,14 @@ ErrorStats measure_error(const Problem& p, ConstTensorView q, ConstTensorView k,
                          ConstTensorView out, double exact_limit = kExactPairsLimit,
                          const SparsePattern* pattern = nullptr);
 
+/// measure_error on the given rows of each head (indexed b * H + h, sorted) instead of those
+/// pick_rows would choose: the decode pass compares the rows it generated.
+ErrorStats measure_error_on_rows(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                 ConstTensorView v, ConstTensorView out,
+                                 const std::vector<std::vector<int64_t>>& rows,
+                                 double exact_limit = kExactPairsLimit,
+                                 const SparsePattern* pattern = nullptr);
+
 /// Bytes the error measurement will allocate.
 double error_memory_estimate(const Problem& p, double exact_limit = kExactPairsLimit);
 

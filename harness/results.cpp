@@ -36,14 +36,31 @@ const std::vector<std::string> kKeyColumns = {
 // Columns results.csv (and patterns/index.csv) gained after their first version, with the
 // field a row of an older file stands for (what the row meant before the column existed):
 // resuming such a file rewrites its lines with the current columns (upgrade_line).
-const std::map<std::string, std::string> kAddedColumns = {
-    {"embed", "0"},         {"attention_share", ""}, {"score", "scaled_dot"},
-    {"score_hidden", "0"},  {"key_padding", ""},     {"attn_mask", ""},
-    {"time_spread", ""},    {"load_avg", ""},        {"other_load", ""},
-    {"noisy", ""},          {"uniform_error", ""},   {"prepare_s", ""},
-    {"pass", "fwd"},        {"saved_bytes", ""},     {"saved_estimate_bytes", ""},
-    {"grad_rel_err_q", ""}, {"grad_rel_err_k", ""},  {"grad_rel_err_v", ""},
-    {"grad_heads", ""}};
+const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
+                                                          {"attention_share", ""},
+                                                          {"score", "scaled_dot"},
+                                                          {"score_hidden", "0"},
+                                                          {"key_padding", ""},
+                                                          {"attn_mask", ""},
+                                                          {"time_spread", ""},
+                                                          {"load_avg", ""},
+                                                          {"other_load", ""},
+                                                          {"noisy", ""},
+                                                          {"uniform_error", ""},
+                                                          {"prepare_s", ""},
+                                                          {"pass", "fwd"},
+                                                          {"saved_bytes", ""},
+                                                          {"saved_estimate_bytes", ""},
+                                                          {"grad_rel_err_q", ""},
+                                                          {"grad_rel_err_k", ""},
+                                                          {"grad_rel_err_v", ""},
+                                                          {"grad_heads", ""},
+                                                          {"prefill_s", ""},
+                                                          {"time_per_token_s", ""},
+                                                          {"tokens_per_s", ""},
+                                                          {"state_bytes", ""},
+                                                          {"bytes_read_per_step", ""},
+                                                          {"bandwidth_fraction", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;

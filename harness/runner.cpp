@@ -195,7 +195,8 @@ nlohmann::json parse_benchmark_json(const std::string& text) {
 double available_memory() { return double(available_memory_bytes()); }
 
 bool time_passes(const std::string& name, const RunOptions& opt, const MachineFigures& mf,
-                 const std::function<void()>& pass, Row& row, nlohmann::json* bench_json) {
+                 const std::function<void()>& pass, Row& row, nlohmann::json* bench_json,
+                 const std::function<void()>& before_run, int64_t iterations) {
   // Timed passes by Google Benchmark. The peak heap above the level at the start of each
   // run is measured here (no MemoryManager: see PeakScope) and reported as the run's
   // `peak_bytes` counter; the row keeps the largest.
@@ -206,6 +207,7 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   const CpuSample cpu_start = sample_cpu();
   auto* bm = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& st) {
     PeakScope scope;
+    if (before_run) before_run();
     {
       InstallPhaseSink sink(&phase_times);
       for (auto _ : st) {
@@ -222,7 +224,9 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   });
   bm->Repetitions(std::max(1, opt.reps));
   // Google Benchmark requires a positive MinTime; 0 means one pass per repetition.
-  if (opt.min_time > 0)
+  if (iterations > 0)
+    bm->Iterations(iterations);
+  else if (opt.min_time > 0)
     bm->MinTime(opt.min_time);
   else
     bm->Iterations(1);
@@ -305,6 +309,90 @@ bool prepare_variant(Variant& variant, const Problem& p, Row& row) {
   return true;
 }
 
+int64_t decode_timed_steps(int64_t n) { return std::clamp<int64_t>(n / 64, 8, 64); }
+int64_t decode_checked_steps(int64_t n) { return std::min<int64_t>(n, 8); }
+
+namespace {
+
+/// Row t of x as a [B, H, 1, d] view (x's strides kept).
+template <class T>
+View4<T> token(View4<T> x, int64_t t) {
+  x.data = x.row(0, 0, t);
+  x.shape.len = 1;
+  return x;
+}
+
+/// The decode pass of run_one (see runner.h). Returns false when the row ended in an error.
+bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const MachineFigures& mf,
+                const RunOptions& opt, const std::string& name, Tensor& out, Row& row,
+                nlohmann::json* bench_json) {
+  Decoder& dec = *variant.decoder();
+  const ConstTensorView q = in.q.view(), k = in.k.view(), v = in.v.view();
+  const int64_t n = p.n, t0 = n - decode_checked_steps(n);
+  // Checked pass: prefill t0 tokens, generate the rest; the rows before t0 stay 0 and are not
+  // compared.
+  std::fill(out.data(), out.data() + out.numel(), 0.0f);
+  {
+    std::unique_ptr<DecodeState> st = dec.prefill(p, k, v, t0);
+    for (int64_t t = t0; t < n; ++t)
+      st->step(token(q, t), token(k, t), token(v, t), token(out.view(), t));
+  }
+  if (int64_t bad = first_non_finite(out); bad >= 0) {
+    row.status = "error";
+    row.message =
+        fmt::format("a decode step's output holds a non-finite value ({}) at flat index {}",
+                    out.data()[bad], bad);
+    return false;
+  }
+  std::vector<std::vector<int64_t>> rows(size_t(p.batch * p.heads));
+  for (auto& r : rows)
+    for (int64_t t = t0; t < n; ++t) r.push_back(t);
+  auto pattern = variant.make_pattern(p, q, k);
+  const double e0 = omp_get_wtime();
+  row.error = measure_error_on_rows(p, q, k, v, out.view(), rows, opt.exact_limit, pattern.get());
+  row.error_seconds = omp_get_wtime() - e0;
+  pattern.reset();
+
+  // Timed steps: each repetition prefills n tokens into a state with room for the steps, then
+  // runs them at contexts n, n + 1, ..., fed with rows 0, 1, ... of the inputs again.
+  const int64_t steps = decode_timed_steps(n);
+  Problem pt = p;
+  pt.n = n + steps;
+  pt.m = 0;
+  std::unique_ptr<DecodeState> st;
+  std::vector<double> prefill_times;
+  int64_t next = 0;
+  Tensor step_out(Shape4{p.batch, p.heads, 1, p.dim});
+  auto prefill = [&] {
+    st.reset();
+    const double a = omp_get_wtime();
+    st = dec.prefill(pt, k, v, n);
+    prefill_times.push_back(omp_get_wtime() - a);
+    next = 0;
+  };
+  prefill();  // the figures of the state at context n; then released, so that each timed
+              // repetition's heap peak holds its own state
+  row.state_bytes = st->state_bytes();
+  row.bytes_read_per_step = st->step_bytes_read();
+  row.flops = st->step_flops();
+  st.reset();
+  prefill_times.clear();
+  auto step = [&] {
+    const int64_t t = next++ % n;
+    st->step(token(q, t), token(k, t), token(v, t), step_out.view());
+  };
+  if (!time_passes(name, opt, mf, step, row, bench_json, prefill, steps)) return false;
+  st.reset();
+  row.prefill_seconds = median(prefill_times);
+  row.time_per_token = row.time_median;
+  row.tokens_per_s = double(p.batch) / row.time_median;
+  if (mf.bandwidth_gbs > 0)
+    row.bandwidth_fraction = row.bytes_read_per_step / row.time_median / (mf.bandwidth_gbs * 1e9);
+  return true;
+}
+
+}  // namespace
+
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output,
             nlohmann::json* bench_json, Gradients* grads) {
@@ -324,8 +412,9 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     p.validate();
     w.validate(p);
     variant.check_supported(p);
-    const bool train = w.pass != "fwd";
+    const bool decode = w.pass == "decode", train = w.pass == "bwd" || w.pass == "fwdbwd";
     if (train) variant.check_backward(p);
+    if (decode) variant.check_decode(p);
     Backward* bw = train ? variant.backward() : nullptr;
     // FLOPs and bytes of what is timed: the forward, the backward alone, or both (the
     // backward's peak excludes the saved state, allocated before its timed passes; both
@@ -334,9 +423,11 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       if (!train) return variant.flops(p);
       return (w.pass == "bwd" ? 0.0 : variant.flops(p)) + bw->backward_flops(p);
     };
-    row.flops = pass_flops();
+    row.flops = decode ? NAN : pass_flops();  // decode: the state's figure, once built
     row.saved_estimate_bytes = train ? bw->saved_estimate(p) : NAN;
-    if (!train)
+    if (decode)  // no estimate of a state's working memory; the check below bounds the state
+      row.estimated_bytes = NAN;
+    else if (!train)
       row.estimated_bytes = variant.memory_estimate(p);
     else if (w.pass == "bwd")
       row.estimated_bytes = bw->backward_memory_estimate(p);
@@ -350,8 +441,12 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
         train ? double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4 +
                     row.saved_estimate_bytes + grad_error_memory_estimate(p)
               : 0.0;
-    const double need = row.estimated_bytes + (given ? 0 : io_bytes) + train_bytes +
-                        error_memory_estimate(p, opt.exact_limit);
+    // decode: a state as large as a KV cache of every timed position, at most
+    const double decode_bytes = decode ? 8.0 * double(p.batch * p.heads) *
+                                             double(p.n + decode_timed_steps(p.n)) * double(p.dim)
+                                       : 0.0;
+    const double need = (decode ? decode_bytes : row.estimated_bytes) + (given ? 0 : io_bytes) +
+                        train_bytes + error_memory_estimate(p, opt.exact_limit);
     if (std::string why = too_large(need, row.estimated_bytes, opt); !why.empty()) {
       row.status = "skipped";
       row.message = why;
@@ -359,89 +454,93 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     }
 
     // the per-pass work of a prepared variant leaves its draws out
-    if (prepare_variant(variant, p, row)) row.flops = pass_flops();
+    if (prepare_variant(variant, p, row) && !decode) row.flops = pass_flops();
 
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);
     const Inputs& in = given ? *given : generated;
     Tensor out(p.q_shape());
-    // Checked pass: its output is what the error is measured on.
-    std::unique_ptr<SavedState> saved;
-    if (!train) {
-      variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-    } else {
-      // twice: the first call may leave allocations of its own behind (thread teams, BLAS
-      // buffers); what the second holds after it returns is the saved state
-      variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view()).reset();
-      const int64_t before = heap_current_bytes();
-      saved = variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-      if (heap_counting()) row.saved_bytes = double(heap_current_bytes() - before);
-    }
-    if (int64_t bad = first_non_finite(out); bad >= 0) {
-      row.status = "error";
-      row.message = fmt::format("output holds a non-finite value ({}) at flat index {}",
-                                out.data()[bad], bad);
-      return row;
-    }
-    auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
-    const double e0 = omp_get_wtime();
-    row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(), opt.exact_limit,
-                              pattern.get());
-    row.error_seconds = omp_get_wtime() - e0;
-    pattern.reset();
-
     const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
     std::string grad_note;
-    if (!train) {
-      if (!time_passes(
-              name, opt, mf,
-              [&] { variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view()); }, row,
-              bench_json))
-        return row;
+    if (decode) {
+      if (!decode_row(variant, p, in, mf, opt, name, out, row, bench_json)) return row;
     } else {
-      Tensor generated_dout;
-      if (in.dout.numel() == 0) generated_dout = generate_dout(p);
-      const ConstTensorView dout =
-          in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
-      Tensor dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
-      variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
-                           dq.view(), dk.view(), dv.view());
-      for (const auto* t : {&dq, &dk, &dv})
-        if (int64_t bad = first_non_finite(*t); bad >= 0) {
-          row.status = "error";
-          row.message =
-              fmt::format("{} holds a non-finite value ({}) at flat index {}",
-                          t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
+      // Checked pass: its output is what the error is measured on.
+      std::unique_ptr<SavedState> saved;
+      if (!train) {
+        variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+      } else {
+        // twice: the first call may leave allocations of its own behind (thread teams, BLAS
+        // buffers); what the second holds after it returns is the saved state
+        variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view()).reset();
+        const int64_t before = heap_current_bytes();
+        saved = variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+        if (heap_counting()) row.saved_bytes = double(heap_current_bytes() - before);
+      }
+      if (int64_t bad = first_non_finite(out); bad >= 0) {
+        row.status = "error";
+        row.message = fmt::format("output holds a non-finite value ({}) at flat index {}",
+                                  out.data()[bad], bad);
+        return row;
+      }
+      auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
+      const double e0 = omp_get_wtime();
+      row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(),
+                                opt.exact_limit, pattern.get());
+      row.error_seconds = omp_get_wtime() - e0;
+      pattern.reset();
+
+      if (!train) {
+        if (!time_passes(
+                name, opt, mf,
+                [&] { variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view()); }, row,
+                bench_json))
           return row;
-        }
-      const double g0 = omp_get_wtime();
-      const GradErrorStats ge =
-          measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout, dq.view(), dk.view(),
-                             dv.view(), opt.exact_limit);
-      row.error_seconds += omp_get_wtime() - g0;
-      row.grad_err_q = ge.q, row.grad_err_k = ge.k, row.grad_err_v = ge.v;
-      row.grad_heads = ge.heads;
-      std::function<void()> pass;
-      if (w.pass == "bwd")
-        pass = [&] {
-          variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
-                                   *saved, dq.view(), dk.view(), dv.view());
-        };
-      else
-        pass = [&] {
-          saved.reset();  // each pass builds its own state
-          saved = variant.compute_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-          variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
-                                   *saved, dq.view(), dk.view(), dv.view());
-        };
-      if (w.pass == "fwdbwd") saved.reset();
-      if (!time_passes(name, opt, mf, pass, row, bench_json)) return row;
-      if (ge.heads == 0)
-        grad_note = fmt::format(
-            "gradient error not measured: one head holds {} query-key pairs, above the {} "
-            "compared in float64",
-            double(p.n) * double(p.keys()), opt.exact_limit);
-      if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv)};
+      } else {
+        Tensor generated_dout;
+        if (in.dout.numel() == 0) generated_dout = generate_dout(p);
+        const ConstTensorView dout =
+            in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
+        Tensor dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+        variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
+                             dq.view(), dk.view(), dv.view());
+        for (const auto* t : {&dq, &dk, &dv})
+          if (int64_t bad = first_non_finite(*t); bad >= 0) {
+            row.status = "error";
+            row.message =
+                fmt::format("{} holds a non-finite value ({}) at flat index {}",
+                            t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
+            return row;
+          }
+        const double g0 = omp_get_wtime();
+        const GradErrorStats ge =
+            measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout, dq.view(), dk.view(),
+                               dv.view(), opt.exact_limit);
+        row.error_seconds += omp_get_wtime() - g0;
+        row.grad_err_q = ge.q, row.grad_err_k = ge.k, row.grad_err_v = ge.v;
+        row.grad_heads = ge.heads;
+        std::function<void()> pass;
+        if (w.pass == "bwd")
+          pass = [&] {
+            variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
+                                     *saved, dq.view(), dk.view(), dv.view());
+          };
+        else
+          pass = [&] {
+            saved.reset();  // each pass builds its own state
+            saved = variant.compute_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+            variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
+                                     *saved, dq.view(), dk.view(), dv.view());
+          };
+        if (w.pass == "fwdbwd") saved.reset();
+        if (!time_passes(name, opt, mf, pass, row, bench_json)) return row;
+        if (ge.heads == 0)
+          grad_note = fmt::format(
+              "gradient error not measured: one head holds {} query-key pairs, above the {} "
+              "compared in float64",
+              double(p.n) * double(p.keys()), opt.exact_limit);
+        if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv)};
+      }
     }
     row.notes = variant.notes();  // of the last timed pass
     if (!p.unmasked())
@@ -520,7 +619,13 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"grad_rel_err_q", num(r.grad_err_q)},
            {"grad_rel_err_k", num(r.grad_err_k)},
            {"grad_rel_err_v", num(r.grad_err_v)},
-           {"grad_heads", r.grad_heads}};
+           {"grad_heads", r.grad_heads},
+           {"prefill_s", num(r.prefill_seconds)},
+           {"time_per_token_s", num(r.time_per_token)},
+           {"tokens_per_s", num(r.tokens_per_s)},
+           {"state_bytes", num(r.state_bytes)},
+           {"bytes_read_per_step", num(r.bytes_read_per_step)},
+           {"bandwidth_fraction", num(r.bandwidth_fraction)}};
 }
 
 }  // namespace attnbench

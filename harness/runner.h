@@ -67,7 +67,23 @@ struct Row {
   double saved_bytes = NAN, saved_estimate_bytes = NAN;
   double grad_err_q = NAN, grad_err_k = NAN, grad_err_v = NAN;
   int64_t grad_heads = 0;
+  /// Decode rows (workload pass decode; NaN for the others): the wall seconds of the prefill
+  /// that builds the state of n tokens (median over the repetitions, outside the timed steps);
+  /// the time of one step (time_median) and the tokens the batch generates per second with it
+  /// (B / time); the variant's state per sequence after the prefill; the bytes of state one
+  /// step reads, and that traffic per step time as a fraction of the machine's memory
+  /// bandwidth (MachineFigures::bandwidth_gbs; NaN when it was not measured).
+  double prefill_seconds = NAN, time_per_token = NAN, tokens_per_s = NAN;
+  double state_bytes = NAN, bytes_read_per_step = NAN, bandwidth_fraction = NAN;
 };
+
+/// Generation steps each repetition of a decode row times, after a prefill of n tokens: the
+/// steps run at contexts n .. n + steps - 1, n / 64 of them clamped to [8, 64] (so the context
+/// grows by at most 1/64 beyond n once n >= 512).
+int64_t decode_timed_steps(int64_t n);
+/// Positions the checked decode pass generates (the last ones of the sequence; the prefill
+/// holds the others): min(n, 8).
+int64_t decode_checked_steps(int64_t n);
 
 /// A row's time is marked noisy (Row::noisy, a warning on stderr) when its repetitions
 /// spread by more than kNoisySpread (time_max / time_min, with 2 or more repetitions), or when
@@ -126,6 +142,11 @@ double available_memory();
 /// whose gradients are compared with exact attention's (measure_grad_error) and moved into
 /// *grads if requested. bwd times the backward alone on that saved state; fwdbwd times
 /// run_train and the backward together, each pass building its own state.
+/// Pass decode (causal self-attention, a variant with a Decoder): the checked pass prefills
+/// n - decode_checked_steps(n) tokens and generates the rest one step at a time; those rows
+/// are compared with exact attention (measure_error_on_rows). Each timed repetition prefills
+/// the n tokens (timed apart: prefill_s) and times decode_timed_steps(n) steps fed with rows
+/// of the inputs taken again from the start; time_median is the time of one step.
 struct Gradients {
   Tensor dq, dk, dv;
 };
@@ -151,8 +172,12 @@ std::string too_large(double need, double estimate, const RunOptions& opt);
 /// Fills row's time, reps, iterations, gflops (from row.flops), gemm_fraction, peak_bytes and
 /// phases, and *bench_json if given. Returns false with row.status "error" when Google
 /// Benchmark reports an error or no run.
+/// With `before_run`, each repetition calls it first, outside the timed loop (the decode pass
+/// builds its state there), and runs exactly `iterations` passes (> 0) instead of opt.min_time
+/// seconds of them.
 bool time_passes(const std::string& name, const RunOptions& opt, const MachineFigures& mf,
-                 const std::function<void()>& pass, Row& row, nlohmann::json* bench_json);
+                 const std::function<void()>& pass, Row& row, nlohmann::json* bench_json,
+                 const std::function<void()>& before_run = {}, int64_t iterations = 0);
 
 /// Sets row.status and message for an exception that ended a run: "unsupported" for an
 /// UnsupportedError, "error" otherwise ("out of memory" for std::bad_alloc).

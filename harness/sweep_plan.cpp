@@ -303,7 +303,9 @@ LayerProblem layer_problem(const SweepConfig& config) {
 bool sweep_runnable(const SweepConfig& config) {
   try {
     config.variant->check_supported(config.problem);
-    if (config.workload.pass != "fwd") config.variant->check_backward(config.problem);
+    const std::string& pass = config.workload.pass;
+    if (pass == "bwd" || pass == "fwdbwd") config.variant->check_backward(config.problem);
+    if (pass == "decode") config.variant->check_decode(config.problem);
     return true;
   } catch (const UnsupportedError&) {
     return false;
@@ -320,7 +322,12 @@ double sweep_work(const SweepConfig& config) {
       f = layer_flops(*config.variant, layer_problem(config));
     else if (pass == "fwd")
       f = config.variant->flops(config.problem);
-    else  // bwd, or the forward and the backward (sweep_runnable: it has one)
+    else if (pass == "decode") {  // a repetition: the prefill and its steps (each about
+                                  // one row of the forward)
+      const Problem& p = config.problem;
+      f = config.variant->decoder()->prefill_flops(p, p.n) +
+          double(decode_timed_steps(p.n)) * config.variant->flops(p) / double(p.n);
+    } else  // bwd, or the forward and the backward (sweep_runnable: it has one)
       f = (pass == "bwd" ? 0.0 : config.variant->flops(config.problem)) +
           config.variant->backward()->backward_flops(config.problem);
   } catch (const std::exception&) {
@@ -338,7 +345,8 @@ double sweep_reference_work(const SweepConfig& config) {
   double work = std::min(pairs, kExactPairsLimit) * double(p.dim);
   // the gradients of whole heads (measure_grad_error): about three times a forward row's work
   // per pair, on up to kExactPairsLimit pairs, none when one head holds more
-  if (config.workload.pass != "fwd" && n * m <= kExactPairsLimit)
+  if ((config.workload.pass == "bwd" || config.workload.pass == "fwdbwd") &&
+      n * m <= kExactPairsLimit)
     work += 3.0 * std::min(pairs, std::floor(kExactPairsLimit / (n * m)) * n * m) * double(p.dim);
   if (config.embed > 0)  // the float64 layer projects every input row of the batch items used
     work += 4.0 * double(p.batch) * (n + m) * double(config.embed) * double(config.embed);
