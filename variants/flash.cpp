@@ -30,6 +30,9 @@
 // backward is the engine's dense backward (dense_attention_backward), which recomputes
 // P = exp(S - L) tile by tile: dV = P^T dO, dS = P ∘ (dO V^T - D), dQ = dS K / sqrt(d),
 // dK = dS^T Q / sqrt(d), n x m never stored (Dao et al. 2022, algorithm 4).
+//
+// Decode (generation): a KV cache of every position (common/kv_decode.h), each step one query
+// against the cached rows, split over the threads by key chunks (flash-decoding).
 #include <algorithm>
 #include <memory>
 #include <vector>
@@ -37,12 +40,13 @@
 #include "common/additive_score.h"
 #include "common/block_sparse.h"
 #include "common/error.h"
+#include "common/kv_decode.h"
 #include "common/registry.h"
 
 namespace attnbench {
 namespace {
 
-class Flash final : public Variant, public Backward {
+class Flash final : public Variant, public Backward, public Decoder {
  public:
   Flash(int64_t bq, int64_t bk) : bq_(bq), bk_(bk) {}
 
@@ -87,6 +91,15 @@ class Flash final : public Variant, public Backward {
   double backward_memory_estimate(const Problem& p) const override {
     return dense_attention_backward_memory(p, bwd_q(), bwd_k());
   }
+
+  // Decode: the KV cache of every position; the prefill copies rows and computes nothing.
+  // block_q and block_k do not apply (one query row; the keys are split by chunk).
+  Decoder* decoder() override { return this; }
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    return kv_decode_prefill(p, k, v, t0);
+  }
+  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
 
  private:
   // The backward's tiles: the key block is at most kBwdKeys keys, so that a task's dK and dV

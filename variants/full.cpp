@@ -10,6 +10,9 @@
 // four GEMMs per head (dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q) around the
 // elementwise dS = P ∘ (dP - D) / sqrt(d), with an n x m buffer for dS.
 //
+// Decode (generation): a KV cache of every position (common/kv_decode.h), each step one query
+// against the cached rows, split over the threads by key chunks (flash-decoding).
+//
 // Time O(B H n m d) through BLAS GEMM; memory O(B H n m) for the scores.
 #include <cblas.h>
 #include <omp.h>
@@ -20,6 +23,7 @@
 
 #include "common/additive_score.h"
 #include "common/error.h"
+#include "common/kv_decode.h"
 #include "common/omp_guard.h"
 #include "common/registry.h"
 #include "common/softmax.h"
@@ -35,7 +39,7 @@ class FullSaved final : public SavedState {
   size_t size = 0;
 };
 
-class Full final : public Variant, public Backward {
+class Full final : public Variant, public Backward, public Decoder {
  public:
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
@@ -137,6 +141,14 @@ class Full final : public Variant, public Backward {
     const double copies = p.batch * p.heads >= team_threads() ? team_threads() : 1;
     return copies * double(p.n) * double(p.keys()) * sizeof(float);
   }
+
+  // Decode: the KV cache of every position; the prefill copies rows and computes nothing.
+  Decoder* decoder() override { return this; }
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    return kv_decode_prefill(p, k, v, t0);
+  }
+  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
 
  private:
   /// The forward into `scores` [B, H, n, m], which ends holding the probabilities P.

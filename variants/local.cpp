@@ -9,6 +9,8 @@
 // here). Causal masking is applied by the engine, leaving a(i) - window <= j <= a(i).
 // Time O(B H n (2 window + 1) d) (plus up to one block of padding on each side of the band);
 // memory O(threads block (block + d)), the pattern itself holds nothing.
+// Decode (generation): a ring of the last window + 1 keys and values per (batch, head)
+// (common/kv_decode.h), the causal band max(0, t - window) .. t of each step's query t.
 // Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer" (2020), sliding
 // window; also Child et al. 2019 and Parmar et al. 2018 (local attention).
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <memory>
 
 #include "common/block_sparse.h"
+#include "common/kv_decode.h"
 
 namespace attnbench {
 namespace {
@@ -49,9 +52,19 @@ class LocalPattern final : public AlignedBlockPattern {
   int64_t w_;
 };
 
-class Local final : public PatternVariant {
+class Local final : public PatternVariant, public Decoder {
  public:
   Local(int64_t window, int64_t block) : window_(window), block_(block) {}
+
+  // Decode: under the causal mask with n = m, query t sees keys |t - j| <= window, j <= t,
+  // that is max(0, t - window) .. t: a ring of window + 1 rows holds them all. The prefill
+  // copies rows and computes nothing.
+  Decoder* decoder() override { return this; }
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    return kv_decode_prefill(p, k, v, t0, {.window = window_});
+  }
+  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
 
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView,
                                               ConstTensorView) const override {

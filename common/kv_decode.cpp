@@ -1,0 +1,340 @@
+#include "common/kv_decode.h"
+
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/attention_kernels.h"
+#include "common/checked.h"
+#include "common/error.h"
+#include "common/simd.h"
+#include "common/softmax.h"
+#include "common/threads.h"
+
+namespace attnbench {
+namespace {
+
+#ifdef __AVX512F__
+// GCC 12 reports its own _mm512_undefined_ps() (the pass-through operand of unmasked
+// intrinsics) as used uninitialized once inlined here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+/// sc[j] = q . k_j for `len` rows k_j = k + j d, with q held in NV registers (d <= 16 NV, the
+/// last register masked); four keys at a time for independent FMA chains.
+template <int NV>
+void dots_avx512(const float* q, const float* k, int64_t len, int64_t d, float* sc) {
+  const __mmask16 tail = simd::first_lanes(d - 16 * (NV - 1));
+  __m512 qv[NV];
+  for (int c = 0; c < NV; ++c)
+    qv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), q + 16 * c);
+  auto load = [&](const float* row, int c) {
+    return c == NV - 1 ? _mm512_maskz_loadu_ps(tail, row + 16 * c) : _mm512_loadu_ps(row + 16 * c);
+  };
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) {
+    const float* r = k + j * d;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < NV; ++c) {
+      a0 = _mm512_fmadd_ps(load(r, c), qv[c], a0);
+      a1 = _mm512_fmadd_ps(load(r + d, c), qv[c], a1);
+      a2 = _mm512_fmadd_ps(load(r + 2 * d, c), qv[c], a2);
+      a3 = _mm512_fmadd_ps(load(r + 3 * d, c), qv[c], a3);
+    }
+    sc[j] = _mm512_reduce_add_ps(a0);
+    sc[j + 1] = _mm512_reduce_add_ps(a1);
+    sc[j + 2] = _mm512_reduce_add_ps(a2);
+    sc[j + 3] = _mm512_reduce_add_ps(a3);
+  }
+  for (; j < len; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(load(k + j * d, c), qv[c], a);
+    sc[j] = _mm512_reduce_add_ps(a);
+  }
+}
+
+/// acc += sum_j w_j v_j over `len` rows v_j = v + j d, acc held in NV registers.
+template <int NV>
+void accumulate_avx512(const float* w, const float* v, int64_t len, int64_t d, float* acc) {
+  const __mmask16 tail = simd::first_lanes(d - 16 * (NV - 1));
+  auto mask = [&](int c) { return c == NV - 1 ? tail : __mmask16(0xFFFF); };
+  __m512 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_maskz_loadu_ps(mask(c), acc + 16 * c);
+  for (int64_t j = 0; j < len; ++j) {
+    const __m512 wj = _mm512_set1_ps(w[j]);
+    const float* r = v + j * d;
+    for (int c = 0; c < NV; ++c)
+      a[c] = _mm512_fmadd_ps(wj, _mm512_maskz_loadu_ps(mask(c), r + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc + 16 * c, mask(c), a[c]);
+}
+
+#pragma GCC diagnostic pop
+#endif  // __AVX512F__
+
+/// sc[j] = q . k_j for `len` contiguous rows of d floats.
+void dots(const float* q, const float* k, int64_t len, int64_t d, float* sc) {
+#ifdef __AVX512F__
+  switch ((d + 15) / 16) {
+    case 1:
+      return dots_avx512<1>(q, k, len, d, sc);
+    case 2:
+      return dots_avx512<2>(q, k, len, d, sc);
+    case 3:
+      return dots_avx512<3>(q, k, len, d, sc);
+    case 4:
+      return dots_avx512<4>(q, k, len, d, sc);
+    case 5:
+      return dots_avx512<5>(q, k, len, d, sc);
+    case 6:
+      return dots_avx512<6>(q, k, len, d, sc);
+    case 7:
+      return dots_avx512<7>(q, k, len, d, sc);
+    case 8:
+      return dots_avx512<8>(q, k, len, d, sc);
+    default:
+      break;
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) sc[j] = dot(q, k + j * d, d);
+}
+
+/// acc += sum_j w_j v_j for `len` contiguous rows of d floats.
+void accumulate(const float* w, const float* v, int64_t len, int64_t d, float* acc) {
+#ifdef __AVX512F__
+  switch ((d + 15) / 16) {
+    case 1:
+      return accumulate_avx512<1>(w, v, len, d, acc);
+    case 2:
+      return accumulate_avx512<2>(w, v, len, d, acc);
+    case 3:
+      return accumulate_avx512<3>(w, v, len, d, acc);
+    case 4:
+      return accumulate_avx512<4>(w, v, len, d, acc);
+    case 5:
+      return accumulate_avx512<5>(w, v, len, d, acc);
+    case 6:
+      return accumulate_avx512<6>(w, v, len, d, acc);
+    case 7:
+      return accumulate_avx512<7>(w, v, len, d, acc);
+    case 8:
+      return accumulate_avx512<8>(w, v, len, d, acc);
+    default:
+      break;
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j) {
+    const float wj = w[j];
+    const float* r = v + j * d;
+    for (int64_t c = 0; c < d; ++c) acc[c] += wj * r[c];
+  }
+}
+
+class KvDecodeState final : public DecodeState {
+ public:
+  KvDecodeState(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0,
+                const KvDecodeOptions& opt)
+      : batch_(p.batch),
+        heads_(p.heads),
+        d_(p.dim),
+        cap_(p.n),
+        window_(opt.window),
+        slots_(opt.window == KvDecodeOptions::kNoWindow ? p.n : std::min(p.n, opt.window + 1)),
+        min_chunk_(opt.min_chunk),
+        max_chunk_(opt.max_chunk),
+        parallel_floats_(opt.parallel_floats),
+        scale_(p.softmax_scale()),
+        len_(t0),
+        head_floats_(slots_ * d_),
+        keys_(cache_bytes(p, slots_)),
+        values_(cache_bytes(p, slots_)) {
+    // the last `slots` of rows 0 .. t0 - 1, each to its slot (in parallel over the heads when
+    // there is more than a few pages to copy)
+    const int64_t first = std::max<int64_t>(0, t0 - slots_), bh_count = batch_ * heads_;
+    const size_t row_bytes = size_t(d_) * sizeof(float);
+    const bool parallel = bh_count > 1 && (t0 - first) * bh_count * d_ >= (int64_t(1) << 16);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t bh = 0; bh < bh_count; ++bh) {
+      const int64_t b = bh / heads_, h = bh % heads_;
+      for (int64_t t = first; t < t0; ++t) {
+        std::memcpy(key_row(bh, t), k.row(b, h, t), row_bytes);
+        std::memcpy(value_row(bh, t), v.row(b, h, t), row_bytes);
+      }
+    }
+  }
+
+  int64_t length() const override { return len_; }
+
+  void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
+    if (len_ >= cap_)
+      throw UsageError(fmt::format(
+          "decode: the state is full ({} of {} positions); prefill a longer problem", len_, cap_));
+    const Shape4 want{batch_, heads_, 1, d_};
+    for (const auto& [name, shape] :
+         {std::pair{"q", q.shape}, {"k", k.shape}, {"v", v.shape}, {"out", out.shape}})
+      if (!(shape == want))
+        throw UsageError(
+            fmt::format("decode step: {} is {}, expected {}", name, shape.str(), want.str()));
+    const int64_t t = len_, lo = first_visible(t), visible = t - lo + 1;
+    const int64_t bh_count = batch_ * heads_;
+    const size_t row_bytes = size_t(d_) * sizeof(float);
+    for (int64_t bh = 0; bh < bh_count; ++bh) {
+      const int64_t b = bh / heads_, h = bh % heads_;
+      std::memcpy(key_row(bh, t), k.row(b, h, 0), row_bytes);
+      std::memcpy(value_row(bh, t), v.row(b, h, 0), row_bytes);
+    }
+    ++len_;
+
+    // chunks of min_chunk .. max_chunk keys, about 4 tasks per thread in all; on one thread,
+    // chunks of max_chunk keys
+    const int threads = team_threads();
+    const int64_t want_chunks = threads > 1 ? (4 * threads + bh_count - 1) / bh_count : 1;
+    const int64_t chunk =
+        std::clamp((visible + want_chunks - 1) / want_chunks, min_chunk_, max_chunk_);
+    const int64_t chunks = (visible + chunk - 1) / chunk, tasks = bh_count * chunks;
+    const int64_t part = d_ + 2;  // per task: mx, l, acc[d]
+    if (int64_t(partials_.size()) < tasks * part) partials_.resize(size_t(tasks * part));
+    const int64_t score_floats = std::min(chunk, visible);
+    if (int64_t(scores_.size()) < threads * score_floats)
+      scores_.resize(size_t(threads * score_floats));
+    float* partials = partials_.data();
+    float* scores = scores_.data();
+
+    const bool parallel = threads > 1 && tasks > 1 && bh_count * visible * d_ >= parallel_floats_;
+#pragma omp parallel if (parallel)
+    {
+      float* sc = scores + omp_get_thread_num() * score_floats;
+#pragma omp for schedule(dynamic)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t bh = task / chunks, c = task % chunks;
+        const int64_t b = bh / heads_, h = bh % heads_;
+        const int64_t a0 = lo + c * chunk, a1 = std::min(t + 1, a0 + chunk);
+        chunk_partial(bh, q.row(b, h, 0), a0, a1, sc, partials + task * part);
+      }
+#pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < bh_count; ++bh)
+        merge(partials + bh * chunks * part, chunks, out.row(bh / heads_, bh % heads_, 0));
+    }
+  }
+
+  double state_bytes() const override {
+    return double(heads_) * double(std::min(len_, slots_)) * 2.0 * double(d_) * sizeof(float);
+  }
+
+  double step_bytes_read() const override {
+    // every visible cached key and value row once (the new ones included), and per (b, h)
+    // the q, k, v rows read and the out row written
+    if (len_ >= cap_) return 0.0;
+    return double(batch_ * heads_) * double(next_visible() * 2 + 4) * double(d_) * sizeof(float);
+  }
+
+  double step_flops() const override {
+    // 4 d per visible key (the dot q . k_j and the multiply-add of p_j v_j, multiply-add = 2),
+    // as flash's forward counts a (query, key) pair; the exponentials, the scaling and the
+    // merge of the chunks (O(chunks d) per head) are not counted
+    if (len_ >= cap_) return 0.0;
+    return double(batch_ * heads_) * double(next_visible()) * 4.0 * double(d_);
+  }
+
+ private:
+  /// Bytes of one cache (keys or values) of B H slots rows of d floats.
+  static int64_t cache_bytes(const Problem& p, int64_t slots) {
+    const int64_t rows = checked_mul<UsageError>(p.batch * p.heads, slots, "decode cache rows");
+    return checked_mul<UsageError>(checked_mul<UsageError>(rows, p.dim, "decode cache floats"),
+                                   int64_t(sizeof(float)), "decode cache bytes");
+  }
+  int64_t first_visible(int64_t t) const {
+    return window_ == KvDecodeOptions::kNoWindow ? 0 : std::max<int64_t>(0, t - window_);
+  }
+  int64_t next_visible() const { return len_ - first_visible(len_) + 1; }
+  float* key_row(int64_t bh, int64_t t) const {
+    return keys_.floats() + bh * head_floats_ + (t % slots_) * d_;
+  }
+  float* value_row(int64_t bh, int64_t t) const {
+    return values_.floats() + bh * head_floats_ + (t % slots_) * d_;
+  }
+
+  /// Calls f(first slot, count, offset in the chunk) for the runs of contiguous slots holding
+  /// positions a0 .. a1 - 1 (one run, or two where the ring wraps).
+  template <class F>
+  void for_runs(int64_t a0, int64_t a1, F&& f) const {
+    for (int64_t a = a0; a < a1;) {
+      const int64_t s = a % slots_, count = std::min(a1 - a, slots_ - s);
+      f(s, count, a - a0);
+      a += count;
+    }
+  }
+
+  /// The partial of positions a0 .. a1 - 1 of head bh: part = {mx, l, acc[d]}, sc a buffer of
+  /// a1 - a0 floats.
+  void chunk_partial(int64_t bh, const float* q, int64_t a0, int64_t a1, float* sc,
+                     float* part) const {
+    const float* kh = keys_.floats() + bh * head_floats_;
+    const float* vh = values_.floats() + bh * head_floats_;
+    const int64_t len = a1 - a0;
+    for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
+      dots(q, kh + s * d_, count, d_, sc + off);
+    });
+    const float mx = row_max(sc, len);
+    part[0] = mx;
+    part[1] = exp_sum(sc, len, scale_, mx);
+    float* acc = part + 2;
+    std::fill(acc, acc + d_, 0.0f);
+    for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
+      accumulate(sc + off, vh + s * d_, count, d_, acc);
+    });
+  }
+
+  /// out = the chunks' partials of one head merged by their log-sum-exps.
+  void merge(const float* parts, int64_t chunks, float* out) const {
+    const int64_t part = d_ + 2;
+    float top = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, parts[c * part]);
+    float l = 0.0f;
+    std::fill(out, out + d_, 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = parts + c * part;
+      const float e = chunks == 1 ? 1.0f : std::exp((pc[0] - top) * scale_);
+      l += e * pc[1];
+      const float* acc = pc + 2;
+      for (int64_t i = 0; i < d_; ++i) out[i] += e * acc[i];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t i = 0; i < d_; ++i) out[i] *= inv;
+  }
+
+  int64_t batch_, heads_, d_, cap_, window_, slots_, min_chunk_, max_chunk_, parallel_floats_;
+  float scale_;
+  int64_t len_;
+  int64_t head_floats_;  // slots d: one (b, h) of the cache
+  // the caches [B H, slots, d] of keys and values, 64-byte aligned and uninitialised: only
+  // the slots of positions written are ever read
+  kernels::AlignedBuffer keys_, values_;
+  // per-step workspace, kept between steps: the chunks' partials and each thread's scores
+  std::vector<float> partials_, scores_;
+};
+
+}  // namespace
+
+std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView k,
+                                               ConstTensorView v, int64_t t0,
+                                               const KvDecodeOptions& opt) {
+  if (t0 < 0 || t0 > p.n)
+    throw UsageError(fmt::format("decode prefill: t0 = {} is outside [0, n = {}]", t0, p.n));
+  for (const auto& [name, s] : {std::pair{"k", k.shape}, {"v", v.shape}})
+    if (s.batch != p.batch || s.heads != p.heads || s.dim != p.dim || s.len < t0)
+      throw UsageError(fmt::format("decode prefill: {} is {}, expected [{}, {}, >= t0 = {}, {}]",
+                                   name, s.str(), p.batch, p.heads, t0, p.dim));
+  if (opt.window < 0 && opt.window != KvDecodeOptions::kNoWindow)
+    throw UsageError(fmt::format("decode: window {} must be >= 0", opt.window));
+  if (opt.min_chunk < 1 || opt.max_chunk < opt.min_chunk)
+    throw UsageError(fmt::format("decode: chunk bounds {} .. {} need 1 <= min <= max",
+                                 opt.min_chunk, opt.max_chunk));
+  return std::make_unique<KvDecodeState>(p, k, v, t0, opt);
+}
+
+}  // namespace attnbench
