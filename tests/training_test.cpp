@@ -318,7 +318,8 @@ TEST(TrainingCli, PassOptionsAndSavedGradients) {
   EXPECT_NE(r.err.find("--pass"), std::string::npos) << r.err;
   r = test::run_cli("sweep --variant flash --seq 16 --pass fwd,back --out " + dir.file("s"), dir);
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("unknown pass 'back'; accepted: fwd, bwd, fwdbwd"), std::string::npos)
+  EXPECT_NE(r.err.find("unknown pass 'back'; accepted: fwd, bwd, fwdbwd, decode"),
+            std::string::npos)
       << r.err;
   // a 'do' of the wrong shape is named
   const Problem p = test::problem(1, 2, 8, 0, 4, false);
