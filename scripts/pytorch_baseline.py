@@ -2,8 +2,11 @@
 """Times the PyTorch CPU expression softmax(Q K^T / sqrt(d)) V, the baseline `full` is held
 against: its forward pass (`--pass fwd`, under no_grad), torch.autograd's backward alone
 (`--pass bwd`, from a forward kept with its graph) or both (`--pass fwdbwd`), with dO drawn
-N(0, 1). With `--rss`, each pass runs in a fresh process and its maximum resident set size
-(the training peak PyTorch reaches) is reported too. Needs Debian's python3-torch (not
+N(0, 1); or one generation step on cached tensors at context n (`--pass decode`: the new key
+and value written into preallocated caches, then the expression for one query over the n + 1
+cached positions, under no_grad; Debian's PyTorch 1.13 has no scaled_dot_product_attention).
+With `--rss`, each pass runs in a fresh process and its maximum resident set size (the
+training peak PyTorch reaches) is reported too. Needs Debian's python3-torch (not
 installed by scripts/deps.sh).
 
     scripts/pytorch_baseline.py --seq 4096 --heads 8 --dim 64 --threads 2 --pass fwd bwd fwdbwd
@@ -25,8 +28,32 @@ def attention(q, k, v, scale):
     return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
 
 
+def time_decode(a, n, kind):
+    """Median seconds of one decode step at context n (after a warm-up step): the caches hold
+    n positions and room for the steps; each step appends one key and value per (batch, head)
+    and attends one query over every cached position."""
+    steps = max(a.reps, 20) + 1
+    shape = (a.batch, a.heads, n + steps, a.dim)
+    kc, vc = torch.randn(shape), torch.randn(shape)
+    q, k, v = (torch.randn(a.batch, a.heads, 1, a.dim) for _ in range(3))
+    scale = a.dim ** -0.5
+    times = []
+    with torch.no_grad():
+        for r in range(steps):
+            t = n + r
+            t0 = time.perf_counter()
+            kc[:, :, t] = k[:, :, 0]
+            vc[:, :, t] = v[:, :, 0]
+            attention(q, kc[:, :, :t + 1], vc[:, :, :t + 1], scale)
+            if r:  # the first step warms up
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def time_pass(a, n, kind):
     """Median seconds of one pass of `kind` over a.reps repetitions (after a warm-up)."""
+    if kind == "decode":
+        return time_decode(a, n, kind)
     q, k, v = (torch.randn(a.batch, a.heads, n, a.dim, requires_grad=kind != "fwd")
                for _ in range(3))
     do = torch.randn(a.batch, a.heads, n, a.dim)
@@ -61,7 +88,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pass", dest="passes", nargs="+", default=["fwd"],
-                    choices=["fwd", "bwd", "fwdbwd"])
+                    choices=["fwd", "bwd", "fwdbwd", "decode"])
     ap.add_argument("--rss", action="store_true",
                     help="also report each pass's maximum resident set size (fresh process)")
     ap.add_argument("--one", nargs=2, metavar=("N", "PASS"), help=argparse.SUPPRESS)
@@ -87,7 +114,8 @@ def main():
                 t = time_pass(a, n, kind)
             fwd = 4.0 * a.batch * a.heads * n * n * a.dim
             # the backward's four products against the forward's two
-            flops = {"fwd": fwd, "bwd": 2.0 * fwd, "fwdbwd": 3.0 * fwd}[kind]
+            step = 4.0 * a.batch * a.heads * (n + 1) * a.dim  # one query, n + 1 keys
+            flops = {"fwd": fwd, "bwd": 2.0 * fwd, "fwdbwd": 3.0 * fwd, "decode": step}[kind]
             print(f"{n},{kind},{t:.6f},{flops / t / 1e9:.2f}{rss}")
 
 
