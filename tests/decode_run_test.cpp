@@ -92,16 +92,14 @@ TEST(DecodeRows, RefusalsAreUnsupportedRowsThatNameTheReason) {
 TEST(DecodeCli, RunPrintsTheDecodeColumnsAndSweepKeepsThem) {
   test::TempDir dir;
   auto r = test::run_cli(
-      "run --variant flash --seq 24 --heads 2 --dim 8 --causal --pass decode --reps 1 --json",
-      dir);
+      "run --variant flash --seq 24 --heads 2 --dim 8 --causal --pass decode --reps 1 --json", dir);
   ASSERT_EQ(r.code, 0) << r.err;
-  for (const char* c : {"\"prefill_s\"", "\"time_per_token_s\"", "\"tokens_per_s\"",
-                        "\"state_bytes\"", "\"bytes_read_per_step\"", "\"bandwidth_fraction\"",
-                        "\"pass\": \"decode\""})
+  for (const char* c :
+       {"\"prefill_s\"", "\"time_per_token_s\"", "\"tokens_per_s\"", "\"state_bytes\"",
+        "\"bytes_read_per_step\"", "\"bandwidth_fraction\"", "\"pass\": \"decode\""})
     EXPECT_NE(r.out.find(c), std::string::npos) << c << " in " << r.out;
-  r = test::run_cli("run --variant flash --seq 16 --causal --pass decode --save-grads " +
-                        dir.file("g.npz"),
-                    dir);
+  r = test::run_cli(
+      "run --variant flash --seq 16 --causal --pass decode --save-grads " + dir.file("g.npz"), dir);
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--save-grads needs a backward pass"), std::string::npos) << r.err;
 
