@@ -1,6 +1,7 @@
 #include "common/kernel_attention.h"
 
 #include <cblas.h>
+#include <fmt/format.h>
 #include <omp.h>
 
 #include <Eigen/Dense>
@@ -349,21 +350,37 @@ namespace {
 
 /// The prefix key state of a walk over the rows: S = sum phi(k_j) v_j^T (F x d) and
 /// z = sum phi(k_j) over keys [0, kdone), kept at the current key scale exp(-shift). The
-/// forward and the backward's first pass build it the same way.
+/// forward, the backward's first pass and the decode state build it the same way.
 struct KeyState {
   const FeatureMap& fm;
-  const float *k, *v;
+  const float *k, *v;  // the rows map_keys and fold index (row j at k + j ldk, v + j ldv)
   int64_t ldk, ldv, f, d;
   float *s, *z;
   float shift = -INFINITY;
   int64_t kdone = 0;  // keys [0, kdone) are in S and z
 
+  /// A walk from no key: S and z zeroed.
   KeyState(const FeatureMap& fm_, const float* k_, int64_t ldk_, const float* v_, int64_t ldv_,
            int64_t d_, float* s_, float* z_)
       : fm(fm_), k(k_), v(v_), ldk(ldk_), ldv(ldv_), f(fm_.features()), d(d_), s(s_), z(z_) {
     std::fill(s, s + f * d, 0.0f);
     std::fill(z, z + f, 0.0f);
   }
+  /// A walk resumed on S and z that hold `kdone_` keys at key shift `shift_` (a decode step:
+  /// k and v then point at the rows of the keys to come, whatever their positions).
+  KeyState(const FeatureMap& fm_, const float* k_, int64_t ldk_, const float* v_, int64_t ldv_,
+           int64_t d_, float* s_, float* z_, float shift_, int64_t kdone_)
+      : fm(fm_),
+        k(k_),
+        v(v_),
+        ldk(ldk_),
+        ldv(ldv_),
+        f(fm_.features()),
+        d(d_),
+        s(s_),
+        z(z_),
+        shift(shift_),
+        kdone(kdone_) {}
   /// Maps keys [j0, j0 + cnt) into phk (rows of f floats), bringing S and z to the new key
   /// scale when the map raises it.
   void map_keys(int64_t j0, int64_t cnt, float* phk) {
@@ -402,6 +419,17 @@ Schedule Schedule::for_features(int64_t features) {
 
 int64_t workspace_floats(const Schedule& s, int64_t features, int64_t d) {
   return Layout(s, features, d).total;
+}
+
+float finish_row(float* o, int64_t d, float den, float floor, float weight) {
+  bool raised = false;
+  if (floor > 0 && weight > 0 && !(den >= floor * weight)) den = floor * weight, raised = true;
+  if (weight > 0 && den > 0) {
+    for (int64_t x = 0; x < d; ++x) o[x] /= den;
+    return raised ? -den : den;
+  }
+  std::fill(o, o + d, 0.0f);
+  return 0.0f;
 }
 
 int64_t attend_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& sc,
@@ -468,20 +496,10 @@ int64_t attend_head(const FeatureMap& fm, const Problem& p, int64_t b, const Sch
         kdone = je;
       }
       for (int64_t r = 0; r < c; ++r) {
-        float* orow = o + r * ldo;
-        const int64_t seen = p.visible(b, i + r);
-        float dn = den[r] + eps;
-        bool raised = false;
-        if (floor > 0 && seen > 0 && !(dn >= floor * float(seen)))
-          dn = floor * float(seen), ++clamped, raised = true;
-        // rows that see no key (and a denominator that underflowed to 0) give exactly 0; a
-        // division, not a reciprocal, so that a subnormal denominator still gives num / den
-        const bool live = seen > 0 && dn > 0;
-        if (live)
-          for (int64_t x = 0; x < d; ++x) orow[x] /= dn;
-        else
-          std::fill(orow, orow + d, 0.0f);
-        if (den_out) den_out[i + r] = !live ? 0.0f : raised ? -dn : dn;
+        const float dn =
+            finish_row(o + r * ldo, d, den[r] + eps, floor, float(p.visible(b, i + r)));
+        if (dn < 0) ++clamped;
+        if (den_out) den_out[i + r] = dn;
       }
     }
   }
@@ -561,6 +579,168 @@ double attend_bytes(const Problem& p, int64_t features) {
   // bytes per call, measured with the heap hook (calls it keeps on one thread allocate none).
   if (p.batch * p.heads < threads && threads > 1) bytes += 524296.0;
   return bytes;
+}
+
+// ----- decode -----
+
+namespace {
+
+/// Threads a loop over `heads` (batch, head) pairs runs on, as attend(): every thread of the
+/// team when there are at least as many pairs, else 1 (BLAS multi-threaded).
+int head_threads(int64_t heads) { return heads >= team_threads() ? team_threads() : 1; }
+
+/// body(bh, work) for every (batch, head) index bh < heads, OpenMP over them on
+/// head_threads(heads) threads (BLAS single-threaded inside a region); work: the running
+/// thread's `stride` floats of `pool` (head_threads(heads) stride floats).
+template <class Body>
+void for_each_head(int64_t heads, float* pool, int64_t stride, const Body& body) {
+  const bool per_head = head_threads(heads) > 1;
+  OmpGuard guard;
+#pragma omp parallel for if (per_head) schedule(dynamic, 1)
+  for (int64_t bh = 0; bh < heads; ++bh)
+    guard.run([&] { body(bh, pool + int64_t(omp_get_thread_num()) * stride); });
+  guard.rethrow();
+}
+
+class KernelDecodeState final : public DecodeState {
+ public:
+  KernelDecodeState(const Problem& p, float eps,
+                    std::vector<std::shared_ptr<const FeatureMap>> maps, double map_bytes)
+      : batch_(p.batch),
+        heads_(p.heads),
+        capacity_(p.n),
+        d_(p.dim),
+        eps_(eps),
+        map_bytes_(map_bytes),
+        maps_(std::move(maps)) {
+    if (maps_.empty() || (maps_.size() != 1 && int64_t(maps_.size()) != heads_))
+      throw UsageError(fmt::format(
+          "kernel attention decode: {} feature maps for {} heads (one for all, or one per head)",
+          maps_.size(), heads_));
+    f_ = maps_[0]->features();
+    for (const auto& m : maps_)
+      if (!m || m->features() != f_)
+        throw UsageError("kernel attention decode: the feature maps differ in their features");
+    zoff_ = round_up(f_ * d_, 16);
+    stride_ = zoff_ + round_up(f_, 16);
+    state_ = std::make_unique<Aligned>(batch_ * heads_ * stride_);
+    shift_.assign(size_t(batch_ * heads_), -INFINITY);
+  }
+
+  /// Folds keys and values 0 .. t0 - 1 in the engine's blocks.
+  void prefill(ConstTensorView k, ConstTensorView v, int64_t t0) {
+    if (t0 < 0 || t0 > capacity_)
+      throw UsageError(fmt::format("decode prefill: t0 = {} outside 0 .. n = {}", t0, capacity_));
+    check_view(k, "k", t0), check_view(v, "v", t0);
+    const int64_t block = Schedule::for_features(f_).block, stride = round_up(block * f_, 16);
+    const int64_t heads = batch_ * heads_;
+    // phi(K) of one key block per thread, freed when the prefill ends
+    Aligned work(stride * head_threads(heads));
+    for_each_head(heads, work.get(), stride, [&](int64_t bh, float* phk) {
+      const int64_t b = bh / heads_, h = bh % heads_;
+      KeyState st(map(h), k.head(b, h), k.stride_row, v.head(b, h), v.stride_row, d_, s(bh), z(bh));
+      while (st.kdone < t0) {
+        const int64_t cnt = std::min(block, t0 - st.kdone);
+        st.map_keys(st.kdone, cnt, phk);
+        st.fold(phk, st.kdone, cnt);
+        st.kdone += cnt;
+      }
+      shift_[size_t(bh)] = st.shift;
+    });
+    length_ = t0;
+  }
+
+  int64_t length() const override { return length_; }
+
+  void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
+    if (length_ >= capacity_)
+      throw UsageError(fmt::format(
+          "decode step: the state is full (it holds all n = {} tokens of its problem)", capacity_));
+    check_view(q, "q", 1), check_view(k, "k", 1), check_view(v, "v", 1);
+    check_view(ConstTensorView(out), "out", 1);
+    const int64_t f = f_, d = d_, fpad = round_up(f, 16), heads = batch_ * heads_;
+    // phi(k) and phi(q) per thread, kept between steps so that a step allocates nothing
+    const int64_t need = 2 * fpad * head_threads(heads);
+    if (work_floats_ < need) {
+      work_.reset();
+      work_ = std::make_unique<Aligned>(need);
+      work_floats_ = need;
+    }
+    // the key count of the step's row: every key so far and its own
+    const float weight = float(length_ + 1);
+    for_each_head(heads, work_->get(), 2 * fpad, [&](int64_t bh, float* w) {
+      const int64_t b = bh / heads_, h = bh % heads_;
+      const FeatureMap& fm = map(h);
+      float *phk = w, *phq = w + fpad, *o = out.head(b, h);
+      // 1. the key, at the shift it raises (S and z rescaled first), into S and z
+      KeyState st(fm, k.head(b, h), k.stride_row, v.head(b, h), v.stride_row, d, s(bh), z(bh),
+                  shift_[size_t(bh)], length_);
+      st.map_keys(0, 1, phk);
+      st.fold(phk, 0, 1);
+      shift_[size_t(bh)] = st.shift;
+      // 2. the query: out = phi(q)^T S / (phi(q)^T z + eps) by the engine's row rule
+      fm.queries(q.head(b, h), q.stride_row, 1, phq, f);
+      cblas_sgemv(CblasRowMajor, CblasTrans, int(f), int(d), 1.0f, s(bh), int(d), phq, 1, 0.0f, o,
+                  1);
+      finish_row(o, d, dot(phq, z(bh), f) + eps_, fm.denominator_floor(), weight);
+    });
+    ++length_;
+  }
+
+  double state_bytes() const override { return double(heads_ * (f_ * d_ + f_ + 2)) * 4.0; }
+
+  double step_bytes_read() const override {
+    const double bh = double(batch_ * heads_);
+    return bh * double(f_ * d_ + f_) * 4.0 + double(maps_.size()) * map_bytes_ +
+           bh * 3.0 * double(d_) * 4.0;
+  }
+
+  double step_flops() const override {
+    double total = 0;
+    for (int64_t h = 0; h < heads_; ++h) {
+      const FeatureMap& fm = map(h);
+      total += fm.query_flops() + fm.key_flops();
+    }
+    const double f = double(f_), d = double(d_);
+    return double(batch_) * (total + double(heads_) * (4.0 * f * d + 3.0 * f + d));
+  }
+
+ private:
+  const FeatureMap& map(int64_t h) const { return *maps_[maps_.size() == 1 ? 0 : size_t(h)]; }
+  float* s(int64_t bh) const { return state_->get() + bh * stride_; }
+  float* z(int64_t bh) const { return s(bh) + zoff_; }
+  // a view [B, H, >= rows, d] of this state's problem
+  void check_view(ConstTensorView x, const char* name, int64_t rows) const {
+    const Shape4& sh = x.shape;
+    if (sh.batch != batch_ || sh.heads != heads_ || sh.dim != d_ || sh.len < rows)
+      throw UsageError(fmt::format("decode: {} is {}, expected [{}, {}, {}{}, {}]", name, sh.str(),
+                                   batch_, heads_, rows > 1 ? ">= " : "", rows, d_));
+  }
+
+  int64_t batch_, heads_, capacity_, d_, f_ = 0, zoff_ = 0, stride_ = 0, length_ = 0;
+  float eps_;
+  double map_bytes_;
+  std::vector<std::shared_ptr<const FeatureMap>> maps_;
+  std::unique_ptr<Aligned> state_;  // per (batch, head): S (F x d), then z (F)
+  std::vector<float> shift_;        // the key shift of each (batch, head)
+  std::unique_ptr<Aligned> work_;   // a step's per-thread phi(k), phi(q)
+  int64_t work_floats_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<DecodeState> prefill_state(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                           int64_t t0, float eps,
+                                           std::vector<std::shared_ptr<const FeatureMap>> maps,
+                                           double map_bytes) {
+  auto state = std::make_unique<KernelDecodeState>(p, eps, std::move(maps), map_bytes);
+  state->prefill(k, v, t0);
+  return state;
+}
+
+double prefill_flops(const Problem& p, int64_t t0, int64_t features, double key_map_flops) {
+  const double f = double(features), d = double(p.dim);
+  return double(p.batch * p.heads) * double(t0) * (key_map_flops + 2.0 * f * d + f);
 }
 
 // ----- the backward -----

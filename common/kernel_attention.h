@@ -34,6 +34,11 @@
 // shift is the global maximum over all keys and features of the head; causal rows use the
 // maximum over the keys mapped so far (see PerformerFeatureMap).
 //
+// Decode (prefill_state): the same state, one (S, z, key shift) per (batch, head), kept between
+// generation steps. A step maps its key (raising the shift and rescaling S and z as above),
+// adds it, S += phi(k) v^T and z += phi(k), and reads its query with the engine's row rule
+// (finish_row); the outputs are the causal forward's rows, to float rounding.
+//
 // GEMMs go through OpenBLAS (single-threaded inside the OpenMP region over (batch, head),
 // multi-threaded when there are fewer heads than threads); the feature maps' exps, maxima and
 // norms through the AVX-512 or AVX2 helpers of common/simd.h where the build targets them
@@ -42,9 +47,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "common/backward.h"
+#include "common/decode.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
@@ -199,6 +206,44 @@ int64_t attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTens
                TensorView out, float eps, int64_t features,
                const std::function<const FeatureMap&(int64_t head)>& map_for_head,
                float* den = nullptr);
+
+/// The end of one output row, the rule attend_head and the decode steps share. o (d floats)
+/// holds phi(q)^T S; den = phi(q)^T z + eps; the row sees keys of total weight `weight` (its
+/// visible key count; a weighted recurrence passes its weight sum), 0 when it sees none; floor:
+/// the map's FeatureMap::denominator_floor (0 for none). A denominator below floor * weight is
+/// raised to it (floor > 0 only); then o is divided by the denominator, or set to exactly 0
+/// when the row sees no key or the denominator is not positive (a division, not a reciprocal,
+/// so that a subnormal denominator still gives num / den). Returns what attend's `den` output
+/// holds for the row: the denominator divided by (> 0), its negation if it was raised to the
+/// floor (< 0), or 0 for a zero row.
+float finish_row(float* o, int64_t d, float den, float floor, float weight);
+
+/// The decode state of the engine (common/decode.h) after keys and values 0 .. t0 - 1 of k and
+/// v [B, H, >= t0, d], with room for p.n tokens (p: causal self-attention, as
+/// Decoder::check_decode accepts). Per (batch, head) it holds S (F x d), z (F), the key shift
+/// and counts the keys, and each step computes the causal forward's row for its position:
+/// out = phi(q)^T S / (phi(q)^T z + eps) by finish_row (the floor per visible key for maps with
+/// one). maps: one feature map for every head, or one per head (H of them); the state shares
+/// their ownership. map_bytes: the bytes of one map's own weights a step reads (W: F d 4 for
+/// the Performer), counted once per map in step_bytes_read. The prefill folds the keys in the
+/// engine's blocks of R (GEMMs, as attend_head folds the keys every row of a block sees); both
+/// it and the steps run OpenMP over (batch, head) when there are at least as many as threads
+/// (BLAS single-threaded inside), else one head at a time with BLAS multi-threaded.
+///   state_bytes():     per sequence H (F d + F + 2) 4 bytes: S, z, the shift and the key
+///                      count (one word each per head; the count is the same for every head)
+///   step_bytes_read(): B H (F d + F) 4 (S and z) + the maps' weights + B H 3 d 4 (q, k, v)
+///   step_flops():      B H (query and key map, 2 F d for S += phi(k) v^T, F for z, 2 F d
+///                      for phi(q)^T S, 2 F for phi(q)^T z, d for the division); a step whose
+///                      key raises the shift also rescales S and z (F d + F, not counted)
+/// step() throws UsageError when the state is full or a view's shape is not [B, H, >= 1, d].
+std::unique_ptr<DecodeState> prefill_state(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                           int64_t t0, float eps,
+                                           std::vector<std::shared_ptr<const FeatureMap>> maps,
+                                           double map_bytes = 0.0);
+
+/// Floating-point operations of prefill_state over t0 tokens: per key and (batch, head) its
+/// map, S += phi(k) v^T (2 F d) and z (F), as attend_flops counts a fold.
+double prefill_flops(const Problem& p, int64_t t0, int64_t features, double key_map_flops);
 
 /// Threads attend() runs on: min(threads, B H) when there are at least as many heads as
 /// threads, else 1 (multi-threaded BLAS).

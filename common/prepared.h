@@ -29,9 +29,12 @@ inline constexpr const char* kPreparedNote =
 template <class T>
 class PreparedHeads {
  public:
-  using Heads = std::vector<std::unique_ptr<T>>;
+  /// Shared: a decode state (common/decode.h) keeps the heads it was prefilled with alive
+  /// after the variant drops or replaces them.
+  using Heads = std::vector<std::shared_ptr<T>>;
 
-  /// make(h) (a std::unique_ptr<T>) for every head of p, in parallel over the heads.
+  /// make(h) (a std::unique_ptr<T> or std::shared_ptr<T>) for every head of p, in parallel
+  /// over the heads.
   template <class Make>
   static Heads build(const Problem& p, const Make& make) {
     Heads heads(size_t(p.heads));

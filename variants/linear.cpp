@@ -21,6 +21,8 @@
 // Backward (common/kernel_attention.h, attend_backward): forward_train keeps each row's
 // denominator; a forward walk for dq (prefix state) and a backward walk for dk, dv (suffix
 // state), about 2.5 times the forward's FLOPs.
+// Decode (kernel_attention::prefill_state): per (batch, head) S (d x d) and z (d), so
+// H (d^2 + d + 2) 4 bytes per sequence whatever its length; a step is O(d^2) per head.
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -34,7 +36,7 @@ namespace {
 
 namespace ka = kernel_attention;
 
-class Linear final : public Variant, public Backward {
+class Linear final : public Variant, public Backward, public Decoder {
  public:
   explicit Linear(const ParamValues& pv) : eps_(float(pv.get_float("eps"))) {}
 
@@ -73,6 +75,17 @@ class Linear final : public Variant, public Backward {
   double saved_estimate(const Problem& p) const override { return ka::RowDenominators::bytes(p); }
   double backward_memory_estimate(const Problem& p) const override {
     return ka::attend_backward_bytes(p, p.dim);
+  }
+
+  Decoder* decoder() override { return this; }
+
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    return ka::prefill_state(p, k, v, t0, eps_, {std::make_shared<const ka::EluFeatureMap>(p.dim)});
+  }
+
+  double prefill_flops(const Problem& p, int64_t t0) const override {
+    return ka::prefill_flops(p, t0, p.dim, ka::EluFeatureMap(p.dim).key_flops());
   }
 
   double flops(const Problem& p) const override {

@@ -40,6 +40,8 @@
 // division). The relu kernel has no exp and the same reductions, so the bound covers it.
 //
 // Causal via prefix states in 16-row chunks (see common/kernel_attention.h).
+// Decode (kernel_attention::prefill_state, with the forward's W): per (batch, head) S (F x d),
+// z (F) and the key shift, H (F d + F + 2) 4 bytes per sequence whatever its length.
 // Backward: attend_backward with the map's derivative (W and the shifts constant); saved
 // state: each row's denominator.
 // Time O((n + m) F d + n 16 (F + d)) plus O(H ceil(F/d) d^3) for the QRs; memory
@@ -64,7 +66,7 @@ namespace {
 
 namespace ka = kernel_attention;
 
-class Performer final : public Variant, public Backward {
+class Performer final : public Variant, public Backward, public Decoder {
  public:
   explicit Performer(const ParamValues& pv)
       : features_(pv.get_int("features")),
@@ -129,15 +131,28 @@ class Performer final : public Variant, public Backward {
            ka::attend_backward_bytes(p, features_);
   }
 
+  Decoder* decoder() override { return this; }
+
+  // The state shares the forward's maps: prepared ones, or drawn now.
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    Maps::Heads fresh;
+    const Maps::Heads& maps = maps_.get(
+        p, [&](int64_t h) { return make_map(p, h); }, fresh);
+    return ka::prefill_state(
+        p, k, v, t0, 0.0f,
+        std::vector<std::shared_ptr<const ka::FeatureMap>>(maps.begin(), maps.end()),
+        double(features_ * p.dim) * 4.0);
+  }
+
+  double prefill_flops(const Problem& p, int64_t t0) const override {
+    const ka::PerformerFeatureMap fm({}, features_, p.dim, kernel_);
+    return ka::prefill_flops(p, t0, features_, fm.key_flops()) + draw_flops(p);
+  }
+
   double flops(const Problem& p) const override {
     const ka::PerformerFeatureMap fm({}, features_, p.dim, kernel_);
-    const double f = double(features_), d = double(p.dim);
-    // W: chi norms (2 F d) and the d^-1/4 scaling (F d); orthogonal adds per block of d rows
-    // a Householder QR (4/3 d^3) and forming Q (4/3 d^3). None of it once prepared for p.
-    const double blocks = std::ceil(f / d);
-    const double proj = 3.0 * f * d + (orthogonal_ ? blocks * (8.0 / 3.0) * d * d * d : 0.0);
-    return ka::attend_flops(p, features_, fm.query_flops(), fm.key_flops()) +
-           (maps_.ready(p) ? 0.0 : double(p.heads) * proj);
+    return ka::attend_flops(p, features_, fm.query_flops(), fm.key_flops()) + draw_flops(p);
   }
 
   double memory_estimate(const Problem& p) const override {
@@ -154,6 +169,15 @@ class Performer final : public Variant, public Backward {
 
  private:
   using Maps = PreparedHeads<ka::PerformerFeatureMap>;
+  // Drawing every head's W unless prepared for p: chi norms (2 F d) and the d^-1/4 scaling
+  // (F d); orthogonal adds per block of d rows a Householder QR (4/3 d^3) and forming Q
+  // (4/3 d^3).
+  double draw_flops(const Problem& p) const {
+    if (maps_.ready(p)) return 0.0;
+    const double f = double(features_), d = double(p.dim);
+    const double blocks = std::ceil(f / d);
+    return double(p.heads) * (3.0 * f * d + (orthogonal_ ? blocks * (8.0 / 3.0) * d * d * d : 0.0));
+  }
   std::unique_ptr<ka::PerformerFeatureMap> make_map(const Problem& p, int64_t h) const {
     return std::make_unique<ka::PerformerFeatureMap>(
         ka::performer_projection(p.seed, h, features_, p.dim, orthogonal_), features_, p.dim,

@@ -67,6 +67,9 @@
 // chunk from checkpoints every 64 keys (never one state per position kept); the gates are
 // differentiated (through w_g . k_j), and a row raised to the floor through its weight sum
 // M_i = 1 - prod g, which depends on the gates. W, w_g and b_g are constants.
+// Decode: plain, the engine's state (kernel_attention::prefill_state); gated, the recurrence's
+// S, z and weight sum, one key per step (GatedDecodeState); either H (2 D d + 2 D + 2) 4 bytes
+// per sequence whatever its length.
 #include <cblas.h>
 #include <fmt/format.h>
 #include <omp.h>
@@ -248,6 +251,35 @@ inline void key_gate(const std::vector<float>& gate, const float* kj, int64_t d,
   h = 1.0f / (1.0f + std::exp(x));
 }
 
+/// One key of the gated recurrence: S = g S + h phi(k) v^T, z = g z + h phi(k) and the weight
+/// sum mass = g mass + h (pk: phi(k), f floats; vj: v, d floats).
+inline void gated_fold(float* s, float* z, float& mass, const float* pk, const float* vj, float g,
+                       float h, int64_t f, int64_t d) {
+  for (int64_t e = 0; e < f; ++e) {
+    float* srow = s + e * d;
+    const float c = h * pk[e];
+    for (int64_t x = 0; x < d; ++x) srow[x] = g * srow[x] + c * vj[x];
+    z[e] = g * z[e] + c;
+  }
+  mass = g * mass + h;
+}
+
+/// A query read from the gated state: o = phi(q)^T S / phi(q)^T z (pq: phi(q)) by the engine's
+/// row rule (kernel_attention::finish_row) with the key weight `mass`, so the floor is
+/// floor * mass. Returns whether the denominator was raised to the floor.
+inline bool gated_read(const float* pq, const float* s, const float* z, float mass, float floor,
+                       float* o, int64_t f, int64_t d) {
+  std::fill(o, o + d, 0.0f);
+  float den = 0.0f;
+  for (int64_t e = 0; e < f; ++e) {
+    const float a = pq[e];
+    const float* srow = s + e * d;
+    for (int64_t x = 0; x < d; ++x) o[x] += a * srow[x];
+    den += a * z[e];
+  }
+  return ka::finish_row(o, d, den, floor, mass) < 0;
+}
+
 int64_t gated_workspace_floats(int64_t features, int64_t d) {
   return 2 * kGatedBlock * features + features * d + features;
 }
@@ -272,19 +304,7 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
   for (int64_t i = 0; i < empty; ++i) std::fill(out + i * ldo, out + i * ldo + d, 0.0f);
   // out_i = phi(q_i)^T S / den from the current state
   auto read = [&](const float* pq, float* o) {
-    std::fill(o, o + d, 0.0f);
-    float den = 0.0f;
-    for (int64_t e = 0; e < f; ++e) {
-      const float a = pq[e];
-      const float* srow = s + e * d;
-      for (int64_t x2 = 0; x2 < d; ++x2) o[x2] += a * srow[x2];
-      den += a * z[e];
-    }
-    if (!(den >= floor * mass)) den = floor * mass, ++clamped;
-    if (den > 0)
-      for (int64_t x2 = 0; x2 < d; ++x2) o[x2] /= den;
-    else
-      std::fill(o, o + d, 0.0f);
+    if (gated_read(pq, s, z, mass, floor, o, f, d)) ++clamped;
   };
   float shift = 0.0f;
   for (int64_t j0 = 0; j0 < len; j0 += kGatedBlock) {
@@ -299,15 +319,7 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
       float g, h;
       key_gate(gate, k + j * ldk, d, g, h);
       // 3. S = g S + h phi(k_j) v_j^T, z = g z + h phi(k_j)
-      const float* pk = phk + t * f;
-      const float* vj = v + j * ldv;
-      for (int64_t e = 0; e < f; ++e) {
-        float* srow = s + e * d;
-        const float c = h * pk[e];
-        for (int64_t x2 = 0; x2 < d; ++x2) srow[x2] = g * srow[x2] + c * vj[x2];
-        z[e] = g * z[e] + c;
-      }
-      mass = g * mass + h;
+      gated_fold(s, z, mass, phk + t * f, v + j * ldv, g, h, f, d);
       // 4. the query that reads the state after key j
       const int64_t i = j - off;
       if (i >= 0 && i < n) read(phq + (i - i0) * f, out + i * ldo);
@@ -473,7 +485,135 @@ void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate
   }
 }
 
-class Rfa final : public Variant, public Backward {
+/// The draws of one head: its feature map (W) and, gated, its gate (w_g, b_g).
+struct RfaHead {
+  RfaFeatureMap map;
+  std::vector<float> gate;
+};
+
+/// The decode state of gated RFA (common/decode.h): per (batch, head) the recurrence's S
+/// (F x d), z (F) and weight sum after every key so far, advanced one key per step with
+/// gated_head's own update (gated_fold) and read (gated_read), so a step gives the gated
+/// causal forward's row. The heads' draws are shared with the variant.
+class GatedDecodeState final : public DecodeState {
+ public:
+  GatedDecodeState(const Problem& p, std::vector<std::shared_ptr<const RfaHead>> heads)
+      : batch_(p.batch),
+        heads_(p.heads),
+        capacity_(p.n),
+        d_(p.dim),
+        heads_draws_(std::move(heads)) {
+    f_ = heads_draws_.at(0)->map.features();
+    stride_ = f_ * d_ + f_;
+    state_.assign(size_t(batch_ * heads_ * stride_), 0.0f);
+    mass_.assign(size_t(batch_ * heads_), 0.0f);
+  }
+
+  // The recurrence over keys 0 .. t0 - 1, their features mapped in blocks as gated_head does.
+  void prefill(ConstTensorView k, ConstTensorView v, int64_t t0) {
+    if (t0 < 0 || t0 > capacity_)
+      throw UsageError(fmt::format("decode prefill: t0 = {} outside 0 .. n = {}", t0, capacity_));
+    check_view(k, "k", t0), check_view(v, "v", t0);
+    // the features of one key block per thread, freed when the prefill ends
+    std::vector<float> work(size_t(kGatedBlock * f_ * threads()));
+    for_each_head(work.data(), kGatedBlock * f_, [&](int64_t bh, float* phk) {
+      const int64_t b = bh / heads_, h = bh % heads_;
+      const RfaHead& hd = *heads_draws_[size_t(h)];
+      const float *kh = k.head(b, h), *vh = v.head(b, h);
+      float shift = 0.0f;  // RFA's features have no key scale
+      for (int64_t j0 = 0; j0 < t0; j0 += kGatedBlock) {
+        const int64_t cnt = std::min(kGatedBlock, t0 - j0);
+        hd.map.keys(kh + j0 * k.stride_row, k.stride_row, cnt, phk, f_, shift);
+        for (int64_t t = 0; t < cnt; ++t) {
+          float g, gh;
+          key_gate(hd.gate, kh + (j0 + t) * k.stride_row, d_, g, gh);
+          gated_fold(s(bh), z(bh), mass_[size_t(bh)], phk + t * f_, vh + (j0 + t) * v.stride_row, g,
+                     gh, f_, d_);
+        }
+      }
+    });
+    length_ = t0;
+  }
+
+  int64_t length() const override { return length_; }
+
+  void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
+    if (length_ >= capacity_)
+      throw UsageError(fmt::format(
+          "decode step: the state is full (it holds all n = {} tokens of its problem)", capacity_));
+    check_view(q, "q", 1), check_view(k, "k", 1), check_view(v, "v", 1);
+    check_view(ConstTensorView(out), "out", 1);
+    const size_t need = size_t(2 * f_ * threads());
+    if (work_.size() < need) work_.resize(need);
+    for_each_head(work_.data(), 2 * f_, [&](int64_t bh, float* w) {
+      const int64_t b = bh / heads_, h = bh % heads_;
+      const RfaHead& hd = *heads_draws_[size_t(h)];
+      float *phk = w, *phq = w + f_;
+      float shift = 0.0f, g, gh;
+      hd.map.keys(k.head(b, h), k.stride_row, 1, phk, f_, shift);
+      key_gate(hd.gate, k.head(b, h), d_, g, gh);
+      gated_fold(s(bh), z(bh), mass_[size_t(bh)], phk, v.head(b, h), g, gh, f_, d_);
+      hd.map.queries(q.head(b, h), q.stride_row, 1, phq, f_);
+      gated_read(phq, s(bh), z(bh), mass_[size_t(bh)], hd.map.denominator_floor(), out.head(b, h),
+                 f_, d_);
+    });
+    ++length_;
+  }
+
+  // S, z, the weight sum and the key count per head
+  double state_bytes() const override { return double(heads_ * (f_ * d_ + f_ + 2)) * 4.0; }
+  // S, z and the weight sums; W (D x d) and the gate (d + 1) of every head; q, k, v
+  double step_bytes_read() const override {
+    const double bh = double(batch_ * heads_);
+    return bh * double(f_ * d_ + f_ + 1) * 4.0 +
+           double(heads_) * double((f_ / 2) * d_ + d_ + 1) * 4.0 + bh * 3.0 * double(d_) * 4.0;
+  }
+  double step_flops() const override {
+    return double(batch_ * heads_) * (key_flops() + query_flops());
+  }
+
+ private:
+  /// Per key: its map, the gate (2 d + 8), the update (3 per element of S and z).
+  double key_flops() const {
+    return heads_draws_[0]->map.key_flops() + 2.0 * double(d_) + 8.0 +
+           3.0 * double(f_) * double(d_ + 1);
+  }
+  /// Per read: the query's map, phi(q)^T S and phi(q)^T z, the division.
+  double query_flops() const {
+    return heads_draws_[0]->map.query_flops() + 2.0 * double(f_) * double(d_ + 1) + double(d_);
+  }
+
+  float* s(int64_t bh) { return state_.data() + bh * stride_; }
+  float* z(int64_t bh) { return s(bh) + f_ * d_; }
+  void check_view(ConstTensorView x, const char* name, int64_t rows) const {
+    const Shape4& sh = x.shape;
+    if (sh.batch != batch_ || sh.heads != heads_ || sh.dim != d_ || sh.len < rows)
+      throw UsageError(fmt::format("decode: {} is {}, expected [{}, {}, {}{}, {}]", name, sh.str(),
+                                   batch_, heads_, rows > 1 ? ">= " : "", rows, d_));
+  }
+  // Threads of a loop over the (batch, head) pairs: the team when there are at least as many
+  // pairs, else 1.
+  int threads() const { return batch_ * heads_ >= team_threads() ? team_threads() : 1; }
+  // body(bh, work) over every (batch, head), OpenMP over them on threads() threads; work:
+  // the running thread's `floats` floats of pool (threads() floats floats)
+  template <class Body>
+  void for_each_head(float* pool, int64_t floats, const Body& body) const {
+    const int64_t heads = batch_ * heads_;
+    OmpGuard guard;
+#pragma omp parallel for if (threads() > 1) schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < heads; ++bh)
+      guard.run([&] { body(bh, pool + int64_t(omp_get_thread_num()) * floats); });
+    guard.rethrow();
+  }
+
+  int64_t batch_, heads_, capacity_, d_, f_ = 0, stride_ = 0, length_ = 0;
+  std::vector<std::shared_ptr<const RfaHead>> heads_draws_;
+  std::vector<float> state_;  // per (batch, head): S (F x d), then z (F)
+  std::vector<float> mass_;   // the weight sum of each (batch, head)
+  std::vector<float> work_;   // a step's per-thread phi(k), phi(q), kept between steps
+};
+
+class Rfa final : public Variant, public Backward, public Decoder {
  public:
   explicit Rfa(const ParamValues& pv)
       : freqs_(pv.get_int("features")), sigma_(pv.get_float("sigma")), gate_(pv.get_bool("gate")) {}
@@ -612,6 +752,36 @@ class Rfa final : public Variant, public Backward {
            double(threads) * double(gated_backward_floats(2 * freqs_, p.dim, p.keys())) * 4.0;
   }
 
+  Decoder* decoder() override { return this; }
+
+  // Plain: the engine's state with the forward's maps; gated: the recurrence's
+  // (GatedDecodeState). Either way with the prepared draws, or drawn now.
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    Heads::Heads fresh;
+    const Heads::Heads& drawn = heads_.get(
+        p, [&](int64_t h) { return make_head(p, h); }, fresh);
+    if (gate_) {
+      auto state = std::make_unique<GatedDecodeState>(
+          p, std::vector<std::shared_ptr<const RfaHead>>(drawn.begin(), drawn.end()));
+      state->prefill(k, v, t0);
+      return state;
+    }
+    std::vector<std::shared_ptr<const ka::FeatureMap>> maps;
+    for (const std::shared_ptr<Head>& hd : drawn)
+      maps.emplace_back(hd, &hd->map);  // shares the head's ownership
+    return ka::prefill_state(p, k, v, t0, 0.0f, std::move(maps), double(freqs_ * p.dim) * 4.0);
+  }
+
+  double prefill_flops(const Problem& p, int64_t t0) const override {
+    const RfaFeatureMap fm({}, freqs_, p.dim, 0.0f);
+    const double f = double(fm.features()), d = double(p.dim);
+    if (!gate_) return ka::prefill_flops(p, t0, fm.features(), fm.key_flops());
+    // per key as flops() counts it: its map, the gate, the state update
+    return double(p.batch * p.heads) * double(t0) *
+           (fm.key_flops() + 2.0 * d + 8.0 + 3.0 * f * (d + 1.0));
+  }
+
   std::string notes() const override {
     std::string text = heads_.note();
     if (clamped_ > 0)
@@ -643,11 +813,7 @@ class Rfa final : public Variant, public Backward {
   }
 
  private:
-  // The draws of one head: its feature map (W) and, gated, its gate (w_g, b_g).
-  struct Head {
-    RfaFeatureMap map;
-    std::vector<float> gate;
-  };
+  using Head = RfaHead;
   using Heads = PreparedHeads<Head>;
   void check_gated(const Problem& p) const {
     if (gate_ && !p.causal)
