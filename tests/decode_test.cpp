@@ -192,9 +192,9 @@ TEST(Decode, CheckDecodeRefusesWhatIsNotCausalSelfAttention) {
                  UnsupportedError);
   }
   // a variant without a decode step says so
-  auto linear = make_variant("linear");
-  EXPECT_EQ(linear->decoder(), nullptr);
-  EXPECT_THROW(linear->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)),
+  auto bigbird = make_variant("bigbird");
+  EXPECT_EQ(bigbird->decoder(), nullptr);
+  EXPECT_THROW(bigbird->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)),
                UnsupportedError);
 }
 
