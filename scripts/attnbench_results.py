@@ -25,21 +25,32 @@ KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # and new results join. `embed` is the embedding size of a multi-head layer row, 0 for plain
 # attention; the mask columns are empty for no key padding and no attention mask. `pass` is what
 # a row timed (FORWARD, or a training pass of TRAIN_PASSES): every row of a file written before
-# it timed the forward. The training columns are empty on forward rows.
+# it timed the forward. The training and decode columns are empty on forward rows.
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
                  "attn_mask": "", "prepare_s": math.nan, "pass": "fwd",
                  "saved_bytes": math.nan, "saved_estimate_bytes": math.nan,
                  "grad_rel_err_q": math.nan, "grad_rel_err_k": math.nan,
-                 "grad_rel_err_v": math.nan, "grad_heads": math.nan}
+                 "grad_rel_err_v": math.nan, "grad_heads": math.nan,
+                 "prefill_s": math.nan, "time_per_token_s": math.nan,
+                 "tokens_per_s": math.nan, "state_bytes": math.nan,
+                 "bytes_read_per_step": math.nan, "bandwidth_fraction": math.nan}
 # The values of `pass` (`attnbench sweep --pass`): the forward alone, the backward alone (from a
-# saved forward, its peak without the saved state) and both in one timed pass.
+# saved forward, its peak without the saved state), both in one timed pass, and one step of
+# generation at context n (causal rows only).
 FORWARD = "fwd"
 TRAIN_PASSES = ["bwd", "fwdbwd"]
+DECODE = "decode"
 # Columns of the training rows (pass bwd or fwdbwd; harness/runner.h, Row): the bytes the
 # forward kept for the backward, measured and estimated, and the relative Frobenius error of
 # dQ, dK and dV against exact attention's gradients over grad_heads whole heads.
 GRAD_ERROR_COLUMNS = ["grad_rel_err_q", "grad_rel_err_k", "grad_rel_err_v"]
 TRAIN_COLUMNS = ["saved_bytes", "saved_estimate_bytes"] + GRAD_ERROR_COLUMNS + ["grad_heads"]
+# Columns of the decode rows (pass decode; harness/runner.h, Row): the seconds of the prefill
+# of n tokens, one step's time (the row's time_median_s) and the tokens per second it gives,
+# the state per sequence after the prefill, the bytes of state one step reads, and those bytes
+# per step's time over the machine's memory bandwidth.
+DECODE_COLUMNS = ["prefill_s", "time_per_token_s", "tokens_per_s", "state_bytes",
+                  "bytes_read_per_step", "bandwidth_fraction"]
 # Columns about the timing's trust (harness/runner.h, noise_reason): NaN in a file written
 # before them, which compare.py then never calls noisy.
 NOISE_COLUMNS = ["time_spread", "load_avg", "other_load", "noisy"]
@@ -69,7 +80,8 @@ def load_results(directory, need_ok=True):
     column is present, there is at least one row and (with need_ok) at least one row with
     status "ok", and the key and timing columns of ok rows are numbers. Returns the frame with
     numeric columns converted and `causal` as 0/1; a file written before the `pass` column (or
-    the training columns) gets them as ADDED_COLUMNS says: every such row timed the forward.
+    the training or decode columns) gets them as ADDED_COLUMNS says: every such row timed the
+    forward.
     """
     if not os.path.isdir(directory):
         raise ResultsError(f"'{directory}' is not a directory; expected a results directory "
@@ -89,8 +101,8 @@ def load_results(directory, need_ok=True):
     df["message"] = df["message"].fillna("")
     df["status"] = df["status"].fillna("")
     df["pass"] = df["pass"].fillna(FORWARD)
-    for c in NUMERIC_COLUMNS + TRAIN_COLUMNS + [c for c in NOISE_COLUMNS + [UNIFORM_ERROR]
-                                                if c in df.columns]:
+    optional = [c for c in NOISE_COLUMNS + [UNIFORM_ERROR] if c in df.columns]
+    for c in NUMERIC_COLUMNS + TRAIN_COLUMNS + DECODE_COLUMNS + optional:
         df[c] = pd.to_numeric(df[c], errors="coerce")
     ok = df["status"] == "ok"
     if need_ok and not ok.any():

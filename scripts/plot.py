@@ -30,9 +30,19 @@ With training rows (`attnbench sweep --pass fwd,bwd,fwdbwd`), also:
   train_speed_vs_error.png  fwdbwd time against gradient error at one n, with the frontier
 
 and a training table in the report (per variant at the largest n: fwd, bwd and fwdbwd time,
-bwd/fwd, saved bytes, gradient error, the length from which its fwdbwd beats flash's). Every
-other figure and table draws the forward rows (pass fwd) only; results without a pass column
-(an older attnbench) are all forward rows.
+bwd/fwd, saved bytes, gradient error, the length from which its fwdbwd beats flash's).
+
+With decode rows (`attnbench sweep --causal on --pass decode`, n the context), also:
+
+  decode_latency_vs_n.png   time of one decode step (time_per_token_s) against the context,
+                            log-log, drawn as time_vs_n with an O(n) guide; causal rows only
+  decode_state_vs_n.png     the decode state per sequence (state_bytes) against the context
+
+and a generation section in the report (the time per token of each variant at each context,
+and per variant at the largest context: time per token, tokens/s, state per sequence, bytes
+read per step, the share of the memory bandwidth, prefill time, and the context from which
+its time per token stays below flash's). Every other figure and table draws the forward rows
+(pass fwd) only; results without a pass column (an older attnbench) are all forward rows.
 
 Only rows with status "ok" are drawn; the others are listed at the end of the report. A
 variant's colour and marker come from its name and its line style from its family, the same in

@@ -1,5 +1,5 @@
 """Figures and the markdown report of an attnbench results directory, one module per figure
-family so that new families (training, decode) join without growing one file:
+family so that new families join without growing one file:
 
   style        colours and markers per variant spec, axes, legend and markdown helpers
   context      the results being drawn, their panels, and the report being written
@@ -9,6 +9,8 @@ family so that new families (training, decode) join without growing one file:
   patterns     the attention-pattern gallery from the patterns the sweep stored
   training     the training passes (bwd, fwdbwd): time and memory against n, gradient error
                against forward error, time against gradient error, the training table
+  decode       the decode pass: time per token and state per sequence against the context,
+               the decode table at the largest context
   report       report.md: the run header, every section in order, the rows not drawn
 
 Everything is read from the results directory (results.csv, meta.json, patterns/); no

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from attnbench_results import FORWARD, TRAIN_PASSES, ResultsError, spec_order
+from attnbench_results import DECODE, FORWARD, TRAIN_PASSES, ResultsError, spec_order
 
 from .style import Styles, causal_name, code, fmt_n, md_table, new_grid, num, warn
 
@@ -62,10 +62,12 @@ class Context:
         all_ok = df[df["status"] == "ok"].copy()
         # Every figure and table draws the forward rows (pass fwd, every row of a file written
         # before the column), except the training section (training.py), which draws the rows
-        # of the training passes: mixing passes would draw several times per point.
+        # of the training passes, and the generation section (decode.py), which draws the
+        # causal decode rows: mixing passes would draw several times per point.
         self.all_ok = all_ok
         self.ok = all_ok[all_ok["pass"] == FORWARD]
         self.train = all_ok[all_ok["pass"].isin(TRAIN_PASSES)]
+        self.decode = all_ok[(all_ok["pass"] == DECODE) & (all_ok["causal"] == 1)]
         self.styles = Styles(spec_order(df),
                              meta.get("variants") if isinstance(meta, dict) else None)
         self.layout = Layout(all_ok)
@@ -96,6 +98,8 @@ class Context:
         # the training rows of the timed input, every scale and the one of self.timed
         self.train_timed_all = self.train[self.train["input"] == self.input]
         self.train_timed = self.of_scale(self.train_timed_all)
+        # the decode rows of the timed input, at the scale of self.timed
+        self.decode_timed = self.of_scale(self.decode[self.decode["input"] == self.input])
         self.md = []
         self.problems = []  # what the report could not show, also said on stderr
         # What each figure drew, by figure name (panels, lines, reference lines, labels):
@@ -134,7 +138,8 @@ class Context:
     @contextlib.contextmanager
     def drawing(self, rows):
         """Within it, the timed rows (and so panels(), grid() and the figures drawn from them)
-        are `rows`: the training section draws the figures of the forward from its own rows."""
+        are `rows`: the training and decode sections draw the figures of the forward from their
+        own rows."""
         kept = self.timed
         self.timed = rows
         try:

@@ -30,8 +30,9 @@ class Crossing:
 
     kind: "none" (no common length), "noisy" (every common length noisy), "never", "always",
     "from" (slower below some n, faster from it on: `n` is where the ratio crosses 1,
-    interpolated in log-log) or "some" (faster at `faster`, which is neither a suffix nor
-    empty). `ignored` are the noisy lengths left out, `lengths` the quiet ones."""
+    interpolated in log-log, and `first` the smallest quiet length from which it is faster) or
+    "some" (faster at `faster`, which is neither a suffix nor empty). `ignored` are the noisy
+    lengths left out, `lengths` the quiet ones."""
 
     def __init__(self, ns, ratio, bad=None):
         ns = np.asarray(ns, dtype=float)
@@ -42,7 +43,7 @@ class Crossing:
         qn, qr = ns[~bad], ratio[~bad]
         self.lengths = list(qn)
         self.faster = list(qn[qr < 1])
-        self.n = None
+        self.n = self.first = None
         if len(ns) == 0:
             self.kind = "none"
         elif len(qn) == 0:
@@ -55,6 +56,7 @@ class Crossing:
             first = int(np.argmax(qr < 1))
             if first > 0 and (qr[first:] < 1).all():
                 self.kind = "from"
+                self.first = float(qn[first])
                 la, lb = math.log(qn[first - 1]), math.log(qn[first])
                 ra, rb = math.log(qr[first - 1]), math.log(qr[first])
                 t = ra / (ra - rb)  # ra >= 0 > rb
@@ -62,10 +64,12 @@ class Crossing:
             else:
                 self.kind = "some"
 
-    def text(self, faster="faster"):
+    def text(self, faster="faster", measured=False):
         """The statement for the report, e.g. "≈ 1,234: faster from there on (256–8K)";
-        `faster` names what is judged (e.g. "2× faster"). With noisy lengths, the lengths it
-        was judged on and the noisy ones (†) replace the range."""
+        `faster` names what is judged (e.g. "2× faster"). With `measured`, a crossing is the
+        measured length it is faster from ("2K: faster from there on"), not interpolated.
+        With noisy lengths, the lengths it was judged on and the noisy ones (†) replace the
+        range."""
         ns, fmt = self.all_lengths, lambda values: ", ".join(fmt_n(n) for n in values)
         if self.kind == "none":
             return "— (no common n)"
@@ -82,12 +86,15 @@ class Crossing:
             return f"never in range {scope}"
         if self.kind == "always":
             return f"{faster} at {every} {scope}"
+        if self.kind == "from" and measured:
+            return f"{fmt_n(self.first)}: {faster} from there on {scope}"
         if self.kind == "from":
             return f"≈ {self.n:,.0f}: {faster} from there on {scope}"
         return f"{faster} only at n ∈ {{{fmt(self.faster)}}} {scope}"
 
     def record(self):
-        return {"kind": self.kind, "n": self.n, "faster": jsonable(self.faster),
+        return {"kind": self.kind, "n": self.n, "first": self.first,
+                "faster": jsonable(self.faster),
                 "ignored": jsonable(self.ignored)}
 
 

@@ -5,21 +5,21 @@ import json
 import os
 import re
 
-from attnbench_results import FORWARD, TRAIN_PASSES, noisy, problem_label
+from attnbench_results import DECODE, FORWARD, TRAIN_PASSES, noisy, problem_label
 
-from . import crossover, error, layer, patterns, time_memory, training
+from . import crossover, decode, error, layer, patterns, time_memory, training
 from .context import Context
 from .style import code, md_table, remove, unit
 
 FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover",
-           "patterns"] + training.FIGURES
-PASSES = [FORWARD] + TRAIN_PASSES
+           "patterns"] + training.FIGURES + decode.FIGURES
+PASSES = [FORWARD] + TRAIN_PASSES + [DECODE]
 # The sections of the forward rows (pass fwd), drawn when there are any.
 FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
                     error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
                     layer.section, patterns.section]
 # The report's sections after its header, in order; each draws its own figures.
-SECTIONS = FORWARD_SECTIONS + [training.section]
+SECTIONS = FORWARD_SECTIONS + [training.section, decode.section]
 
 
 def header(ctx):
@@ -56,7 +56,8 @@ def header(ctx):
                   (f" ({n_noisy} of the ok rows noisy, marked † in the tables)" if n_noisy
                    else "") +
                   f". Variants: {len(ctx.styles.order)}. Every figure and table but the "
-                  f"training ones draws the forward rows (pass `fwd`). Time, memory, crossover "
+                  f"training and generation ones draws the forward rows (pass `fwd`); the "
+                  f"generation ones draw the causal decode rows. Time, memory, crossover "
                   f"and the efficiency table use input `{ctx.input}`"
                   + (f" ({ctx.layout.fixed_label()})" if ctx.layout.fixed_label() else "")
                   + ".\n")

@@ -216,16 +216,20 @@ def log2_n_axis(ax, ns):
     ax.set_xlabel("sequence length n (tokens)")
 
 
-def guides(ax, ns, ys):
-    """O(n) and O(n^2) guide lines through the geometric mean of the values at the smallest n.
-    Returns whether they were drawn (they need two lengths)."""
+GUIDE_POWERS = {"n": 1, "n2": 2}
+
+
+def guides(ax, ns, ys, orders=("n", "n2")):
+    """Guide lines through the geometric mean of the values at the smallest n, one per order
+    of `orders`: "n" for O(n), "n2" for O(n^2). Returns whether they were drawn (they need two
+    lengths)."""
     if len(set(ns)) < 2:
         return False
     n0 = min(ns)
     y0 = math.exp(np.mean(np.log([y for n, y in zip(ns, ys) if n == n0])))
     x = np.array([n0, max(ns)], dtype=float)
-    ax.plot(x, y0 * (x / n0), zorder=1, **GUIDE_STYLE["n"])
-    ax.plot(x, y0 * (x / n0) ** 2, zorder=1, **GUIDE_STYLE["n2"])
+    for order in orders:
+        ax.plot(x, y0 * (x / n0) ** GUIDE_POWERS[order], zorder=1, **GUIDE_STYLE[order])
     return True
 
 
@@ -233,6 +237,11 @@ ERROR_LABEL = r"relative error $\Vert O - O_\mathrm{ref}\Vert_F\ /\ \Vert O_\mat
 
 GUIDE_HANDLES = [Line2D([], [], label="O(n) guide", **GUIDE_STYLE["n"]),
                  Line2D([], [], label="O(n²) guide", **GUIDE_STYLE["n2"])]
+
+
+def guide_handles(orders=("n", "n2")):
+    """The legend entries of the guides of `orders` (see guides)."""
+    return [h for h, order in zip(GUIDE_HANDLES, GUIDE_POWERS) if order in orders]
 
 
 def ratio_axis(ax):

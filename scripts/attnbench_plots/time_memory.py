@@ -7,9 +7,9 @@ import numpy as np
 
 from attnbench_results import format_seconds, noisy, time_spread
 
-from .style import (GUIDE_HANDLES, MIB, NOISY_FOOTNOTE, NOISY_HANDLE, SPREAD_HANDLE, code,
-                    finish, fmt_mib, fmt_n, guides, jsonable, log2_n_axis, md_table,
-                    series, times)
+from .style import (MIB, NOISY_FOOTNOTE, NOISY_HANDLE, SPREAD_HANDLE, code, finish, fmt_mib,
+                    fmt_n, guide_handles, guides, jsonable, log2_n_axis, md_table, series,
+                    times)
 
 LRA_LENGTHS = [1024, 2048, 4096, 8192]
 
@@ -70,12 +70,13 @@ def coinciding(lines):
     return [g for g in groups if len(g["specs"]) > 1]
 
 
-def draw_memory(ctx, ax, sub, scale, record):
-    """Every spec's peak memory in a panel; lines that coincide are shifted sideways by
-    DODGE_OCTAVES each so that all of them show. Returns (n, y, drawn specs, groups)."""
+def draw_memory(ctx, ax, sub, scale, record, column="peak_bytes"):
+    """Every spec's peak memory (or another byte count, `column`) in a panel; lines that
+    coincide are shifted sideways by DODGE_OCTAVES each so that all of them show. Returns
+    (n, y, drawn specs, groups)."""
     lines = {}
     for spec in ctx.styles.order:
-        ns, ys = series(sub, spec, "peak_bytes")
+        ns, ys = series(sub, spec, column)
         if len(ns):
             lines[spec] = (ns, ys / scale)
     groups = coinciding(lines)
@@ -112,10 +113,14 @@ def coinciding_notes(ctx, groups_by_panel, n_panels):
     return notes
 
 
-def against_n(ctx, name, column, scale, ylabel, title, section, explain, table, also=None):
+def against_n(ctx, name, column, scale, ylabel, title, section, explain, table, also=None,
+              level=2, orders=("n", "n2"), xlabel=None):
     """A figure of `column` (divided by `scale`) against n with a panel per configuration and
-    causal setting of the timed rows, its report section and a table per panel. `also`, when
-    given, draws more in a panel, also(ctx, ax, sub, record), and returns legend entries."""
+    causal setting of the timed rows, its report section (a heading of `level`) and a table
+    per panel. `column` is time_median_s, drawn with the repetitions' bars, or a byte count,
+    drawn as memory (coinciding lines side by side); `orders` are its guides (style.guides);
+    `xlabel` replaces the label of the n axis. `also`, when given, draws more in a panel,
+    also(ctx, ax, sub, record), and returns legend entries."""
     lay = ctx.layout
     fig, axes = ctx.grid(sharey=True)
     present, dropped, with_guides, any_noisy = set(), [], False, False
@@ -128,8 +133,8 @@ def against_n(ctx, name, column, scale, ylabel, title, section, explain, table, 
             s = sub[sub["spec"] == spec]
             if (s[column].isna() | (s[column] <= 0)).any():
                 dropped.append(spec)
-        if column == "peak_bytes":
-            all_n, all_y, drawn, groups = draw_memory(ctx, ax, sub, scale, record)
+        if column != "time_median_s":
+            all_n, all_y, drawn, groups = draw_memory(ctx, ax, sub, scale, record, column)
             groups_by_panel.append((ctx.panel_title(cfg, causal), groups))
         else:
             all_n, all_y, drawn, groups = [], [], [], []
@@ -145,9 +150,11 @@ def against_n(ctx, name, column, scale, ylabel, title, section, explain, table, 
         present.update(drawn)
         if also is not None:
             extra_handles = also(ctx, ax, sub, record)
-        with_guides = guides(ax, all_n, all_y) or with_guides
+        with_guides = guides(ax, all_n, all_y, orders) or with_guides
         ax.set_yscale("log")
         log2_n_axis(ax, sub["n"].unique())
+        if xlabel:
+            ax.set_xlabel(xlabel)
         ax.set_title(ctx.panel_title(cfg, causal))
         if c == 0:
             ax.set_ylabel(ylabel)
@@ -163,11 +170,11 @@ def against_n(ctx, name, column, scale, ylabel, title, section, explain, table, 
             handles.append(NOISY_HANDLE)
     if also is not None and panels:
         handles += extra_handles
-    handles += GUIDE_HANDLES if with_guides else []
+    handles += guide_handles(orders) if with_guides else []
     notes = coinciding_notes(ctx, groups_by_panel, len(panels))
     ctx.record(name, panels=panels, legend=[h.get_label() for h in handles] + notes)
     finish(fig, ctx.fig_path(name), handles, f"{title} ({ctx.title_suffix()})", notes=notes)
-    ctx.md.append(f"## {section}\n")
+    ctx.md.append(f"{'#' * level} {section}\n")
     ctx.embed(name, section)
     ctx.md.append(explain + "\n")
     if dropped:
