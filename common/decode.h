@@ -45,6 +45,14 @@ class DecodeState {
   virtual double step_flops() const = 0;
 };
 
+/// Throws UsageError unless k and v fit a prefill of t0 tokens of p ([B, H, >= t0, d]) and t0
+/// is in [0, p.n]. Decoders call it first.
+void check_prefill(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0);
+/// Throws UsageError when a state holding `length` of its `capacity` tokens is full or when q,
+/// k, v or out is not of the shape `token` ([B, H, 1, d]). DecodeState::step calls it first.
+void check_step(int64_t length, int64_t capacity, const Shape4& token, ConstTensorView q,
+                ConstTensorView k, ConstTensorView v, ConstTensorView out);
+
 /// The generation pass of a variant (Variant::decoder()).
 class Decoder {
  public:

@@ -629,9 +629,6 @@ class KernelDecodeState final : public DecodeState {
 
   /// Folds keys and values 0 .. t0 - 1 in the engine's blocks.
   void prefill(ConstTensorView k, ConstTensorView v, int64_t t0) {
-    if (t0 < 0 || t0 > capacity_)
-      throw UsageError(fmt::format("decode prefill: t0 = {} outside 0 .. n = {}", t0, capacity_));
-    check_view(k, "k", t0), check_view(v, "v", t0);
     const int64_t block = Schedule::for_features(f_).block, stride = round_up(block * f_, 16);
     const int64_t heads = batch_ * heads_;
     // phi(K) of one key block per thread, freed when the prefill ends
@@ -653,11 +650,7 @@ class KernelDecodeState final : public DecodeState {
   int64_t length() const override { return length_; }
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
-    if (length_ >= capacity_)
-      throw UsageError(fmt::format(
-          "decode step: the state is full (it holds all n = {} tokens of its problem)", capacity_));
-    check_view(q, "q", 1), check_view(k, "k", 1), check_view(v, "v", 1);
-    check_view(ConstTensorView(out), "out", 1);
+    check_step(length_, capacity_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
     const int64_t f = f_, d = d_, fpad = round_up(f, 16), heads = batch_ * heads_;
     // phi(k) and phi(q) per thread, kept between steps so that a step allocates nothing
     const int64_t need = 2 * fpad * head_threads(heads);
@@ -710,12 +703,6 @@ class KernelDecodeState final : public DecodeState {
   float* s(int64_t bh) const { return state_->get() + bh * stride_; }
   float* z(int64_t bh) const { return s(bh) + zoff_; }
   // a view [B, H, >= rows, d] of this state's problem
-  void check_view(ConstTensorView x, const char* name, int64_t rows) const {
-    const Shape4& sh = x.shape;
-    if (sh.batch != batch_ || sh.heads != heads_ || sh.dim != d_ || sh.len < rows)
-      throw UsageError(fmt::format("decode: {} is {}, expected [{}, {}, {}{}, {}]", name, sh.str(),
-                                   batch_, heads_, rows > 1 ? ">= " : "", rows, d_));
-  }
 
   int64_t batch_, heads_, capacity_, d_, f_ = 0, zoff_ = 0, stride_ = 0, length_ = 0;
   float eps_;
@@ -733,6 +720,7 @@ std::unique_ptr<DecodeState> prefill_state(const Problem& p, ConstTensorView k, 
                                            int64_t t0, float eps,
                                            std::vector<std::shared_ptr<const FeatureMap>> maps,
                                            double map_bytes) {
+  check_prefill(p, k, v, t0);
   auto state = std::make_unique<KernelDecodeState>(p, eps, std::move(maps), map_bytes);
   state->prefill(k, v, t0);
   return state;

@@ -170,15 +170,7 @@ class KvDecodeState final : public DecodeState {
   int64_t length() const override { return len_; }
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
-    if (len_ >= cap_)
-      throw UsageError(fmt::format(
-          "decode: the state is full ({} of {} positions); prefill a longer problem", len_, cap_));
-    const Shape4 want{batch_, heads_, 1, d_};
-    for (const auto& [name, shape] :
-         {std::pair{"q", q.shape}, {"k", k.shape}, {"v", v.shape}, {"out", out.shape}})
-      if (!(shape == want))
-        throw UsageError(
-            fmt::format("decode step: {} is {}, expected {}", name, shape.str(), want.str()));
+    check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
     const int64_t t = len_, lo = first_visible(t), visible = t - lo + 1;
     const int64_t bh_count = batch_ * heads_;
     const size_t row_bytes = size_t(d_) * sizeof(float);
@@ -323,12 +315,7 @@ class KvDecodeState final : public DecodeState {
 std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView k,
                                                ConstTensorView v, int64_t t0,
                                                const KvDecodeOptions& opt) {
-  if (t0 < 0 || t0 > p.n)
-    throw UsageError(fmt::format("decode prefill: t0 = {} is outside [0, n = {}]", t0, p.n));
-  for (const auto& [name, s] : {std::pair{"k", k.shape}, {"v", v.shape}})
-    if (s.batch != p.batch || s.heads != p.heads || s.dim != p.dim || s.len < t0)
-      throw UsageError(fmt::format("decode prefill: {} is {}, expected [{}, {}, >= t0 = {}, {}]",
-                                   name, s.str(), p.batch, p.heads, t0, p.dim));
+  check_prefill(p, k, v, t0);
   if (opt.window < 0 && opt.window != KvDecodeOptions::kNoWindow)
     throw UsageError(fmt::format("decode: window {} must be >= 0", opt.window));
   if (opt.min_chunk < 1 || opt.max_chunk < opt.min_chunk)

@@ -311,6 +311,29 @@ void Decoder::check_decode(const Problem& p) const {
         "to the causal pattern)");
 }
 
+void check_prefill(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0) {
+  if (t0 < 0 || t0 > p.n)
+    throw UsageError(fmt::format("decode prefill: t0 = {} is outside [0, n = {}]", t0, p.n));
+  for (const auto& [name, s] : {std::pair{"k", k.shape}, {"v", v.shape}})
+    if (s.batch != p.batch || s.heads != p.heads || s.dim != p.dim || s.len < t0)
+      throw UsageError(fmt::format("decode prefill: {} is {}, expected [{}, {}, >= t0 = {}, {}]",
+                                   name, s.str(), p.batch, p.heads, t0, p.dim));
+}
+
+void check_step(int64_t length, int64_t capacity, const Shape4& want, ConstTensorView q,
+                ConstTensorView k, ConstTensorView v, ConstTensorView out) {
+  if (length >= capacity)
+    throw UsageError(fmt::format(
+        "decode step: the state is full (it holds all n = {} tokens of its problem); prefill a "
+        "longer problem",
+        capacity));
+  for (const auto& [name, shape] :
+       {std::pair{"q", q.shape}, {"k", k.shape}, {"v", v.shape}, {"out", out.shape}})
+    if (!(shape == want))
+      throw UsageError(
+          fmt::format("decode step: {} is {}, expected {}", name, shape.str(), want.str()));
+}
+
 void Variant::check_decode(const Problem& p) const {
   check_supported(p);
   Decoder* dec = const_cast<Variant*>(this)->decoder();

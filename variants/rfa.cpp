@@ -511,9 +511,6 @@ class GatedDecodeState final : public DecodeState {
 
   // The recurrence over keys 0 .. t0 - 1, their features mapped in blocks as gated_head does.
   void prefill(ConstTensorView k, ConstTensorView v, int64_t t0) {
-    if (t0 < 0 || t0 > capacity_)
-      throw UsageError(fmt::format("decode prefill: t0 = {} outside 0 .. n = {}", t0, capacity_));
-    check_view(k, "k", t0), check_view(v, "v", t0);
     // the features of one key block per thread, freed when the prefill ends
     std::vector<float> work(size_t(kGatedBlock * f_ * threads()));
     for_each_head(work.data(), kGatedBlock * f_, [&](int64_t bh, float* phk) {
@@ -538,11 +535,7 @@ class GatedDecodeState final : public DecodeState {
   int64_t length() const override { return length_; }
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
-    if (length_ >= capacity_)
-      throw UsageError(fmt::format(
-          "decode step: the state is full (it holds all n = {} tokens of its problem)", capacity_));
-    check_view(q, "q", 1), check_view(k, "k", 1), check_view(v, "v", 1);
-    check_view(ConstTensorView(out), "out", 1);
+    check_step(length_, capacity_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
     const size_t need = size_t(2 * f_ * threads());
     if (work_.size() < need) work_.resize(need);
     for_each_head(work_.data(), 2 * f_, [&](int64_t bh, float* w) {
@@ -585,12 +578,6 @@ class GatedDecodeState final : public DecodeState {
 
   float* s(int64_t bh) { return state_.data() + bh * stride_; }
   float* z(int64_t bh) { return s(bh) + f_ * d_; }
-  void check_view(ConstTensorView x, const char* name, int64_t rows) const {
-    const Shape4& sh = x.shape;
-    if (sh.batch != batch_ || sh.heads != heads_ || sh.dim != d_ || sh.len < rows)
-      throw UsageError(fmt::format("decode: {} is {}, expected [{}, {}, {}{}, {}]", name, sh.str(),
-                                   batch_, heads_, rows > 1 ? ">= " : "", rows, d_));
-  }
   // Threads of a loop over the (batch, head) pairs: the team when there are at least as many
   // pairs, else 1.
   int threads() const { return batch_ * heads_ >= team_threads() ? team_threads() : 1; }
@@ -762,6 +749,7 @@ class Rfa final : public Variant, public Backward, public Decoder {
     const Heads::Heads& drawn = heads_.get(
         p, [&](int64_t h) { return make_head(p, h); }, fresh);
     if (gate_) {
+      check_prefill(p, k, v, t0);
       auto state = std::make_unique<GatedDecodeState>(
           p, std::vector<std::shared_ptr<const RfaHead>>(drawn.begin(), drawn.end()));
       state->prefill(k, v, t0);
