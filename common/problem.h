@@ -54,7 +54,12 @@ std::string key_padding_text(const Problem& p);
 /// Problem::str() and describe() append, so unmasked problems keep their names.
 std::string mask_suffix(const Problem& p);
 
-/// One attention problem. q is [B, H, n, d]; k and v are [B, H, m, d]; out is [B, H, n, d].
+/// One attention problem. q is [B, H, n, d]; k and v are stored [B, G, m, d] with G =
+/// kv_head_count() (grouped-query attention: G divides H, each key/value head serves the H / G
+/// query heads h with h / (H / G) = its index; G = H is plain multi-head attention, G = 1
+/// multi-query attention); out is [B, H, n, d]. Variants see k and v through grouped views
+/// (View4::group, kv_view) of the logical shape kv_shape() = [B, H, m, d], so the head mapping
+/// lives in one place.
 struct Problem {
   /// Largest batch and head count: seeded inputs draw an independent random stream per
   /// (batch item, head), for up to 2^24 of each.
@@ -65,6 +70,8 @@ struct Problem {
   int64_t n = 1024;  ///< query length
   int64_t m = 0;     ///< key length; 0 means m = n
   int64_t dim = 64;  ///< head dimension d
+  /// Key/value heads G (a divisor of heads); 0 means G = heads.
+  int64_t kv_heads = 0;
   /// Bottom-right aligned causal mask: key j is visible to query i iff j <= i + (m - n).
   bool causal = false;
   /// The scoring function (default: today's q.k / sqrt(d)).
@@ -79,9 +86,9 @@ struct Problem {
   std::vector<int64_t> key_lengths;
   /// An attention mask combined with causal and key padding; null for none.
   std::shared_ptr<const AttnMask> attn_mask;
-  // What attention computes grows here: grouped kv-heads and the pass (forward, backward,
-  // decode) are next. Each comes with a flag in Capabilities, so check_supported refuses a
-  // variant that cannot honour it, and with its column among the results' key columns.
+  // What attention computes grows here. Each addition comes with a flag in Capabilities (or,
+  // like kv_heads, applies to every variant through one shared mechanism) and with its column
+  // among the results' key columns.
 
   /// Seed of the variant's random choices (features, projections, hashes) and of generated
   /// inputs. How the inputs are drawn and how many threads run is the workload's
@@ -90,7 +97,18 @@ struct Problem {
 
   int64_t keys() const { return m > 0 ? m : n; }
   Shape4 q_shape() const { return {batch, heads, n, dim}; }
+  /// Logical shape of k and v as variants see them: [B, H, m, d] (grouped views).
   Shape4 kv_shape() const { return {batch, heads, keys(), dim}; }
+  /// Key/value heads G (kv_heads, or heads when 0).
+  int64_t kv_head_count() const { return kv_heads > 0 ? kv_heads : heads; }
+  /// Query heads per key/value head, H / G (1 without grouping).
+  int64_t kv_group() const { return heads / kv_head_count(); }
+  /// The key/value head query head h reads: h / (H / G).
+  int64_t kv_head(int64_t h) const { return h / kv_group(); }
+  /// Storage shape of k and v: [B, G, m, d].
+  Shape4 kv_storage_shape() const { return {batch, kv_head_count(), keys(), dim}; }
+  /// A zeroed k or v of this problem: storage [B, G, m, d], viewed grouped as [B, H, m, d].
+  Tensor kv_tensor() const { return Tensor(kv_storage_shape(), kv_group()); }
   /// Number of keys visible to query i under the causal mask (keys 0 .. count-1 are the
   /// visible ones). Key padding and the attention mask are not in it: see visible(b, i).
   int64_t visible(int64_t i) const {

@@ -14,7 +14,10 @@ namespace attnbench {
 
 void Tensor::Free::operator()(float* p) const { std::free(p); }
 
-Tensor::Tensor(Shape4 s) : shape_(s) {
+Tensor::Tensor(Shape4 s, int64_t group) : shape_(s), group_(group) {
+  if (group < 1)
+    throw InputError(
+        fmt::format("tensor group {}: accepted: at least 1 head per stored head", group));
   // The element count and byte size are formed with overflow checks: a shape whose product
   // wraps around must not become a small buffer that kernels then walk off.
   int64_t count = 1;
