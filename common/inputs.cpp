@@ -32,21 +32,30 @@ enum Role : uint64_t {
   kDout
 };
 // Generated tensors may start at head (b0, h0) of the problem's full input (see
-// generate_head_inputs); stream ids are those of the full input.
+// generate_head_inputs), whose key/value head is g0; stream ids are those of the full input.
+// Streams of what a key/value head owns (k, v and, for the structured inputs, the latent shared
+// by q and k) are numbered by the key/value head, the others by the query head, so grouped
+// problems (Problem::kv_heads) draw k and v once per key/value head and G = H draws what it
+// always drew.
 struct Origin {
-  int64_t b0 = 0, h0 = 0;
+  int64_t b0 = 0, h0 = 0, g0 = 0;
 };
 uint64_t stream_id(Role r, const Origin& o, int64_t b, int64_t h) {
   return (uint64_t(r) << 48) ^ (uint64_t(o.b0 + b) << 24) ^ uint64_t(o.h0 + h);
 }
+uint64_t kv_stream_id(Role r, const Origin& o, int64_t b, int64_t g) {
+  return (uint64_t(r) << 48) ^ (uint64_t(o.b0 + b) << 24) ^ uint64_t(o.g0 + g);
+}
 
+// Fills every stored head of t (a grouped view fills each key/value head once).
 void fill_gaussian(const Problem& p, const Origin& o, Role role, TensorView t) {
-  const int64_t len = t.shape.len, d = t.shape.dim;
+  const int64_t len = t.shape.len, d = t.shape.dim, stored = t.shape.heads / t.group;
+  const bool kv = role == kK || role == kV;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < t.shape.batch; ++b)
-    for (int64_t h = 0; h < t.shape.heads; ++h) {
-      RandomStream rs(p.seed, stream_id(role, o, b, h));
-      float* x = t.head(b, h);
+    for (int64_t g = 0; g < stored; ++g) {
+      RandomStream rs(p.seed, kv ? kv_stream_id(role, o, b, g) : stream_id(role, o, b, g));
+      float* x = t.head(b, g * t.group);
       for (int64_t i = 0; i < len * d; ++i) x[i] = float(rs.normal(uint64_t(i)));
     }
 }
@@ -74,8 +83,9 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
       guard.run([&] {
-        RandomStream lat(p.seed, stream_id(kLatent, o, b, h)),
-            nq(p.seed, stream_id(kNoiseQ, o, b, h)), nk(p.seed, stream_id(kNoiseK, o, b, h));
+        const int64_t g = p.kv_head(h);
+        RandomStream lat(p.seed, kv_stream_id(kLatent, o, b, g)),
+            nq(p.seed, stream_id(kNoiseQ, o, b, h)), nk(p.seed, kv_stream_id(kNoiseK, o, b, g));
         std::vector<double> z(size_t(len * d));
         for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
         for (int64_t t = 1; t < len; ++t)
@@ -86,6 +96,7 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
         float* k = in.k.view().head(b, h);
         for (int64_t i = 0; i < n * d; ++i)
           q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
+        if (h % p.kv_group() != 0) return;  // the group's first head writes its k
         for (int64_t i = 0; i < m * d; ++i)
           k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
       });
@@ -102,12 +113,11 @@ void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
       guard.run([&] {
-        RandomStream cs(p.seed, stream_id(kCenters, o, b, h)),
-            as(p.seed, stream_id(kAssign, o, b, h));
+        const int64_t g = p.kv_head(h);
+        RandomStream cs(p.seed, kv_stream_id(kCenters, o, b, g));
         std::vector<double> centres(size_t(clusters * d));
         for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
-        auto fill = [&](float* x, int64_t len, Role noise_role, uint64_t offset) {
-          RandomStream ns(p.seed, stream_id(noise_role, o, b, h));
+        auto fill = [&](float* x, int64_t len, RandomStream ns, RandomStream as, uint64_t offset) {
           for (int64_t t = 0; t < len; ++t) {
             int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
             for (int64_t j = 0; j < d; ++j)
@@ -115,8 +125,12 @@ void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
                   norm * (centres[size_t(c * d + j)] + sigma * ns.normal(uint64_t(t * d + j))));
           }
         };
-        fill(in.q.view().head(b, h), p.n, kNoiseQ, 0);
-        fill(in.k.view().head(b, h), p.keys(), kNoiseK, uint64_t(1) << 40);
+        fill(in.q.view().head(b, h), p.n, RandomStream(p.seed, stream_id(kNoiseQ, o, b, h)),
+             RandomStream(p.seed, stream_id(kAssign, o, b, h)), 0);
+        if (h % p.kv_group() == 0)  // the group's first head writes its k
+          fill(in.k.view().head(b, h), p.keys(),
+               RandomStream(p.seed, kv_stream_id(kNoiseK, o, b, g)),
+               RandomStream(p.seed, kv_stream_id(kAssign, o, b, g)), uint64_t(1) << 40);
       });
   guard.rethrow();
 }
@@ -130,11 +144,11 @@ void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
       guard.run([&] {
-        RandomStream us(p.seed, stream_id(kBasis, o, b, h));
+        const int64_t g = p.kv_head(h);
+        RandomStream us(p.seed, kv_stream_id(kBasis, o, b, g));
         std::vector<double> u(size_t(r * d));
         for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
-        auto fill = [&](float* x, int64_t len, Role role) {
-          RandomStream zs(p.seed, stream_id(role, o, b, h));
+        auto fill = [&](float* x, int64_t len, RandomStream zs) {
           std::vector<double> z(static_cast<size_t>(r));
           for (int64_t t = 0; t < len; ++t) {
             for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
@@ -145,8 +159,9 @@ void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
             }
           }
         };
-        fill(in.q.view().head(b, h), p.n, kQ);
-        fill(in.k.view().head(b, h), p.keys(), kK);
+        fill(in.q.view().head(b, h), p.n, RandomStream(p.seed, stream_id(kQ, o, b, h)));
+        if (h % p.kv_group() == 0)  // the group's first head writes its k
+          fill(in.k.view().head(b, h), p.keys(), RandomStream(p.seed, kv_stream_id(kK, o, b, g)));
       });
   guard.rethrow();
 }
@@ -180,7 +195,7 @@ Inputs generate(const Problem& p, const Workload& w, const Origin& o) {
   if (std::find(names.begin(), names.end(), w.input) == names.end())
     throw UsageError(fmt::format("unknown input distribution '{}'; accepted: {}", w.input,
                                  fmt::join(names, ", ")));
-  Inputs in{Tensor(p.q_shape()), Tensor(p.kv_shape()), Tensor(p.kv_shape())};
+  Inputs in{Tensor(p.q_shape()), p.kv_tensor(), p.kv_tensor()};
   if (w.input == "gaussian") {
     fill_gaussian(p, o, kQ, in.q.view());
     fill_gaussian(p, o, kK, in.k.view());
@@ -254,8 +269,8 @@ Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h, const Worklo
     throw UsageError(fmt::format("head ({}, {}) is outside a problem of batch {} and {} heads", b,
                                  h, p.batch, p.heads));
   Problem one = p;
-  one.batch = 1, one.heads = 1;
-  return generate(one, w, Origin{b, h});
+  one.batch = 1, one.heads = 1, one.kv_heads = 1;
+  return generate(one, w, Origin{b, h, p.kv_head(h)});
 }
 
 }  // namespace attnbench

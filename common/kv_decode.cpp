@@ -140,6 +140,8 @@ class KvDecodeState final : public DecodeState {
                 const KvDecodeOptions& opt)
       : batch_(p.batch),
         heads_(p.heads),
+        kv_heads_(p.kv_head_count()),
+        group_(p.kv_group()),
         d_(p.dim),
         cap_(p.n),
         window_(opt.window),
@@ -152,17 +154,17 @@ class KvDecodeState final : public DecodeState {
         head_floats_(slots_ * d_),
         keys_(cache_bytes(p, slots_)),
         values_(cache_bytes(p, slots_)) {
-    // the last `slots` of rows 0 .. t0 - 1, each to its slot (in parallel over the heads when
-    // there is more than a few pages to copy)
-    const int64_t first = std::max<int64_t>(0, t0 - slots_), bh_count = batch_ * heads_;
+    // the last `slots` of rows 0 .. t0 - 1, each to its slot (in parallel over the key/value
+    // heads when there is more than a few pages to copy)
+    const int64_t first = std::max<int64_t>(0, t0 - slots_), kv_count = batch_ * kv_heads_;
     const size_t row_bytes = size_t(d_) * sizeof(float);
-    const bool parallel = bh_count > 1 && (t0 - first) * bh_count * d_ >= (int64_t(1) << 16);
+    const bool parallel = kv_count > 1 && (t0 - first) * kv_count * d_ >= (int64_t(1) << 16);
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t bh = 0; bh < bh_count; ++bh) {
-      const int64_t b = bh / heads_, h = bh % heads_;
+    for (int64_t bg = 0; bg < kv_count; ++bg) {
+      const int64_t b = bg / kv_heads_, h = bg % kv_heads_ * group_;
       for (int64_t t = first; t < t0; ++t) {
-        std::memcpy(key_row(bh, t), k.row(b, h, t), row_bytes);
-        std::memcpy(value_row(bh, t), v.row(b, h, t), row_bytes);
+        std::memcpy(key_row(bg, t), k.row(b, h, t), row_bytes);
+        std::memcpy(value_row(bg, t), v.row(b, h, t), row_bytes);
       }
     }
   }
@@ -171,71 +173,91 @@ class KvDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    if (k.group != group_)
+      throw UsageError(fmt::format(
+          "decode step: k and v are grouped by {}, the state by {} ({} key/value heads)", k.group,
+          group_, kv_heads_));
     const int64_t t = len_, lo = first_visible(t), visible = t - lo + 1;
-    const int64_t bh_count = batch_ * heads_;
+    const int64_t kv_count = batch_ * kv_heads_;
     const size_t row_bytes = size_t(d_) * sizeof(float);
-    for (int64_t bh = 0; bh < bh_count; ++bh) {
-      const int64_t b = bh / heads_, h = bh % heads_;
-      std::memcpy(key_row(bh, t), k.row(b, h, 0), row_bytes);
-      std::memcpy(value_row(bh, t), v.row(b, h, 0), row_bytes);
+    for (int64_t bg = 0; bg < kv_count; ++bg) {
+      const int64_t b = bg / kv_heads_, h = bg % kv_heads_ * group_;
+      std::memcpy(key_row(bg, t), k.row(b, h, 0), row_bytes);
+      std::memcpy(value_row(bg, t), v.row(b, h, 0), row_bytes);
     }
     ++len_;
 
     // chunks of min_chunk .. max_chunk keys, about 4 tasks per thread in all; on one thread,
-    // chunks of max_chunk keys
+    // chunks of max_chunk keys. A task is one chunk of one key/value head for every query head
+    // of its group, so the cache is read once per group.
     const int threads = team_threads();
-    const int64_t want_chunks = threads > 1 ? (4 * threads + bh_count - 1) / bh_count : 1;
+    const int64_t want_chunks = threads > 1 ? (4 * threads + kv_count - 1) / kv_count : 1;
     const int64_t chunk =
         std::clamp((visible + want_chunks - 1) / want_chunks, min_chunk_, max_chunk_);
-    const int64_t chunks = (visible + chunk - 1) / chunk, tasks = bh_count * chunks;
-    const int64_t part = d_ + 2;  // per task: mx, l, acc[d]
-    if (int64_t(partials_.size()) < tasks * part) partials_.resize(size_t(tasks * part));
-    const int64_t score_floats = std::min(chunk, visible);
+    const int64_t chunks = (visible + chunk - 1) / chunk, tasks = kv_count * chunks;
+    const int64_t part = d_ + 2;  // per task and query head: mx, l, acc[d]
+    if (int64_t(partials_.size()) < tasks * group_ * part)
+      partials_.resize(size_t(tasks * group_ * part));
+    const int64_t score_floats = std::min(chunk, visible) * group_;
     if (int64_t(scores_.size()) < threads * score_floats)
       scores_.resize(size_t(threads * score_floats));
     float* partials = partials_.data();
     float* scores = scores_.data();
 
-    const bool parallel = threads > 1 && tasks > 1 && bh_count * visible * d_ >= parallel_floats_;
+    const bool parallel =
+        threads > 1 && tasks > 1 && batch_ * heads_ * visible * d_ >= parallel_floats_;
 #pragma omp parallel if (parallel)
     {
       float* sc = scores + omp_get_thread_num() * score_floats;
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t bh = task / chunks, c = task % chunks;
-        const int64_t b = bh / heads_, h = bh % heads_;
+        const int64_t bg = task / chunks, c = task % chunks;
         const int64_t a0 = lo + c * chunk, a1 = std::min(t + 1, a0 + chunk);
-        chunk_partial(bh, q.row(b, h, 0), a0, a1, sc, partials + task * part);
+        chunk_partials(bg, q, a0, a1, sc, partials + task * group_ * part);
       }
+      // query head h of batch b: key/value head bg = b G + h / group, row h % group of each
+      // of bg's tasks
 #pragma omp for schedule(static)
-      for (int64_t bh = 0; bh < bh_count; ++bh)
-        merge(partials + bh * chunks * part, chunks, out.row(bh / heads_, bh % heads_, 0));
+      for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
+        const int64_t b = bh / heads_, h = bh % heads_;
+        const int64_t bg = b * kv_heads_ + h / group_;
+        merge(partials + (bg * chunks * group_ + h % group_) * part, chunks, group_ * part,
+              out.row(b, h, 0));
+      }
     }
   }
 
   double state_bytes() const override {
-    return double(heads_) * double(std::min(len_, slots_)) * 2.0 * double(d_) * sizeof(float);
+    return double(kv_heads_) * double(std::min(len_, slots_)) * 2.0 * double(d_) * sizeof(float);
   }
 
   double step_bytes_read() const override {
-    // every visible cached key and value row once (the new ones included), and per (b, h)
-    // the q, k, v rows read and the out row written
+    // every visible cached key and value row once per key/value head (the new ones included),
+    // the k and v rows read per key/value head, and per query head the q row read and the out
+    // row written
     if (len_ >= cap_) return 0.0;
-    return double(batch_ * heads_) * double(next_visible() * 2 + 4) * double(d_) * sizeof(float);
+    return (double(batch_ * kv_heads_) * double(next_visible() * 2 + 2) +
+            double(batch_ * heads_) * 2.0) *
+           double(d_) * sizeof(float);
   }
 
   double step_flops() const override {
-    // 4 d per visible key (the dot q . k_j and the multiply-add of p_j v_j, multiply-add = 2),
-    // as flash's forward counts a (query, key) pair; the exponentials, the scaling and the
-    // merge of the chunks (O(chunks d) per head) are not counted
+    // 4 d per visible key and query head (the dot q . k_j and the multiply-add of p_j v_j,
+    // multiply-add = 2), as flash's forward counts a (query, key) pair; the exponentials, the
+    // scaling and the merge of the chunks (O(chunks d) per head) are not counted
     if (len_ >= cap_) return 0.0;
     return double(batch_ * heads_) * double(next_visible()) * 4.0 * double(d_);
   }
 
  private:
-  /// Bytes of one cache (keys or values) of B H slots rows of d floats.
+  /// Positions of a chunk scored (and then accumulated) for every query head of a group before
+  /// the next ones: 64 rows of keys or values stay in the L1 cache across the group's heads.
+  static constexpr int64_t kSubBlock = 64;
+
+  /// Bytes of one cache (keys or values) of B G slots rows of d floats.
   static int64_t cache_bytes(const Problem& p, int64_t slots) {
-    const int64_t rows = checked_mul<UsageError>(p.batch * p.heads, slots, "decode cache rows");
+    const int64_t rows =
+        checked_mul<UsageError>(p.batch * p.kv_head_count(), slots, "decode cache rows");
     return checked_mul<UsageError>(checked_mul<UsageError>(rows, p.dim, "decode cache floats"),
                                    int64_t(sizeof(float)), "decode cache bytes");
   }
@@ -243,53 +265,60 @@ class KvDecodeState final : public DecodeState {
     return window_ == KvDecodeOptions::kNoWindow ? 0 : std::max<int64_t>(0, t - window_);
   }
   int64_t next_visible() const { return len_ - first_visible(len_) + 1; }
-  float* key_row(int64_t bh, int64_t t) const {
-    return keys_.floats() + bh * head_floats_ + (t % slots_) * d_;
+  float* key_row(int64_t bg, int64_t t) const {
+    return keys_.floats() + bg * head_floats_ + (t % slots_) * d_;
   }
-  float* value_row(int64_t bh, int64_t t) const {
-    return values_.floats() + bh * head_floats_ + (t % slots_) * d_;
+  float* value_row(int64_t bg, int64_t t) const {
+    return values_.floats() + bg * head_floats_ + (t % slots_) * d_;
   }
 
   /// Calls f(first slot, count, offset in the chunk) for the runs of contiguous slots holding
-  /// positions a0 .. a1 - 1 (one run, or two where the ring wraps).
+  /// positions a0 .. a1 - 1 (one run, or two where the ring wraps), in sub-blocks of at most
+  /// kSubBlock positions.
   template <class F>
   void for_runs(int64_t a0, int64_t a1, F&& f) const {
     for (int64_t a = a0; a < a1;) {
-      const int64_t s = a % slots_, count = std::min(a1 - a, slots_ - s);
+      const int64_t s = a % slots_, count = std::min({a1 - a, slots_ - s, kSubBlock});
       f(s, count, a - a0);
       a += count;
     }
   }
 
-  /// The partial of positions a0 .. a1 - 1 of head bh: part = {mx, l, acc[d]}, sc a buffer of
-  /// a1 - a0 floats.
-  void chunk_partial(int64_t bh, const float* q, int64_t a0, int64_t a1, float* sc,
-                     float* part) const {
-    const float* kh = keys_.floats() + bh * head_floats_;
-    const float* vh = values_.floats() + bh * head_floats_;
-    const int64_t len = a1 - a0;
+  /// The partials of positions a0 .. a1 - 1 of key/value head bg for each query head r of its
+  /// group: parts + r (d + 2) = {mx, l, acc[d]}; sc a buffer of group (a1 - a0) floats.
+  void chunk_partials(int64_t bg, ConstTensorView q, int64_t a0, int64_t a1, float* sc,
+                      float* parts) const {
+    const float* kh = keys_.floats() + bg * head_floats_;
+    const float* vh = values_.floats() + bg * head_floats_;
+    const int64_t len = a1 - a0, part = d_ + 2;
+    const int64_t b = bg / kv_heads_, h0 = bg % kv_heads_ * group_;
     for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
-      dots(q, kh + s * d_, count, d_, sc + off);
+      for (int64_t r = 0; r < group_; ++r)
+        dots(q.row(b, h0 + r, 0), kh + s * d_, count, d_, sc + r * len + off);
     });
-    const float mx = row_max(sc, len);
-    part[0] = mx;
-    part[1] = exp_sum(sc, len, scale_, mx);
-    float* acc = part + 2;
-    std::fill(acc, acc + d_, 0.0f);
+    for (int64_t r = 0; r < group_; ++r) {
+      float* scr = sc + r * len;
+      float* pr = parts + r * part;
+      const float mx = row_max(scr, len);
+      pr[0] = mx;
+      pr[1] = exp_sum(scr, len, scale_, mx);
+      std::fill(pr + 2, pr + 2 + d_, 0.0f);
+    }
     for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
-      accumulate(sc + off, vh + s * d_, count, d_, acc);
+      for (int64_t r = 0; r < group_; ++r)
+        accumulate(sc + r * len + off, vh + s * d_, count, d_, parts + r * part + 2);
     });
   }
 
-  /// out = the chunks' partials of one head merged by their log-sum-exps.
-  void merge(const float* parts, int64_t chunks, float* out) const {
-    const int64_t part = d_ + 2;
+  /// out = the chunks' partials of one query head (`stride` floats apart) merged by their
+  /// log-sum-exps.
+  void merge(const float* parts, int64_t chunks, int64_t stride, float* out) const {
     float top = -INFINITY;
-    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, parts[c * part]);
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, parts[c * stride]);
     float l = 0.0f;
     std::fill(out, out + d_, 0.0f);
     for (int64_t c = 0; c < chunks; ++c) {
-      const float* pc = parts + c * part;
+      const float* pc = parts + c * stride;
       const float e = chunks == 1 ? 1.0f : std::exp((pc[0] - top) * scale_);
       l += e * pc[1];
       const float* acc = pc + 2;
@@ -299,11 +328,12 @@ class KvDecodeState final : public DecodeState {
     for (int64_t i = 0; i < d_; ++i) out[i] *= inv;
   }
 
-  int64_t batch_, heads_, d_, cap_, window_, slots_, min_chunk_, max_chunk_, parallel_floats_;
+  int64_t batch_, heads_, kv_heads_, group_, d_, cap_, window_, slots_, min_chunk_, max_chunk_,
+      parallel_floats_;
   float scale_;
   int64_t len_;
-  int64_t head_floats_;  // slots d: one (b, h) of the cache
-  // the caches [B H, slots, d] of keys and values, 64-byte aligned and uninitialised: only
+  int64_t head_floats_;  // slots d: one (b, key/value head) of the cache
+  // the caches [B G, slots, d] of keys and values, 64-byte aligned and uninitialised: only
   // the slots of positions written are ever read
   kernels::AlignedBuffer keys_, values_;
   // per-step workspace, kept between steps: the chunks' partials and each thread's scores

@@ -491,15 +491,18 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
   if (k.shape != v.shape)
     throw InputError(fmt::format("{}: k has shape ({}) but v has shape ({}); they must match", path,
                                  fmt::join(k.shape, ", "), fmt::join(v.shape, ", ")));
-  if (q.shape[0] != k.shape[0] || q.shape[1] != k.shape[1] || q.shape[3] != k.shape[3])
-    throw InputError(fmt::format("{}: q has shape ({}) and k ({}); B, H and d must agree", path,
-                                 fmt::join(q.shape, ", "), fmt::join(k.shape, ", ")));
+  if (q.shape[0] != k.shape[0] || q.shape[3] != k.shape[3] || q.shape[1] % k.shape[1] != 0)
+    throw InputError(fmt::format(
+        "{}: q has shape ({}) and k ({}); accepted: q [B, H, n, d] and k, v [B, G, m, d] with "
+        "the same B and d and G dividing H (G = H: multi-head, G < H: grouped-query attention)",
+        path, fmt::join(q.shape, ", "), fmt::join(k.shape, ", ")));
   p->batch = q.shape[0];
   p->heads = q.shape[1];
+  p->kv_heads = k.shape[1];
   p->n = q.shape[2];
   p->m = k.shape[2];
   p->dim = q.shape[3];
-  Inputs in{Tensor(p->q_shape()), Tensor(p->kv_shape()), Tensor(p->kv_shape())};
+  Inputs in{Tensor(p->q_shape()), p->kv_tensor(), p->kv_tensor()};
   auto copy = [&](const char* key, const NpyArray& a, Tensor& t) {
     std::memcpy(t.data(), a.data.data(), a.data.size());
     for (int64_t i = 0; i < t.numel(); ++i)

@@ -60,6 +60,11 @@ void Problem::validate() const {
         fmt::format("batch {} and heads {}: accepted: at most {} (2^24) each, the "
                     "independent random streams of seeded inputs",
                     batch, heads, kMaxBatchOrHeads));
+  if (kv_heads < 0 || kv_heads > heads || (kv_heads > 0 && heads % kv_heads != 0))
+    throw UsageError(fmt::format(
+        "kv-heads {} with {} heads: accepted: a divisor of the heads (1 = multi-query, {} = "
+        "multi-head), or 0 for as many as the heads",
+        kv_heads, heads, heads));
   positive("seq (n)", n);
   positive("dim (d)", dim);
   if (m < 0)
@@ -118,6 +123,10 @@ void Problem::validate() const {
   }
 }
 
+std::string Problem::kv_str() const {
+  return kv_head_count() == heads ? "" : fmt::format(",G={}", kv_head_count());
+}
+
 std::string Problem::score_str() const {
   if (score == Score::scaled_dot) return "";
   if (score == Score::additive) return fmt::format(",score=additive,h={}", hidden());
@@ -125,8 +134,8 @@ std::string Problem::score_str() const {
 }
 
 std::string Problem::str() const {
-  return fmt::format("B={},H={},n={},m={},d={},causal={}{},seed={}", batch, heads, n, keys(), dim,
-                     int(causal), score_str(), seed) +
+  return fmt::format("B={},H={}{},n={},m={},d={},causal={}{},seed={}", batch, heads, kv_str(), n,
+                     keys(), dim, int(causal), score_str(), seed) +
          mask_suffix(*this);
 }
 

@@ -144,6 +144,9 @@ struct Problem {
   /// ",score=NAME" (and ",h=H" for additive) after causal in str() and describe(); empty for
   /// scaled_dot, so the names of scaled_dot problems stay as they were.
   std::string score_str() const;
+  /// ",G=2" (the key/value heads) after H in str() and describe() when they are fewer than the
+  /// heads; empty otherwise, so ungrouped problems keep their names.
+  std::string kv_str() const;
 };
 
 }  // namespace attnbench

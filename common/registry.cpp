@@ -267,17 +267,37 @@ void Variant::compute(const Problem& p, ConstTensorView q, ConstTensorView k, Co
   forward(linear_score_problem(p), mapped.view(), k, v, out);
 }
 
+namespace {
+
+// A view of one head per stored head, of shape `want`.
+void expect_shape(const char* what, ConstTensorView t, const Shape4& want) {
+  if (!(t.shape == want) || t.group != 1)
+    throw InputError(fmt::format("{} has shape {}{}, expected {}", what, t.shape.str(),
+                                 t.group == 1 ? "" : fmt::format(" (grouped by {})", t.group),
+                                 want.str()));
+}
+
+// k, v (or their gradients) of p: [B, G, m, d] viewed grouped as [B, H, m, d].
+void expect_kv_shape(const char* what, ConstTensorView t, const Problem& p) {
+  if (t.shape == p.kv_shape() && t.group == p.kv_group()) return;
+  const Shape4 stored{t.shape.batch, t.shape.heads / std::max<int64_t>(t.group, 1), t.shape.len,
+                      t.shape.dim};
+  throw InputError(fmt::format(
+      "{} holds {} key/value heads of shape {} for {} query heads; expected {} ({} key/value "
+      "heads, each read by {} query heads)",
+      what, stored.heads, stored.str(), t.shape.heads, p.kv_storage_shape().str(),
+      p.kv_head_count(), p.kv_group()));
+}
+
+}  // namespace
+
 void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                   TensorView out) {
   check_supported(p);
-  auto expect = [](const char* what, const Shape4& got, const Shape4& want) {
-    if (!(got == want))
-      throw InputError(fmt::format("{} has shape {}, expected {}", what, got.str(), want.str()));
-  };
-  expect("q", q.shape, p.q_shape());
-  expect("k", k.shape, p.kv_shape());
-  expect("v", v.shape, p.kv_shape());
-  expect("out", out.shape, p.q_shape());
+  expect_shape("q", q, p.q_shape());
+  expect_kv_shape("k", k, p);
+  expect_kv_shape("v", v, p);
+  expect_shape("out", out, p.q_shape());
   compute(p, q, k, v, out);
 }
 
@@ -314,10 +334,15 @@ void Decoder::check_decode(const Problem& p) const {
 void check_prefill(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0) {
   if (t0 < 0 || t0 > p.n)
     throw UsageError(fmt::format("decode prefill: t0 = {} is outside [0, n = {}]", t0, p.n));
-  for (const auto& [name, s] : {std::pair{"k", k.shape}, {"v", v.shape}})
-    if (s.batch != p.batch || s.heads != p.heads || s.dim != p.dim || s.len < t0)
-      throw UsageError(fmt::format("decode prefill: {} is {}, expected [{}, {}, >= t0 = {}, {}]",
-                                   name, s.str(), p.batch, p.heads, t0, p.dim));
+  for (const auto& [name, t] : {std::pair{"k", k}, {"v", v}}) {
+    const Shape4& s = t.shape;
+    if (s.batch != p.batch || s.heads != p.heads || s.dim != p.dim || s.len < t0 ||
+        t.group != p.kv_group())
+      throw UsageError(fmt::format(
+          "decode prefill: {} is {} grouped by {}, expected [{}, {}, >= t0 = {}, {}] grouped by "
+          "{} ({} key/value heads)",
+          name, s.str(), t.group, p.batch, p.heads, t0, p.dim, p.kv_group(), p.kv_head_count()));
+  }
 }
 
 void check_step(int64_t length, int64_t capacity, const Shape4& want, ConstTensorView q,
@@ -332,6 +357,12 @@ void check_step(int64_t length, int64_t capacity, const Shape4& want, ConstTenso
     if (!(shape == want))
       throw UsageError(
           fmt::format("decode step: {} is {}, expected {}", name, shape.str(), want.str()));
+  // q and out have a head each; k and v may be grouped (one key/value head per group)
+  if (q.group != 1 || out.group != 1 || k.group != v.group)
+    throw UsageError(fmt::format(
+        "decode step: q, out grouped by {}, {} and k, v by {}, {}; expected q and out with one "
+        "head each and k and v grouped alike",
+        q.group, out.group, k.group, v.group));
 }
 
 void Variant::check_decode(const Problem& p) const {
@@ -375,10 +406,45 @@ std::unique_ptr<SavedState> Variant::compute_train(const Problem& p, ConstTensor
   return std::make_unique<MappedQuerySaved>(std::move(mapped), std::move(inner));
 }
 
+namespace {
+
+// out (a grouped view) = the sum of the heads of each group of per_head (one storage head per
+// head, the same logical shape).
+void sum_groups(ConstTensorView per_head, TensorView out) {
+  const int64_t group = out.group, stored = out.shape.heads / group;
+  const int64_t len = out.shape.len, d = out.shape.dim;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < out.shape.batch; ++b)
+    for (int64_t g = 0; g < stored; ++g) {
+      float* o = out.head(b, g * group);
+      for (int64_t i = 0; i < len; ++i) {
+        float* orow = o + i * out.stride_row;
+        const float* first = per_head.row(b, g * group, i);
+        for (int64_t c = 0; c < d; ++c) orow[c] = first[c];
+        for (int64_t r = 1; r < group; ++r) {
+          const float* x = per_head.row(b, g * group + r, i);
+          for (int64_t c = 0; c < d; ++c) orow[c] += x[c];
+        }
+      }
+    }
+}
+
+}  // namespace
+
 void Variant::compute_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
                                ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                                const SavedState& saved, TensorView dq, TensorView dk,
                                TensorView dv) {
+  if (dk.group > 1 || dv.group > 1) {
+    // Grouped-query attention: the variant writes the gradients of every query head's view of
+    // k and v into per-head buffers, and a key/value head's gradient is the sum over the query
+    // heads that read it.
+    Tensor dk_heads(p.kv_shape()), dv_heads(p.kv_shape());
+    compute_backward(p, q, k, v, out, dout, saved, dq, dk_heads.view(), dv_heads.view());
+    sum_groups(dk_heads.view(), dk);
+    sum_groups(dv_heads.view(), dv);
+    return;
+  }
   Backward& bw = backward_of(*this);
   if (p.score != Score::dot && p.score != Score::bilinear) {
     bw.backward(p, q, k, v, out, dout, saved, dq, dk, dv);
@@ -417,23 +483,14 @@ void Variant::compute_backward(const Problem& p, ConstTensorView q, ConstTensorV
     }
 }
 
-namespace {
-
-void expect_shape(const char* what, const Shape4& got, const Shape4& want) {
-  if (!(got == want))
-    throw InputError(fmt::format("{} has shape {}, expected {}", what, got.str(), want.str()));
-}
-
-}  // namespace
-
 std::unique_ptr<SavedState> Variant::run_train(const Problem& p, ConstTensorView q,
                                                ConstTensorView k, ConstTensorView v,
                                                TensorView out) {
   check_backward(p);
-  expect_shape("q", q.shape, p.q_shape());
-  expect_shape("k", k.shape, p.kv_shape());
-  expect_shape("v", v.shape, p.kv_shape());
-  expect_shape("out", out.shape, p.q_shape());
+  expect_shape("q", q, p.q_shape());
+  expect_kv_shape("k", k, p);
+  expect_kv_shape("v", v, p);
+  expect_shape("out", out, p.q_shape());
   return compute_train(p, q, k, v, out);
 }
 
@@ -441,14 +498,14 @@ void Variant::run_backward(const Problem& p, ConstTensorView q, ConstTensorView 
                            ConstTensorView v, ConstTensorView out, ConstTensorView dout,
                            const SavedState& saved, TensorView dq, TensorView dk, TensorView dv) {
   check_backward(p);
-  expect_shape("q", q.shape, p.q_shape());
-  expect_shape("k", k.shape, p.kv_shape());
-  expect_shape("v", v.shape, p.kv_shape());
-  expect_shape("out", out.shape, p.q_shape());
-  expect_shape("dout", dout.shape, p.q_shape());
-  expect_shape("dq", dq.shape, p.q_shape());
-  expect_shape("dk", dk.shape, p.kv_shape());
-  expect_shape("dv", dv.shape, p.kv_shape());
+  expect_shape("q", q, p.q_shape());
+  expect_kv_shape("k", k, p);
+  expect_kv_shape("v", v, p);
+  expect_shape("out", out, p.q_shape());
+  expect_shape("dout", dout, p.q_shape());
+  expect_shape("dq", dq, p.q_shape());
+  expect_kv_shape("dk", dk, p);
+  expect_kv_shape("dv", dv, p);
   compute_backward(p, q, k, v, out, dout, saved, dq, dk, dv);
 }
 

@@ -38,9 +38,9 @@ const std::vector<std::string>& pass_names() {
 }
 
 std::string describe(const Problem& p, const Workload& w) {
-  return fmt::format("B={},H={},n={},m={},d={},causal={}{},input={},scale={},seed={}", p.batch,
-                     p.heads, p.n, p.keys(), p.dim, int(p.causal), p.score_str(), w.input, w.scale,
-                     p.seed) +
+  return fmt::format("B={},H={}{},n={},m={},d={},causal={}{},input={},scale={},seed={}", p.batch,
+                     p.heads, p.kv_str(), p.n, p.keys(), p.dim, int(p.causal), p.score_str(),
+                     w.input, w.scale, p.seed) +
          mask_suffix(p) + (w.pass == "fwd" || w.pass.empty() ? "" : ",pass=" + w.pass);
 }
 

@@ -51,7 +51,10 @@ std::vector<int64_t> parse_list(const std::string& text, const std::string& what
         "A..B:xF (A, A*F, A*F^2, ... up to B; F an integer >= 2), A..B:+S (A, A+S, A+2S, ... "
         "up to B) and A..B (doubling from A, only when it reaches B exactly), e.g. 256,512 or "
         "256..16384 or 256..5000:+256",
-        what, text, why, same_word ? ", same (m = n)" : ""));
+        what, text, why,
+        !same_word             ? ""
+        : what == "--kv-heads" ? ", same (G = H)"
+                               : ", same (m = n)"));
   };
   auto number = [&](const std::string& s, const char* role) -> int64_t {
     if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
@@ -373,7 +376,7 @@ constexpr int64_t kMaxHeads = Problem::kMaxBatchOrHeads;             // B and H 
 // ----- shared problem options -----
 
 struct ProblemOptions {
-  int64_t batch = 1, heads = 8, seq = 1024, seq_k = 0, dim = 64;
+  int64_t batch = 1, heads = 8, kv_heads = 0, seq = 1024, seq_k = 0, dim = 64;
   bool causal = false;
   std::string score = "scaled_dot";
   int64_t score_hidden = 0;
@@ -386,7 +389,7 @@ struct ProblemOptions {
   /// The problem these options state.
   Problem problem() const {
     Problem p;
-    p.batch = batch, p.heads = heads, p.n = seq, p.m = seq_k, p.dim = dim;
+    p.batch = batch, p.heads = heads, p.kv_heads = kv_heads, p.n = seq, p.m = seq_k, p.dim = dim;
     p.causal = causal, p.seed = seed;
     p.score = parse_score(score), p.score_hidden = score_hidden;
     return p;
@@ -435,6 +438,14 @@ CLI::Option* add_heads_option(CLI::App* cmd, ProblemOptions& o) {
       ->capture_default_str()
       ->check(int_in(1, kMaxHeads));
 }
+CLI::Option* add_kv_heads_option(CLI::App* cmd, ProblemOptions& o) {
+  return cmd
+      ->add_option("--kv-heads", o.kv_heads,
+                   "key/value heads G, a divisor of H (grouped-query attention: k and v [B, G, m, "
+                   "d], each read by H / G query heads; 1 = multi-query; 0 = H)")
+      ->capture_default_str()
+      ->check(int_in(0, kMaxHeads));
+}
 CLI::Option* add_seq_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
   return cmd->add_option("--seq", o.seq, help)->capture_default_str()->check(int_in(1, kMaxExtent));
 }
@@ -449,17 +460,18 @@ void check_sizes_agree(const std::vector<CLI::Option*>& opts, const Problem& p,
     if (o->count() == 0) continue;
     const std::string name = o->get_name();
     const int64_t given = o->as<int64_t>();
-    const int64_t file = name == "--batch"   ? p.batch
-                         : name == "--heads" ? p.heads
-                         : name == "--seq"   ? p.n
-                         : name == "--seq-k" ? p.keys()
-                                             : p.dim;
-    if (given != file)
+    const int64_t file = name == "--batch"      ? p.batch
+                         : name == "--heads"    ? p.heads
+                         : name == "--kv-heads" ? p.kv_head_count()
+                         : name == "--seq"      ? p.n
+                         : name == "--seq-k"    ? p.keys()
+                                                : p.dim;
+    if (given != file && !(name == "--kv-heads" && given == 0 && file == p.heads))
       throw UsageError(fmt::format(
           "{} {} disagrees with --inputs {}, whose tensors have {} = {} "
-          "(q [B, H, n, d] = {}, k and v [B, H, m, d] = {}); with --inputs "
+          "(q [B, H, n, d] = {}, k and v [B, G, m, d] = {}); with --inputs "
           "leave the size options out or give the file's sizes",
-          name, given, path, name.substr(2), file, p.q_shape().str(), p.kv_shape().str()));
+          name, given, path, name.substr(2), file, p.q_shape().str(), p.kv_storage_shape().str()));
   }
 }
 
@@ -647,7 +659,9 @@ struct RunCommand {
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("run", "one variant on one problem");
     cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
-    shape_opts = {add_batch_option(cmd, o), add_heads_option(cmd, o),
+    shape_opts = {add_batch_option(cmd, o),
+                  add_heads_option(cmd, o),
+                  add_kv_heads_option(cmd, o),
                   add_seq_option(cmd, o, "query length n"),
                   add_seq_k_option(cmd, o, "key length m (default: n)"),
                   cmd->add_option("--dim", o.dim, "head dimension d")
@@ -665,7 +679,9 @@ struct RunCommand {
                           ->capture_default_str()
                           ->check(CLI::PositiveNumber);
     add_timing_options(cmd, o);
-    cmd->add_option("--inputs", inputs_path, ".npz with float32 q, k, v of shape [B, H, len, d]")
+    cmd->add_option("--inputs", inputs_path,
+                    ".npz with float32 q [B, H, n, d] and k, v [B, G, m, d] (G = H, or a divisor "
+                    "of H: grouped-query attention)")
         ->check(CLI::ExistingFile)
         ->excludes(input_opt)
         ->excludes(scale_opt);
@@ -817,9 +833,9 @@ struct SweepCommand {
   ProblemOptions o;
   std::vector<std::string> specs;
   std::string seq_list = "256..4096", seq_k_list = "same", batch_list = "1", heads_list = "8",
-              dim_list = "64", embed_list, causal_mode = "off", score_list = "scaled_dot",
-              input_list = "gaussian", scale_list = "1", out_dir, key_padding_lists,
-              padding_fractions, pass_list = "fwd";
+              kv_heads_list = "same", dim_list = "64", embed_list, causal_mode = "off",
+              score_list = "scaled_dot", input_list = "gaussian", scale_list = "1", out_dir,
+              key_padding_lists, padding_fractions, pass_list = "fwd";
   bool resume = false;
   int retry_noisy = 0;
   std::vector<std::string> also;
@@ -837,6 +853,10 @@ struct SweepCommand {
         ->capture_default_str();
     cmd->add_option("--batch", batch_list, "batch sizes, a LIST")->capture_default_str();
     cmd->add_option("--heads", heads_list, "head counts, a LIST")->capture_default_str();
+    cmd->add_option("--kv-heads", kv_heads_list,
+                    "key/value head counts G, a LIST crossed with --heads (grouped-query "
+                    "attention; `same` = H; a G that does not divide an H is left out for it)")
+        ->capture_default_str();
     auto* dim_opt =
         cmd->add_option("--dim", dim_list, "head dimensions, a LIST")->capture_default_str();
     cmd->add_option("--embed", embed_list,
@@ -889,6 +909,7 @@ struct SweepCommand {
     axes.seq_ks = parse_seq_k_list(seq_k_list);
     axes.batches = parse_int_list(batch_list, "--batch");
     axes.heads = parse_int_list(heads_list, "--heads");
+    axes.kv_heads = parse_list(kv_heads_list, "--kv-heads", /*same_word=*/true);
     axes.dims = parse_int_list(dim_list, "--dim");
     if (!embed_list.empty()) axes.embeds = parse_int_list(embed_list, "--embed");
     axes.inputs = parse_input_list(input_list);
@@ -919,7 +940,8 @@ struct SweepCommand {
       if (cmd->get_option(name)->count() > 0)
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
-            "problem and variant options (--variant, --seq, --seq-k, --batch, --heads, --dim, "
+            "problem and variant options (--variant, --seq, --seq-k, --batch, --heads, "
+            "--kv-heads, --dim, "
             "--embed, --causal, --score, --score-hidden, --input, --scale, --pass, "
             "--key-padding, --padding-fraction)",
             args, name));
@@ -1115,7 +1137,9 @@ struct PatternCommand {
         cmd->add_option("--input", o.input, "input distribution (data-dependent patterns)")
             ->capture_default_str()
             ->check(CLI::IsMember(input_distributions()));
-    cmd->add_option("--inputs", inputs_path, ".npz with float32 q, k, v of shape [B, H, len, d]")
+    cmd->add_option("--inputs", inputs_path,
+                    ".npz with float32 q [B, H, n, d] and k, v [B, G, m, d] (G = H, or a divisor "
+                    "of H: grouped-query attention)")
         ->check(CLI::ExistingFile)
         ->excludes(input_opt);
     cmd->add_option("--output", output_path, "uint8 [n, m] .npy, 1 = attended")->required();

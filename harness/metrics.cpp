@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -264,12 +265,23 @@ GradErrorStats measure_grad_error(const Problem& p, ConstTensorView q, ConstTens
   // squared norms of the differences and of the reference, per tensor
   double diff[3] = {0, 0, 0}, ref[3] = {0, 0, 0};
   const char* names[3] = {"dq", "dk", "dv"};
+  // Grouped key/value heads: dk and dv of a key/value head are the sums over the query heads
+  // of its group, compared once per (batch, key/value head).
+  const int64_t group = p.kv_group();
+  std::set<int64_t> kv_done;
   for (const int64_t bh : heads) {
     const int64_t b = bh / p.heads, h = bh % p.heads;
-    const HeadGradients g = reference_head_gradients(p, q, k, v, dout, b, h);
+    HeadGradients g = reference_head_gradients(p, q, k, v, dout, b, h);
+    const bool kv_first = kv_done.insert(b * p.heads + p.kv_head(h)).second;
+    if (group > 1 && kv_first)
+      for (int64_t r = p.kv_head(h) * group; r < (p.kv_head(h) + 1) * group; ++r) {
+        if (r == h) continue;
+        const HeadGradients o = reference_head_gradients(p, q, k, v, dout, b, r);
+        for (size_t e = 0; e < g.dk.size(); ++e) g.dk[e] += o.dk[e], g.dv[e] += o.dv[e];
+      }
     const std::vector<double>* want[3] = {&g.dq, &g.dk, &g.dv};
     const ConstTensorView got[3] = {dq, dk, dv};
-    for (int t = 0; t < 3; ++t) {
+    for (int t = 0; t < (kv_first ? 3 : 1); ++t) {
       const int64_t rows = t == 0 ? p.n : p.keys();
       for (int64_t i = 0; i < rows; ++i) {
         const float* r = got[t].row(b, h, i);
@@ -301,7 +313,9 @@ double grad_error_memory_estimate(const Problem& p) {
   // one head's dq, dk, dv in double, and the reference's row blocks (P, dS: 128 x m doubles
   // each, plus 128 x d)
   const double n = double(p.n), m = double(p.keys()), d = double(p.dim);
-  return (n + 2 * m) * d * 8.0 + 2 * 128.0 * m * 8.0 + 128.0 * d * 8.0 + double(p.n) * 8.0;
+  // (with grouped key/value heads, another head's gradients while the group's are summed)
+  return (p.kv_group() > 1 ? 2.0 : 1.0) * (n + 2 * m) * d * 8.0 + 2 * 128.0 * m * 8.0 +
+         128.0 * d * 8.0 + double(p.n) * 8.0;
 }
 
 }  // namespace attnbench

@@ -29,14 +29,16 @@ std::string field_text(const nlohmann::ordered_json& v) {
 }
 
 const std::vector<std::string> kKeyColumns = {
-    "spec",        "batch",     "heads",        "n",     "m",     "dim",  "embed",
-    "causal",      "score",     "score_hidden", "input", "scale", "seed", "threads",
-    "key_padding", "attn_mask", "pass"};
+    "spec",    "batch",       "heads",     "kv_heads",     "n",     "m",     "dim",
+    "embed",   "causal",      "score",     "score_hidden", "input", "scale", "seed",
+    "threads", "key_padding", "attn_mask", "pass"};
 
 // Columns results.csv (and patterns/index.csv) gained after their first version, with the
-// field a row of an older file stands for (what the row meant before the column existed):
-// resuming such a file rewrites its lines with the current columns (upgrade_line).
+// field a row of an older file stands for (what the row meant before the column existed;
+// "=NAME": the row's own NAME field): resuming such a file rewrites its lines with the current
+// columns (upgrade_line).
 const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
+                                                          {"kv_heads", "=heads"},
                                                           {"attention_share", ""},
                                                           {"score", "scaled_dot"},
                                                           {"score_hidden", "0"},
@@ -88,7 +90,7 @@ std::string malformed_reason(const std::vector<std::string>& header,
     return end == t.c_str() + t.size() && std::isfinite(v);
   };
   if (at("spec").empty()) return "empty spec";
-  for (const char* c : {"batch", "heads", "n", "m", "dim"})
+  for (const char* c : {"batch", "heads", "kv_heads", "n", "m", "dim"})
     if (!integer(at(c), 1)) return fmt::format("{} is '{}', not a positive integer", c, at(c));
   for (const char* c : {"seed", "threads", "embed"})
     if (!integer(at(c), 0)) return fmt::format("{} is '{}', not an integer", c, at(c));
@@ -194,6 +196,13 @@ std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::stri
     }
     const auto added = kAddedColumns.find(c);
     if (added == kAddedColumns.end()) return std::nullopt;
+    if (added->second.starts_with('=')) {
+      const auto src = std::find(header.begin(), header.end(), added->second.substr(1));
+      if (src == header.end()) return std::nullopt;
+      const size_t i = size_t(src - header.begin());
+      out.push_back(i < f.size() ? f[i] : std::string());
+      continue;
+    }
     out.push_back(added->second);
   }
   for (const auto& c : header)

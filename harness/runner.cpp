@@ -435,10 +435,12 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       row.estimated_bytes = row.saved_estimate_bytes +
                             std::max(variant.memory_estimate(p), bw->backward_memory_estimate(p));
     // Refuse what cannot fit rather than meet the OOM killer.
-    const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4;
+    const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4;
     // training: dO, dQ, dK, dV, the saved state, and the float64 gradients of one head
     const double train_bytes =
-        train ? double(p.q_shape().numel() * 2 + p.kv_shape().numel() * 2) * 4 +
+        train ? double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4 +
+                    // grouped key/value heads: the per-head gradients of k and v, summed by group
+                    (p.kv_group() > 1 ? double(p.kv_shape().numel() * 2) * 4 : 0.0) +
                     row.saved_estimate_bytes + grad_error_memory_estimate(p)
               : 0.0;
     // decode: a state as large as a KV cache of every timed position, at most
@@ -501,7 +503,7 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
         if (in.dout.numel() == 0) generated_dout = generate_dout(p);
         const ConstTensorView dout =
             in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
-        Tensor dq(p.q_shape()), dk(p.kv_shape()), dv(p.kv_shape());
+        Tensor dq(p.q_shape()), dk = p.kv_tensor(), dv = p.kv_tensor();
         variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
                              dq.view(), dk.view(), dv.view());
         for (const auto* t : {&dq, &dk, &dv})
@@ -571,6 +573,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"variant", r.variant},
            {"batch", p.batch},
            {"heads", p.heads},
+           {"kv_heads", p.kv_head_count()},
            {"n", p.n},
            {"m", p.keys()},
            {"dim", p.dim},

@@ -105,12 +105,28 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             "--embed: fwd",
             ps));
   }
+  for (int64_t g : axes.kv_heads) {
+    if (g < 0)
+      throw UsageError(fmt::format(
+          "--kv-heads {}: accepted: positive divisors of the heads, or 0 for G = H", g));
+    if (g > 0 &&
+        std::none_of(axes.heads.begin(), axes.heads.end(), [&](int64_t h) { return h % g == 0; }))
+      throw UsageError(fmt::format(
+          "--kv-heads {} divides none of the head counts ({}); accepted: divisors of the heads, "
+          "or 0 for G = H",
+          g, fmt::join(axes.heads, ",")));
+    if (g > 0 && layer)
+      throw UsageError(fmt::format(
+          "--kv-heads {}: layer rows (--embed) have torch.nn.MultiheadAttention's projections, one "
+          "key/value head per head; accepted with --embed: 0 (G = H)",
+          g));
+  }
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   // the weights depend on the score, H, d and h only: one set per such shape
   std::map<std::tuple<Score, int64_t, int64_t>, std::shared_ptr<const ScoreWeights>> weights;
   // One configuration per variant of the problem the outer loops chose.
   auto add = [&](const std::string& in, double scale, bool c, Score s, int64_t size, int64_t h,
-                 int64_t b, const PaddingSetting& pad, int64_t n, int64_t seq_k,
+                 int64_t g, int64_t b, const PaddingSetting& pad, int64_t n, int64_t seq_k,
                  const std::string& pass) {
     // m = n is written m = 0, as without --seq-k: the same row (and for a layer,
     // self-attention)
@@ -126,6 +142,7 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
       lp.validate();
       p = lp.attention();
     }
+    p.kv_heads = g == h ? 0 : g;  // G = H is written 0: the same row as without --kv-heads
     p.score = s, p.score_hidden = axes.score_hidden;
     if (!pad.lengths.empty()) p.key_lengths = parse_key_lengths(pad.lengths, b);
     if (pad.fraction >= 0) p.key_lengths = padding_lengths(p, pad.fraction);
@@ -155,12 +172,14 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
         for (Score s : axes.scores)
           for (auto size : sizes)
             for (auto h : axes.heads)
-              for (auto b : axes.batches)
-                for (const auto& pad : paddings)
-                  for (auto n : axes.seqs)
-                    for (auto m : axes.seq_ks)
-                      for (const auto& ps : axes.passes)
-                        add(in, scale, c, s, size, h, b, pad, n, m, ps);
+              for (auto g : axes.kv_heads)
+                for (auto b : axes.batches)
+                  for (const auto& pad : paddings)
+                    for (auto n : axes.seqs)
+                      for (auto m : axes.seq_ks)
+                        for (const auto& ps : axes.passes)
+                          if (g == 0 || h % g == 0)
+                            add(in, scale, c, s, size, h, g, b, pad, n, m, ps);
   return plan;
 }
 

@@ -29,6 +29,9 @@ struct SweepAxes {
   /// Key lengths m, crossed with `seqs`; 0 stands for m = n (also the default).
   std::vector<int64_t> seq_ks = {0};
   std::vector<int64_t> batches, heads, dims;
+  /// Key/value head counts G crossed with `heads` (grouped-query attention); 0 stands for
+  /// G = H (the default). A G that does not divide an H is left out for that H.
+  std::vector<int64_t> kv_heads = {0};
   /// Embedding sizes E of multi-head layer rows (harness/layer.h), with d = E / H in place of
   /// `dims`; empty: rows of plain attention.
   std::vector<int64_t> embeds;
@@ -90,11 +93,12 @@ std::vector<std::string> expand_spec_grids(const std::string& spec);
 std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std::string>& specs);
 
 /// Expands variants x axes into the plan. Order, outermost first: inputs, scales, causal,
-/// scores, dims (or embeds), heads, batches, paddings, seqs, seq_ks, passes, variants. The bilinear
-/// and additive problems carry their seeded weights (make_score_weights, one set per shape shared
-/// by the configurations). Throws UsageError for a problem that fails Problem::validate (or a
-/// workload that fails Workload::validate), and for layer rows (embeds) with another input than
-/// gaussian, another scale than 1 or another score than scaled_dot.
+/// scores, dims (or embeds), heads, kv_heads, batches, paddings, seqs, seq_ks, passes, variants.
+/// The bilinear and additive problems carry their seeded weights (make_score_weights, one set per
+/// shape shared by the configurations). Throws UsageError for a problem that fails
+/// Problem::validate (or a workload that fails Workload::validate), for a kv_heads value that
+/// divides none of the heads, and for layer rows (embeds) with another input than gaussian, another
+/// scale than 1, another score than scaled_dot or grouped key/value heads.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
 
 /// --causal of the sweep: "off", "on" or "both" (off first). Throws UsageError otherwise.

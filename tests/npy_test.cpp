@@ -276,12 +276,31 @@ TEST(Npz, LoadInputsErrors) {
   {
     auto a = qkv(1, 2, 5, 5, 4);
     a["q"] = random_f32({1, 2, 5, 3}, 9);
-    EXPECT_CONTAINS(load_error(dir, "d.npz", a), "d must agree");
+    EXPECT_CONTAINS(load_error(dir, "d.npz", a), "the same B and d");
   }
   {
     auto a = qkv(1, 2, 5, 5, 4);
     a["q"] = random_f32({2, 2, 5, 4}, 9);
-    EXPECT_CONTAINS(load_error(dir, "b.npz", a), "B, H and d");
+    EXPECT_CONTAINS(load_error(dir, "b.npz", a), "the same B and d");
+  }
+  {
+    // key/value heads that do not divide the query heads
+    auto a = qkv(1, 2, 5, 5, 4);
+    a["q"] = random_f32({1, 3, 5, 4}, 9);
+    EXPECT_CONTAINS(load_error(dir, "g.npz", a), "G dividing H");
+  }
+  {
+    // grouped-query inputs: q [1, 4, 5, 4], k and v [1, 2, 5, 4]
+    auto a = qkv(1, 2, 5, 5, 4);
+    a["q"] = random_f32({1, 4, 5, 4}, 9);
+    write_npz(dir.file("gqa.npz"), a);
+    Problem p;
+    Inputs in = load_inputs_npz(dir.file("gqa.npz"), &p);
+    EXPECT_EQ(p.heads, 4);
+    EXPECT_EQ(p.kv_head_count(), 2);
+    EXPECT_EQ(in.k.shape(), (Shape4{1, 2, 5, 4}));
+    EXPECT_EQ(in.k.view().shape, (Shape4{1, 4, 5, 4}));
+    EXPECT_EQ(in.k.view().head(0, 3), in.k.data() + 5 * 4);  // query head 3 reads stored head 1
   }
   {
     auto a = qkv(1, 2, 5, 5, 4);
