@@ -22,14 +22,7 @@
 namespace attnbench {
 namespace {
 
-/// Row t of every (batch, head) of `full` as a [B, H, 1, d] view (strides and grouping kept).
-template <class T>
-View4<T> row_view(View4<T> full, int64_t t) {
-  View4<T> r = full;
-  r.data = full.row(0, 0, t);
-  r.shape.len = 1;
-  return r;
-}
+using test::row_view;
 
 /// q [B, H, n, d] and k, v in grouped storage [B, G, n, d] (Problem::kv_tensor), seeded.
 struct GroupedInputs {
