@@ -354,4 +354,15 @@ std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView
   return std::make_unique<KvDecodeState>(p, k, v, t0, opt);
 }
 
+void attend_rows(const float* q, const float* keys, const float* values, int64_t len, int64_t d,
+                 float scale, float* sc, float* out) {
+  std::fill(out, out + d, 0.0f);
+  if (len <= 0) return;
+  dots(q, keys, len, d, sc);
+  const float l = exp_sum(sc, len, scale, row_max(sc, len));
+  accumulate(sc, values, len, d, out);
+  const float inv = 1.0f / l;
+  for (int64_t i = 0; i < d; ++i) out[i] *= inv;
+}
+
 }  // namespace attnbench

@@ -42,16 +42,9 @@
 namespace attnbench {
 namespace {
 
-namespace ka = kernel_attention;
+using test::row_view;
 
-/// Row t of a [B, H, len, d] view as a [B, H, 1, d] view with the same strides.
-template <class T>
-View4<T> row_view(View4<T> full, int64_t t) {
-  View4<T> r = full;
-  r.data = full.data + t * full.stride_row;
-  r.shape.len = 1;
-  return r;
-}
+namespace ka = kernel_attention;
 
 /// Prefill t0 tokens, then a step for each of t0 .. n - 1; their outputs into rows t0 .. n - 1
 /// of a [B, H, n, d] tensor (rows < t0 stay 0). The state is kept for further checks.

@@ -24,14 +24,7 @@
 namespace attnbench {
 namespace {
 
-/// Row t of every (batch, head) of `full` as a [B, H, 1, d] view with full's strides.
-template <class T>
-View4<T> row_view(View4<T> full, int64_t t) {
-  View4<T> r = full;
-  r.data = full.row(0, 0, t);
-  r.shape.len = 1;
-  return r;
-}
+using test::row_view;
 
 /// Steps `state` through positions length() .. p.n - 1 with rows of in.q, in.k and in.v,
 /// each output into the same row of out [B, H, n, d].

@@ -48,6 +48,16 @@
 
 namespace attnbench::test {
 
+/// Row t of every (batch, head) of a [B, H, len, d] view as a [B, H, 1, d] view (strides and
+/// grouping kept): one token for a decode step.
+template <class T>
+View4<T> row_view(View4<T> full, int64_t t) {
+  View4<T> r = full;
+  r.data = full.row(0, 0, t);
+  r.shape.len = 1;
+  return r;
+}
+
 /// A problem of B = b, H = h, n queries, m keys (0: m = n), head dimension d.
 inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bool causal,
                        uint64_t seed = 1) {

@@ -36,6 +36,11 @@
 // block-sparse backward over the staircase gives dQ, dK' and dV', and the pooling's transpose
 // gives dK and dV (mean: dK_j = dK'_t / |group t|; conv: dK_{t r + s} = dK'_t Wk_s). The conv
 // weights are constants of the backward; padded keys get 0.
+// Decode (generation): a pooled cache of the complete groups so far plus the group being
+// filled (mean: its running sums; conv: its raw rows); a step pools the group it completes,
+// as the forward pools, and attends the pooled rows its query sees (CompressedDecodeState).
+// Mean's pooled cache is one per key/value head (shrinking by H / G under grouped-query
+// attention); conv's is per query head, as its weights are.
 // Oracle: pooling and softmax over the complete groups in double, with the same conv weights
 // (conv_weights, which forward() calls too).
 // Tolerance (the float32 error model of common/oracle.h): softmax attention over the pooled
@@ -51,12 +56,17 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
 #include <vector>
 
+#include "common/attention_kernels.h"
 #include "common/block_sparse.h"
+#include "common/checked.h"
 #include "common/error.h"
+#include "common/kv_decode.h"
 #include "common/oracle.h"
 #include "common/random.h"
+#include "common/threads.h"
 
 namespace attnbench {
 namespace {
@@ -184,7 +194,213 @@ void conv_unpool(const float* dy, int64_t len, int64_t d, int64_t r, const float
   }
 }
 
-class Compressed final : public Variant, public Backward {
+/// The decode state (common/decode.h) of compressed: a pooled cache plus the group being
+/// filled.
+///
+/// Pooled cache: the rows K'_t, V'_t of the groups pooled so far, room for ceil(n / r) of
+/// them. Mean pooling depends on k and v alone, so one cache per (batch, key/value head)
+/// serves the H / G query heads of its group (grouped-query attention shrinks it H / G-fold);
+/// conv pooling mixes the channels with weights drawn per QUERY head (conv_weights), so its
+/// pooled rows differ per query head and are kept per (batch, query head): the same size
+/// whatever G.
+///
+/// Pending group: per (batch, key/value head), for mean the running sums of its keys and of
+/// its values (the first row copied, the next ones added in order, then divided by the count:
+/// mean_pool's arithmetic), for conv its raw rows (up to r), pooled by conv_pool, both as the
+/// forward pools.
+///
+/// Step at position t: k_t, v_t join the pending group, which is pooled into a new row once
+/// complete: when t + 1 is a multiple of r, or at t = n - 1, where the forward's last row sees
+/// every group, a ragged last one included (complete_groups). Query t then attends the pooled
+/// rows (its complete groups) with exact softmax (attend_rows); none gives 0, as the forward.
+class CompressedDecodeState final : public DecodeState {
+ public:
+  CompressedDecodeState(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0,
+                        int64_t ratio, bool conv, std::vector<float> weights)
+      : batch_(p.batch),
+        heads_(p.heads),
+        kv_heads_(p.kv_head_count()),
+        group_(p.kv_group()),
+        d_(p.dim),
+        r_(ratio),
+        cap_(p.n),
+        cache_heads_(conv ? p.heads : p.kv_head_count()),
+        cap_rows_((p.n + ratio - 1) / ratio),
+        conv_(conv),
+        scale_(p.softmax_scale()),
+        len_(t0),
+        weights_(std::move(weights)),
+        pk_(cache_bytes(p)),
+        pv_(cache_bytes(p)),
+        pend_k_(size_t(batch_ * kv_heads_ * pending_rows() * d_)),
+        pend_v_(pend_k_.size()) {
+    // the complete groups of rows 0 .. t0 - 1 pooled as the forward pools (all of them, a
+    // ragged last one included, when t0 = n), the rest into the pending group
+    const int64_t pooled_keys = t0 == cap_ ? t0 : t0 / r_ * r_;
+    done_ = (pooled_keys + r_ - 1) / r_;
+    pending_ = t0 - pooled_keys;
+    const int64_t tasks = batch_ * cache_heads_;
+#pragma omp parallel for schedule(dynamic, 1) if (tasks > 1 && t0 * d_ * tasks >= (1 << 16))
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / cache_heads_, c = task % cache_heads_;
+      const int64_t h = conv_ ? c : c * group_;  // a query head reading this cache's keys
+      if (conv_) {
+        conv_pool(k.row(b, h, 0), k.stride_row, pooled_keys, d_, r_, key_weights(h),
+                  pooled_row(pk_, b, c, 0));
+        conv_pool(v.row(b, h, 0), v.stride_row, pooled_keys, d_, r_, value_weights(h),
+                  pooled_row(pv_, b, c, 0));
+      } else {
+        mean_pool(k.row(b, h, 0), k.stride_row, pooled_keys, d_, r_, pooled_row(pk_, b, c, 0));
+        mean_pool(v.row(b, h, 0), v.stride_row, pooled_keys, d_, r_, pooled_row(pv_, b, c, 0));
+      }
+    }
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t g = 0; g < kv_heads_; ++g)
+        for (int64_t j = pooled_keys; j < t0; ++j)
+          append(b, g, j - pooled_keys, k.row(b, g * group_, j), v.row(b, g * group_, j));
+  }
+
+  int64_t length() const override { return len_; }
+
+  void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
+    check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    for (int64_t b = 0; b < batch_; ++b)
+      for (int64_t g = 0; g < kv_heads_; ++g)
+        append(b, g, pending_, k.row(b, g * group_, 0), v.row(b, g * group_, 0));
+    ++pending_;
+    const bool completes = completes_group();
+    ++len_;
+    const int threads = team_threads();
+    const int64_t bh_count = batch_ * heads_;
+    if (int64_t(scores_.size()) < threads * cap_rows_) scores_.resize(size_t(threads * cap_rows_));
+    const int64_t work = bh_count * (done_ + 1) * d_ * (conv_ && completes ? d_ : 1);
+    const bool parallel = threads > 1 && bh_count > 1 && work >= (int64_t(1) << 15);
+#pragma omp parallel if (parallel)
+    {
+      if (completes) {
+        // the pending group becomes pooled row done_: per query head (conv) or per key/value
+        // head (mean)
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < batch_ * cache_heads_; ++task)
+          pool_pending(task / cache_heads_, task % cache_heads_);
+      }
+      const int64_t rows = done_ + (completes ? 1 : 0);
+      float* sc = scores_.data() + omp_get_thread_num() * cap_rows_;
+#pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < bh_count; ++bh) {
+        const int64_t b = bh / heads_, h = bh % heads_, c = conv_ ? h : h / group_;
+        attend_rows(q.row(b, h, 0), pooled_row(pk_, b, c, 0), pooled_row(pv_, b, c, 0), rows, d_,
+                    scale_, sc, out.row(b, h, 0));
+      }
+    }
+    if (completes) ++done_, pending_ = 0;
+  }
+
+  double state_bytes() const override {
+    // the pooled rows so far and the pending group's buffers (the conv weights, shared by
+    // every sequence and fixed by the seed, are the model's, not a sequence's)
+    const double floats =
+        double(cache_heads_ * done_ * 2 * d_) + double(kv_heads_ * pending_rows() * 2 * d_);
+    return floats * sizeof(float);
+  }
+
+  double step_bytes_read() const override {
+    // the visible pooled rows once per cache (b, c) (the new one included); per (b, h) the q
+    // row read and the out row written; per (b, g) the k and v rows and the pending group
+    // (mean: its sums; conv: its raw rows, read when it completes, with the weights)
+    if (len_ >= cap_) return 0.0;
+    const bool completes = pending_ + 1 == r_ || len_ + 1 == cap_;
+    const int64_t rows = done_ + (completes ? 1 : 0);
+    double floats = double(batch_ * cache_heads_ * rows * 2 * d_) +
+                    double(batch_ * heads_ * 2 * d_) + double(batch_ * kv_heads_ * 2 * d_);
+    if (!conv_)
+      floats += double(batch_ * kv_heads_ * 2 * d_);
+    else if (completes)
+      floats += double(batch_ * kv_heads_ * 2 * (pending_ + 1) * d_) +
+                double(heads_ * 2 * (pending_ + 1) * d_ * d_);
+    return floats * sizeof(float);
+  }
+
+  double step_flops() const override {
+    // 4 d per (query, visible pooled row) as the forward counts a pair, and the pooling as
+    // pool_flops counts it: mean d per key and value row (its add to the sums), conv 2 d^2
+    // per tap of the group it completes, for every query head
+    if (len_ >= cap_) return 0.0;
+    const bool completes = pending_ + 1 == r_ || len_ + 1 == cap_;
+    const int64_t rows = done_ + (completes ? 1 : 0);
+    double f = double(batch_ * heads_) * double(rows) * 4.0 * double(d_);
+    if (!conv_)
+      f += double(batch_ * kv_heads_) * 2.0 * double(d_);
+    else if (completes)
+      f += double(batch_ * heads_) * 2.0 * 2.0 * double((pending_ + 1) * d_ * d_);
+    return f;
+  }
+
+ private:
+  /// Rows of one pending group's buffer: the running sum (mean) or up to r raw rows (conv).
+  int64_t pending_rows() const { return conv_ ? r_ : 1; }
+  int64_t cache_bytes(const Problem& p) const {
+    const int64_t heads = conv_ ? p.heads : p.kv_head_count();
+    const int64_t rows = checked_mul<UsageError>(p.batch * heads, cap_rows_, "pooled cache rows");
+    return checked_mul<UsageError>(checked_mul<UsageError>(rows, p.dim, "pooled cache floats"),
+                                   int64_t(sizeof(float)), "pooled cache bytes");
+  }
+  float* pooled_row(const kernels::AlignedBuffer& buf, int64_t b, int64_t c, int64_t t) const {
+    return buf.floats() + ((b * cache_heads_ + c) * cap_rows_ + t) * d_;
+  }
+  const float* key_weights(int64_t h) const { return weights_.data() + 2 * h * r_ * d_ * d_; }
+  const float* value_weights(int64_t h) const { return key_weights(h) + r_ * d_ * d_; }
+  /// Whether the pending group (pending_ rows, the step's own included) is complete at
+  /// position len_.
+  bool completes_group() const { return pending_ == r_ || len_ + 1 == cap_; }
+
+  /// Key and value rows kr, vr of (b, g) as row `at` of the pending group.
+  void append(int64_t b, int64_t g, int64_t at, const float* kr, const float* vr) {
+    const int64_t base = (b * kv_heads_ + g) * pending_rows() * d_;
+    float* pk = pend_k_.data() + base + (conv_ ? at * d_ : 0);
+    float* pv = pend_v_.data() + base + (conv_ ? at * d_ : 0);
+    if (conv_ || at == 0) {
+      std::copy(kr, kr + d_, pk);
+      std::copy(vr, vr + d_, pv);
+      return;
+    }
+    for (int64_t c = 0; c < d_; ++c) pk[c] += kr[c];
+    for (int64_t c = 0; c < d_; ++c) pv[c] += vr[c];
+  }
+
+  /// The pending group of cache (b, c) as pooled row done_.
+  void pool_pending(int64_t b, int64_t c) const {
+    const int64_t g = conv_ ? c / group_ : c;
+    const float* sk = pend_k_.data() + (b * kv_heads_ + g) * pending_rows() * d_;
+    const float* sv = pend_v_.data() + (b * kv_heads_ + g) * pending_rows() * d_;
+    float* yk = pooled_row(pk_, b, c, done_);
+    float* yv = pooled_row(pv_, b, c, done_);
+    if (conv_) {
+      conv_pool(sk, d_, pending_, d_, r_, key_weights(c), yk);
+      conv_pool(sv, d_, pending_, d_, r_, value_weights(c), yv);
+      return;
+    }
+    const float count = float(pending_);
+    for (int64_t i = 0; i < d_; ++i) yk[i] = sk[i] / count;
+    for (int64_t i = 0; i < d_; ++i) yv[i] = sv[i] / count;
+  }
+
+  int64_t batch_, heads_, kv_heads_, group_, d_, r_, cap_;
+  int64_t cache_heads_;  // heads of the pooled cache: H (conv) or G (mean)
+  int64_t cap_rows_;     // pooled rows it has room for: ceil(n / r)
+  bool conv_;
+  float scale_;
+  int64_t len_, done_ = 0, pending_ = 0;  // tokens, pooled rows, rows of the pending group
+  std::vector<float> weights_;            // conv: [H][2][r][d][d] (conv_weights); mean: empty
+  // pooled keys and values [B, cache heads, ceil(n / r), d], uninitialised: only the rows
+  // pooled are ever read
+  kernels::AlignedBuffer pk_, pv_;
+  // the pending group of each (b, g): [B, G, 1 or r, d] for keys and for values
+  std::vector<float> pend_k_, pend_v_;
+  std::vector<float> scores_;  // per-thread scores of a step, kept between steps
+};
+
+class Compressed final : public Variant, public Backward, public Decoder {
  public:
   Compressed(int64_t ratio, bool conv) : r_(ratio), conv_(conv) {}
 
@@ -202,6 +418,25 @@ class Compressed final : public Variant, public Backward {
   // dK', dV'), then back through the pooling: mean, dK_j = dK'_t / |group t|; conv,
   // dK_{t r + s} = dK'_t Wk_s (dV alike with Wv). The conv weights are constants.
   Backward* backward() override { return this; }
+
+  // Decode: a pooled cache and the pending group (CompressedDecodeState). The prefill pools
+  // the complete groups of its t0 tokens with the forward's pooling code.
+  Decoder* decoder() override { return this; }
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    check_prefill(p, k, v, t0);
+    return std::make_unique<CompressedDecodeState>(
+        p, k, v, t0, r_, conv_, conv_ ? all_conv_weights(p) : std::vector<float>());
+  }
+  double prefill_flops(const Problem& p, int64_t t0) const override {
+    // the pooling of the t0 keys and values, as pool_flops counts it: mean d per row (every
+    // row is added to a pooled row or to the pending sums), conv 2 d^2 per row of a pooled
+    // group (the pending rows are only copied), for every query head
+    const double d = double(p.dim);
+    if (!conv_) return double(p.batch * p.kv_head_count()) * 2.0 * double(t0) * d;
+    const int64_t pooled_keys = t0 == p.n ? t0 : t0 / r_ * r_;
+    return double(p.batch * p.heads) * 2.0 * 2.0 * double(pooled_keys) * d * d;
+  }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
