@@ -4,135 +4,17 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "common/attention_kernels.h"
 #include "common/checked.h"
+#include "common/decode_kernels.h"
 #include "common/error.h"
-#include "common/simd.h"
-#include "common/softmax.h"
 #include "common/threads.h"
 
 namespace attnbench {
 namespace {
-
-#ifdef __AVX512F__
-// GCC 12 reports its own _mm512_undefined_ps() (the pass-through operand of unmasked
-// intrinsics) as used uninitialized once inlined here.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-
-/// sc[j] = q . k_j for `len` rows k_j = k + j d, with q held in NV registers (d <= 16 NV, the
-/// last register masked); four keys at a time for independent FMA chains.
-template <int NV>
-void dots_avx512(const float* q, const float* k, int64_t len, int64_t d, float* sc) {
-  const __mmask16 tail = simd::first_lanes(d - 16 * (NV - 1));
-  __m512 qv[NV];
-  for (int c = 0; c < NV; ++c)
-    qv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), q + 16 * c);
-  auto load = [&](const float* row, int c) {
-    return c == NV - 1 ? _mm512_maskz_loadu_ps(tail, row + 16 * c) : _mm512_loadu_ps(row + 16 * c);
-  };
-  int64_t j = 0;
-  for (; j + 4 <= len; j += 4) {
-    const float* r = k + j * d;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int c = 0; c < NV; ++c) {
-      a0 = _mm512_fmadd_ps(load(r, c), qv[c], a0);
-      a1 = _mm512_fmadd_ps(load(r + d, c), qv[c], a1);
-      a2 = _mm512_fmadd_ps(load(r + 2 * d, c), qv[c], a2);
-      a3 = _mm512_fmadd_ps(load(r + 3 * d, c), qv[c], a3);
-    }
-    sc[j] = _mm512_reduce_add_ps(a0);
-    sc[j + 1] = _mm512_reduce_add_ps(a1);
-    sc[j + 2] = _mm512_reduce_add_ps(a2);
-    sc[j + 3] = _mm512_reduce_add_ps(a3);
-  }
-  for (; j < len; ++j) {
-    __m512 a = _mm512_setzero_ps();
-    for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(load(k + j * d, c), qv[c], a);
-    sc[j] = _mm512_reduce_add_ps(a);
-  }
-}
-
-/// acc += sum_j w_j v_j over `len` rows v_j = v + j d, acc held in NV registers.
-template <int NV>
-void accumulate_avx512(const float* w, const float* v, int64_t len, int64_t d, float* acc) {
-  const __mmask16 tail = simd::first_lanes(d - 16 * (NV - 1));
-  auto mask = [&](int c) { return c == NV - 1 ? tail : __mmask16(0xFFFF); };
-  __m512 a[NV];
-  for (int c = 0; c < NV; ++c) a[c] = _mm512_maskz_loadu_ps(mask(c), acc + 16 * c);
-  for (int64_t j = 0; j < len; ++j) {
-    const __m512 wj = _mm512_set1_ps(w[j]);
-    const float* r = v + j * d;
-    for (int c = 0; c < NV; ++c)
-      a[c] = _mm512_fmadd_ps(wj, _mm512_maskz_loadu_ps(mask(c), r + 16 * c), a[c]);
-  }
-  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc + 16 * c, mask(c), a[c]);
-}
-
-#pragma GCC diagnostic pop
-#endif  // __AVX512F__
-
-/// sc[j] = q . k_j for `len` contiguous rows of d floats.
-void dots(const float* q, const float* k, int64_t len, int64_t d, float* sc) {
-#ifdef __AVX512F__
-  switch ((d + 15) / 16) {
-    case 1:
-      return dots_avx512<1>(q, k, len, d, sc);
-    case 2:
-      return dots_avx512<2>(q, k, len, d, sc);
-    case 3:
-      return dots_avx512<3>(q, k, len, d, sc);
-    case 4:
-      return dots_avx512<4>(q, k, len, d, sc);
-    case 5:
-      return dots_avx512<5>(q, k, len, d, sc);
-    case 6:
-      return dots_avx512<6>(q, k, len, d, sc);
-    case 7:
-      return dots_avx512<7>(q, k, len, d, sc);
-    case 8:
-      return dots_avx512<8>(q, k, len, d, sc);
-    default:
-      break;
-  }
-#endif
-  for (int64_t j = 0; j < len; ++j) sc[j] = dot(q, k + j * d, d);
-}
-
-/// acc += sum_j w_j v_j for `len` contiguous rows of d floats.
-void accumulate(const float* w, const float* v, int64_t len, int64_t d, float* acc) {
-#ifdef __AVX512F__
-  switch ((d + 15) / 16) {
-    case 1:
-      return accumulate_avx512<1>(w, v, len, d, acc);
-    case 2:
-      return accumulate_avx512<2>(w, v, len, d, acc);
-    case 3:
-      return accumulate_avx512<3>(w, v, len, d, acc);
-    case 4:
-      return accumulate_avx512<4>(w, v, len, d, acc);
-    case 5:
-      return accumulate_avx512<5>(w, v, len, d, acc);
-    case 6:
-      return accumulate_avx512<6>(w, v, len, d, acc);
-    case 7:
-      return accumulate_avx512<7>(w, v, len, d, acc);
-    case 8:
-      return accumulate_avx512<8>(w, v, len, d, acc);
-    default:
-      break;
-  }
-#endif
-  for (int64_t j = 0; j < len; ++j) {
-    const float wj = w[j];
-    const float* r = v + j * d;
-    for (int64_t c = 0; c < d; ++c) acc[c] += wj * r[c];
-  }
-}
 
 class KvDecodeState final : public DecodeState {
  public:
@@ -209,7 +91,8 @@ class KvDecodeState final : public DecodeState {
       }
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < bh_count; ++bh)
-        merge(partials + bh * chunks * part, chunks, out.row(bh / heads_, bh % heads_, 0));
+        decode::merge_partials(partials + bh * chunks * part, chunks, d_, scale_,
+                               out.row(bh / heads_, bh % heads_, 0));
     }
   }
 
@@ -250,53 +133,19 @@ class KvDecodeState final : public DecodeState {
     return values_.floats() + bh * head_floats_ + (t % slots_) * d_;
   }
 
-  /// Calls f(first slot, count, offset in the chunk) for the runs of contiguous slots holding
-  /// positions a0 .. a1 - 1 (one run, or two where the ring wraps).
-  template <class F>
-  void for_runs(int64_t a0, int64_t a1, F&& f) const {
-    for (int64_t a = a0; a < a1;) {
-      const int64_t s = a % slots_, count = std::min(a1 - a, slots_ - s);
-      f(s, count, a - a0);
-      a += count;
-    }
-  }
-
   /// The partial of positions a0 .. a1 - 1 of head bh: part = {mx, l, acc[d]}, sc a buffer of
-  /// a1 - a0 floats.
+  /// a1 - a0 floats. The positions are one run of contiguous slots, or two where the ring
+  /// wraps.
   void chunk_partial(int64_t bh, const float* q, int64_t a0, int64_t a1, float* sc,
                      float* part) const {
-    const float* kh = keys_.floats() + bh * head_floats_;
-    const float* vh = values_.floats() + bh * head_floats_;
-    const int64_t len = a1 - a0;
-    for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
-      dots(q, kh + s * d_, count, d_, sc + off);
-    });
-    const float mx = row_max(sc, len);
-    part[0] = mx;
-    part[1] = exp_sum(sc, len, scale_, mx);
-    float* acc = part + 2;
-    std::fill(acc, acc + d_, 0.0f);
-    for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
-      accumulate(sc + off, vh + s * d_, count, d_, acc);
-    });
-  }
-
-  /// out = the chunks' partials of one head merged by their log-sum-exps.
-  void merge(const float* parts, int64_t chunks, float* out) const {
-    const int64_t part = d_ + 2;
-    float top = -INFINITY;
-    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, parts[c * part]);
-    float l = 0.0f;
-    std::fill(out, out + d_, 0.0f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* pc = parts + c * part;
-      const float e = chunks == 1 ? 1.0f : std::exp((pc[0] - top) * scale_);
-      l += e * pc[1];
-      const float* acc = pc + 2;
-      for (int64_t i = 0; i < d_; ++i) out[i] += e * acc[i];
+    decode::Run runs[2];
+    size_t count = 0;
+    for (int64_t a = a0; a < a1; a += runs[count++].count) {
+      const int64_t s = a % slots_;
+      runs[count] = {s, std::min(a1 - a, slots_ - s)};
     }
-    const float inv = 1.0f / l;
-    for (int64_t i = 0; i < d_; ++i) out[i] *= inv;
+    decode::runs_partial(q, keys_.floats() + bh * head_floats_,
+                         values_.floats() + bh * head_floats_, runs, count, d_, scale_, sc, part);
   }
 
   int64_t batch_, heads_, d_, cap_, window_, slots_, min_chunk_, max_chunk_, parallel_floats_;

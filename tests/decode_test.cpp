@@ -192,9 +192,9 @@ TEST(Decode, CheckDecodeRefusesWhatIsNotCausalSelfAttention) {
                  UnsupportedError);
   }
   // a variant without a decode step says so
-  auto bigbird = make_variant("bigbird");
-  EXPECT_EQ(bigbird->decoder(), nullptr);
-  EXPECT_THROW(bigbird->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)),
+  auto compressed = make_variant("compressed");
+  EXPECT_EQ(compressed->decoder(), nullptr);
+  EXPECT_THROW(compressed->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)),
                UnsupportedError);
 }
 

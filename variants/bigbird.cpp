@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 #include "common/random.h"
 
 namespace attnbench {
@@ -178,7 +179,7 @@ class BigBirdPattern final : public SparsePattern {
   std::vector<int32_t> count_;   ///< [heads][nbq] how many of the r slots are used
 };
 
-class BigBird final : public PatternVariant {
+class BigBird final : public FixedPatternVariant {
  public:
   BigBird(int64_t block, int64_t window_blocks, int64_t random_blocks, int64_t global_blocks)
       : block_(block), window_(window_blocks), random_(random_blocks), global_(global_blocks) {}

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 
 namespace attnbench {
 namespace {
@@ -107,7 +108,7 @@ class GlobalPattern final : public AlignedBlockPattern {
   PositionSet g_;
 };
 
-class Global final : public PatternVariant {
+class Global final : public FixedPatternVariant {
  public:
   Global(int64_t global, std::vector<int64_t> positions, int64_t block)
       : global_(global), positions_(std::move(positions)), block_(block) {}

@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 
 namespace attnbench {
 namespace {
@@ -104,7 +105,7 @@ class LongformerPattern final : public SparsePattern {
   int64_t n_, m_, off_, w_, dil_, dheads_, g_, bs_;
 };
 
-class Longformer final : public PatternVariant {
+class Longformer final : public FixedPatternVariant {
  public:
   Longformer(int64_t window, int64_t dilation, int64_t dilated_heads, int64_t global, int64_t block)
       : window_(window),

@@ -33,6 +33,7 @@
 
 #include "common/additive_score.h"
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 #include "common/strided_attention.h"
 #include "common/strided_pattern.h"
 
@@ -139,7 +140,7 @@ class SparseTransformerPattern final : public AlignedBlockPattern {
   int64_t l_, c_;
 };
 
-class SparseTransformer final : public PatternVariant {
+class SparseTransformer final : public FixedPatternVariant {
  public:
   SparseTransformer(bool fixed, int64_t l, int64_t c, int64_t block)
       : fixed_(fixed), l_(l), c_(c), block_(block) {}

@@ -24,13 +24,14 @@
 
 #include "common/additive_score.h"
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 #include "common/strided_attention.h"
 #include "common/strided_pattern.h"
 
 namespace attnbench {
 namespace {
 
-class Strided final : public PatternVariant {
+class Strided final : public FixedPatternVariant {
  public:
   Strided(int64_t stride, int64_t span, int64_t block)
       : stride_(stride), span_(span), block_(block) {}
