@@ -74,7 +74,8 @@ class PatternDecodeState final : public DecodeState {
           next[size_t(qb)] = ends[size_t(last[qb])];
           ends[size_t(last[qb])] = qb;
         }
-        for (int64_t kb = ends[size_t(qb)]; kb >= 0; kb = next[size_t(kb)]) spare.push_back(slot[kb]);
+        for (int64_t kb = ends[size_t(qb)]; kb >= 0; kb = next[size_t(kb)])
+          spare.push_back(slot[kb]);
       }
       base_[size_t(bg)] = rows;
       rows += slots * bs_;

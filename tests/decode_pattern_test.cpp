@@ -4,8 +4,6 @@
 // give the rows of the variant's own causal forward pass, on ragged n, with grouped-query
 // attention (G = H, H / 2, 1: the forward on the same grouped views), on one thread and two;
 // the cache keeps only the blocks later queries read and shrinks by H / G with grouping.
-#include "common/pattern_decode.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,22 +14,16 @@
 
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/pattern_decode.h"
 #include "common/registry.h"
+#include "decode_util.h"
 #include "harness/runner.h"
 #include "test_util.h"
 
 namespace attnbench {
 namespace {
 
-/// Row t of every (batch, head) of `full` as a [B, H, 1, d] view with full's strides (and
-/// grouping).
-template <class T>
-View4<T> row_view(View4<T> full, int64_t t) {
-  View4<T> r = full;
-  r.data = full.row(0, 0, t);
-  r.shape.len = 1;
-  return r;
-}
+using test::row_view;
 
 /// q [B, H, n, d] and k, v stored [B, G, n, d] and viewed grouped as [B, H, n, d]
 /// (Problem::kv_tensor), random.
@@ -57,24 +49,7 @@ GroupedInputs grouped_inputs(const Problem& p) {
 
 /// Steps `state` through positions length() .. p.n - 1, each output into row t of out.
 void step_to_end(DecodeState& state, const Problem& p, const GroupedInputs& in, Tensor& out) {
-  for (int64_t t = state.length(); t < p.n; ++t) {
-    state.step(row_view(in.q.view(), t), row_view(in.k.view(), t), row_view(in.v.view(), t),
-               row_view(out.view(), t));
-    ASSERT_EQ(state.length(), t + 1);
-  }
-}
-
-/// ||out - ref||_F / ||ref||_F over rows t0 .. n - 1 of every (batch, head).
-double rows_error(const Problem& p, const Tensor& out, const Tensor& ref, int64_t t0) {
-  double diff = 0, norm = 0;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t i = t0; i < p.n; ++i)
-        for (int64_t c = 0; c < p.dim; ++c) {
-          const double r = test::at(ref, b, h, i, c), x = test::at(out, b, h, i, c);
-          diff += (x - r) * (x - r), norm += r * r;
-        }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  test::step_to_end(state, p.n, in.q.view(), in.k.view(), in.v.view(), out.view());
 }
 
 constexpr double kTol = 1e-5;
@@ -128,15 +103,14 @@ TEST(PatternDecode, StepsMatchCausalForward) {
             SCOPED_TRACE(spec + " threads=" + std::to_string(threads) + " n=" + std::to_string(n) +
                          " G=" + std::to_string(g) + " t0=" + std::to_string(t0));
             EXPECT_EQ(dec->prefill_flops(p, t0), 0.0);
-            auto state = threads == 1
-                             ? dec->prefill(p, in.k.view(), in.v.view(), t0)
-                             : pattern_decode_prefill(p, variant->make_pattern(p, {}, {}),
-                                                      in.k.view(), in.v.view(), t0,
-                                                      {.parallel_floats = 0});
+            auto state = threads == 1 ? dec->prefill(p, in.k.view(), in.v.view(), t0)
+                                      : pattern_decode_prefill(p, variant->make_pattern(p, {}, {}),
+                                                               in.k.view(), in.v.view(), t0,
+                                                               {.parallel_floats = 0});
             ASSERT_EQ(state->length(), t0);
             Tensor out(p.q_shape());
             step_to_end(*state, p, in, out);
-            EXPECT_LE(rows_error(p, out, forward, t0), kTol);
+            EXPECT_LE(test::rows_error(p, out, forward.data(), t0), kTol);
           }
         }
       }
@@ -202,7 +176,8 @@ TEST(PatternDecode, GroupedCacheShrinksByTheGroup) {
       read[g] -= 2.0 * (4.0 * 2 + 2.0 * double(g)) * d * sizeof(float);
     }
     EXPECT_GT(state[4], 0.0);
-    const bool heads_differ = spec.starts_with("bigbird") || spec.find("dilated_heads") != std::string::npos;
+    const bool heads_differ =
+        spec.starts_with("bigbird") || spec.find("dilated_heads") != std::string::npos;
     if (heads_differ) {
       for (int64_t g : {2, 1}) {
         EXPECT_GE(state[g], state[4] * double(g) / 4.0);

@@ -16,6 +16,9 @@
 // Self-attention only: m != n is refused (caps.cross = false).
 // Time O(n (W + G + r) b d + G b n d); memory O(threads block (block + d)) plus the random
 // table (8 H nb r bytes).
+// Decode (generation): the pattern cache of common/pattern_decode.h. The last global blocks and
+// the random draws are those of the problem's n (the decode capacity), so the steps equal the
+// causal forward on those n tokens.
 // Paper: Zaheer et al., "Big Bird: Transformers for Longer Sequences" (NeurIPS 2020); block
 // size 64 and r = 3 as in the HF implementation.
 #include <algorithm>

@@ -13,6 +13,8 @@
 // Time O(n |G| d + |G| m d) scored pairs (tiles of `block` around each global position);
 // memory O(threads block (block + d)) plus the run list of G (16 bytes per run of
 // consecutive positions).
+// Decode (generation): the pattern cache of common/pattern_decode.h (the blocks of global keys,
+// and every block while global queries lie ahead).
 // Paper: Beltagy, Peters, Cohan, "Longformer" (2020), global attention; Zaheer et al.,
 // "Big Bird" (2020), global tokens (ITC); Ainslie et al., "ETC" (2020).
 #include <algorithm>

@@ -13,6 +13,8 @@
 // paper dilates 2 heads of the upper layers). Causal masking is applied by the engine.
 // Time O(n (2 window + 1 + g) d + g m d); memory O(threads block (block + d)); the pattern
 // holds nothing.
+// Decode (generation): the pattern cache of common/pattern_decode.h, the global keys and the
+// window's blocks around the query (older blocks are freed).
 // Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer" (2020).
 #include <algorithm>
 #include <cstdlib>

@@ -23,6 +23,8 @@
 // column), otherwise about O(n (l + m (c + block) / l) d).
 // Memory O(threads block (block + d)); the pattern holds nothing. Training in strided mode runs
 // the two parts' backward passes from the union's log-sum-exps (see backward below).
+// Decode (generation): the pattern cache of common/pattern_decode.h over the union, in both
+// modes (fixed mode frees an l-block's plain keys once its queries have passed).
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019); defaults l = 128, c = 32 as in OpenAI's blocksparse code.
 #include <algorithm>

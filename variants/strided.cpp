@@ -18,6 +18,8 @@
 // keeps.
 // Memory O(threads block (block + d)), plus with an attention mask one class's share of it
 // per thread.
+// Decode (generation): the pattern cache of common/pattern_decode.h over the same pairs (with a
+// span, blocks behind it are freed).
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019), the stride head; dilated windows in Beltagy et al. 2020.
 #include <memory>
