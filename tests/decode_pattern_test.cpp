@@ -220,18 +220,7 @@ TEST(PatternDecode, StepOnAFullStateThrows) {
 TEST(PatternDecode, CheckDecodeRefusesWhatIsNotCausalSelfAttention) {
   for (const std::string& spec : specs()) {
     SCOPED_TRACE(spec);
-    auto variant = make_variant(spec);
-    EXPECT_NO_THROW(variant->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)));
-    EXPECT_THROW(variant->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/false)),
-                 UnsupportedError);
-    EXPECT_THROW(variant->check_decode(test::problem(1, 2, 64, 48, 16, /*causal=*/true)),
-                 UnsupportedError);
-    Problem padded = test::problem(2, 2, 64, 0, 16, /*causal=*/true);
-    padded.key_lengths = {64, 40};
-    EXPECT_THROW(variant->check_decode(padded), UnsupportedError);
-    Problem dot = test::problem(1, 2, 64, 0, 16, /*causal=*/true);
-    dot.score = Score::dot;
-    EXPECT_THROW(variant->check_decode(dot), UnsupportedError);
+    test::expect_decodes_causal_self_attention_only(*make_variant(spec));
   }
 }
 

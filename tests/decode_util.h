@@ -2,15 +2,18 @@
 // through the rest of a problem, and the error of the generated rows.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
-#include <gtest/gtest.h>
-
 #include "common/decode.h"
+#include "common/error.h"
 #include "common/problem.h"
+#include "common/registry.h"
 #include "common/tensor.h"
+#include "test_util.h"
 
 namespace attnbench::test {
 
@@ -49,6 +52,21 @@ double rows_error(const Problem& p, const Tensor& out, const Ref& ref, int64_t t
           diff += (x - r) * (x - r), norm += r * r;
         }
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+/// check_decode accepts causal self-attention and refuses (UnsupportedError) a problem that is
+/// not causal, m != n (longer and shorter), key padding and another score than scaled_dot.
+inline void expect_decodes_causal_self_attention_only(const Variant& variant) {
+  EXPECT_NO_THROW(variant.check_decode(problem(1, 2, 64, 0, 16, /*causal=*/true)));
+  EXPECT_THROW(variant.check_decode(problem(1, 2, 64, 0, 16, /*causal=*/false)), UnsupportedError);
+  EXPECT_THROW(variant.check_decode(problem(1, 2, 64, 80, 16, /*causal=*/true)), UnsupportedError);
+  EXPECT_THROW(variant.check_decode(problem(1, 2, 64, 48, 16, /*causal=*/true)), UnsupportedError);
+  Problem padded = problem(2, 2, 64, 0, 16, /*causal=*/true);
+  padded.key_lengths = {64, 40};
+  EXPECT_THROW(variant.check_decode(padded), UnsupportedError);
+  Problem dot = problem(1, 2, 64, 0, 16, /*causal=*/true);
+  dot.score = Score::dot;
+  EXPECT_THROW(variant.check_decode(dot), UnsupportedError);
 }
 
 }  // namespace attnbench::test
