@@ -22,6 +22,8 @@
 // slot, a partial one the runs of block_mask's row t; the runs' scores, max, exponentials and
 // weighted values are one decode::runs_partial. The work is the keys read (plus the mask of
 // partial blocks), independent of n. OpenMP over (batch, head) once the keys read are many.
+// state_bytes counts the rows of the blocks kept (the caches are allocated for the most blocks
+// live at once); the pattern and the block tables, shared by the batch, are not counted.
 #pragma once
 
 #include <cstdint>
