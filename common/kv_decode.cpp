@@ -4,135 +4,18 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "common/attention_kernels.h"
 #include "common/checked.h"
+#include "common/decode_kernels.h"
 #include "common/error.h"
-#include "common/simd.h"
 #include "common/softmax.h"
 #include "common/threads.h"
 
 namespace attnbench {
 namespace {
-
-#ifdef __AVX512F__
-// GCC 12 reports its own _mm512_undefined_ps() (the pass-through operand of unmasked
-// intrinsics) as used uninitialized once inlined here.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-
-/// sc[j] = q . k_j for `len` rows k_j = k + j d, with q held in NV registers (d <= 16 NV, the
-/// last register masked); four keys at a time for independent FMA chains.
-template <int NV>
-void dots_avx512(const float* q, const float* k, int64_t len, int64_t d, float* sc) {
-  const __mmask16 tail = simd::first_lanes(d - 16 * (NV - 1));
-  __m512 qv[NV];
-  for (int c = 0; c < NV; ++c)
-    qv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), q + 16 * c);
-  auto load = [&](const float* row, int c) {
-    return c == NV - 1 ? _mm512_maskz_loadu_ps(tail, row + 16 * c) : _mm512_loadu_ps(row + 16 * c);
-  };
-  int64_t j = 0;
-  for (; j + 4 <= len; j += 4) {
-    const float* r = k + j * d;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int c = 0; c < NV; ++c) {
-      a0 = _mm512_fmadd_ps(load(r, c), qv[c], a0);
-      a1 = _mm512_fmadd_ps(load(r + d, c), qv[c], a1);
-      a2 = _mm512_fmadd_ps(load(r + 2 * d, c), qv[c], a2);
-      a3 = _mm512_fmadd_ps(load(r + 3 * d, c), qv[c], a3);
-    }
-    sc[j] = _mm512_reduce_add_ps(a0);
-    sc[j + 1] = _mm512_reduce_add_ps(a1);
-    sc[j + 2] = _mm512_reduce_add_ps(a2);
-    sc[j + 3] = _mm512_reduce_add_ps(a3);
-  }
-  for (; j < len; ++j) {
-    __m512 a = _mm512_setzero_ps();
-    for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(load(k + j * d, c), qv[c], a);
-    sc[j] = _mm512_reduce_add_ps(a);
-  }
-}
-
-/// acc += sum_j w_j v_j over `len` rows v_j = v + j d, acc held in NV registers.
-template <int NV>
-void accumulate_avx512(const float* w, const float* v, int64_t len, int64_t d, float* acc) {
-  const __mmask16 tail = simd::first_lanes(d - 16 * (NV - 1));
-  auto mask = [&](int c) { return c == NV - 1 ? tail : __mmask16(0xFFFF); };
-  __m512 a[NV];
-  for (int c = 0; c < NV; ++c) a[c] = _mm512_maskz_loadu_ps(mask(c), acc + 16 * c);
-  for (int64_t j = 0; j < len; ++j) {
-    const __m512 wj = _mm512_set1_ps(w[j]);
-    const float* r = v + j * d;
-    for (int c = 0; c < NV; ++c)
-      a[c] = _mm512_fmadd_ps(wj, _mm512_maskz_loadu_ps(mask(c), r + 16 * c), a[c]);
-  }
-  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(acc + 16 * c, mask(c), a[c]);
-}
-
-#pragma GCC diagnostic pop
-#endif  // __AVX512F__
-
-/// sc[j] = q . k_j for `len` contiguous rows of d floats.
-void dots(const float* q, const float* k, int64_t len, int64_t d, float* sc) {
-#ifdef __AVX512F__
-  switch ((d + 15) / 16) {
-    case 1:
-      return dots_avx512<1>(q, k, len, d, sc);
-    case 2:
-      return dots_avx512<2>(q, k, len, d, sc);
-    case 3:
-      return dots_avx512<3>(q, k, len, d, sc);
-    case 4:
-      return dots_avx512<4>(q, k, len, d, sc);
-    case 5:
-      return dots_avx512<5>(q, k, len, d, sc);
-    case 6:
-      return dots_avx512<6>(q, k, len, d, sc);
-    case 7:
-      return dots_avx512<7>(q, k, len, d, sc);
-    case 8:
-      return dots_avx512<8>(q, k, len, d, sc);
-    default:
-      break;
-  }
-#endif
-  for (int64_t j = 0; j < len; ++j) sc[j] = dot(q, k + j * d, d);
-}
-
-/// acc += sum_j w_j v_j for `len` contiguous rows of d floats.
-void accumulate(const float* w, const float* v, int64_t len, int64_t d, float* acc) {
-#ifdef __AVX512F__
-  switch ((d + 15) / 16) {
-    case 1:
-      return accumulate_avx512<1>(w, v, len, d, acc);
-    case 2:
-      return accumulate_avx512<2>(w, v, len, d, acc);
-    case 3:
-      return accumulate_avx512<3>(w, v, len, d, acc);
-    case 4:
-      return accumulate_avx512<4>(w, v, len, d, acc);
-    case 5:
-      return accumulate_avx512<5>(w, v, len, d, acc);
-    case 6:
-      return accumulate_avx512<6>(w, v, len, d, acc);
-    case 7:
-      return accumulate_avx512<7>(w, v, len, d, acc);
-    case 8:
-      return accumulate_avx512<8>(w, v, len, d, acc);
-    default:
-      break;
-  }
-#endif
-  for (int64_t j = 0; j < len; ++j) {
-    const float wj = w[j];
-    const float* r = v + j * d;
-    for (int64_t c = 0; c < d; ++c) acc[c] += wj * r[c];
-  }
-}
 
 class KvDecodeState final : public DecodeState {
  public:
@@ -213,17 +96,13 @@ class KvDecodeState final : public DecodeState {
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t bg = task / chunks, c = task % chunks;
         const int64_t a0 = lo + c * chunk, a1 = std::min(t + 1, a0 + chunk);
-        chunk_partials(bg, q, a0, a1, sc, partials + task * group_ * part);
+        chunk_partials(bg, c, chunks, q, a0, a1, sc, partials);
       }
-      // query head h of batch b: key/value head bg = b G + h / group, row h % group of each
-      // of bg's tasks
+      // the partials of query head bh = b H + h are chunks of them back to back
 #pragma omp for schedule(static)
-      for (int64_t bh = 0; bh < batch_ * heads_; ++bh) {
-        const int64_t b = bh / heads_, h = bh % heads_;
-        const int64_t bg = b * kv_heads_ + h / group_;
-        merge(partials + (bg * chunks * group_ + h % group_) * part, chunks, group_ * part,
-              out.row(b, h, 0));
-      }
+      for (int64_t bh = 0; bh < batch_ * heads_; ++bh)
+        decode::merge_partials(partials + bh * chunks * part, chunks, d_, scale_,
+                               out.row(bh / heads_, bh % heads_, 0));
     }
   }
 
@@ -284,21 +163,23 @@ class KvDecodeState final : public DecodeState {
     }
   }
 
-  /// The partials of positions a0 .. a1 - 1 of key/value head bg for each query head r of its
-  /// group: parts + r (d + 2) = {mx, l, acc[d]}; sc a buffer of group (a1 - a0) floats.
-  void chunk_partials(int64_t bg, ConstTensorView q, int64_t a0, int64_t a1, float* sc,
-                      float* parts) const {
+  /// The partials of chunk c (of `chunks`: positions a0 .. a1 - 1) of key/value head bg for
+  /// each query head bh = bg group + r of its group: parts + (bh chunks + c) (d + 2) =
+  /// {mx, l, acc[d]}; sc a buffer of group (a1 - a0) floats.
+  void chunk_partials(int64_t bg, int64_t c, int64_t chunks, ConstTensorView q, int64_t a0,
+                      int64_t a1, float* sc, float* parts) const {
     const float* kh = keys_.floats() + bg * head_floats_;
     const float* vh = values_.floats() + bg * head_floats_;
     const int64_t len = a1 - a0, part = d_ + 2;
     const int64_t b = bg / kv_heads_, h0 = bg % kv_heads_ * group_;
+    auto partial = [&](int64_t r) { return parts + ((bg * group_ + r) * chunks + c) * part; };
     for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
       for (int64_t r = 0; r < group_; ++r)
-        dots(q.row(b, h0 + r, 0), kh + s * d_, count, d_, sc + r * len + off);
+        decode::dots(q.row(b, h0 + r, 0), kh + s * d_, count, d_, sc + r * len + off);
     });
     for (int64_t r = 0; r < group_; ++r) {
       float* scr = sc + r * len;
-      float* pr = parts + r * part;
+      float* pr = partial(r);
       const float mx = row_max(scr, len);
       pr[0] = mx;
       pr[1] = exp_sum(scr, len, scale_, mx);
@@ -306,26 +187,8 @@ class KvDecodeState final : public DecodeState {
     }
     for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
       for (int64_t r = 0; r < group_; ++r)
-        accumulate(sc + r * len + off, vh + s * d_, count, d_, parts + r * part + 2);
+        decode::accumulate(sc + r * len + off, vh + s * d_, count, d_, partial(r) + 2);
     });
-  }
-
-  /// out = the chunks' partials of one query head (`stride` floats apart) merged by their
-  /// log-sum-exps.
-  void merge(const float* parts, int64_t chunks, int64_t stride, float* out) const {
-    float top = -INFINITY;
-    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, parts[c * stride]);
-    float l = 0.0f;
-    std::fill(out, out + d_, 0.0f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* pc = parts + c * stride;
-      const float e = chunks == 1 ? 1.0f : std::exp((pc[0] - top) * scale_);
-      l += e * pc[1];
-      const float* acc = pc + 2;
-      for (int64_t i = 0; i < d_; ++i) out[i] += e * acc[i];
-    }
-    const float inv = 1.0f / l;
-    for (int64_t i = 0; i < d_; ++i) out[i] *= inv;
   }
 
   int64_t batch_, heads_, kv_heads_, group_, d_, cap_, window_, slots_, min_chunk_, max_chunk_,
@@ -352,17 +215,6 @@ std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView
     throw UsageError(fmt::format("decode: chunk bounds {} .. {} need 1 <= min <= max",
                                  opt.min_chunk, opt.max_chunk));
   return std::make_unique<KvDecodeState>(p, k, v, t0, opt);
-}
-
-void attend_rows(const float* q, const float* keys, const float* values, int64_t len, int64_t d,
-                 float scale, float* sc, float* out) {
-  std::fill(out, out + d, 0.0f);
-  if (len <= 0) return;
-  dots(q, keys, len, d, sc);
-  const float l = exp_sum(sc, len, scale, row_max(sc, len));
-  accumulate(sc, values, len, d, out);
-  const float inv = 1.0f / l;
-  for (int64_t i = 0; i < d; ++i) out[i] *= inv;
 }
 
 }  // namespace attnbench

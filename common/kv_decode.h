@@ -60,12 +60,4 @@ std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView
                                                ConstTensorView v, int64_t t0,
                                                const KvDecodeOptions& opt = {});
 
-/// out = the exact softmax attention of one query q over `len` contiguous rows of d floats
-/// of keys and values, by the KV-cache step's arithmetic (one chunk, no merge):
-/// s_j = q . k_j, out = sum_j exp((s_j - max s) scale) v_j / sum_j exp((s_j - max s) scale).
-/// sc is a buffer of len floats; len = 0 gives out = 0. For decode states that attend a
-/// contiguous block of rows of their own (compressed's pooled keys and values).
-void attend_rows(const float* q, const float* keys, const float* values, int64_t len, int64_t d,
-                 float scale, float* sc, float* out);
-
 }  // namespace attnbench

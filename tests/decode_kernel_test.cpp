@@ -37,6 +37,7 @@
 #include "common/kernel_attention.h"
 #include "common/oracle.h"
 #include "common/registry.h"
+#include "decode_util.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -57,25 +58,8 @@ Decoded decode(Variant& var, const Problem& p, const Inputs& in, int64_t t0) {
   Decoder* dec = var.decoder();
   Decoded r{Tensor(p.q_shape()), dec->prefill(p, in.k.view(), in.v.view(), t0)};
   EXPECT_EQ(r.state->length(), t0);
-  for (int64_t t = t0; t < p.n; ++t) {
-    r.state->step(row_view(in.q.view(), t), row_view(in.k.view(), t), row_view(in.v.view(), t),
-                  row_view(r.out.view(), t));
-    EXPECT_EQ(r.state->length(), t + 1);
-  }
+  test::step_to_end(*r.state, p.n, in.q.view(), in.k.view(), in.v.view(), r.out.view());
   return r;
-}
-
-/// ||got - want||_F / ||want||_F over rows t0 .. n - 1 of every (batch, head).
-double rows_error(const Problem& p, const Tensor& got, const Tensor& want, int64_t t0) {
-  double diff = 0, norm = 0;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t t = t0; t < p.n; ++t)
-        for (int64_t c = 0; c < p.dim; ++c) {
-          const double x = test::at(got, b, h, t, c), y = test::at(want, b, h, t, c);
-          diff += (x - y) * (x - y), norm += y * y;
-        }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
 /// Twice the variant's error model against its float64 function (see the top).
@@ -115,7 +99,7 @@ double expect_decode_matches_forward(const std::string& spec, const Problem& p, 
   for (int64_t t0 : t0s) {
     SCOPED_TRACE("t0 = " + std::to_string(t0));
     const Decoded dec = decode(*var, p, in, t0);
-    const double err = rows_error(p, dec.out, fwd, t0);
+    const double err = test::rows_error(p, dec.out, fwd.data(), t0);
     EXPECT_LE(err, tol) << spec << " " << p.str();
     worst = std::max(worst, err / tol);
   }

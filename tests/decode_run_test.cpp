@@ -79,7 +79,7 @@ TEST(DecodeRows, RefusalsAreUnsupportedRowsThatNameTheReason) {
   r = run_decode("flash", test::problem(1, 2, 16, 24, 8, true));
   EXPECT_EQ(r.status, "unsupported");
   EXPECT_NE(r.message.find("m = n"), std::string::npos) << r.message;
-  r = run_decode("bigbird", test::problem(1, 2, 16, 0, 8, true));
+  r = run_decode("routing", test::problem(1, 2, 16, 0, 8, true));
   EXPECT_EQ(r.status, "unsupported");
   EXPECT_NE(r.message.find("has no decode step"), std::string::npos) << r.message;
   Problem dot = test::problem(1, 2, 16, 0, 8, true);
@@ -104,7 +104,7 @@ TEST(DecodeCli, RunPrintsTheDecodeColumnsAndSweepKeepsThem) {
   EXPECT_NE(r.err.find("--save-grads needs a backward pass"), std::string::npos) << r.err;
 
   const std::string args =
-      "sweep --variant flash --variant bigbird --seq 32 --heads 2 --dim 8 --causal both "
+      "sweep --variant flash --variant routing --seq 32 --heads 2 --dim 8 --causal both "
       "--pass fwd,decode --reps 1 --min-time 0 --out " +
       dir.file("s");
   r = test::run_cli(args, dir);

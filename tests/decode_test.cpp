@@ -18,6 +18,7 @@
 #include "common/kv_decode.h"
 #include "common/reference.h"
 #include "common/registry.h"
+#include "decode_util.h"
 #include "harness/runner.h"
 #include "test_util.h"
 
@@ -25,32 +26,12 @@ namespace attnbench {
 namespace {
 
 using test::row_view;
+using test::rows_error;
 
 /// Steps `state` through positions length() .. p.n - 1 with rows of in.q, in.k and in.v,
 /// each output into the same row of out [B, H, n, d].
 void step_to_end(DecodeState& state, const Problem& p, const Inputs& in, Tensor& out) {
-  for (int64_t t = state.length(); t < p.n; ++t) {
-    state.step(row_view(in.q.view(), t), row_view(in.k.view(), t), row_view(in.v.view(), t),
-               row_view(out.view(), t));
-    ASSERT_EQ(state.length(), t + 1);
-  }
-}
-
-/// ||out - ref||_F / ||ref||_F over rows t0 .. n - 1 of every (batch, head); ref is a float
-/// tensor or float64 values [B, H, n, d].
-template <class Ref>
-double rows_error(const Problem& p, const Tensor& out, const Ref& ref, int64_t t0) {
-  double diff = 0, norm = 0;
-  const int64_t d = p.dim;
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t i = t0; i < p.n; ++i)
-        for (int64_t c = 0; c < d; ++c) {
-          const size_t at = size_t(((b * p.heads + h) * p.n + i) * d + c);
-          const double r = double(ref[at]), x = double(out.data()[at]);
-          diff += (x - r) * (x - r), norm += r * r;
-        }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  test::step_to_end(state, p.n, in.q.view(), in.k.view(), in.v.view(), out.view());
 }
 
 constexpr double kTol = 1e-5;
@@ -175,19 +156,12 @@ TEST(Decode, BadShapesAndPrefillLengthsThrow) {
 TEST(Decode, CheckDecodeRefusesWhatIsNotCausalSelfAttention) {
   for (const std::string& spec : decode_specs()) {
     SCOPED_TRACE(spec);
-    auto variant = make_variant(spec);
-    EXPECT_NO_THROW(variant->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)));
-    EXPECT_THROW(variant->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/false)),
-                 UnsupportedError);
-    EXPECT_THROW(variant->check_decode(test::problem(1, 2, 64, 80, 16, /*causal=*/true)),
-                 UnsupportedError);
-    EXPECT_THROW(variant->check_decode(test::problem(1, 2, 64, 48, 16, /*causal=*/true)),
-                 UnsupportedError);
+    test::expect_decodes_causal_self_attention_only(*make_variant(spec));
   }
   // a variant without a decode step says so
-  auto bigbird = make_variant("bigbird");
-  EXPECT_EQ(bigbird->decoder(), nullptr);
-  EXPECT_THROW(bigbird->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)),
+  auto routing = make_variant("routing");
+  EXPECT_EQ(routing->decoder(), nullptr);
+  EXPECT_THROW(routing->check_decode(test::problem(1, 2, 64, 0, 16, /*causal=*/true)),
                UnsupportedError);
 }
 

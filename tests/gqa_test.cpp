@@ -15,9 +15,9 @@
 #include "common/decode.h"
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/kv_decode.h"
 #include "common/reference.h"
 #include "common/registry.h"
-#include "common/kv_decode.h"
 #include "common/threads.h"
 #include "harness/metrics.h"
 #include "harness/sweep_plan.h"
@@ -70,7 +70,8 @@ TEST(Gqa, ProblemMapsQueryHeadsToTheirGroup) {
   EXPECT_EQ(k.view().head(1, 5), k.data() + (1 * 2 + 1) * 16 * 4);
   for (int64_t bad : {3, 16, -1}) {
     p.kv_heads = bad;
-    EXPECT_CONTAINS(test::error_message<UsageError>([&] { p.validate(); }), "a divisor of the heads");
+    EXPECT_CONTAINS(test::error_message<UsageError>([&] { p.validate(); }),
+                    "a divisor of the heads");
   }
 }
 
@@ -91,7 +92,7 @@ TEST(Gqa, GeneratedInputsDrawOnePerKeyValueHead) {
         // build q from its key/value head's latent)
         if (input == "gaussian") {
           EXPECT_TRUE(std::equal(grouped.q.view().head(b, h), grouped.q.view().head(b, h) + head,
-                               all.q.view().head(b, h)));
+                                 all.q.view().head(b, h)));
         }
         // key/value head g is what ungrouped head g drew (the same stream)
         if (h < 2) {
@@ -147,7 +148,9 @@ TEST(Gqa, MismatchedGroupingIsRefused) {
   auto variant = make_variant("flash");
   Tensor out(p.q_shape());
   const Tensor k = expand(in.k);
-  EXPECT_CONTAINS(test::error_message<InputError>([&] { variant->run(p, in.q.view(), k.view(), in.v.view(), out.view()); }), "expected [1, 2, 8, 4] (2 key/value heads");
+  EXPECT_CONTAINS(test::error_message<InputError>(
+                      [&] { variant->run(p, in.q.view(), k.view(), in.v.view(), out.view()); }),
+                  "expected [1, 2, 8, 4] (2 key/value heads");
   EXPECT_CONTAINS(test::error_message<InputError>([&] {
                     variant->run(ungrouped(p), in.q.view(), in.k.view(), k.view(), out.view());
                   }),
@@ -168,8 +171,8 @@ TEST(Gqa, GradientsOfSharedHeadsSumOverTheGroup) {
     const Tensor dout = generate_dout(p);
     Tensor out(p.q_shape()), dq(p.q_shape()), dk = p.kv_tensor(), dv = p.kv_tensor();
     auto saved = variant->run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-    variant->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(),
-                          *saved, dq.view(), dk.view(), dv.view());
+    variant->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(), *saved,
+                          dq.view(), dk.view(), dv.view());
 
     const Problem u = ungrouped(p);
     const Tensor k = expand(in.k), v = expand(in.v);
@@ -190,9 +193,9 @@ TEST(Gqa, GradientsOfSharedHeadsSumOverTheGroup) {
     EXPECT_LE(max_rel_diff(dk.data(), dk_sum.data(), dk.numel()), 1e-5);
     EXPECT_LE(max_rel_diff(dv.data(), dv_sum.data(), dv.numel()), 1e-5);
     if (info->name == "full" || info->name == "flash") {
-      const GradErrorStats st = measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(),
-                                                   dout.view(), dq.view(), dk.view(), dv.view(),
-                                                   1e12);
+      const GradErrorStats st =
+          measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout.view(), dq.view(),
+                             dk.view(), dv.view(), 1e12);
       EXPECT_LE(st.k, 1e-5);
       EXPECT_LE(st.v, 1e-5);
       EXPECT_LE(st.q, 1e-5);
@@ -298,7 +301,8 @@ TEST(Gqa, SweepCrossesKvHeadsWithHeads) {
   axes.kv_heads = {5};
   std::vector<std::unique_ptr<Variant>> again;
   again.push_back(make_variant("flash"));
-  EXPECT_CONTAINS(test::error_message<UsageError>([&] { plan_sweep(std::move(again), axes); }), "--kv-heads 5 divides none of the head counts");
+  EXPECT_CONTAINS(test::error_message<UsageError>([&] { plan_sweep(std::move(again), axes); }),
+                  "--kv-heads 5 divides none of the head counts");
 }
 
 }  // namespace

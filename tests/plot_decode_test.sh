@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/plot.py on a real short sweep with the decode pass (--pass fwd,decode, both causal
 # settings): the generation figures and tables are drawn from the causal decode rows and every
-# other figure from the forward rows only; bigbird, which has no decode step, gets no line and
+# other figure from the forward rows only; routing, which has no decode step, gets no line and
 # no table row. The sweep's decode rows are then given known numbers that differ from what
 # they measured (time_per_token_s apart from time_median_s, and known tokens/s, state, bytes
 # read, bandwidth fraction and prefill time), so that a figure or table that reads the wrong
@@ -17,7 +17,7 @@ trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_decode_test: $*" >&2; exit 1; }
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant linear --variant local:window=16 \
-  --variant bigbird --seq 64,256,1024 --causal both --pass fwd,decode --reps 1 --min-time 0 \
+  --variant routing --seq 64,256,1024 --causal both --pass fwd,decode --reps 1 --min-time 0 \
   --heads 2 --dim 16 --threads 1 2>/dev/null || fail "the sweep failed"
 
 # Known numbers of the ok decode rows, per (spec, n): flash's time per token 1, 4, 16 µs at
@@ -154,9 +154,9 @@ check("bar: min–max of repetitions" in d["decode_latency_vs_n"]["legend"] and
 # the report: the generation section, its tables and the known cells
 check("## Generation: decode step against context" in report, "report.md has no decode section")
 gen = report.split("## Generation: decode step against context", 1)[1].split("\n## ", 1)[0]
-check("| `bigbird" not in gen, "the decode section has a row of bigbird, which does not decode")
-check("`bigbird:" in gen.split("###", 1)[0] and "(unsupported)" in gen.split("###", 1)[0],
-      "the decode section does not name bigbird as without a decode step")
+check("| `routing" not in gen, "the decode section has a row of routing, which does not decode")
+check("`routing:" in gen.split("###", 1)[0] and "(unsupported)" in gen.split("###", 1)[0],
+      "the decode section does not name routing as without a decode step")
 def table_rows(text):
     out = {}
     for line in text.splitlines():

@@ -16,6 +16,9 @@
 // Self-attention only: m != n is refused (caps.cross = false).
 // Time O(n (W + G + r) b d + G b n d); memory O(threads block (block + d)) plus the random
 // table (8 H nb r bytes).
+// Decode (generation): the pattern cache of common/pattern_decode.h. The last global blocks and
+// the random draws are those of the problem's n (the decode capacity), so the steps equal the
+// causal forward on those n tokens.
 // Paper: Zaheer et al., "Big Bird: Transformers for Longer Sequences" (NeurIPS 2020); block
 // size 64 and r = 3 as in the HF implementation.
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 #include "common/random.h"
 
 namespace attnbench {
@@ -178,7 +182,7 @@ class BigBirdPattern final : public SparsePattern {
   std::vector<int32_t> count_;   ///< [heads][nbq] how many of the r slots are used
 };
 
-class BigBird final : public PatternVariant {
+class BigBird final : public FixedPatternVariant {
  public:
   BigBird(int64_t block, int64_t window_blocks, int64_t random_blocks, int64_t global_blocks)
       : block_(block), window_(window_blocks), random_(random_blocks), global_(global_blocks) {}

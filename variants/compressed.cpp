@@ -62,8 +62,8 @@
 #include "common/attention_kernels.h"
 #include "common/block_sparse.h"
 #include "common/checked.h"
+#include "common/decode_kernels.h"
 #include "common/error.h"
-#include "common/kv_decode.h"
 #include "common/oracle.h"
 #include "common/random.h"
 #include "common/threads.h"
@@ -212,7 +212,8 @@ void conv_unpool(const float* dy, int64_t len, int64_t d, int64_t r, const float
 /// Step at position t: k_t, v_t join the pending group, which is pooled into a new row once
 /// complete: when t + 1 is a multiple of r, or at t = n - 1, where the forward's last row sees
 /// every group, a ragged last one included (complete_groups). Query t then attends the pooled
-/// rows (its complete groups) with exact softmax (attend_rows); none gives 0, as the forward.
+/// rows (its complete groups) with exact softmax (decode::attend_rows); none gives 0, as the
+/// forward.
 class CompressedDecodeState final : public DecodeState {
  public:
   CompressedDecodeState(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0,
@@ -289,8 +290,8 @@ class CompressedDecodeState final : public DecodeState {
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < bh_count; ++bh) {
         const int64_t b = bh / heads_, h = bh % heads_, c = conv_ ? h : h / group_;
-        attend_rows(q.row(b, h, 0), pooled_row(pk_, b, c, 0), pooled_row(pv_, b, c, 0), rows, d_,
-                    scale_, sc, out.row(b, h, 0));
+        decode::attend_rows(q.row(b, h, 0), pooled_row(pk_, b, c, 0), pooled_row(pv_, b, c, 0),
+                            rows, d_, scale_, sc, out.row(b, h, 0));
       }
     }
     if (completes) ++done_, pending_ = 0;

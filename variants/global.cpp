@@ -13,6 +13,8 @@
 // Time O(n |G| d + |G| m d) scored pairs (tiles of `block` around each global position);
 // memory O(threads block (block + d)) plus the run list of G (16 bytes per run of
 // consecutive positions).
+// Decode (generation): the pattern cache of common/pattern_decode.h (the blocks of global keys,
+// and every block while global queries lie ahead).
 // Paper: Beltagy, Peters, Cohan, "Longformer" (2020), global attention; Zaheer et al.,
 // "Big Bird" (2020), global tokens (ITC); Ainslie et al., "ETC" (2020).
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 
 namespace attnbench {
 namespace {
@@ -107,7 +110,7 @@ class GlobalPattern final : public AlignedBlockPattern {
   PositionSet g_;
 };
 
-class Global final : public PatternVariant {
+class Global final : public FixedPatternVariant {
  public:
   Global(int64_t global, std::vector<int64_t> positions, int64_t block)
       : global_(global), positions_(std::move(positions)), block_(block) {}

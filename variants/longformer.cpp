@@ -13,12 +13,15 @@
 // paper dilates 2 heads of the upper layers). Causal masking is applied by the engine.
 // Time O(n (2 window + 1 + g) d + g m d); memory O(threads block (block + d)); the pattern
 // holds nothing.
+// Decode (generation): the pattern cache of common/pattern_decode.h, the global keys and the
+// window's blocks around the query (older blocks are freed).
 // Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer" (2020).
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
 
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 
 namespace attnbench {
 namespace {
@@ -104,7 +107,7 @@ class LongformerPattern final : public SparsePattern {
   int64_t n_, m_, off_, w_, dil_, dheads_, g_, bs_;
 };
 
-class Longformer final : public PatternVariant {
+class Longformer final : public FixedPatternVariant {
  public:
   Longformer(int64_t window, int64_t dilation, int64_t dilated_heads, int64_t global, int64_t block)
       : window_(window),

@@ -23,6 +23,8 @@
 // column), otherwise about O(n (l + m (c + block) / l) d).
 // Memory O(threads block (block + d)); the pattern holds nothing. Training in strided mode runs
 // the two parts' backward passes from the union's log-sum-exps (see backward below).
+// Decode (generation): the pattern cache of common/pattern_decode.h over the union, in both
+// modes (fixed mode frees an l-block's plain keys once its queries have passed).
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019); defaults l = 128, c = 32 as in OpenAI's blocksparse code.
 #include <algorithm>
@@ -33,6 +35,7 @@
 
 #include "common/additive_score.h"
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 #include "common/strided_attention.h"
 #include "common/strided_pattern.h"
 
@@ -139,7 +142,7 @@ class SparseTransformerPattern final : public AlignedBlockPattern {
   int64_t l_, c_;
 };
 
-class SparseTransformer final : public PatternVariant {
+class SparseTransformer final : public FixedPatternVariant {
  public:
   SparseTransformer(bool fixed, int64_t l, int64_t c, int64_t block)
       : fixed_(fixed), l_(l), c_(c), block_(block) {}

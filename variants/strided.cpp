@@ -18,19 +18,22 @@
 // keeps.
 // Memory O(threads block (block + d)), plus with an attention mask one class's share of it
 // per thread.
+// Decode (generation): the pattern cache of common/pattern_decode.h over the same pairs (with a
+// span, blocks behind it are freed).
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019), the stride head; dilated windows in Beltagy et al. 2020.
 #include <memory>
 
 #include "common/additive_score.h"
 #include "common/block_sparse.h"
+#include "common/pattern_decode.h"
 #include "common/strided_attention.h"
 #include "common/strided_pattern.h"
 
 namespace attnbench {
 namespace {
 
-class Strided final : public PatternVariant {
+class Strided final : public FixedPatternVariant {
  public:
   Strided(int64_t stride, int64_t span, int64_t block)
       : stride_(stride), span_(span), block_(block) {}
