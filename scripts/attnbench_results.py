@@ -15,8 +15,9 @@ import sys
 import pandas as pd
 
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
-PROBLEM_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score", "score_hidden",
-                   "input", "scale", "seed", "threads", "key_padding", "attn_mask", "pass"]
+PROBLEM_COLUMNS = ["batch", "heads", "kv_heads", "n", "m", "dim", "embed", "causal", "score",
+                   "score_hidden", "input", "scale", "seed", "threads", "key_padding", "attn_mask",
+                   "pass"]
 # The mask columns: text, empty when the row has no key padding or no attention mask.
 MASK_COLUMNS = ["key_padding", "attn_mask"]
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
@@ -25,7 +26,9 @@ KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # and new results join. `embed` is the embedding size of a multi-head layer row, 0 for plain
 # attention; the mask columns are empty for no key padding and no attention mask. `pass` is what
 # a row timed (FORWARD, or a training pass of TRAIN_PASSES): every row of a file written before
-# it timed the forward. The training and decode columns are empty on forward rows.
+# it timed the forward. The training and decode columns are empty on forward rows. `kv_heads`
+# (the key/value heads G of grouped-query attention) is the row's own `heads` in a file written
+# before it (read_csv fills it from that column).
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
                  "attn_mask": "", "prepare_s": math.nan, "pass": "fwd",
                  "saved_bytes": math.nan, "saved_estimate_bytes": math.nan,
@@ -63,9 +66,9 @@ TIME_COLUMNS = ["time_median_s", "time_min_s", "time_max_s", "time_stddev_s"]
 # What plot.py and compare.py read; a results.csv without one of these is refused.
 REQUIRED_COLUMNS = [c for c in KEY_COLUMNS if c not in ADDED_COLUMNS] + ["status", "message"] + \
     TIME_COLUMNS + ["reps", "peak_bytes", "rel_fro_error"]
-NUMERIC_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score_hidden", "scale",
+NUMERIC_COLUMNS = ["batch", "heads", "kv_heads", "n", "m", "dim", "embed", "causal", "score_hidden", "scale",
                    "seed", "threads", "reps"] + TIME_COLUMNS + ["peak_bytes", "rel_fro_error"]
-INTEGER_COLUMNS = ["batch", "heads", "n", "m", "dim", "embed", "causal", "score_hidden", "seed",
+INTEGER_COLUMNS = ["batch", "heads", "kv_heads", "n", "m", "dim", "embed", "causal", "score_hidden", "seed",
                    "threads", "reps"]
 
 
@@ -144,6 +147,8 @@ def read_csv(path, text_columns, required, contents):
     for c, value in ADDED_COLUMNS.items():
         if c not in df.columns:
             df[c] = value
+    if "kv_heads" not in df.columns and "heads" in df.columns:
+        df["kv_heads"] = df["heads"]
     if "time_median_s" in df.columns:  # results.csv (not a patterns index)
         for c in NOISE_COLUMNS:
             if c not in df.columns:

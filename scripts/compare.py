@@ -38,7 +38,7 @@ from attnbench_results import (KEY_COLUMNS, MASK_COLUMNS, PROBLEM_COLUMNS, Resul
                                spec_order)
 
 PROG = "compare.py"
-SHORT = {"batch": "B", "heads": "H", "n": "n", "m": "m", "dim": "d", "embed": "E",
+SHORT = {"batch": "B", "heads": "H", "kv_heads": "G", "n": "n", "m": "m", "dim": "d", "embed": "E",
          "causal": "causal", "score": "score", "score_hidden": "h", "input": "input",
          "scale": "scale", "seed": "seed", "threads": "threads", "key_padding": "padding",
          "attn_mask": "mask", "pass": "pass"}
@@ -190,7 +190,8 @@ def main():
     # one block per variant, in the order of run A, then by problem
     rank = {s: i for i, s in enumerate(spec_order(a))}
     measured = measured.assign(_rank=measured["spec"].map(rank)).sort_values(
-        ["_rank", "causal", "score", "score_hidden", "input", "dim", "heads", "batch", "n", "m"],
+        ["_rank", "causal", "score", "score_hidden", "input", "dim", "heads", "kv_heads", "batch", "n",
+         "m"],
         kind="stable")
 
     # Show the problem columns that differ between rows; the others once, above the table.

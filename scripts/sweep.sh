@@ -4,7 +4,7 @@
 # scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments replace the default
 # sweep and go to `attnbench sweep` as they are.
 #
-# The default sweep is one `attnbench sweep` of five sets of problems (the others given with
+# The default sweep is one `attnbench sweep` of six sets of problems (the others given with
 # --also, so that the progress line's ETA covers them all):
 #   1. speed: every variant with its defaults, n = 256..8192, causal off and on, gaussian
 #      inputs;
@@ -18,7 +18,9 @@
 #      nearly flat at any scale a pattern can exploit). The float64 reference of each problem
 #      is computed once and reused for every variant.
 #   4. generation: one decode step (--pass decode) after a prefill of n = 1024..65536 tokens,
-#      causal, for every variant (those without a decode step give unsupported rows).
+#      causal, for every variant (those without a decode step give unsupported rows), and for
+#      flash with grouped-query heads (--kv-heads 1, 2 and 4 of the 8 heads: a KV cache of G
+#      heads, each read once for its group).
 # Finished rows are kept: running the script again resumes where it stopped.
 #
 # Installed (`cmake --install`, PREFIX/share/attnbench/scripts/sweep.sh) it builds nothing: it
@@ -47,7 +49,8 @@ if [ $# -eq 0 ]; then
     --also='--seq 256..8192 --causal both --pass bwd,fwdbwd' \
     --also='--seq 256..8192 --causal off --input local,clustered,lowrank --scale 1,2,4' \
     --also='--seq 256..8192 --causal off --input gaussian --scale 2,4' \
-    --also='--seq 1024..65536 --causal on --pass decode'
+    --also='--seq 1024..65536 --causal on --pass decode' \
+    --also='--variant flash --seq 1024..65536 --causal on --pass decode --kv-heads 1,2,4'
 else
   "$bin" sweep --out "$out" "$@"
 fi

@@ -16,21 +16,22 @@ class Layout:
     """How rows are split into panels.
 
     A configuration is the tuple of problem columns other than n, m, causal and input: always
-    dim and heads, plus embed (layer rows), batch, scale, seed or threads when the results hold
-    several values of them. Columns with one value are shown once, in the figure title.
+    dim and heads, plus kv_heads (grouped-query rows), embed (layer rows), batch, scale, seed or
+    threads when the results hold several values of them. Columns with one value are shown once,
+    in the figure title.
     """
 
     def __init__(self, df):
         # Multi-head layer rows (embed > 0) get panels of their own, apart from plain attention.
-        self.cols = ["dim", "heads"] + [c for c in ["embed", "batch", "scale", "seed", "threads"]
-                                        if df[c].nunique() > 1]
+        self.cols = ["dim", "heads"] + [c for c in ["kv_heads", "embed", "batch", "scale", "seed",
+                                                    "threads"] if df[c].nunique() > 1]
         self.fixed = [c for c in ["batch", "scale", "seed", "threads"] if c not in self.cols]
         self.configs = sorted({tuple(r) for r in df[self.cols].itertuples(index=False)})
         self.causals = sorted(df["causal"].unique())
         self.inputs = list(dict.fromkeys(df["input"]))
         self.fixed_values = {c: df[c].iloc[0] for c in self.fixed}
 
-    SHORT = {"dim": "d", "heads": "H", "embed": "E", "batch": "B", "scale": "scale", "seed": "seed",
+    SHORT = {"dim": "d", "heads": "H", "kv_heads": "G", "embed": "E", "batch": "B", "scale": "scale", "seed": "seed",
              "threads": "threads"}
 
     def config_label(self, config):
