@@ -5,6 +5,9 @@ against: its forward pass (`--pass fwd`, under no_grad), torch.autograd's backwa
 N(0, 1); or one generation step on cached tensors at context n (`--pass decode`: the new key
 and value written into preallocated caches, then the expression for one query over the n + 1
 cached positions, under no_grad; Debian's PyTorch 1.13 has no scaled_dot_product_attention).
+With `--kv-heads G` (grouped-query attention, G dividing H) k and v have G heads: the passes
+expand them to the H query heads with repeat_interleave, and the decode step keeps caches of G
+heads and attends the H / G queries of each group in one product (q viewed [B, G, H / G, d]).
 With `--rss`, each pass runs in a fresh process and its maximum resident set size (the
 training peak PyTorch reaches) is reported too. Needs Debian's python3-torch (not
 installed by scripts/deps.sh).
@@ -28,14 +31,21 @@ def attention(q, k, v, scale):
     return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
 
 
+def grouped(x, heads):
+    """k or v of G heads [B, G, n, d] as the H query heads read them."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def time_decode(a, n, kind):
     """Median seconds of one decode step at context n (after a warm-up step): the caches hold
     n positions and room for the steps; each step appends one key and value per (batch, head)
     and attends one query over every cached position."""
     steps = max(a.reps, 20) + 1
-    shape = (a.batch, a.heads, n + steps, a.dim)
+    g = a.kv_heads
+    shape = (a.batch, g, n + steps, a.dim)
     kc, vc = torch.randn(shape), torch.randn(shape)
-    q, k, v = (torch.randn(a.batch, a.heads, 1, a.dim) for _ in range(3))
+    q = torch.randn(a.batch, g, a.heads // g, a.dim)  # the H queries, by group
+    k, v = (torch.randn(a.batch, g, 1, a.dim) for _ in range(2))
     scale = a.dim ** -0.5
     times = []
     with torch.no_grad():
@@ -54,8 +64,9 @@ def time_pass(a, n, kind):
     """Median seconds of one pass of `kind` over a.reps repetitions (after a warm-up)."""
     if kind == "decode":
         return time_decode(a, n, kind)
-    q, k, v = (torch.randn(a.batch, a.heads, n, a.dim, requires_grad=kind != "fwd")
-               for _ in range(3))
+    q = torch.randn(a.batch, a.heads, n, a.dim, requires_grad=kind != "fwd")
+    k, v = (torch.randn(a.batch, a.kv_heads, n, a.dim, requires_grad=kind != "fwd")
+            for _ in range(2))
     do = torch.randn(a.batch, a.heads, n, a.dim)
     scale = a.dim ** -0.5
     times = []
@@ -63,16 +74,17 @@ def time_pass(a, n, kind):
         if kind == "fwd":
             with torch.no_grad():
                 t0 = time.perf_counter()
-                attention(q, k, v, scale)
+                attention(q, grouped(k, a.heads), grouped(v, a.heads), scale)
         elif kind == "bwd":
-            out = attention(q, k, v, scale)  # the forward and its graph, not timed
+            # the forward and its graph, not timed
+            out = attention(q, grouped(k, a.heads), grouped(v, a.heads), scale)
             q.grad = k.grad = v.grad = None
             t0 = time.perf_counter()
             out.backward(do)
         else:
             q.grad = k.grad = v.grad = None
             t0 = time.perf_counter()
-            attention(q, k, v, scale).backward(do)
+            attention(q, grouped(k, a.heads), grouped(v, a.heads), scale).backward(do)
         if r:  # the first pass warms up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -83,6 +95,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="key/value heads G (a divisor of --heads; 0 = as many as the heads)")
     ap.add_argument("--seq", type=int, nargs="+", default=[4096])
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -93,6 +107,9 @@ def main():
                     help="also report each pass's maximum resident set size (fresh process)")
     ap.add_argument("--one", nargs=2, metavar=("N", "PASS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.kv_heads = a.kv_heads or a.heads
+    if a.kv_heads < 1 or a.heads % a.kv_heads:
+        ap.error(f"--kv-heads {a.kv_heads} does not divide --heads {a.heads}")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     if a.one:  # a child of --rss: one pass, then its peak RSS
@@ -105,6 +122,7 @@ def main():
             rss = ""
             if a.rss:
                 cmd = [sys.executable, __file__, "--batch", str(a.batch), "--heads", str(a.heads),
+                       "--kv-heads", str(a.kv_heads),
                        "--dim", str(a.dim), "--threads", str(a.threads), "--reps", str(a.reps),
                        "--one", str(n), kind]
                 t, peak = subprocess.run(cmd, check=True, capture_output=True,
