@@ -354,8 +354,21 @@ bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const Mach
   pattern.reset();
 
   // Timed steps: each repetition prefills n tokens into a state with room for the steps, then
-  // runs them at contexts n, n + 1, ..., fed with rows 0, 1, ... of the inputs again.
+  // runs them at contexts n, n + 1, ..., fed with rows 0, 1, ... of the inputs again. Those
+  // rows are gathered first into tensors of `steps` positions, as a model hands a step the
+  // fresh q, k and v of one token: read from [B, H, n, d] inputs, the rows of a step sit
+  // n d floats apart from head to head, and their TLB and cache misses would grow with n.
   const int64_t steps = decode_timed_steps(n);
+  Tensor sq(Shape4{p.batch, p.heads, steps, p.dim});
+  Tensor sk(Shape4{p.batch, p.kv_head_count(), steps, p.dim}, p.kv_group());
+  Tensor sv(Shape4{p.batch, p.kv_head_count(), steps, p.dim}, p.kv_group());
+  for (auto [from, to] : {std::pair{q, &sq}, {k, &sk}, {v, &sv}}) {
+    const TensorView dst = to->view();
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t h = 0; h < p.heads; h += from.group)
+        for (int64_t s = 0; s < steps; ++s)
+          std::copy(from.row(b, h, s % n), from.row(b, h, s % n) + p.dim, dst.row(b, h, s));
+  }
   Problem pt = p;
   pt.n = n + steps;
   pt.m = 0;
@@ -378,8 +391,8 @@ bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const Mach
   st.reset();
   prefill_times.clear();
   auto step = [&] {
-    const int64_t t = next++ % n;
-    st->step(token(q, t), token(k, t), token(v, t), step_out.view());
+    const int64_t s = next++ % steps;
+    st->step(token(sq.view(), s), token(sk.view(), s), token(sv.view(), s), step_out.view());
   };
   if (!time_passes(name, opt, mf, step, row, bench_json, prefill, steps)) return false;
   st.reset();
