@@ -24,22 +24,8 @@ namespace {
 
 using test::row_view;
 
-/// q [B, H, n, d] and k, v in grouped storage [B, G, n, d] (Problem::kv_tensor), seeded.
-struct GroupedInputs {
-  Tensor q, k, v;
-};
-
-GroupedInputs grouped_inputs(const Problem& p) {
-  GroupedInputs in{generate_inputs(p).q, p.kv_tensor(), p.kv_tensor()};
-  std::mt19937_64 rng(p.seed);
-  std::normal_distribution<float> normal;
-  for (Tensor* t : {&in.k, &in.v})
-    for (int64_t i = 0; i < t->numel(); ++i) t->data()[i] = normal(rng);
-  return in;
-}
-
 /// Prefills t0 tokens, steps through the rest; returns out [B, H, n, d] (rows < t0 zero).
-Tensor decode(Decoder& dec, const Problem& p, const GroupedInputs& in, int64_t t0) {
+Tensor decode(Decoder& dec, const Problem& p, const Inputs& in, int64_t t0) {
   Tensor out(p.q_shape());
   auto state = dec.prefill(p, in.k.view(), in.v.view(), t0);
   EXPECT_EQ(state->length(), t0);
@@ -90,7 +76,7 @@ TEST(DecodeCompressed, StepsMatchCausalForward) {
         for (int64_t n : {37, 130})
           for (int64_t g : {4, 2, 1}) {
             const Problem p = gqa_problem(n, 16, g, uint64_t(n + r + g));
-            const GroupedInputs in = grouped_inputs(p);
+            const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
             auto variant = make_variant(spec(pool, r));
             variant->check_decode(p);
             Tensor forward(p.q_shape());
@@ -114,7 +100,7 @@ TEST(DecodeCompressed, ParallelStepsMatchCausalForward) {
   for (const std::string pool : {"mean", "conv"}) {
     SCOPED_TRACE(pool);
     const Problem p = gqa_problem(700, 64, 2, 5);
-    const GroupedInputs in = grouped_inputs(p);
+    const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
     auto variant = make_variant(spec(pool, 5));
     Tensor forward(p.q_shape());
     variant->run(p, in.q.view(), in.k.view(), in.v.view(), forward.view());
@@ -135,7 +121,7 @@ TEST(DecodeCompressed, StateHoldsPooledRows) {
     for (int64_t g : {4, 2, 1}) {
       SCOPED_TRACE(pool + " G=" + std::to_string(g));
       const Problem p = gqa_problem(n, d, g, 3);
-      const GroupedInputs in = grouped_inputs(p);
+      const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
       auto variant = make_variant(spec(pool, r));
       const int64_t cache_heads = conv ? H : g, pending = g * (conv ? r : 1) * 2 * d;
       auto state = variant->decoder()->prefill(p, in.k.view(), in.v.view(), 0);
@@ -182,7 +168,7 @@ TEST(DecodeCompressed, PrefillFlopsCountThePooling) {
 
 TEST(DecodeCompressed, StepOnAFullStateThrows) {
   const Problem p = gqa_problem(9, 8, 2, 2);
-  const GroupedInputs in = grouped_inputs(p);
+  const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
   for (const std::string pool : {"mean", "conv"}) {
     SCOPED_TRACE(pool);
     auto variant = make_variant(spec(pool, 4));

@@ -25,30 +25,8 @@ namespace {
 
 using test::row_view;
 
-/// q [B, H, n, d] and k, v stored [B, G, n, d] and viewed grouped as [B, H, n, d]
-/// (Problem::kv_tensor), random.
-struct GroupedInputs {
-  Tensor q, k, v;
-};
-
-GroupedInputs grouped_inputs(const Problem& p) {
-  Problem ungrouped = p;
-  ungrouped.kv_heads = 0;
-  const Inputs in = generate_inputs(ungrouped);
-  GroupedInputs g{test::copy(in.q), p.kv_tensor(), p.kv_tensor()};
-  // key/value head j takes the rows of head j of the ungrouped draw
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t j = 0; j < p.kv_head_count(); ++j)
-      for (int64_t i = 0; i < p.n; ++i)
-        for (int64_t c = 0; c < p.dim; ++c) {
-          g.k.view().row(b, j * p.kv_group(), i)[c] = in.k.view().row(b, j, i)[c];
-          g.v.view().row(b, j * p.kv_group(), i)[c] = in.v.view().row(b, j, i)[c];
-        }
-  return g;
-}
-
 /// Steps `state` through positions length() .. p.n - 1, each output into row t of out.
-void step_to_end(DecodeState& state, const Problem& p, const GroupedInputs& in, Tensor& out) {
+void step_to_end(DecodeState& state, const Problem& p, const Inputs& in, Tensor& out) {
   test::step_to_end(state, p.n, in.q.view(), in.k.view(), in.v.view(), out.view());
 }
 
@@ -91,7 +69,7 @@ TEST(PatternDecode, StepsMatchCausalForward) {
       for (int64_t g : {4, 2, 1}) {
         const int64_t d = n == 130 ? 33 : 16;
         const Problem p = grouped_problem(n, d, g, uint64_t(n + g));
-        const GroupedInputs in = grouped_inputs(p);
+        const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
         for (const std::string& spec : specs()) {
           auto variant = make_variant(spec);
           Tensor forward(p.q_shape());
@@ -124,7 +102,7 @@ TEST(PatternDecode, StepsMatchCausalForward) {
 TEST(PatternDecode, CacheKeepsOnlyTheBlocksLaterQueriesRead) {
   const int64_t B = 2, H = 4, n = 201, d = 16, bs = 8;
   const Problem p = grouped_problem(n, d, H, 5);
-  const GroupedInputs in = grouped_inputs(p);
+  const Inputs in = generate_inputs(p);        // k and v grouped by p.kv_heads
   const double row = 2.0 * d * sizeof(float);  // one key and one value row
   auto windowed = make_variant("longformer:window=5,global=0,block=8");
   auto with_globals = make_variant("longformer:window=5,global=3,block=8");
@@ -169,7 +147,7 @@ TEST(PatternDecode, GroupedCacheShrinksByTheGroup) {
     double state[5] = {}, read[5] = {};
     for (int64_t g : {4, 2, 1}) {
       const Problem p = grouped_problem(n, d, g, 9);
-      const GroupedInputs in = grouped_inputs(p);
+      const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
       auto st = variant->decoder()->prefill(p, in.k.view(), in.v.view(), t0);
       state[g] = st->state_bytes(), read[g] = st->step_bytes_read();
       // the rows read besides the cache: per (batch, head) q and out, per (batch, kv head) k, v
@@ -195,7 +173,7 @@ TEST(PatternDecode, GroupedCacheShrinksByTheGroup) {
 
 TEST(PatternDecode, StepOnAFullStateThrows) {
   const Problem p = grouped_problem(21, 8, 2, 3);
-  const GroupedInputs in = grouped_inputs(p);
+  const Inputs in = generate_inputs(p);  // k and v grouped by p.kv_heads
   for (const std::string& spec : specs()) {
     SCOPED_TRACE(spec);
     auto variant = make_variant(spec);
