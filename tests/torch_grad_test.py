@@ -10,7 +10,9 @@ gradients of sum(do * softmax(a(q, k) + mask) v) in float64 on the same arrays. 
 visible key give 0 in attnbench (no gradient) and NaN in PyTorch's softmax: torch gets them
 with a zero dO.
 Pattern variants are compared with the dense function restricted to their pattern, exported
-by `attnbench pattern`.
+by `attnbench pattern`. Grouped-query cases (`--kv-heads`: k, v with 2 heads for 4 query heads)
+give torch k and v through repeat_interleave, so autograd sums the gradients of a key/value
+head over its group.
 
 usage: torch_grad_test.py ATTNBENCH
 """
@@ -43,14 +45,16 @@ SMALL = {
 def torch_grads(q, k, v, do, bias, score, w):
     """dq, dk, dv of sum(do * softmax(logits + bias) v) in float64 by autograd."""
     qt, kt, vt = (torch.tensor(x.astype(np.float64), requires_grad=True) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]  # query heads per key/value head
+    ke, ve = (x.repeat_interleave(group, dim=1) for x in (kt, vt))
     if score == "scaled_dot":
-        logits = qt @ kt.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        logits = qt @ ke.transpose(-2, -1) / math.sqrt(q.shape[-1])
     elif score == "dot":
-        logits = qt @ kt.transpose(-2, -1)
+        logits = qt @ ke.transpose(-2, -1)
     else:  # bilinear: q^T W k per head, W [H, d, d]
         wt = torch.from_numpy(w.astype(np.float64))
-        logits = torch.einsum("bhic,hcx,bhjx->bhij", qt, wt, kt)
-    out = torch.softmax(logits + torch.from_numpy(bias), dim=-1) @ vt
+        logits = torch.einsum("bhic,hcx,bhjx->bhij", qt, wt, ke)
+    out = torch.softmax(logits + torch.from_numpy(bias), dim=-1) @ ve
     (out * torch.from_numpy(do.astype(np.float64))).sum().backward()
     return qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()
 
@@ -69,11 +73,11 @@ def pattern_bias(exe, tmp, variant, n, m, causal, h_count):
     return out
 
 
-def run_case(exe, tmp, variant, pattern, n, m, causal, score, rng):
-    b, h, d = 2, 3, 16
+def run_case(exe, tmp, variant, pattern, n, m, causal, score, rng, h=3, g=3):
+    b, d = 2, 16
     q = rng.standard_normal((b, h, n, d)).astype(np.float32)
-    k = rng.standard_normal((b, h, m, d)).astype(np.float32)
-    v = rng.standard_normal((b, h, m, d)).astype(np.float32)
+    k = rng.standard_normal((b, g, m, d)).astype(np.float32)
+    v = rng.standard_normal((b, g, m, d)).astype(np.float32)
     do = rng.standard_normal((b, h, n, d)).astype(np.float32)
     arrays = dict(q=q, k=k, v=v, do=do)
     w = None
@@ -114,7 +118,7 @@ def run_case(exe, tmp, variant, pattern, n, m, causal, score, rng):
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     got = np.load(grads)
     want = torch_grads(q, k, v, do_torch, full, score, w)
-    label = f"{variant} n={n} m={m} causal={int(causal)} score={score}"
+    label = f"{variant} n={n} m={m} causal={int(causal)} score={score} H={h} G={g}"
     for name, ref in zip(("dq", "dk", "dv"), want):
         g = got[name].astype(np.float64)
         assert g.shape == ref.shape, f"{label}: {name} shape {g.shape} != {ref.shape}"
@@ -151,6 +155,9 @@ def main():
                     scores = ("scaled_dot", "dot", "bilinear") if not pattern else ("scaled_dot",)
                     for score in scores:
                         cases += run_case(exe, tmp, spec, pattern, n, m, causal, score, rng)
+            # grouped-query attention: 4 query heads on 2 key/value heads
+            cases += run_case(exe, tmp, spec, pattern, 45, 45, v["causal"], "scaled_dot", rng,
+                              h=4, g=2)
     names = ", ".join(v["name"] for v in exact)
     print(f"ok: {cases} cases of {names}")
 
