@@ -265,3 +265,32 @@ def test_no_decode_is_not_implemented():
     k = rand(1, 2, 4, 8)
     with pytest.raises(NotImplementedError):
         var.decoder(k, k, capacity=16)
+
+
+@pytest.mark.parametrize("spec", ["flash", "full"])
+def test_torch_autograd_function(spec):
+    import attnbench.torch as abt
+
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in qkv(h=4, g=2, n=21))
+    out = abt.attention(spec, q, k, v, causal=True)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    dout = torch.from_numpy(rand(*q.shape, seed=4))
+    out.backward(dout)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    s = q64 @ k64.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+    s = s.masked_fill(torch.ones(21, 21, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.softmax(s, -1) @ v64.repeat_interleave(2, 1)
+    o.backward(dout.double())
+    assert rel(out.detach().numpy(), o.detach().numpy()) < RTOL
+    for got, want in [(q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)]:
+        assert rel(got.numpy(), want.numpy()) < RTOL
+    with torch.no_grad():  # no training pass needed: the plain forward
+        assert rel(abt.attention(spec, q, k, v, causal=True).numpy(), o.detach().numpy()) < RTOL
+
+
+def test_torch_shares_memory():
+    import attnbench.torch as abt
+
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    abt.attention("flash", q, k, v)
+    assert attnbench._attnbench._last_pointers() == tuple(x.data_ptr() for x in (q, k, v))
