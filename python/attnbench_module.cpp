@@ -81,6 +81,17 @@ struct Options {
   int threads = 0;
 };
 
+// The key/value heads G of k [B, G, m, d] for `heads` query heads; UsageError unless G
+// divides them.
+int64_t kv_heads_of(const F32& k, int64_t heads) {
+  const int64_t g = k.shape(1);
+  if (g <= 0 || heads % g != 0)
+    throw UsageError("k and v have " + std::to_string(g) + " heads (shape " + shape_text(k) +
+                     ") for " + std::to_string(heads) +
+                     " query heads; expected a divisor of the query heads");
+  return g;
+}
+
 // The problem of q [B, H, n, d] and k, v [B, G, m, d] under `o`, validated.
 Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o) {
   if (k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || v.shape(0) != k.shape(0) ||
@@ -88,11 +99,7 @@ Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o)
     throw UsageError("q has shape " + shape_text(q) + ", k " + shape_text(k) + ", v " +
                      shape_text(v) +
                      "; expected q [B, H, n, d] and k, v both [B, G, m, d] (G divides H)");
-  const int64_t g = k.shape(1), h = q.shape(1);
-  if (g <= 0 || h % g != 0)
-    throw UsageError("k and v have " + std::to_string(g) + " heads (shape " + shape_text(k) +
-                     ") for " + std::to_string(h) +
-                     " query heads; expected a divisor of the query heads");
+  const int64_t h = q.shape(1), g = kv_heads_of(k, h);
   if (o.kv_heads != 0 && o.kv_heads != g)
     throw UsageError("kv_heads=" + std::to_string(o.kv_heads) + " but k and v have shape " +
                      shape_text(k) + " (" + std::to_string(g) + " key/value heads)");
@@ -129,17 +136,33 @@ Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o)
   return p;
 }
 
-Options options(bool causal, std::string score, std::vector<int64_t> key_padding,
-                std::optional<py::array> attn_mask, int64_t kv_heads, uint64_t seed, int threads) {
-  return {causal, std::move(score), std::move(key_padding), std::move(attn_mask), kv_heads,
-          seed,   threads};
+// The problem keywords (python/attnbench/__init__.py passes every one of them).
+Options options(const py::kwargs& kw) {
+  Options o;
+  for (const auto& [key, value] : kw) {
+    const std::string k = py::str(key);
+    if (k == "causal") {
+      o.causal = value.cast<bool>();
+    } else if (k == "score") {
+      o.score = value.cast<std::string>();
+    } else if (k == "key_padding") {
+      o.key_padding = value.cast<std::vector<int64_t>>();
+    } else if (k == "attn_mask") {
+      if (!value.is_none()) o.attn_mask = value.cast<py::array>();
+    } else if (k == "kv_heads") {
+      o.kv_heads = value.cast<int64_t>();
+    } else if (k == "seed") {
+      o.seed = value.cast<uint64_t>();
+    } else if (k == "threads") {
+      o.threads = value.cast<int>();
+    } else {
+      throw UsageError("unknown keyword '" + k +
+                       "'; accepted: causal, score, key_padding, attn_mask, kv_heads, seed, "
+                       "threads");
+    }
+  }
+  return o;
 }
-
-#define ATTNBENCH_PROBLEM_ARGS                                                                    \
-  py::kw_only(), py::arg("causal") = false, py::arg("score") = "scaled_dot",                      \
-                 py::arg("key_padding") = std::vector<int64_t>{},                                 \
-                 py::arg("attn_mask") = py::none(), py::arg("kv_heads") = 0, py::arg("seed") = 0, \
-                 py::arg("threads") = 0
 
 // A variant built from a spec, shared by the Python objects that use it.
 struct PyVariant {
@@ -266,21 +289,14 @@ PYBIND11_MODULE(_attnbench, m) {
       .def_property_readonly("capabilities", [](const PyVariant& s) { return capabilities(*s.v); })
       .def(
           "forward",
-          [](PyVariant& s, py::handle q, py::handle k, py::handle v, bool causal, std::string score,
-             std::vector<int64_t> key_padding, std::optional<py::array> attn_mask, int64_t kv_heads,
-             uint64_t seed, int threads) {
-            return forward(*s.v, q, k, v,
-                           options(causal, std::move(score), std::move(key_padding),
-                                   std::move(attn_mask), kv_heads, seed, threads));
+          [](PyVariant& s, py::handle q, py::handle k, py::handle v, const py::kwargs& kw) {
+            return forward(*s.v, q, k, v, options(kw));
           },
-          py::arg("q"), py::arg("k"), py::arg("v"), ATTNBENCH_PROBLEM_ARGS)
+          py::arg("q"), py::arg("k"), py::arg("v"))
       .def(
           "forward_train",
-          [](PyVariant& s, py::handle qo, py::handle ko, py::handle vo, bool causal,
-             std::string score, std::vector<int64_t> key_padding,
-             std::optional<py::array> attn_mask, int64_t kv_heads, uint64_t seed, int threads) {
-            const Options o = options(causal, std::move(score), std::move(key_padding),
-                                      std::move(attn_mask), kv_heads, seed, threads);
+          [](PyVariant& s, py::handle qo, py::handle ko, py::handle vo, const py::kwargs& kw) {
+            const Options o = options(kw);
             auto st = std::make_unique<PySaved>();
             st->v = s.v;
             st->q = expect_f32(qo, "q"), st->k = expect_f32(ko, "k"),
@@ -300,7 +316,7 @@ PYBIND11_MODULE(_attnbench, m) {
             F32 out = st->out;
             return py::make_tuple(out, std::move(st));
           },
-          py::arg("q"), py::arg("k"), py::arg("v"), ATTNBENCH_PROBLEM_ARGS)
+          py::arg("q"), py::arg("k"), py::arg("v"))
       .def(
           "backward",
           [](PyVariant& s, PySaved& st, py::handle douto) {
@@ -333,13 +349,9 @@ PYBIND11_MODULE(_attnbench, m) {
             auto d = std::make_unique<PyDecoder>();
             d->v = s.v;
             Problem& p = d->p;
-            const int64_t g = k.shape(1);
-            p.batch = k.shape(0), p.heads = heads > 0 ? heads : g, p.n = capacity,
+            p.batch = k.shape(0), p.heads = heads > 0 ? heads : k.shape(1), p.n = capacity,
             p.dim = k.shape(3);
-            if (g <= 0 || p.heads % g != 0)
-              throw UsageError("k and v have " + std::to_string(g) + " heads (shape " +
-                               shape_text(k) + ") for heads=" + std::to_string(p.heads) +
-                               "; expected a divisor of the query heads");
+            const int64_t g = kv_heads_of(k, p.heads);
             p.kv_heads = g < p.heads ? g : 0;
             p.causal = true;
             p.seed = seed;
@@ -386,14 +398,11 @@ PYBIND11_MODULE(_attnbench, m) {
 
   m.def(
       "reference",
-      [](py::handle qo, py::handle ko, py::handle vo, bool causal, std::string score,
-         std::vector<int64_t> key_padding, std::optional<py::array> attn_mask, int64_t kv_heads,
-         uint64_t seed, int threads) {
+      [](py::handle qo, py::handle ko, py::handle vo, const py::kwargs& kw) {
         const F32 q = expect_f32(qo, "q"), k = expect_f32(ko, "k"), v = expect_f32(vo, "v");
-        const Problem p = make_problem(q, k, v,
-                                       options(causal, std::move(score), std::move(key_padding),
-                                               std::move(attn_mask), kv_heads, seed, threads));
-        const int team_size = resolve_threads(threads);
+        const Options o = options(kw);
+        const Problem p = make_problem(q, k, v, o);
+        const int team_size = resolve_threads(o.threads);
         std::vector<double> r;
         {
           py::gil_scoped_release nogil;
@@ -404,5 +413,5 @@ PYBIND11_MODULE(_attnbench, m) {
         std::memcpy(out.mutable_data(), r.data(), r.size() * sizeof(double));
         return out;
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), ATTNBENCH_PROBLEM_ARGS);
+      py::arg("q"), py::arg("k"), py::arg("v"));
 }
