@@ -27,6 +27,7 @@
 #include "common/pattern.h"
 #include "common/plugin.h"
 #include "common/registry.h"
+#include "harness/catalog.h"
 #include "harness/layer.h"
 #include "harness/machine.h"
 #include "harness/patterns.h"
@@ -234,50 +235,6 @@ std::string progress_line(size_t i, size_t n, double elapsed, double eta, const 
 }
 
 // ----- list -----
-
-// Whether the variant, built with its default parameters, has a backward pass
-// (Variant::backward): read from what it implements, never from a flag.
-bool has_backward(const VariantInfo& v) {
-  return Registry::instance().make(v.name)->backward() != nullptr;
-}
-
-// Whether the variant, built with its default parameters, has a decode step
-// (Variant::decoder), read the same way.
-bool has_decode(const VariantInfo& v) {
-  return Registry::instance().make(v.name)->decoder() != nullptr;
-}
-
-nlohmann::ordered_json variants_json() {
-  nlohmann::ordered_json all = nlohmann::ordered_json::array();
-  for (const VariantInfo* v : Registry::instance().all()) {
-    nlohmann::ordered_json params = nlohmann::ordered_json::array();
-    for (const auto& p : v->params) {
-      nlohmann::ordered_json j = {
-          {"name", p.name}, {"type", to_string(p.type)}, {"default", p.default_value}};
-      if (p.type == ParamType::Int || p.type == ParamType::Float || p.type == ParamType::IntList)
-        j["range"] = {p.min, p.max};
-      if (p.type == ParamType::Choice) j["choices"] = p.choices;
-      j["help"] = p.help;
-      params.push_back(j);
-    }
-    all.push_back({{"name", v->name},
-                   {"summary", v->summary},
-                   {"complexity", v->complexity},
-                   {"causal", v->caps.causal},
-                   {"cross", v->caps.cross},
-                   {"exact", v->caps.exact},
-                   {"linear_score", v->caps.linear_score},
-                   {"additive", v->caps.additive},
-                   {"key_padding", v->caps.key_padding},
-                   {"attn_mask", v->caps.attn_mask},
-                   {"backward", has_backward(*v)},
-                   {"decode", has_decode(*v)},
-                   {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
-                                                : nlohmann::ordered_json(v->plugin)},
-                   {"params", params}});
-  }
-  return all;
-}
 
 // The capability columns of `list`, one line each: header and flag.
 const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColumns = {

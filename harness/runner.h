@@ -15,6 +15,7 @@
 #include "common/workload.h"
 #include "harness/machine.h"
 #include "harness/metrics.h"
+#include "harness/team.h"
 
 namespace attnbench {
 
@@ -96,35 +97,6 @@ constexpr double kNoisyLoadMargin = 0.5;
 std::string noise_reason(const Row& row, int processors);
 /// noise_reason with the processors of this process.
 std::string noise_reason(const Row& row);
-
-/// Threads per core a run may ask for: more only measures the scheduler, and far more makes
-/// the OpenMP runtime fail to start its threads.
-constexpr int kMaxThreadsPerCore = 8;
-/// The largest thread count accepted: kMaxThreadsPerCore x the cores this process may use.
-int max_threads();
-
-/// Resolves threads = 0 to every core. Throws UsageError for a count outside
-/// [0, max_threads()].
-int resolve_threads(int threads);
-
-/// Resolves threads = 0 to every core and applies the count to OpenMP and BLAS for the rest
-/// of the process. Throws UsageError for a count outside [0, max_threads()].
-int apply_threads(int threads);
-
-/// The team every call into a variant runs with: sets the OpenMP team size and OpenBLAS's
-/// thread count for a scope and restores both when it ends. Variants, engines and kernels
-/// take the team they are given (common/threads.h); run_one is where the count is decided.
-class ThreadTeam {
- public:
-  /// `threads` >= 1 (resolve_threads gives one).
-  explicit ThreadTeam(int threads);
-  ~ThreadTeam();
-  ThreadTeam(const ThreadTeam&) = delete;
-  ThreadTeam& operator=(const ThreadTeam&) = delete;
-
- private:
-  int omp_before_, blas_before_;
-};
 
 /// Bytes of memory the system can give (MemAvailable).
 double available_memory();

@@ -9,6 +9,7 @@ packages=(
   libcli11-dev libgtest-dev libzip-dev
   libbenchmark-tools python3 python3-scipy python3-matplotlib python3-pandas
   python3-numpy python3-torch
+  python3-dev pybind11-dev python3-pybind11 python3-pytest
 )
 
 # --dev adds what the clang build, the sanitizer runs and the fuzzers need (scripts/clang_build.sh,

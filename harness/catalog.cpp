@@ -1,0 +1,45 @@
+#include "harness/catalog.h"
+
+namespace attnbench {
+
+bool has_backward(const VariantInfo& v) {
+  return Registry::instance().make(v.name)->backward() != nullptr;
+}
+
+bool has_decode(const VariantInfo& v) {
+  return Registry::instance().make(v.name)->decoder() != nullptr;
+}
+
+nlohmann::ordered_json variants_json() {
+  nlohmann::ordered_json all = nlohmann::ordered_json::array();
+  for (const VariantInfo* v : Registry::instance().all()) {
+    nlohmann::ordered_json params = nlohmann::ordered_json::array();
+    for (const auto& p : v->params) {
+      nlohmann::ordered_json j = {
+          {"name", p.name}, {"type", to_string(p.type)}, {"default", p.default_value}};
+      if (p.type == ParamType::Int || p.type == ParamType::Float || p.type == ParamType::IntList)
+        j["range"] = {p.min, p.max};
+      if (p.type == ParamType::Choice) j["choices"] = p.choices;
+      j["help"] = p.help;
+      params.push_back(j);
+    }
+    all.push_back({{"name", v->name},
+                   {"summary", v->summary},
+                   {"complexity", v->complexity},
+                   {"causal", v->caps.causal},
+                   {"cross", v->caps.cross},
+                   {"exact", v->caps.exact},
+                   {"linear_score", v->caps.linear_score},
+                   {"additive", v->caps.additive},
+                   {"key_padding", v->caps.key_padding},
+                   {"attn_mask", v->caps.attn_mask},
+                   {"backward", has_backward(*v)},
+                   {"decode", has_decode(*v)},
+                   {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
+                                                : nlohmann::ordered_json(v->plugin)},
+                   {"params", params}});
+  }
+  return all;
+}
+
+}  // namespace attnbench
