@@ -71,10 +71,13 @@ def variants():
 
 class Decoder:
     """A decode state (see Variant.decoder): step(q, k, v) appends one token's key and value
-    ([B, G, 1, d]) at position `length` and returns the output [B, H, 1, d] of its query."""
+    ([B, G, 1, d]) at position `length` and returns the output [B, H, 1, d] of its query.
+    append(k, v) then attend(q) is the same step in two calls: the token's key and value,
+    then its query."""
 
     def __init__(self, core):
         self._core = core
+        self._pending = None
 
     @property
     def length(self):
@@ -91,7 +94,30 @@ class Decoder:
         return self._core.state_bytes
 
     def step(self, q, k, v):
+        if self._pending is not None:
+            raise ValueError("step(): a key and value appended by append() wait for their "
+                             "query; call attend(q) first")
         return self._core.step(_as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v"))
+
+    def append(self, k, v):
+        """Appends the next token's key and value [B, G, 1, d]; attend(q) then gives the
+        output of its query. One token at a time: append, attend, append, attend, ..."""
+        if self._pending is not None:
+            raise ValueError("append(): the token appended before has not attended yet; call "
+                             "attend(q) for it first (one token at a time)")
+        if self.length >= self.capacity:
+            raise ValueError(f"append(): the state is full (capacity {self.capacity} tokens)")
+        self._pending = (_as_f32(k, "k"), _as_f32(v, "v"))
+        return self
+
+    def attend(self, q):
+        """The output [B, H, 1, d] of the query q [B, H, 1, d] of the token append() added."""
+        if self._pending is None:
+            raise ValueError("attend(): no appended token; call append(k, v) first")
+        k, v = self._pending
+        out = self._core.step(_as_f32(q, "q"), k, v)
+        self._pending = None
+        return out
 
 
 class Variant:

@@ -10,7 +10,8 @@ Shapes and keywords are those of attnbench.attention (k, v [B, G, m, d]). Contig
 float32 tensors are shared with the variant (tensor.numpy(), torch.from_numpy: no copies);
 others are copied once to that. When any input requires a gradient the forward runs the
 variant's training pass (Variant.forward_train) and backward() its backward pass; otherwise
-the plain forward. Changing q, k or v in place between the two is caught by torch's version
+the plain forward. A problem the variant has no backward for (the additive score) runs its
+forward, and backward() raises NotImplementedError saying why. Changing q, k or v in place between the two is caught by torch's version
 check.
 """
 
@@ -36,15 +37,21 @@ class _Attention(_torch.autograd.Function):
     def forward(ctx, q, k, v, variant, problem):
         arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
         ctx.variant = variant
+        ctx.no_backward = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            out, ctx.core_saved = variant.forward_train(*arrays, **problem)
-            ctx.save_for_backward(q, k, v)  # only for torch's in-place (version) check
-        else:
-            out = variant.forward(*arrays, **problem)
-        return _torch.from_numpy(out)
+            try:
+                out, ctx.core_saved = variant.forward_train(*arrays, **problem)
+                ctx.save_for_backward(q, k, v)  # only for torch's in-place (version) check
+                return _torch.from_numpy(out)
+            except NotImplementedError as e:
+                # no backward for this problem: the forward runs, backward() raises why
+                ctx.no_backward = str(e)
+        return _torch.from_numpy(variant.forward(*arrays, **problem))
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.no_backward is not None:
+            raise NotImplementedError(ctx.no_backward)
         ctx.saved_tensors  # raises if q, k or v changed in place since the forward
         dq, dk, dv = ctx.variant.backward(ctx.core_saved, _array(dout, "dout"))
         return _torch.from_numpy(dq), _torch.from_numpy(dk), _torch.from_numpy(dv), None, None

@@ -257,6 +257,18 @@ def test_decode_steps_equal_causal_rows():
     assert dec.length == n
     with pytest.raises(ValueError, match="full"):
         dec.step(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    # append(k, v) then attend(q): the same steps in two calls
+    dec = var.decoder(k[:, :, :t0], v[:, :, :t0], capacity=n, heads=h)
+    with pytest.raises(ValueError, match="append"):
+        dec.attend(q[:, :, t0:t0 + 1])
+    for t in range(t0, n):
+        dec.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        with pytest.raises(ValueError, match="attend"):
+            dec.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        row = dec.attend(q[:, :, t:t + 1])
+        np.testing.assert_allclose(row[:, :, 0], full[:, :, t], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="full"):
+        dec.append(k[:, :, :1], v[:, :, :1])
 
 
 def test_no_decode_is_not_implemented():
@@ -286,6 +298,19 @@ def test_torch_autograd_function(spec):
         assert rel(got.numpy(), want.numpy()) < RTOL
     with torch.no_grad():  # no training pass needed: the plain forward
         assert rel(abt.attention(spec, q, k, v, causal=True).numpy(), o.detach().numpy()) < RTOL
+
+
+def test_torch_backward_error_comes_at_backward():
+    """A problem without a backward (the additive score) runs its forward; backward raises."""
+    import attnbench.torch as abt
+
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in qkv(n=16))
+    out = abt.attention("flash", q, k, v, score="additive")
+    with torch.no_grad():
+        assert rel(out.detach().numpy(),
+                   abt.attention("flash", q, k, v, score="additive").numpy()) == 0
+    with pytest.raises(NotImplementedError, match="additive"):
+        out.sum().backward()
 
 
 def test_torch_shares_memory():
