@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -165,8 +166,11 @@ Options options(const py::kwargs& kw) {
 }
 
 // A variant built from a spec, shared by the Python objects that use it.
+// Calls into one Variant object (and into one decode state) are serialised: they run with the
+// GIL released, and a variant may keep state between calls (prepared draws, notes).
 struct PyVariant {
   std::shared_ptr<Variant> v;
+  std::shared_ptr<std::mutex> mu = std::make_shared<std::mutex>();
 };
 
 // What forward_train keeps for backward: the problem, the arrays (held, not copied) and the
@@ -185,6 +189,7 @@ struct PyDecoder {
   Problem p;
   std::unique_ptr<DecodeState> state;
   int threads = 0;
+  std::shared_ptr<std::mutex> mu = std::make_shared<std::mutex>();
 };
 
 void record_pointers(const F32& q, const F32& k, const F32& v) {
@@ -193,8 +198,8 @@ void record_pointers(const F32& q, const F32& k, const F32& v) {
   g_last_v = reinterpret_cast<uintptr_t>(v.data());
 }
 
-F32 forward(Variant& variant, const py::handle& qo, const py::handle& ko, const py::handle& vo,
-            const Options& o) {
+F32 forward(Variant& variant, std::mutex& mu, const py::handle& qo, const py::handle& ko,
+            const py::handle& vo, const Options& o) {
   const F32 q = expect_f32(qo, "q"), k = expect_f32(ko, "k"), v = expect_f32(vo, "v");
   const Problem p = make_problem(q, k, v, o);
   const int threads = resolve_threads(o.threads);
@@ -203,6 +208,7 @@ F32 forward(Variant& variant, const py::handle& qo, const py::handle& ko, const 
   TensorView ov = mut_view(out);
   {
     py::gil_scoped_release nogil;
+    const std::lock_guard<std::mutex> lock(mu);
     ThreadTeam team(threads);
     variant.run(p, view(q), kv_view(k, p), kv_view(v, p), ov);
   }
@@ -290,7 +296,7 @@ PYBIND11_MODULE(_attnbench, m) {
       .def(
           "forward",
           [](PyVariant& s, py::handle q, py::handle k, py::handle v, const py::kwargs& kw) {
-            return forward(*s.v, q, k, v, options(kw));
+            return forward(*s.v, *s.mu, q, k, v, options(kw));
           },
           py::arg("q"), py::arg("k"), py::arg("v"))
       .def(
@@ -309,6 +315,7 @@ PYBIND11_MODULE(_attnbench, m) {
             TensorView ov = mut_view(st->out);
             {
               py::gil_scoped_release nogil;
+              const std::lock_guard<std::mutex> lock(*s.mu);
               ThreadTeam team(st->threads);
               st->saved = s.v->run_train(st->p, view(st->q), kv_view(st->k, st->p),
                                          kv_view(st->v_in, st->p), ov);
@@ -331,6 +338,7 @@ PYBIND11_MODULE(_attnbench, m) {
                        dvv{dv.mutable_data(), shape4(dv), p.kv_group()};
             {
               py::gil_scoped_release nogil;
+              const std::lock_guard<std::mutex> lock(*s.mu);
               ThreadTeam team(st.threads);
               s.v->run_backward(p, view(st.q), kv_view(st.k, p), kv_view(st.v_in, p), view(st.out),
                                 view(dout), *st.saved, dqv, dkv, dvv);
@@ -362,6 +370,7 @@ PYBIND11_MODULE(_attnbench, m) {
             const int64_t t0 = k.shape(2);
             {
               py::gil_scoped_release nogil;
+              const std::lock_guard<std::mutex> lock(*s.mu);
               ThreadTeam team(d->threads);
               d->state = s.v->decoder()->prefill(p, kv, vv, t0);
             }
@@ -389,6 +398,7 @@ PYBIND11_MODULE(_attnbench, m) {
             TensorView ov = mut_view(out);
             {
               py::gil_scoped_release nogil;
+              const std::lock_guard<std::mutex> lock(*d.mu);
               ThreadTeam team(d.threads);
               d.state->step(qv, kv, vv, ov);
             }

@@ -138,6 +138,28 @@ def test_two_threads_at_once():
         assert r is not None and rel(r, want) < RTOL
 
 
+def test_one_variant_object_from_several_threads():
+    """Calls into one Variant object are serialised: each thread gets its own problem's answer
+    (performer keeps its prepared features between calls)."""
+    var = attnbench.Variant("performer:features=64")
+    problems = [(qkv(b=1, h=4, n=64 + 16 * i, d=32, seed=i), i) for i in range(4)]
+    want = [var.forward(q, k, v, seed=seed) for (q, k, v), seed in problems]
+    got = [None] * len(problems)
+
+    def run(i):
+        (q, k, v), seed = problems[i]
+        for _ in range(5):
+            got[i] = var.forward(q, k, v, seed=seed)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(problems))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    for g, w in zip(got, want):
+        assert g is not None and np.array_equal(g, w)
+
+
 def test_gil_released_during_a_call():
     q, k, v = qkv(b=1, h=8, n=1024, d=64)
     ticks = []
