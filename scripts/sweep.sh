@@ -17,10 +17,19 @@
 #      the structured inputs separate the variants (on iid gaussian inputs every softmax row is
 #      nearly flat at any scale a pattern can exploit). The float64 reference of each problem
 #      is computed once and reused for every variant.
-#   4. generation: one decode step (--pass decode) after a prefill of n = 1024..65536 tokens,
+#   4. trained inputs: every variant, causal, n = 256..4096, on the q, k, v of each of the 4
+#      layers of a small byte-level language model trained on the Brown corpus
+#      (--input trained:layer=L; scripts/train_lm.py trains it and scripts/capture_qkv.py
+#      captures them into the cache, ATTNBENCH_CACHE or ~/.cache/attnbench, when missing:
+#      about 15 minutes once). n above the model's context C = 1024 is beyond what it was
+#      trained on, and marked so in the rows' notes.
+#   5. generation: one decode step (--pass decode) after a prefill of n = 1024..65536 tokens,
 #      causal, for every variant (those without a decode step give unsupported rows), and for
 #      flash with grouped-query heads (--kv-heads 1, 2 and 4 of the 8 heads: a KV cache of G
 #      heads, each read once for its group).
+# After the sweep, scripts/anatomy.py measures the trained model's heads (entropy, mass in a
+# window, on the first tokens, in each pattern) and scripts/swap_eval.py puts every variant
+# into the model in place of its attention (validation bits per byte); both write DIR/trained/.
 # Finished rows are kept: running the script again resumes where it stopped.
 #
 # Installed (`cmake --install`, PREFIX/share/attnbench/scripts/sweep.sh) it builds nothing: it
@@ -44,14 +53,37 @@ else
 fi
 out=${1:-results/default}
 shift || true
+py=/usr/bin/python3
+[ -x "$py" ] || py=python3
+# the Python package attnbench: the build's, or an installed one
+if [ -d "$here/../build/python/attnbench" ] && [ ! -f "$here/installed_binary.txt" ]; then
+  export PYTHONPATH="$(cd "$here/../build/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+fi
+trained_layers=trained:layer=0,trained:layer=1,trained:layer=2,trained:layer=3
 if [ $# -eq 0 ]; then
+  # the trained model and its captured inputs (each step does nothing when its cache is current)
+  if ! "$py" -c 'import torch, numpy' 2>/dev/null; then
+    echo "sweep.sh: the trained-input set needs $py with torch and numpy (Debian packages" \
+      "python3-torch and python3-numpy; scripts/deps.sh installs them)" >&2
+    exit 2
+  fi
+  "$py" "$here/train_lm.py"
+  "$py" "$here/capture_qkv.py"
   "$bin" sweep --out "$out" --resume --seq 256..8192 --causal both \
     --also='--seq 256..8192 --causal both --pass bwd,fwdbwd' \
     --also='--seq 256..8192 --causal off --input local,clustered,lowrank --scale 1,2,4' \
     --also='--seq 256..8192 --causal off --input gaussian --scale 2,4' \
+    --also="--seq 256..4096 --causal on --input $trained_layers" \
     --also='--seq 1024..65536 --causal on --pass decode' \
     --also='--variant flash --seq 1024..65536 --causal on --pass decode --kv-heads 1,2,4'
+  "$py" "$here/anatomy.py" --out "$out"
+  if "$py" -c 'import attnbench' 2>/dev/null; then
+    "$py" "$here/swap_eval.py" "$out"
+  else
+    echo "sweep.sh: the attnbench Python package is not importable, so the swap evaluation" \
+      "(scripts/swap_eval.py) is left out; build with -DATTNBENCH_PYTHON=ON" >&2
+  fi
 else
   "$bin" sweep --out "$out" "$@"
 fi
-/usr/bin/python3 "$here/plot.py" "$out"
+"$py" "$here/plot.py" "$out"

