@@ -15,6 +15,13 @@ message, n (= C), windows, tokens, bpb, delta_bpb (bpb minus exact attention's),
 attention_s_per_token (the variant's attention calls, all layers, per evaluated token),
 eval_s_per_token (the whole model's forward), speedup (flash's attention time over the
 variant's), threads.
+
+With --finetune-steps S, the --finetune-top K variants with the largest increase (and
+`flash`, the exact baseline) are each fine-tuned for S steps with the variant in place,
+through its own backward pass (batches of 4 × C training bytes drawn from the seed, AdamW at
+a constant --finetune-lr), and evaluated again: ft_bpb, ft_delta_bpb (against flash
+fine-tuned the same way, since the extra steps also lower exact attention's loss) and
+recovered (the share of the increase the fine-tuning removed: 1 − ft_delta_bpb / delta_bpb).
 """
 
 import argparse
@@ -75,6 +82,47 @@ def refusal(attnbench, name, cfg, n):
     return None
 
 
+def finetune(args, attnbench, ckpt_path, root, batches, rows):
+    """Fine-tunes a copy of the model with each chosen variant in place (see the module's
+    docstring) and adds ft_* and recovered to its row."""
+    backward = {v["name"] for v in attnbench.variants() if v["backward"]}
+    harmful = sorted((r for r in rows if r["status"] == "ok" and r["variant"] in backward
+                      and r["spec"] != "flash" and r["delta_bpb"] > 0),
+                     key=lambda r: -r["delta_bpb"])[:args.finetune_top]
+    chosen = [r for r in rows if r["spec"] == "flash" and r["status"] == "ok"] + harmful
+    if not chosen or chosen[0]["spec"] != "flash":
+        print("swap_eval.py: no flash row, so no fine-tuning baseline", file=sys.stderr)
+        return
+    train_path, _ = lm.fetch_corpus(root)
+    train = lm.read_bytes(train_path)
+    for r in chosen:
+        model, _ = lm.load_model(ckpt_path)
+        model.train()
+        variant = attnbench.Variant(r["spec"])
+        opt = torch.optim.AdamW(model.parameters(), lr=args.finetune_lr, betas=(0.9, 0.95),
+                                weight_decay=0.0)
+        rng = np.random.default_rng(args.seed)  # every variant sees the same batches
+        C = model.cfg["context"]
+        for _ in range(args.finetune_steps):
+            starts = rng.integers(0, len(train) - C - 1, size=4)
+            batch = torch.from_numpy(np.stack([train[s:s + C + 1] for s in starts])
+                                     .astype(np.int64))
+            loss = model.loss(batch, variant)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        model.eval()
+        r["ft_steps"] = args.finetune_steps
+        r["ft_bpb"] = lm.bits_per_byte(model, batches, variant)
+        base = chosen[0]["ft_bpb"]
+        r["ft_delta_bpb"] = r["ft_bpb"] - base
+        if r["spec"] != "flash":
+            r["recovered"] = 1.0 - r["ft_delta_bpb"] / r["delta_bpb"]
+        print(f"  fine-tuned {r['spec']:20s} {r['ft_bpb']:.5f} bits per byte "
+              f"({r['ft_delta_bpb']:+.5f} over flash fine-tuned)", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="results directory (writes DIR/trained/)")
@@ -86,11 +134,19 @@ def main(argv=None):
     ap.add_argument("--variants", default="",
                     help="comma-separated variants or specs (default: every variant)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--finetune-steps", type=int, default=0,
+                    help="fine-tune steps with the variant in place (default 0: none)")
+    ap.add_argument("--finetune-top", type=int, default=4,
+                    help="how many of the most harmful variants are fine-tuned (default 4)")
+    ap.add_argument("--finetune-lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the fine-tuning batches")
     ap.add_argument("--force", action="store_true",
                     help="evaluate again even if swap.csv exists for this checkpoint")
     args = ap.parse_args(argv)
     if args.windows < 1 or args.threads < 1:
         ap.error("--windows and --threads must be at least 1")
+    if args.finetune_steps < 0 or args.finetune_top < 0 or not 0 < args.finetune_lr < 1:
+        ap.error("--finetune-steps and --finetune-top must be >= 0, --finetune-lr in (0, 1)")
     try:
         import attnbench
     except ImportError as e:
@@ -103,11 +159,15 @@ def main(argv=None):
     out_dir = os.path.join(args.dir, "trained")
     out = os.path.join(out_dir, "swap.csv")
     info_path = os.path.join(out_dir, "model.json")
+    settings = {k: getattr(args, k) for k in ("windows", "variants", "threads", "finetune_steps",
+                                              "finetune_top", "finetune_lr", "seed")}
     if os.path.exists(out) and os.path.exists(info_path) and not args.force:
         with open(info_path) as f:
-            if json.load(f).get("checkpoint") == sha:
-                print(f"swap_eval.py: {out} is from this checkpoint (--force evaluates again)")
-                return 0
+            old = json.load(f)
+        if old.get("checkpoint") == sha and old.get("swap_settings") == settings:
+            print(f"swap_eval.py: {out} is from this checkpoint and these settings (--force "
+                  f"evaluates again)")
+            return 0
     torch.set_num_threads(args.threads)
     cfg = model.cfg
     C = cfg["context"]
@@ -142,9 +202,12 @@ def main(argv=None):
     for r in rows:
         if flash and r["status"] == "ok":
             r["speedup"] = flash[0]["attention_s_per_token"] / r["attention_s_per_token"]
+    if args.finetune_steps:
+        finetune(args, attnbench, ckpt_path, root, batches, rows)
     os.makedirs(out_dir, exist_ok=True)
     fields = ["variant", "spec", "status", "message", "n", "windows", "tokens", "bpb",
-              "delta_bpb", "attention_s_per_token", "eval_s_per_token", "speedup", "threads"]
+              "delta_bpb", "attention_s_per_token", "eval_s_per_token", "speedup", "threads",
+              "ft_steps", "ft_bpb", "ft_delta_bpb", "recovered"]
     with open(out + ".tmp", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
@@ -157,6 +220,7 @@ def main(argv=None):
                                      "attention", "train_seconds", "valid_bpb", "parameters",
                                      "corpus")}
     info["checkpoint"] = sha
+    info["swap_settings"] = settings
     with open(info_path + ".tmp", "w") as f:
         json.dump(info, f, indent=1)
     os.replace(info_path + ".tmp", info_path)

@@ -37,7 +37,7 @@ def _read(ctx, name):
 
 
 def _fmt(x, digits=4):
-    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.{digits}f}"
 
 
 def section(ctx):
@@ -59,7 +59,7 @@ def section(ctx):
             f"{info.get('batch')} × {cfg.get('context')} bytes in "
             f"{(info.get('train_seconds') or float('nan')) / 60:.1f} min on "
             f"{info.get('threads')} threads (attention: `{info.get('attention')}`). Validation: "
-            f"**{_fmt(info.get('valid_bpb'), 3)} bits per byte**. Checkpoint "
+            f"**{info.get('valid_bpb', float('nan')):.3f} bits per byte**. Checkpoint "
             f"`{str(info.get('checkpoint'))[:12]}`.\n")
     if log is not None and not log.empty:
         curve(ctx, log)
@@ -137,6 +137,8 @@ def swap_section(ctx, swap):
         f"bytes, without retraining. Δ is the increase in bits per byte over the model's own "
         f"exact attention; the speedup is flash's attention time over the variant's, both "
         f"timed inside the model on {int(swap['threads'].iloc[0])} threads.\n")
+    tuned = "ft_bpb" in ok.columns and ok["ft_bpb"].notna().any()
+    steps = int(ok["ft_steps"].max()) if tuned else 0
     rows = []
     ok["first"] = ok["variant"] != "exact"
     for _, r in ok.sort_values(["first", "delta_bpb"]).iterrows():
@@ -144,9 +146,20 @@ def swap_section(ctx, swap):
                      f"{r['bpb']:.4f}", f"{r['delta_bpb']:+.4f}",
                      f"{r['attention_s_per_token'] * 1e6:.2f}",
                      f"{r['eval_s_per_token'] * 1e6:.1f}",
-                     "" if pd.isna(r.get("speedup")) else f"{r['speedup']:.2f}×"])
+                     "" if pd.isna(r.get("speedup")) else f"{r['speedup']:.2f}×"] +
+                    ([_fmt(r.get("ft_delta_bpb")),
+                      "" if pd.isna(r.get("recovered")) else f"{r['recovered']:.0%}"]
+                     if tuned else []))
     ctx.md.append(md_table(["variant", "bits per byte", "Δ", "attention µs per token",
-                            "model µs per token", "speedup over flash"], rows))
+                            "model µs per token", "speedup over flash"] +
+                           ([f"Δ after {steps} fine-tune steps", "recovered"] if tuned else []),
+                           rows))
+    if tuned:
+        ctx.md.append(
+            f"Fine-tuned: the most harmful variants (and `flash`, the baseline) were each "
+            f"trained {steps} more steps with the variant in place, through its own backward "
+            f"pass, on the same batches. Δ after is against `flash` fine-tuned the same way; "
+            f"recovered is the share of the increase the fine-tuning removed.\n")
     if not bad.empty:
         ctx.md.append("Refused (not causal, or not at this shape): " + "; ".join(
             f"{code(r['spec'])}: {r['message']}" for _, r in bad.iterrows()) + ".\n")

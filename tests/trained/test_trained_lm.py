@@ -135,8 +135,9 @@ def test_flash_in_the_model_reproduces_exact_attention(cache):
 
 def test_swap_eval_table(cache, tmp_path):
     out = str(tmp_path / "results")
-    run_script("swap_eval.py", out, "--cache", cache, "--windows", "2",
-               "--variants", "flash,local:window=4,linformer,full")
+    args = [out, "--cache", cache, "--windows", "2", "--variants",
+            "flash,local:window=4,linformer,full", "--finetune-steps", "3", "--finetune-top", "1"]
+    run_script("swap_eval.py", *args)
     with open(os.path.join(out, "trained", "swap.csv")) as f:
         rows = {r["spec"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"torch softmax", "flash", "local:window=4", "linformer", "full"}
@@ -149,9 +150,19 @@ def test_swap_eval_table(cache, tmp_path):
         assert float(rows[spec]["attention_s_per_token"]) > 0
     with open(os.path.join(out, "trained", "model.json")) as f:
         assert json.load(f)["checkpoint"] == lm.sha256_file(lm.checkpoint_path(cache))
-    # a second run on the same checkpoint keeps the table
-    r = run_script("swap_eval.py", out, "--cache", cache, "--windows", "2")
+    # fine-tuned: flash (the baseline) and the one variant that raised the loss
+    assert float(rows["flash"]["ft_delta_bpb"]) == 0.0
+    assert float(rows["flash"]["ft_bpb"]) < float(rows["flash"]["bpb"])
+    local = rows["local:window=4"]
+    assert int(local["ft_steps"]) == 3
+    assert math.isclose(float(local["recovered"]),
+                        1 - float(local["ft_delta_bpb"]) / float(local["delta_bpb"]))
+    assert rows["full"]["ft_bpb"] == ""
+    # a second run on the same checkpoint and settings keeps the table; other settings do not
+    r = run_script("swap_eval.py", *args)
     assert "is from this checkpoint" in r.stdout
+    r = run_script("swap_eval.py", out, "--cache", cache, "--windows", "1", "--variants", "flash")
+    assert "is from this checkpoint" not in r.stdout
 
 
 def test_missing_cache_is_a_clear_error(tmp_path):
