@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from attnbench_plots import anatomy as figures
-from attnbench_results import ResultsError, run_main
+from attnbench_results import ResultsError, read_json, run_main
 from attnbench_variants import default_binary
 
 PROG = "anatomy.py"
@@ -92,11 +92,10 @@ def load_meta(directory):
     if not os.path.isfile(path):
         raise missing(directory, "meta.json does not exist")
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise missing(path, f"not readable JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != 1:
+        meta = read_json(path, "the meta.json of the captured q, k, v")
+    except ResultsError as e:
+        raise missing(directory, str(e)) from None
+    if meta.get("format") != 1:
         raise missing(path, "not a meta.json of format 1")
     for key in ("layers", "heads", "dim", "context", "length"):
         v = meta.get(key)

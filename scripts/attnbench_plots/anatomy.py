@@ -15,7 +15,6 @@ written from the numbers), and, when results.csv holds sweep rows on the trained
 Results without DIR/trained/anatomy.csv get no section.
 """
 
-import json
 import math
 import os
 import re
@@ -24,7 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from attnbench_results import FORWARD, ResultsError
+from attnbench_results import FORWARD, ResultsError, read_json
 
 from .style import DPI, Styles, code, fmt_n, md_table, remove
 
@@ -68,13 +67,8 @@ def load(directory):
     if df[["layer", "head"]].isna().any().any() or df["value"].isna().any():
         raise ResultsError(f"'{csv}': a layer, head or value is not a number")
     df["pattern"] = df["pattern"].fillna("").astype(str)
-    try:
-        with open(meta, encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ResultsError(f"'{meta}' is missing or not readable JSON ({e}); scripts/anatomy.py "
-                           f"writes it beside anatomy.csv") from None
-    if not isinstance(info, dict) or not all(k in info for k in ("n", "context", "patterns")):
+    info = read_json(meta, "the anatomy.json scripts/anatomy.py writes beside anatomy.csv")
+    if not all(k in info for k in ("n", "context", "patterns")):
         raise ResultsError(f"'{meta}' lacks n, context or patterns")
     return df, info
 
