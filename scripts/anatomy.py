@@ -160,7 +160,9 @@ def head_measures(q, k, masks, sink_start):
         z = e.sum(axis=1, keepdims=True)
         p = e / z
         # -sum p ln p = ln z - sum p s for p = exp(s) / z (s = 0 where p is 0, not -inf)
-        entropy[r0:r1] = np.log(z[:, 0]) - (p * np.where(visible, s, 0.0)).sum(axis=1)
+        # (>= 0; a one-key row can round below it)
+        entropy[r0:r1] = np.maximum(
+            np.log(z[:, 0]) - (p * np.where(visible, s, 0.0)).sum(axis=1), 0.0)
         offsets = (rows - cols)[visible]
         per_offset += np.bincount(offsets, weights=p[visible], minlength=n)
         for sk in SINKS:
