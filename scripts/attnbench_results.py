@@ -166,15 +166,20 @@ def load_meta(directory):
     path = os.path.join(directory, "meta.json")
     if not os.path.isfile(path):
         return None
+    return read_json(path, "the meta.json `attnbench sweep` writes")
+
+
+def read_json(path, expected):
+    """The JSON object in `path`; raises ResultsError, saying `expected` (what the file should
+    be), when it cannot be read or is not an object."""
     try:
         with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+            data = json.load(f)
     except (OSError, ValueError) as e:
-        raise ResultsError(f"'{path}' is not readable JSON ({e}); expected the meta.json "
-                           f"`attnbench sweep` writes") from None
-    if not isinstance(meta, dict):
-        raise ResultsError(f"'{path}' holds a JSON {type(meta).__name__}; expected an object")
-    return meta
+        raise ResultsError(f"'{path}' is not readable JSON ({e}); expected {expected}") from None
+    if not isinstance(data, dict):
+        raise ResultsError(f"'{path}' holds a JSON {type(data).__name__}; expected an object")
+    return data
 
 
 def time_spread(df):

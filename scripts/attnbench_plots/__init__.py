@@ -11,8 +11,10 @@ family so that new families join without growing one file:
                against forward error, time against gradient error, the training table
   decode       the decode pass: time per token and state per sequence against the context,
                the decode table at the largest context
+  anatomy      a trained model's heads (DIR/trained/anatomy.csv of scripts/anatomy.py):
+               entropy, window mass, sinks and the mass inside each fixed pattern
   report       report.md: the run header, every section in order, the rows not drawn
 
-Everything is read from the results directory (results.csv, meta.json, patterns/); no
-attnbench binary is run. scripts/plot.py is the command line.
+Everything is read from the results directory (results.csv, meta.json, patterns/,
+trained/); no attnbench binary is run. scripts/plot.py is the command line.
 """

@@ -7,19 +7,21 @@ import re
 
 from attnbench_results import DECODE, FORWARD, TRAIN_PASSES, noisy, problem_label
 
-from . import crossover, decode, error, layer, patterns, time_memory, trained_model, training
+from . import (anatomy, crossover, decode, error, layer, patterns, time_memory, trained_model,
+               training)
 from .context import Context
 from .style import code, md_table, remove, unit
 
 FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover",
-           "patterns"] + training.FIGURES + decode.FIGURES + trained_model.FIGURES
+           "patterns"] + training.FIGURES + decode.FIGURES + trained_model.FIGURES + anatomy.FIGURES
 PASSES = [FORWARD] + TRAIN_PASSES + [DECODE]
 # The sections of the forward rows (pass fwd), drawn when there are any.
 FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
                     error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
                     layer.section, patterns.section]
 # The report's sections after its header, in order; each draws its own figures.
-SECTIONS = FORWARD_SECTIONS + [training.section, decode.section, trained_model.section]
+SECTIONS = FORWARD_SECTIONS + [training.section, decode.section, trained_model.section,
+                               anatomy.section]
 
 
 def header(ctx):
