@@ -13,7 +13,8 @@ from .context import Context
 from .style import code, md_table, remove, unit
 
 FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover",
-           "patterns"] + training.FIGURES + decode.FIGURES + trained_model.FIGURES + anatomy.FIGURES
+           "patterns"] + (training.FIGURES + decode.FIGURES + trained_model.FIGURES +
+                          anatomy.FIGURES)
 PASSES = [FORWARD] + TRAIN_PASSES + [DECODE]
 # The sections of the forward rows (pass fwd), drawn when there are any.
 FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,

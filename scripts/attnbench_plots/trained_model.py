@@ -102,9 +102,9 @@ def input_table(ctx, rows, context):
                       f"only.")
     ctx.md.append(
         f"`rel_fro_error` of each variant at n = {int(n)} on the q, k and v of each layer of the "
-        f"trained model (`--input trained:layer=L`, causal rows when present), beside "
-        f"`mass_mean`, the share of the softmax probability inside a pattern variant's keys."
-        f"{beyond} The error figure above has a panel per layer.\n")
+        f"trained model (`--input trained:layer=L`, causal rows when present; the mass each "
+        f"pattern keeps is in the anatomy section below).{beyond} The error figure above has "
+        f"a panel per layer.\n")
     table = []
     for spec in ctx.styles.order:
         mine = at[at["spec"] == spec]
@@ -116,13 +116,9 @@ def input_table(ctx, rows, context):
             if r.empty:
                 cells.append("")
                 continue
-            r = r.sort_values("causal").iloc[-1]
-            err = f"{r['rel_fro_error']:.2e}"
-            mass = r.get("mass_mean")
-            cells.append(err + (f" ({mass:.3f})" if mass is not None and not pd.isna(mass)
-                                else ""))
+            cells.append(f"{r.sort_values('causal').iloc[-1]['rel_fro_error']:.2e}")
         table.append([code(spec)] + cells)
-    ctx.md.append(md_table(["variant"] + [f"{code(x)}: error (mass)" for x in layers], table))
+    ctx.md.append(md_table(["variant"] + [code(x) for x in layers], table))
 
 
 def swap_section(ctx, swap):
