@@ -86,7 +86,7 @@ def curve(ctx, log):
 
 
 def input_table(ctx, rows, context):
-    """Error (and mass kept) of every variant on each layer's inputs at n = C (or the largest
+    """Error of every variant on each layer's inputs at n = C (or the largest
     n measured up to it)."""
     ns = sorted(rows["n"].unique())
     n = max([x for x in ns if context is None or x <= context] or ns)
