@@ -29,7 +29,8 @@
 #      heads, each read once for its group).
 # After the sweep, scripts/anatomy.py measures the trained model's heads (entropy, mass in a
 # window, on the first tokens, in each pattern) and scripts/swap_eval.py puts every variant
-# into the model in place of its attention (validation bits per byte); both write DIR/trained/.
+# into the model in place of its attention (validation bits per byte; the 4 most harmful, and
+# flash as the baseline, also fine-tuned 20 steps in place); both write DIR/trained/.
 # Finished rows are kept: running the script again resumes where it stopped.
 #
 # Installed (`cmake --install`, PREFIX/share/attnbench/scripts/sweep.sh) it builds nothing: it
@@ -78,7 +79,7 @@ if [ $# -eq 0 ]; then
     --also='--variant flash --seq 1024..65536 --causal on --pass decode --kv-heads 1,2,4'
   "$py" "$here/anatomy.py" --out "$out"
   if "$py" -c 'import attnbench' 2>/dev/null; then
-    "$py" "$here/swap_eval.py" "$out"
+    "$py" "$here/swap_eval.py" "$out" --finetune-steps 20 --finetune-top 4
   else
     echo "sweep.sh: the attnbench Python package is not importable, so the swap evaluation" \
       "(scripts/swap_eval.py) is left out; build with -DATTNBENCH_PYTHON=ON" >&2
