@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 
@@ -57,6 +58,23 @@ def cache_root():
     if xdg:
         return os.path.join(xdg, "attnbench")
     return os.path.join(os.path.expanduser("~"), ".cache", "attnbench")
+
+
+def script_main(main):
+    """Runs a script's main(), turning a CacheError into its message and exit status 2."""
+    name = os.path.basename(sys.argv[0])
+    try:
+        sys.exit(main())
+    except CacheError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def write_json(path, obj):
+    """Writes obj to path through a temporary file, so that a reader never sees half of it."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def trained_dir(root=None):

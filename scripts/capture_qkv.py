@@ -85,17 +85,11 @@ def main(argv=None):
             "corpus": lm.CORPUS_PACKAGE, "offset": offset,
             "text": f"held-out Brown corpus bytes {offset}..{offset + length}: {text!r}...",
             "valid_bpb": ckpt.get("valid_bpb"), "positions": "rotary, applied to q and k"}
-    with open(meta_path + ".tmp", "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(meta_path + ".tmp", meta_path)
+    lm.write_json(meta_path, meta)
     print(f"capture_qkv.py: {len(layers)} layers of q, k, v [1, {cfg['heads']}, {length}, "
           f"{cfg['head_dim']}] in {out}")
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except lm.CacheError as e:
-        print(f"capture_qkv.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    lm.script_main(main)

@@ -27,7 +27,6 @@ recovered (the share of the increase the fine-tuning removed: 1 − ft_delta_bpb
 import argparse
 import csv
 import json
-import math
 import os
 import shutil
 import sys
@@ -221,16 +220,10 @@ def main(argv=None):
                                      "corpus")}
     info["checkpoint"] = sha
     info["swap_settings"] = settings
-    with open(info_path + ".tmp", "w") as f:
-        json.dump(info, f, indent=1)
-    os.replace(info_path + ".tmp", info_path)
+    lm.write_json(info_path, info)
     print(f"swap_eval.py: {out}")
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except lm.CacheError as e:
-        print(f"swap_eval.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    lm.script_main(main)

@@ -141,8 +141,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except lm.CacheError as e:
-        print(f"train_lm.py: {e}", file=sys.stderr)
-        sys.exit(2)
+    lm.script_main(main)
