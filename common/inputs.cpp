@@ -200,9 +200,9 @@ std::string describe_distribution(const std::string& name) {
   if (name == "lowrank")
     return "q and k in a shared rank-8 subspace: the score matrix has rank <= 8";
   if (is_trained_input(name))
-    return "q, k, v of a layer of a small trained byte-level language model on held-out text "
-           "(trained[:layer=L], read from the attnbench cache; batch 1, the model's heads and "
-           "dim, n up to the captured length)";
+    return "q, k, v of layer L (default 0) of a small trained byte-level language model on "
+           "held-out text, read from the attnbench cache (batch 1, the model's heads and dim, n "
+           "up to the captured length)";
   return "";
 }
 
