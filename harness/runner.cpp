@@ -388,6 +388,7 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
   try {
     row.spec = variant.spec();
     row.variant = variant.info().name;
+    row.input_source = input_source(w.input);  // refused and skipped rows name it too
     check_run_options(opt);
     row.workload.threads = resolve_threads(w.threads);
     team.emplace(row.workload.threads);
@@ -440,7 +441,6 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     // the per-pass work of a prepared variant leaves its draws out
     if (prepare_variant(variant, p, row) && !decode) row.flops = pass_flops();
 
-    row.input_source = input_source(w.input);
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);
     const Inputs& in = given ? *given : generated;

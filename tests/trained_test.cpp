@@ -366,6 +366,13 @@ TEST(Trained, RowsCarryLayerSourceAndContextNote) {
     else
       EXPECT_EQ(f.at("notes").find("beyond"), std::string::npos) << f.at("notes");
   }
+  // a row the variant refuses (linformer: not causal) names the checkpoint too
+  Problem causal = problem(16);
+  causal.causal = true;
+  const Row refused =
+      run_one(*make_variant("linformer"), causal, trained(), nullptr, MachineFigures{}, opt);
+  EXPECT_EQ(refused.status, "unsupported") << refused.message;
+  EXPECT_EQ(csv_row(refused).at("input_source"), "trained@" + kCheckpoint.substr(0, 12));
   const Row gen = run_one(*flash, problem(16), Workload{}, nullptr, MachineFigures{}, opt);
   const auto g = csv_row(gen);
   EXPECT_EQ(g.at("input_layer"), "");
