@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/random.h"
+#include "common/trained.h"
 
 namespace attnbench {
 
@@ -173,6 +174,19 @@ const std::vector<std::string>& input_distributions() {
   return names;
 }
 
+std::string accepted_inputs() {
+  return fmt::format("{}, trained[:layer=L]", fmt::join(input_distributions(), ", "));
+}
+
+std::string canonical_input(const std::string& name) {
+  if (is_trained_input(name)) return canonical_trained_input(name);
+  const auto& names = input_distributions();
+  if (std::find(names.begin(), names.end(), name) == names.end())
+    throw UsageError(
+        fmt::format("unknown input distribution '{}'; accepted: {}", name, accepted_inputs()));
+  return name;
+}
+
 std::string describe_distribution(const std::string& name) {
   if (name == "gaussian")
     return "iid N(0,1) entries: logits are near-uniform noise, the easiest case for low-rank "
@@ -185,16 +199,37 @@ std::string describe_distribution(const std::string& name) {
            "structured by cluster, as with repeated entities or image regions";
   if (name == "lowrank")
     return "q and k in a shared rank-8 subspace: the score matrix has rank <= 8";
+  if (is_trained_input(name))
+    return "q, k, v of layer L (default 0) of a small trained byte-level language model on "
+           "held-out text, read from the attnbench cache (batch 1, the model's heads and dim, n "
+           "up to the captured length)";
   return "";
 }
 
 namespace {
 
+// Multiplies q by w.scale (nothing for scale 1).
+void scale_q(Inputs& in, const Workload& w) {
+  if (w.scale == 1.0) return;
+  float* q = in.q.data();
+  const float s = float(w.scale);
+  for (int64_t i = 0; i < in.q.numel(); ++i) q[i] *= s;
+  // a scale that is finite in float (Workload::validate) can still overflow q
+  for (int64_t i = 0; i < in.q.numel(); ++i)
+    if (!std::isfinite(q[i]))
+      throw InputError(
+          fmt::format("scale {} overflows q in float32 (q holds {} at flat index "
+                      "{}): use a smaller scale",
+                      w.scale, q[i], i));
+}
+
 Inputs generate(const Problem& p, const Workload& w, const Origin& o) {
-  const auto& names = input_distributions();
-  if (std::find(names.begin(), names.end(), w.input) == names.end())
-    throw UsageError(fmt::format("unknown input distribution '{}'; accepted: {}", w.input,
-                                 fmt::join(names, ", ")));
+  if (is_trained_input(w.input)) {  // read, not generated: the seed plays no part
+    Inputs in = load_trained_inputs(p, w.input);
+    scale_q(in, w);
+    return in;
+  }
+  canonical_input(w.input);  // throws for an unknown name
   Inputs in{Tensor(p.q_shape()), p.kv_tensor(), p.kv_tensor()};
   if (w.input == "gaussian") {
     fill_gaussian(p, o, kQ, in.q.view());
@@ -207,18 +242,7 @@ Inputs generate(const Problem& p, const Workload& w, const Origin& o) {
     fill_lowrank(p, o, in);
   }
   fill_gaussian(p, o, kV, in.v.view());
-  if (w.scale != 1.0) {
-    float* q = in.q.data();
-    const float s = float(w.scale);
-    for (int64_t i = 0; i < in.q.numel(); ++i) q[i] *= s;
-    // a scale that is finite in float (Workload::validate) can still overflow q
-    for (int64_t i = 0; i < in.q.numel(); ++i)
-      if (!std::isfinite(q[i]))
-        throw InputError(
-            fmt::format("scale {} overflows q in float32 (q holds {} at flat index "
-                        "{}): use a smaller scale",
-                        w.scale, q[i], i));
-  }
+  scale_q(in, w);
   return in;
 }
 
@@ -268,6 +292,11 @@ Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h, const Worklo
   if (b < 0 || b >= p.batch || h < 0 || h >= p.heads)
     throw UsageError(fmt::format("head ({}, {}) is outside a problem of batch {} and {} heads", b,
                                  h, p.batch, p.heads));
+  if (is_trained_input(w.input)) {  // the head's positions, read from the cache
+    Inputs in = load_trained_inputs(p, w.input, h);
+    scale_q(in, w);
+    return in;
+  }
   Problem one = p;
   one.batch = 1, one.heads = 1, one.kv_heads = 1;
   return generate(one, w, Origin{b, h, p.kv_head(h)});

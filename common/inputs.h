@@ -25,16 +25,26 @@ Tensor generate_dout(const Problem& p);
 
 /// Names of the generated distributions: gaussian, local, clustered, lowrank.
 const std::vector<std::string>& input_distributions();
-/// One line describing a distribution.
+/// The input names accepted wherever an input distribution is: the generated distributions and
+/// trained inputs (common/trained.h), as a message lists them.
+std::string accepted_inputs();
+/// The canonical name of an input: a generated distribution as it is, trained inputs as
+/// "trained:layer=L" ("trained" is layer 0). Throws UsageError for an unknown name or a bad
+/// trained option, naming what is accepted.
+std::string canonical_input(const std::string& name);
+/// One line describing a distribution (or trained inputs).
 std::string describe_distribution(const std::string& name);
 
 /// Generates the inputs of p drawn from w.input with p.seed; q is multiplied by w.scale (the
 /// default workload: gaussian, scale 1). The result depends only on the problem and the
-/// workload's input and scale, not on the thread count. Throws UsageError for an unknown
-/// name, and InputError if the scale overflows an entry of q in float.
+/// workload's input and scale, not on the thread count. Trained inputs (w.input "trained:...")
+/// are read instead (load_trained_inputs, seed unused), q multiplied by w.scale the same way.
+/// Throws UsageError for an unknown name or trained inputs that do not fit p, and InputError if
+/// the scale overflows an entry of q in float.
 Inputs generate_inputs(const Problem& p, const Workload& w = Workload{});
 /// Head (b, h) of generate_inputs(p, w) alone, as [1, 1, len, d] tensors: the same numbers
-/// without generating (or holding) the other heads.
+/// without generating (or holding) the other heads. Trained inputs: head h of the model (p's
+/// batch and heads are not checked).
 Inputs generate_head_inputs(const Problem& p, int64_t b, int64_t h, const Workload& w = Workload{});
 
 /// E[tanh(u)^2] for u ~ N(0, 2), by quadrature (about 0.52): the variance factor of one

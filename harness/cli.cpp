@@ -27,6 +27,7 @@
 #include "common/pattern.h"
 #include "common/plugin.h"
 #include "common/registry.h"
+#include "common/trained.h"
 #include "harness/catalog.h"
 #include "harness/layer.h"
 #include "harness/machine.h"
@@ -327,6 +328,29 @@ CLI::Validator number_in(double lo, double hi) {
       fmt::format("NUMBER in [{}, {}]", lo, hi));
 }
 
+// An input distribution (--input of run and pattern), rewritten to its canonical name
+// (trained: trained:layer=0).
+CLI::Validator input_name() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          text = canonical_input(text);
+        } catch (const UsageError& e) {
+          return e.what();
+        }
+        return "";
+      },
+      fmt::format("one of {}", accepted_inputs()));
+}
+
+// The --input help of run and pattern: one line per input.
+std::string input_help(const std::string& what) {
+  std::string help = what + ":";
+  for (const auto& name : input_distributions())
+    help += fmt::format("\n  {}: {}", name, describe_distribution(name));
+  return help + fmt::format("\n  trained[:layer=L]: {}", describe_distribution("trained"));
+}
+
 constexpr int64_t kMaxExtent = std::numeric_limits<int32_t>::max();  // n, m and d each
 constexpr int64_t kMaxHeads = Problem::kMaxBatchOrHeads;             // B and H each
 
@@ -354,7 +378,7 @@ struct ProblemOptions {
   /// The workload these options state (threads still unresolved).
   Workload workload() const {
     Workload w;
-    w.input = input, w.scale = scale, w.threads = threads;
+    w.input = canonical_input(input), w.scale = scale, w.threads = threads;
     return w;
   }
 };
@@ -629,9 +653,9 @@ struct RunCommand {
         ->capture_default_str()
         ->check(CLI::IsMember({"scaled_dot", "dot", "bilinear", "additive"}));
     add_score_hidden_option(cmd, o);
-    auto* input_opt = cmd->add_option("--input", o.input, "input distribution")
+    auto* input_opt = cmd->add_option("--input", o.input, input_help("input distribution"))
                           ->capture_default_str()
-                          ->check(CLI::IsMember(input_distributions()));
+                          ->check(input_name());
     auto* scale_opt = cmd->add_option("--scale", o.scale, "multiply q (and so the logits) by this")
                           ->capture_default_str()
                           ->check(CLI::PositiveNumber);
@@ -674,6 +698,8 @@ struct RunCommand {
     p.validate();
     w.validate(p);
     if (!p.score_weights) p.score_weights = make_score_weights(p);  // else from the file
+    // trained inputs are read here, so one that does not fit is a usage error (status 2)
+    if (is_trained_input(w.input)) given = generate_inputs(p, w);
     MachineFigures mf = measure_machine(w.threads, /*quick=*/true);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out;
@@ -827,7 +853,9 @@ struct SweepCommand {
                     "scoring functions, comma-separated (scaled_dot, dot, bilinear, additive)")
         ->capture_default_str();
     add_score_hidden_option(cmd, o);
-    cmd->add_option("--input", input_list, "input distributions, comma-separated")
+    cmd->add_option("--input", input_list,
+                    fmt::format("input distributions, comma-separated ({}; see run --help)",
+                                accepted_inputs()))
         ->capture_default_str();
     cmd->add_option("--scale", scale_list,
                     "logit sharpening factors: q multiplied by each, comma-separated (1,2,4)")
@@ -936,6 +964,8 @@ struct SweepCommand {
     meta["rows_kept_from_earlier_runs"] = results.rows_kept();
     meta["load_avg_start"] = json_number(load_average());
     meta["processors"] = omp_get_num_procs();
+    if (auto trained = trained_inputs_meta(plan); !trained.is_null())
+      meta["trained_inputs"] = trained;
     results.write_meta(meta);
 
     const RunOptions opt{.reps = o.reps, .min_time = o.min_time};
@@ -1007,6 +1037,23 @@ struct SweepCommand {
     meta["rows_noisy"] = counts["noisy"];
     results.update_meta(meta);
     return 0;
+  }
+
+  // What meta.json records of the trained inputs a plan uses: their meta.json (checkpoint,
+  // context, length, ...), the directory and the inputs used; null when it uses none.
+  static nlohmann::json trained_inputs_meta(const SweepPlan& plan) {
+    std::vector<std::string> used;
+    for (const auto& c : plan.configs)
+      if (is_trained_input(c.workload.input) &&
+          std::find(used.begin(), used.end(), c.workload.input) == used.end())
+        used.push_back(c.workload.input);
+    if (used.empty()) return nullptr;
+    const TrainedMeta tm = read_trained_meta();
+    nlohmann::json j = nlohmann::json::parse(tm.json, nullptr, false);
+    if (!j.is_object()) j = nlohmann::json::object();
+    j["dir"] = tm.dir;
+    j["inputs"] = used;
+    return j;
   }
 
   // The key of a configuration's row (what --resume looks for).
@@ -1090,10 +1137,10 @@ struct PatternCommand {
     cmd->add_option("--seed", o.seed, "seed of every random choice")
         ->capture_default_str()
         ->check(seed_value());
-    auto* input_opt =
-        cmd->add_option("--input", o.input, "input distribution (data-dependent patterns)")
-            ->capture_default_str()
-            ->check(CLI::IsMember(input_distributions()));
+    auto* input_opt = cmd->add_option("--input", o.input,
+                                      input_help("input distribution (data-dependent patterns)"))
+                          ->capture_default_str()
+                          ->check(input_name());
     cmd->add_option("--inputs", inputs_path,
                     ".npz with float32 q [B, H, n, d] and k, v [B, G, m, d] (G = H, or a divisor "
                     "of H: grouped-query attention)")

@@ -35,8 +35,9 @@ const std::vector<std::string> kKeyColumns = {
 
 // Columns results.csv (and patterns/index.csv) gained after their first version, with the
 // field a row of an older file stands for (what the row meant before the column existed;
-// "=NAME": the row's own NAME field): resuming such a file rewrites its lines with the current
-// columns (upgrade_line).
+// "=NAME": the row's own NAME field; "@source": the source of the row's input, "file" for an
+// inputs file and "generated" for the rest, as no older row had trained inputs): resuming such
+// a file rewrites its lines with the current columns (upgrade_line).
 const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
                                                           {"kv_heads", "=heads"},
                                                           {"attention_share", ""},
@@ -62,7 +63,9 @@ const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
                                                           {"tokens_per_s", ""},
                                                           {"state_bytes", ""},
                                                           {"bytes_read_per_step", ""},
-                                                          {"bandwidth_fraction", ""}};
+                                                          {"bandwidth_fraction", ""},
+                                                          {"input_layer", ""},
+                                                          {"input_source", "@source"}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -196,6 +199,13 @@ std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::stri
     }
     const auto added = kAddedColumns.find(c);
     if (added == kAddedColumns.end()) return std::nullopt;
+    if (added->second == "@source") {
+      const auto src = std::find(header.begin(), header.end(), "input");
+      if (src == header.end()) return std::nullopt;
+      const size_t i = size_t(src - header.begin());
+      out.push_back(i < f.size() && f[i] == "file" ? "file" : "generated");
+      continue;
+    }
     if (added->second.starts_with('=')) {
       const auto src = std::find(header.begin(), header.end(), added->second.substr(1));
       if (src == header.end()) return std::nullopt;

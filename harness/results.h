@@ -26,8 +26,10 @@ std::vector<std::string> split_csv_line(const std::string& line);
 /// The results.csv columns that identify a row's configuration: spec and every problem field.
 const std::vector<std::string>& key_columns();
 /// Line f of a file whose header is an older layout of `columns` (columns added since are
-/// missing: key_padding and attn_mask), with those columns filled as an older row means them
-/// (empty: no padding, no mask); nothing if the header is not an older layout of `columns`.
+/// missing: key_padding and attn_mask, input_layer and input_source, ...), with those columns
+/// filled as an older row means them (empty: no padding, no mask, no layer; input_source "file"
+/// for input "file", else "generated"); nothing if the header is not an older layout of
+/// `columns`.
 std::optional<std::vector<std::string>> upgrade_line(const std::vector<std::string>& header,
                                                      const std::vector<std::string>& f,
                                                      const std::vector<std::string>& columns);

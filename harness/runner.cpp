@@ -20,6 +20,7 @@
 #include "common/inputs.h"
 #include "common/pattern.h"
 #include "common/phase.h"
+#include "common/trained.h"
 #include "harness/memory.h"
 
 namespace attnbench {
@@ -387,6 +388,7 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
   try {
     row.spec = variant.spec();
     row.variant = variant.info().name;
+    row.input_source = input_source(w.input);  // refused and skipped rows name it too
     check_run_options(opt);
     row.workload.threads = resolve_threads(w.threads);
     team.emplace(row.workload.threads);
@@ -531,6 +533,8 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
         row.notes += fmt::format("{}{} masked rows without keys (output 0)",
                                  row.notes.empty() ? "" : "; ", empty);
     if (!grad_note.empty()) row.notes += (row.notes.empty() ? "" : "; ") + grad_note;
+    if (const std::string beyond = trained_context_note(p, w.input); !beyond.empty())
+      row.notes += (row.notes.empty() ? "" : "; ") + beyond;
     if (output) *output = std::move(out);
   } catch (const std::exception& e) {
     record_failure(row, e);
@@ -550,6 +554,11 @@ nlohmann::ordered_json to_json(const Row& r) {
   auto num = [](double x) -> J { return std::isfinite(x) ? J(x) : J(); };
   const Problem& p = r.problem;
   const Workload& w = r.workload;
+  const std::optional<int64_t> layer = trained_layer(w.input);
+  const std::string source = !r.input_source.empty() ? r.input_source
+                             : w.input == "file"     ? "file"
+                             : layer                 ? "trained"
+                                                     : "generated";
   return J{{"spec", r.spec},
            {"variant", r.variant},
            {"batch", p.batch},
@@ -563,6 +572,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"score", std::string(score_name(p.score))},
            {"score_hidden", p.score == Score::additive ? p.hidden() : 0},
            {"input", w.input},
+           {"input_layer", layer ? J(*layer) : J()},
+           {"input_source", source},
            {"scale", w.scale},
            {"seed", p.seed},
            {"threads", w.threads},

@@ -48,6 +48,10 @@ struct Row {
   double peak_bytes = NAN, estimated_bytes = NAN;
   ErrorStats error{NAN, NAN, NAN, 0, 0, NAN, NAN};
   std::string notes;  ///< the variant's notes() after the last timed pass
+  /// Where the inputs came from (the input_source column): "generated", "file" or
+  /// "trained@<first 12 hex of the checkpoint>"; set by run_one, "" = derived from the
+  /// workload's input (trained inputs then show as "trained").
+  std::string input_source;
   /// Seconds per timed pass in each phase the variant marks (common/phase.h), summed over
   /// the threads that ran it; the mean over every timed pass. Empty if it marks none.
   std::map<std::string, double> phases;

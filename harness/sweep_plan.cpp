@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/random.h"
+#include "common/trained.h"
 #include "harness/results.h"
 
 namespace attnbench {
@@ -150,6 +151,9 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
     w.input = in, w.scale = scale, w.threads = axes.threads, w.pass = pass;
     p.validate();
     w.validate(p);
+    // trained inputs are checked against the problem (and their files read) before anything
+    // runs: a sweep they do not fit fails at once, with the reason
+    if (is_trained_input(in)) check_trained_fits(p, in);
     if (s == Score::bilinear || s == Score::additive) {
       auto& sw = weights[{s, h, p.dim}];
       if (!sw) sw = make_score_weights(p);
@@ -283,13 +287,13 @@ std::vector<std::string> parse_pass_list(const std::string& text) {
 }
 
 std::vector<std::string> parse_input_list(const std::string& text) {
-  const auto& names = input_distributions();
   std::vector<std::string> inputs;
   for (auto& s : split_csv_line(text)) {
-    if (std::find(names.begin(), names.end(), s) == names.end())
-      throw UsageError(fmt::format("--input: unknown distribution '{}'; accepted: {}", s,
-                                   fmt::join(names, ", ")));
-    inputs.push_back(s);
+    try {
+      inputs.push_back(canonical_input(s));
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("--input: {}", e.what()));
+    }
   }
   return inputs;
 }

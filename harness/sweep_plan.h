@@ -96,7 +96,8 @@ std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std:
 /// scores, dims (or embeds), heads, kv_heads, batches, paddings, seqs, seq_ks, passes, variants.
 /// The bilinear and additive problems carry their seeded weights (make_score_weights, one set per
 /// shape shared by the configurations). Throws UsageError for a problem that fails
-/// Problem::validate (or a workload that fails Workload::validate), for a kv_heads value that
+/// Problem::validate (or a workload that fails Workload::validate), for trained inputs that do
+/// not fit a problem or cannot be read (check_trained_fits), for a kv_heads value that
 /// divides none of the heads, and for layer rows (embeds) with another input than gaussian, another
 /// scale than 1, another score than scaled_dot or grouped key/value heads.
 SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes);
@@ -112,8 +113,9 @@ std::vector<Score> parse_score_list(const std::string& text);
 /// UsageError naming an unknown one and the accepted names.
 std::vector<std::string> parse_pass_list(const std::string& text);
 
-/// --input of the sweep: comma-separated input distribution names, in the order given.
-/// Throws UsageError naming an unknown one and the accepted names.
+/// --input of the sweep: comma-separated input names (canonical_input: `trained` is
+/// `trained:layer=0`), in the order given. Throws UsageError naming an unknown one and the
+/// accepted names.
 std::vector<std::string> parse_input_list(const std::string& text);
 
 /// --scale of the sweep: comma-separated positive numbers, in the order given. Throws

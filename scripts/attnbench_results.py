@@ -54,6 +54,14 @@ TRAIN_COLUMNS = ["saved_bytes", "saved_estimate_bytes"] + GRAD_ERROR_COLUMNS + [
 # per step's time over the machine's memory bandwidth.
 DECODE_COLUMNS = ["prefill_s", "time_per_token_s", "tokens_per_s", "state_bytes",
                   "bytes_read_per_step", "bandwidth_fraction"]
+# Where a row's inputs came from (harness/runner.h, Row): input_source is "generated", "file"
+# (an inputs file) or "trained@<first 12 hex of the checkpoint>" (--input trained[:layer=L]),
+# and input_layer the layer of trained inputs, NaN for the others. A file written before them
+# gets what its rows meant (read_csv, as kAddedColumns in harness/results.cpp does): "file" for
+# input "file", "generated" for the rest, and NaN layers. Neither is a key column (the layer is in
+# the input's name, trained:layer=L).
+INPUT_SOURCE = "input_source"
+INPUT_LAYER = "input_layer"
 # Columns about the timing's trust (harness/runner.h, noise_reason): NaN in a file written
 # before them, which compare.py then never calls noisy.
 NOISE_COLUMNS = ["time_spread", "load_avg", "other_load", "noisy"]
@@ -93,7 +101,8 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass"] + MASK_COLUMNS,
+    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass", INPUT_SOURCE] +
+                  MASK_COLUMNS,
                   REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
     for c in MASK_COLUMNS:
@@ -105,7 +114,7 @@ def load_results(directory, need_ok=True):
     df["status"] = df["status"].fillna("")
     df["pass"] = df["pass"].fillna(FORWARD)
     optional = [c for c in NOISE_COLUMNS + [UNIFORM_ERROR] if c in df.columns]
-    for c in NUMERIC_COLUMNS + TRAIN_COLUMNS + DECODE_COLUMNS + optional:
+    for c in NUMERIC_COLUMNS + TRAIN_COLUMNS + DECODE_COLUMNS + [INPUT_LAYER] + optional:
         df[c] = pd.to_numeric(df[c], errors="coerce")
     ok = df["status"] == "ok"
     if need_ok and not ok.any():
@@ -153,6 +162,10 @@ def read_csv(path, text_columns, required, contents):
         for c in NOISE_COLUMNS:
             if c not in df.columns:
                 df[c] = math.nan
+        if INPUT_LAYER not in df.columns:
+            df[INPUT_LAYER] = math.nan
+        if INPUT_SOURCE not in df.columns and "input" in df.columns:
+            df[INPUT_SOURCE] = ["file" if i == "file" else "generated" for i in df["input"]]
     missing = [c for c in required if c not in df.columns]
     if missing:
         raise ResultsError(f"'{path}' lacks the column(s) {', '.join(missing)}; expected the "

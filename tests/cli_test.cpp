@@ -289,14 +289,7 @@ TEST(Cli, SweepKeyPaddingAndOldResultsFiles) {
   std::vector<size_t> keep;
   for (size_t c = 0; c < csv.header.size(); ++c)
     if (csv.header[c] != "key_padding" && csv.header[c] != "attn_mask") keep.push_back(c);
-  auto old_line = [&](const std::vector<std::string>& f) {
-    std::string line;
-    for (size_t c : keep) {
-      if (!line.empty()) line += ',';
-      line += csv_quote(f[c]);
-    }
-    return line + "\n";
-  };
+  auto old_line = [&](const std::vector<std::string>& f) { return test::csv_line_of(f, keep); };
   std::string text = old_line(csv.header);
   std::vector<std::string> unpadded;
   for (const auto& c : csv.header) unpadded.push_back(csv.rows[1].at(c));

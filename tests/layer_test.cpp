@@ -367,14 +367,7 @@ TEST(Layer, FileMasksFollowPyTorchsConventions) {
     a.data.assign(v.begin(), v.end());
     return a;
   };
-  auto floats = [](std::vector<int64_t> shape, const std::vector<float>& v) {
-    NpyArray a;
-    a.dtype = "<f4";
-    a.shape = std::move(shape);
-    a.data.resize(v.size() * sizeof(float));
-    std::memcpy(a.data.data(), v.data(), a.data.size());
-    return a;
-  };
+  const auto floats = test::float_npy;
   auto load = [&](const std::map<std::string, NpyArray>& arrays) {
     LayerProblem lp;
     lp.heads = 3;

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -24,12 +25,14 @@
 
 #include "common/error.h"
 #include "common/inputs.h"
+#include "common/npy.h"
 #include "common/oracle.h"
 #include "common/pattern.h"
 #include "common/random.h"
 #include "common/reference.h"
 #include "common/registry.h"
 #include "common/tensor.h"
+#include "harness/results.h"
 
 // The sanitizer build (ATTNBENCH_SANITIZE=ON defines ATTNBENCH_SANITIZE for the tests) cannot
 // run two kinds of test, which skip themselves there with this macro and say why:
@@ -324,6 +327,28 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+/// A float32 array of `shape` holding v.
+inline NpyArray float_npy(std::vector<int64_t> shape, const std::vector<float>& v) {
+  NpyArray a;
+  a.dtype = "<f4";
+  a.shape = std::move(shape);
+  a.data.resize(v.size() * sizeof(float));
+  std::memcpy(a.data.data(), v.data(), a.data.size());
+  return a;
+}
+
+/// The CSV line (with its newline) of fields[i] for each i of `keep`, in that order: a line of
+/// a results file as an older layout without the other columns wrote it.
+inline std::string csv_line_of(const std::vector<std::string>& fields,
+                               const std::vector<size_t>& keep) {
+  std::string line;
+  for (size_t c : keep) {
+    if (!line.empty()) line += ',';
+    line += csv_quote(fields[c]);
+  }
+  return line + "\n";
+}
 
 inline std::string read_text(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

@@ -7,6 +7,8 @@ import pytest
 import attnbench.results
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "results", "reference")
+# Columns an older results.csv lacks, dropped from the reference to make one.
+NEWER_INPUT_COLUMNS = ("input_source", "input_layer")
 
 
 def test_loads_the_reference_with_typed_columns_and_meta():
@@ -25,11 +27,24 @@ def test_loads_the_reference_with_typed_columns_and_meta():
 def test_an_older_file_gains_the_added_columns(tmp_path):
     df = pd.read_csv(os.path.join(REFERENCE, "results.csv"))
     old = df[df["pass"] == "fwd"].drop(columns=["kv_heads", "pass", "embed"])
+    old = old[~old["input"].astype(str).str.startswith("trained")]
+    old = old.drop(columns=[c for c in NEWER_INPUT_COLUMNS if c in old.columns])
     old.to_csv(tmp_path / "results.csv", index=False)
     got = attnbench.results.load(str(tmp_path))
     assert (got["kv_heads"] == got["heads"]).all()
     assert (got["pass"] == "fwd").all() and (got["embed"] == 0).all()
+    # written before input_source and input_layer: generated inputs, no layer
+    assert (got["input_source"] == "generated").all() and got["input_layer"].isna().all()
     assert got.attrs["meta"] is None  # no meta.json
+
+
+def test_an_older_file_of_an_inputs_file_is_of_source_file(tmp_path):
+    df = pd.read_csv(os.path.join(REFERENCE, "results.csv")).head(3)
+    df = df.drop(columns=[c for c in NEWER_INPUT_COLUMNS if c in df.columns])
+    df["input"] = ["file", "gaussian", "file"]
+    df.to_csv(tmp_path / "results.csv", index=False)
+    got = attnbench.results.load(str(tmp_path))
+    assert list(got["input_source"]) == ["file", "generated", "file"]
 
 
 def test_bad_directories_raise_value_errors(tmp_path):
