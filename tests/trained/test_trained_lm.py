@@ -188,7 +188,7 @@ def test_the_binary_reads_the_capture(cache, tmp_path):
     env = dict(os.environ, ATTNBENCH_CACHE=cache)
     out = tmp_path / "o.npy"
     r = binary("run", "--variant", "flash", "--input", "trained:layer=1", "--seq", "50",
-               "--heads", "4", "--dim", "16", "--causal", "on", "--output", str(out), env=env)
+               "--heads", "4", "--dim", "16", "--causal", "--output", str(out), env=env)
     assert r.returncode == 0, r.stderr
     z = np.load(os.path.join(cache, "trained", "qkv", "layer1.npz"))
     q, k, v = (torch.from_numpy(z[x][:, :, :50].astype(np.float64)) for x in "qkv")
