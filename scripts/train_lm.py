@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Trains the byte-level language model of scripts/attnbench_lm.py on the Brown corpus and
 writes CACHE/trained/model.pt and CACHE/trained/train_log.csv (validation bits per byte against
-steps). A fixed seed, a fixed number of steps sized to take about 12 minutes on 2 cores; the
-attention is attnbench's `flash` (exact softmax attention, with its own backward) through
+steps). A fixed seed, a fixed number of steps (600) sized to take about 13 minutes on 2
+cores; the attention is attnbench's `flash` (exact softmax attention, with its own backward) through
 attnbench_lm.attend, or torch's when the attnbench module is missing (`--attention torch`).
 
     PYTHONPATH=build/python /usr/bin/python3 scripts/train_lm.py [--steps N] [--force]
@@ -26,12 +26,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="cache root (default: ATTNBENCH_CACHE, "
                     "$XDG_CACHE_HOME/attnbench or ~/.cache/attnbench)")
-    ap.add_argument("--steps", type=int, default=320)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-windows", type=int, default=8,
                     help="held-out windows of C bytes in each validation")
     ap.add_argument("--attention", default="flash",
