@@ -2,8 +2,9 @@
 """Trains the byte-level language model of scripts/attnbench_lm.py on the Brown corpus and
 writes CACHE/trained/model.pt and CACHE/trained/train_log.csv (validation bits per byte against
 steps). A fixed seed, a fixed number of steps (600) sized to take about 13 minutes on 2
-cores; the attention is attnbench's `flash` (exact softmax attention, with its own backward) through
-attnbench_lm.attend, or torch's when the attnbench module is missing (`--attention torch`).
+cores; the attention is attnbench's `flash` (exact softmax attention, with its own backward)
+through attnbench_lm.attend, or torch's when the attnbench module is missing (`--attention
+torch`).
 
     PYTHONPATH=build/python /usr/bin/python3 scripts/train_lm.py [--steps N] [--force]
 """
