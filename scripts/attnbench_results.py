@@ -182,6 +182,16 @@ def load_meta(directory):
     return read_json(path, "the meta.json `attnbench sweep` writes")
 
 
+def cache_root():
+    """The attnbench cache: $ATTNBENCH_CACHE, else $XDG_CACHE_HOME/attnbench, else
+    ~/.cache/attnbench (the rule of the binary's `--input trained`, common/trained.h)."""
+    if os.environ.get("ATTNBENCH_CACHE"):
+        return os.environ["ATTNBENCH_CACHE"]
+    if os.environ.get("XDG_CACHE_HOME"):
+        return os.path.join(os.environ["XDG_CACHE_HOME"], "attnbench")
+    return os.path.join(os.path.expanduser("~"), ".cache", "attnbench")
+
+
 def read_json(path, expected):
     """The JSON object in `path`; raises ResultsError, saying `expected` (what the file should
     be), when it cannot be read or is not an object."""
