@@ -195,6 +195,10 @@ std::string Variant::spec() const {
 void Variant::check_supported(const Problem& p) const {
   if (p.causal && !info_->caps.causal)
     throw UnsupportedError(fmt::format("{} does not support causal masking", info_->name));
+  if (!p.causal && info_->caps.causal_only)
+    throw UnsupportedError(fmt::format(
+        "{} is causal only (its function is defined under the causal mask): it needs --causal",
+        info_->name));
   if (p.keys() != p.n && !info_->caps.cross)
     throw UnsupportedError(
         fmt::format("{} does not support m != n (got n = {}, m = {})", info_->name, p.n, p.keys()));

@@ -87,6 +87,9 @@ struct Capabilities {
   bool key_padding = false;
   /// Honours an arbitrary attention mask (Problem::attn_mask).
   bool attn_mask = false;
+  /// Refuses problems without the causal mask: its function is a causal recurrence (retention,
+  /// gated linear attention, the delta rule) or is defined causally only. Implies causal.
+  bool causal_only = false;
 };
 
 class Variant;

@@ -27,6 +27,7 @@ nlohmann::ordered_json variants_json() {
                    {"summary", v->summary},
                    {"complexity", v->complexity},
                    {"causal", v->caps.causal},
+                   {"causal_only", v->caps.causal_only},
                    {"cross", v->caps.cross},
                    {"exact", v->caps.exact},
                    {"linear_score", v->caps.linear_score},

@@ -265,8 +265,11 @@ void print_list() {
   fmt::print("{} {}\n", head, "summary / parameters");
   for (const VariantInfo* v : Registry::instance().all()) {
     std::string line = fmt::format("{:<{}}", v->name, w);
-    for (const auto& [h, flag] : kCapabilityColumns)
-      line += fmt::format(" {:<{}}", v->caps.*flag ? "yes" : "no", width(h));
+    for (const auto& [h, flag] : kCapabilityColumns) {
+      // a variant that refuses non-causal problems says "only" in the causal column
+      const bool only = flag == &Capabilities::causal && v->caps.causal_only;
+      line += fmt::format(" {:<{}}", only ? "only" : v->caps.*flag ? "yes" : "no", width(h));
+    }
     line += fmt::format(" {:<{}}", has_backward(*v) ? "yes" : "no", width(bwd));
     line += fmt::format(" {:<{}}", has_decode(*v) ? "yes" : "no", width(dec));
     fmt::print("{} {}\n", line, v->summary);

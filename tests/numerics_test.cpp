@@ -52,10 +52,11 @@ class ExactNumerics : public testing::TestWithParam<std::string> {
   void SetUp() override { variant_ = make_variant(GetParam()); }
 
   // p adjusted to what the variant supports (m = n without cross-attention, no mask without
-  // causal support).
+  // causal support, always the mask for a causal-only variant).
   Problem problem(int64_t n, int64_t m, int64_t d, bool causal, uint64_t seed) const {
     const Capabilities& caps = variant_->info().caps;
-    return test::problem(1, 2, n, caps.cross ? m : 0, d, causal && caps.causal, seed);
+    return test::problem(1, 2, n, caps.cross ? m : 0, d,
+                         (causal && caps.causal) || caps.causal_only, seed);
   }
 
   std::vector<double> reference(const Problem& p, const Inputs& in) const {

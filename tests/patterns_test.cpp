@@ -38,7 +38,8 @@ std::unique_ptr<SparsePattern> pattern_of(const std::string& spec, const Problem
 
 bool supports(const std::string& spec, const Problem& p) {
   const VariantInfo& info = make_variant(spec)->info();
-  return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross);
+  return (!p.causal || info.caps.causal) && (p.causal || !info.caps.causal_only) &&
+         (p.keys() == p.n || info.caps.cross);
 }
 
 // ----- brute-force definitions, straight from VARIANTS.md -----

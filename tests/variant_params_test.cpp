@@ -80,11 +80,13 @@ Values values_of(const ParamSpec& ps) {
   return v;
 }
 
-// Small problems the variant supports: self-attention, causal and m != n if it can.
+// Small problems the variant supports: self-attention (causal if it must be), causal and m != n
+// if it can.
 std::vector<Problem> small_problems(const VariantInfo& info) {
-  std::vector<Problem> ps = {problem(1, 2, 64, 0, 16, false)};
+  std::vector<Problem> ps;
+  if (!info.caps.causal_only) ps.push_back(problem(1, 2, 64, 0, 16, false));
   if (info.caps.causal) ps.push_back(problem(1, 2, 37, 0, 16, true));
-  if (info.caps.cross) ps.push_back(problem(2, 1, 29, 71, 8, false));
+  if (info.caps.cross) ps.push_back(problem(2, 1, 29, 71, 8, info.caps.causal_only));
   return ps;
 }
 

@@ -38,8 +38,8 @@ std::string missing_oracle(const VariantInfo& info) {
 
 bool supports(const VariantInfo& info, const Problem& p) {
   const bool linear = p.score == Score::dot || p.score == Score::bilinear;
-  return (!p.causal || info.caps.causal) && (p.keys() == p.n || info.caps.cross) &&
-         (!linear || info.caps.linear_score) &&
+  return (!p.causal || info.caps.causal) && (p.causal || !info.caps.causal_only) &&
+         (p.keys() == p.n || info.caps.cross) && (!linear || info.caps.linear_score) &&
          (p.score != Score::additive || info.caps.additive) &&
          (p.key_lengths.empty() || info.caps.key_padding) && (!p.attn_mask || info.caps.attn_mask);
 }
