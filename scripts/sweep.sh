@@ -4,8 +4,8 @@
 # scripts/plot.py (DIR/plots/*.png, DIR/report.md). Extra arguments replace the default
 # sweep and go to `attnbench sweep` as they are.
 #
-# The default sweep is one `attnbench sweep` of six sets of problems (the others given with
-# --also, so that the progress line's ETA covers them all):
+# The default sweep is one `attnbench sweep` of the sets of problems below (all but the first
+# given with --also, so that the progress line's ETA covers them all):
 #   1. speed: every variant with its defaults, n = 256..8192, causal off and on, gaussian
 #      inputs;
 #   2. training: the same problems timing the backward alone (bwd, from a saved forward) and
@@ -23,7 +23,11 @@
 #      captures them into the cache, ATTNBENCH_CACHE or ~/.cache/attnbench, when missing:
 #      about 15 minutes once). n above the model's context C = 1024 is beyond what it was
 #      trained on, and marked so in the rows' notes.
-#   5. generation: one decode step (--pass decode) after a prefill of n = 1024..65536 tokens,
+#   5. long contexts: flash and the long-context variants (moba, nsa, local with 4 attention
+#      sinks, retention, gla, deltanet and gated deltanet, and the step-by-step recurrent forms
+#      of the last three) causal up to n = 16384, and the non-default settings (sinks, moba's
+#      short-context chunk) on the trained inputs too, for the mass they keep;
+#   6. generation: one decode step (--pass decode) after a prefill of n = 1024..65536 tokens,
 #      causal, for every variant (those without a decode step give unsupported rows), and for
 #      flash with grouped-query heads (--kv-heads 1, 2 and 4 of the 8 heads: a KV cache of G
 #      heads, each read once for its group).
@@ -61,6 +65,12 @@ if [ -d "$here/../build/python/attnbench" ] && [ ! -f "$here/installed_binary.tx
   export PYTHONPATH="$(cd "$here/../build/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 fi
 trained_layers=trained:layer=0,trained:layer=1,trained:layer=2,trained:layer=3
+# the settings of the long-context variants beside their defaults, and the recurrent forms of
+# the linear ones (the baseline of their chunkwise forms)
+long_context_settings="--variant local:sinks=4 --variant moba:chunk=128"
+long_context="--variant flash --variant moba --variant nsa --variant retention --variant gla \
+  --variant deltanet --variant deltanet:gated=true --variant retention:form=recurrent \
+  --variant gla:form=recurrent --variant deltanet:form=recurrent $long_context_settings"
 if [ $# -eq 0 ]; then
   # the trained model and its captured inputs (each step does nothing when its cache is current)
   if ! "$py" -c 'import torch, numpy' 2>/dev/null; then
@@ -75,6 +85,8 @@ if [ $# -eq 0 ]; then
     --also='--seq 256..8192 --causal off --input local,clustered,lowrank --scale 1,2,4' \
     --also='--seq 256..8192 --causal off --input gaussian --scale 2,4' \
     --also="--seq 256..4096 --causal on --input $trained_layers" \
+    --also="$long_context --seq 256..16384 --causal on" \
+    --also="$long_context_settings --seq 256..4096 --causal on --input $trained_layers" \
     --also='--seq 1024..65536 --causal on --pass decode' \
     --also='--variant flash --seq 1024..65536 --causal on --pass decode --kv-heads 1,2,4'
   "$py" "$here/anatomy.py" --out "$out"

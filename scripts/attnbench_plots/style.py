@@ -35,7 +35,8 @@ NAME_STYLE = {
     "local": ("#1f77b4", "^", "pattern"), "strided": ("#17becf", "v", "pattern"),
     "global": ("#393b79", "D", "pattern"), "longformer": ("#2ca02c", "P", "pattern"),
     "bigbird": ("#637939", "X", "pattern"), "sparse_transformer": ("#9467bd", "<", "pattern"),
-    "sinkhorn": ("#7b4173", ">", "pattern"),
+    "sinkhorn": ("#7b4173", ">", "pattern"), "moba": ("#e6550d", "X", "pattern"),
+    "nsa": ("#3182bd", "D", "pattern"),
     # low-rank and kernel approximations
     "linformer": ("#d62728", "o", "lowrank"), "nystrom": ("#ff7f0e", "s", "lowrank"),
     "linear": ("#8c564b", "^", "lowrank"), "performer": ("#e377c2", "v", "lowrank"),
@@ -44,11 +45,15 @@ NAME_STYLE = {
     # clustering and hashing
     "reformer": ("#6b6ecf", "h", "clustering"), "routing": ("#e7ba52", "h", "clustering"),
     "clustered": ("#ad494a", "h", "clustering"),
+    # linear attention with decay or a delta rule (not softmax)
+    "retention": ("#756bb1", "o", "decay"), "gla": ("#636363", "s", "decay"),
+    "deltanet": ("#d6616b", "^", "decay"),
 }
 FAMILY_LINESTYLE = {"exact": "-", "pattern": "--", "lowrank": "-.", "clustering": ":",
-                    "other": (0, (5, 1, 1, 1, 1, 1))}
+                    "decay": (0, (6, 2)), "other": (0, (5, 1, 1, 1, 1, 1))}
 FAMILY_NAME = {"exact": "exact", "pattern": "sparse pattern", "lowrank": "low-rank / kernel",
-               "clustering": "clustering / hashing", "other": "other"}
+               "clustering": "clustering / hashing", "decay": "linear with decay / delta rule",
+               "other": "other"}
 
 PANEL_W, PANEL_H = 5.0, 3.5  # inches; two panels side by side leave room for two legend columns
 DPI = 150
