@@ -1,12 +1,23 @@
 #include "common/decode_kernels.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 
+#include "common/error.h"
 #include "common/simd.h"
 #include "common/softmax.h"
 
 namespace attnbench::decode {
+
+void check_step_group(int64_t k_group, int64_t group, int64_t kv_heads) {
+  if (k_group != group)
+    throw UsageError(
+        fmt::format("decode step: k and v are grouped by {}, the state by {} ({} key/value heads)",
+                    k_group, group, kv_heads));
+}
+
 namespace {
 
 #ifdef __AVX512F__

@@ -14,6 +14,10 @@
 
 namespace attnbench::decode {
 
+/// Throws UsageError unless a step's k (and v, which check_step holds alike) is grouped by
+/// `group`, the grouping of a state holding `kv_heads` key/value heads.
+void check_step_group(int64_t k_group, int64_t group, int64_t kv_heads);
+
 /// `count` contiguous cached rows from row `row` of a head's keys and values.
 struct Run {
   int64_t row, count;

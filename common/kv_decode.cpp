@@ -29,6 +29,7 @@ class KvDecodeState final : public DecodeState {
         cap_(p.n),
         window_(opt.window),
         slots_(opt.window == KvDecodeOptions::kNoWindow ? p.n : std::min(p.n, opt.window + 1)),
+        sinks_(opt.window == KvDecodeOptions::kNoWindow ? 0 : std::min(opt.sinks, p.n)),
         min_chunk_(opt.min_chunk),
         max_chunk_(opt.max_chunk),
         parallel_floats_(opt.parallel_floats),
@@ -36,7 +37,9 @@ class KvDecodeState final : public DecodeState {
         len_(t0),
         head_floats_(slots_ * d_),
         keys_(cache_bytes(p, slots_)),
-        values_(cache_bytes(p, slots_)) {
+        values_(cache_bytes(p, slots_)),
+        sink_keys_(size_t(batch_ * kv_heads_ * sinks_ * d_)),
+        sink_values_(sink_keys_.size()) {
     // the last `slots` of rows 0 .. t0 - 1, each to its slot (in parallel over the key/value
     // heads when there is more than a few pages to copy)
     const int64_t first = std::max<int64_t>(0, t0 - slots_), kv_count = batch_ * kv_heads_;
@@ -49,6 +52,10 @@ class KvDecodeState final : public DecodeState {
         std::memcpy(key_row(bg, t), k.row(b, h, t), row_bytes);
         std::memcpy(value_row(bg, t), v.row(b, h, t), row_bytes);
       }
+      for (int64_t t = 0; t < std::min(t0, sinks_); ++t) {
+        std::memcpy(sink_key_row(bg, t), k.row(b, h, t), row_bytes);
+        std::memcpy(sink_value_row(bg, t), v.row(b, h, t), row_bytes);
+      }
     }
   }
 
@@ -56,17 +63,20 @@ class KvDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
-    if (k.group != group_)
-      throw UsageError(fmt::format(
-          "decode step: k and v are grouped by {}, the state by {} ({} key/value heads)", k.group,
-          group_, kv_heads_));
-    const int64_t t = len_, lo = first_visible(t), visible = t - lo + 1;
+    decode::check_step_group(k.group, group_, kv_heads_);
+    // the visible positions in order: the sinks 0 .. ns - 1 left of the band, then lo .. t;
+    // chunks cut this list (index u: position u below ns, lo + u - ns from there)
+    const int64_t t = len_, lo = first_visible(t), ns = sink_count(t), visible = ns + t - lo + 1;
     const int64_t kv_count = batch_ * kv_heads_;
     const size_t row_bytes = size_t(d_) * sizeof(float);
     for (int64_t bg = 0; bg < kv_count; ++bg) {
       const int64_t b = bg / kv_heads_, h = bg % kv_heads_ * group_;
       std::memcpy(key_row(bg, t), k.row(b, h, 0), row_bytes);
       std::memcpy(value_row(bg, t), v.row(b, h, 0), row_bytes);
+      if (t < sinks_) {
+        std::memcpy(sink_key_row(bg, t), k.row(b, h, 0), row_bytes);
+        std::memcpy(sink_value_row(bg, t), v.row(b, h, 0), row_bytes);
+      }
     }
     ++len_;
 
@@ -95,8 +105,8 @@ class KvDecodeState final : public DecodeState {
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t bg = task / chunks, c = task % chunks;
-        const int64_t a0 = lo + c * chunk, a1 = std::min(t + 1, a0 + chunk);
-        chunk_partials(bg, c, chunks, q, a0, a1, sc, partials);
+        const int64_t u0 = c * chunk, u1 = std::min(visible, u0 + chunk);
+        chunk_partials(bg, c, chunks, q, lo, ns, u0, u1, sc, partials);
       }
       // the partials of query head bh = b H + h are chunks of them back to back
 #pragma omp for schedule(static)
@@ -107,7 +117,8 @@ class KvDecodeState final : public DecodeState {
   }
 
   double state_bytes() const override {
-    return double(kv_heads_) * double(std::min(len_, slots_)) * 2.0 * double(d_) * sizeof(float);
+    return double(kv_heads_) * double(std::min(len_, slots_) + std::min(len_, sinks_)) * 2.0 *
+           double(d_) * sizeof(float);
   }
 
   double step_bytes_read() const override {
@@ -143,39 +154,54 @@ class KvDecodeState final : public DecodeState {
   int64_t first_visible(int64_t t) const {
     return window_ == KvDecodeOptions::kNoWindow ? 0 : std::max<int64_t>(0, t - window_);
   }
-  int64_t next_visible() const { return len_ - first_visible(len_) + 1; }
+  /// Sinks visible to step t beside its band (those left of it).
+  int64_t sink_count(int64_t t) const { return std::min(sinks_, first_visible(t)); }
+  int64_t next_visible() const { return sink_count(len_) + len_ - first_visible(len_) + 1; }
   float* key_row(int64_t bg, int64_t t) const {
     return keys_.floats() + bg * head_floats_ + (t % slots_) * d_;
   }
   float* value_row(int64_t bg, int64_t t) const {
     return values_.floats() + bg * head_floats_ + (t % slots_) * d_;
   }
+  float* sink_key_row(int64_t bg, int64_t t) { return sink_keys_.data() + (bg * sinks_ + t) * d_; }
+  float* sink_value_row(int64_t bg, int64_t t) {
+    return sink_values_.data() + (bg * sinks_ + t) * d_;
+  }
 
-  /// Calls f(first slot, count, offset in the chunk) for the runs of contiguous slots holding
-  /// positions a0 .. a1 - 1 (one run, or two where the ring wraps), in sub-blocks of at most
-  /// kSubBlock positions.
+  /// Calls f(keys, values, count, offset in the chunk) for the runs of contiguous rows of
+  /// key/value head bg holding the visible positions u0 .. u1 - 1 of the step's list (ns sinks,
+  /// then positions lo ..): sink rows, then ring slots (one run, or two where the ring wraps),
+  /// in sub-blocks of at most kSubBlock positions.
   template <class F>
-  void for_runs(int64_t a0, int64_t a1, F&& f) const {
-    for (int64_t a = a0; a < a1;) {
-      const int64_t s = a % slots_, count = std::min({a1 - a, slots_ - s, kSubBlock});
-      f(s, count, a - a0);
-      a += count;
+  void for_runs(int64_t bg, int64_t lo, int64_t ns, int64_t u0, int64_t u1, F&& f) const {
+    const float* kh = keys_.floats() + bg * head_floats_;
+    const float* vh = values_.floats() + bg * head_floats_;
+    for (int64_t u = u0; u < u1;) {
+      int64_t count;
+      if (u < ns) {
+        count = std::min({u1, ns, u + kSubBlock}) - u;
+        const int64_t r = (bg * sinks_ + u) * d_;
+        f(sink_keys_.data() + r, sink_values_.data() + r, count, u - u0);
+      } else {
+        const int64_t a = lo + u - ns, s = a % slots_;
+        count = std::min({u1 - u, slots_ - s, kSubBlock});
+        f(kh + s * d_, vh + s * d_, count, u - u0);
+      }
+      u += count;
     }
   }
 
-  /// The partials of chunk c (of `chunks`: positions a0 .. a1 - 1) of key/value head bg for
-  /// each query head bh = bg group + r of its group: parts + (bh chunks + c) (d + 2) =
-  /// {mx, l, acc[d]}; sc a buffer of group (a1 - a0) floats.
-  void chunk_partials(int64_t bg, int64_t c, int64_t chunks, ConstTensorView q, int64_t a0,
-                      int64_t a1, float* sc, float* parts) const {
-    const float* kh = keys_.floats() + bg * head_floats_;
-    const float* vh = values_.floats() + bg * head_floats_;
-    const int64_t len = a1 - a0, part = d_ + 2;
+  /// The partials of chunk c (of `chunks`: visible positions u0 .. u1 - 1, see for_runs) of
+  /// key/value head bg for each query head bh = bg group + r of its group: parts + (bh chunks +
+  /// c) (d + 2) = {mx, l, acc[d]}; sc a buffer of group (u1 - u0) floats.
+  void chunk_partials(int64_t bg, int64_t c, int64_t chunks, ConstTensorView q, int64_t lo,
+                      int64_t ns, int64_t u0, int64_t u1, float* sc, float* parts) const {
+    const int64_t len = u1 - u0, part = d_ + 2;
     const int64_t b = bg / kv_heads_, h0 = bg % kv_heads_ * group_;
     auto partial = [&](int64_t r) { return parts + ((bg * group_ + r) * chunks + c) * part; };
-    for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
+    for_runs(bg, lo, ns, u0, u1, [&](const float* kr, const float*, int64_t count, int64_t off) {
       for (int64_t r = 0; r < group_; ++r)
-        decode::dots(q.row(b, h0 + r, 0), kh + s * d_, count, d_, sc + r * len + off);
+        decode::dots(q.row(b, h0 + r, 0), kr, count, d_, sc + r * len + off);
     });
     for (int64_t r = 0; r < group_; ++r) {
       float* scr = sc + r * len;
@@ -185,14 +211,14 @@ class KvDecodeState final : public DecodeState {
       pr[1] = exp_sum(scr, len, scale_, mx);
       std::fill(pr + 2, pr + 2 + d_, 0.0f);
     }
-    for_runs(a0, a1, [&](int64_t s, int64_t count, int64_t off) {
+    for_runs(bg, lo, ns, u0, u1, [&](const float*, const float* vr, int64_t count, int64_t off) {
       for (int64_t r = 0; r < group_; ++r)
-        decode::accumulate(sc + r * len + off, vh + s * d_, count, d_, partial(r) + 2);
+        decode::accumulate(sc + r * len + off, vr, count, d_, partial(r) + 2);
     });
   }
 
-  int64_t batch_, heads_, kv_heads_, group_, d_, cap_, window_, slots_, min_chunk_, max_chunk_,
-      parallel_floats_;
+  int64_t batch_, heads_, kv_heads_, group_, d_, cap_, window_, slots_, sinks_, min_chunk_,
+      max_chunk_, parallel_floats_;
   float scale_;
   int64_t len_;
   int64_t head_floats_;  // slots d: one (b, key/value head) of the cache
@@ -201,6 +227,8 @@ class KvDecodeState final : public DecodeState {
   kernels::AlignedBuffer keys_, values_;
   // per-step workspace, kept between steps: the chunks' partials and each thread's scores
   std::vector<float> partials_, scores_;
+  // the sink rows [B G, sinks, d] of keys and values (none without sinks)
+  std::vector<float> sink_keys_, sink_values_;
 };
 
 }  // namespace
@@ -211,6 +239,7 @@ std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView
   check_prefill(p, k, v, t0);
   if (opt.window < 0 && opt.window != KvDecodeOptions::kNoWindow)
     throw UsageError(fmt::format("decode: window {} must be >= 0", opt.window));
+  if (opt.sinks < 0) throw UsageError(fmt::format("decode: sinks {} must be >= 0", opt.sinks));
   if (opt.min_chunk < 1 || opt.max_chunk < opt.min_chunk)
     throw UsageError(fmt::format("decode: chunk bounds {} .. {} need 1 <= min <= max",
                                  opt.min_chunk, opt.max_chunk));

@@ -7,9 +7,12 @@
 // cache is a ring of slots = min(p.n, w + 1) rows, position t living in slot t mod slots. The
 // prefill copies rows 0 .. t0 - 1 of k and v (with a window only the last `slots` of them).
 //
+// Attention sinks (with a window, `sinks` = S > 0): rows 0 .. S - 1 are also kept in a cache
+// of S rows of their own, written at prefill or when their step comes.
+//
 // Step at position t = length(): k and v are written to t's slot, then query t attends
 // positions lo .. t, lo = 0 without a window and max(0, t - w) with one (local's causal band
-// |i - j| <= w, j <= i), by
+// |i - j| <= w, j <= i), and the sinks 0 .. min(S, lo) - 1 left of them, by
 //   s_j = q . k_j,  out = sum_j exp((s_j - max s) / sqrt(d)) v_j / sum_j exp((s_j - max s) /
 //   sqrt(d))
 // with the max subtracted before scaling, as the tiled engine does (flash's arithmetic).
@@ -41,6 +44,9 @@ struct KvDecodeOptions {
   static constexpr int64_t kNoWindow = -1;
   /// Keys on the query's left it sees (local's `window`; kNoWindow for all of them).
   int64_t window = kNoWindow;
+  /// With a window: positions 0 .. sinks - 1 stay visible to every step (local's attention
+  /// sinks), kept in rows of their own beside the ring. Ignored without a window.
+  int64_t sinks = 0;
   /// Bounds on the keys per chunk of one (batch, head) (1 <= min_chunk <= max_chunk): a step
   /// cuts its visible keys into about 4 tasks per thread, chunks no shorter than min_chunk
   /// (below that the merge outweighs the split) and no longer than max_chunk (the per-thread

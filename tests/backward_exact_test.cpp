@@ -26,6 +26,7 @@ const std::vector<std::string>& exact_specs() {
       "flash:block_q=16,block_k=8",
       "flash:block_q=7,block_k=13",
       "local:window=8,block=8",
+      "local:window=5,sinks=11,block=8",
       "strided:stride=3,block=8",
       "strided:stride=4,span=12,block=8",
       "strided:stride=9,block=8",  // 9 classes: in parallel, one thread each
@@ -37,6 +38,8 @@ const std::vector<std::string>& exact_specs() {
       "sparse_transformer:mode=strided,stride=9,block=8",
       "sparse_transformer:mode=fixed,stride=8,summary=2,block=4",
       "sinkhorn:block=8",
+      "moba:chunk=8,topk=2,block=8",
+      "moba:chunk=12,topk=3,block=8",
   };
   return specs;
 }
@@ -98,8 +101,11 @@ int check_all(const Problem& p, const std::string& what, bool only_dense = false
     } catch (const UnsupportedError&) {
       continue;
     }
-    // sinkhorn's pattern is chosen from q and k: the dot and bilinear scores map q first
-    if (spec.rfind("sinkhorn", 0) == 0 && p.score != Score::scaled_dot) continue;
+    // sinkhorn's and moba's patterns are chosen from q and k: the dot and bilinear scores map
+    // q first
+    if ((spec.rfind("sinkhorn", 0) == 0 || spec.rfind("moba", 0) == 0) &&
+        p.score != Score::scaled_dot)
+      continue;
     SCOPED_TRACE(spec + " " + what);
     const Grads g = train(*var, p, in, dout);
     // forward_train gives the forward's output
