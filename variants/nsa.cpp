@@ -1,0 +1,732 @@
+// nsa: Native Sparse Attention (Yuan et al. 2025, "Native Sparse Attention: Hardware-Aligned
+// and Natively Trainable Sparse Attention"). Causal self-attention only. Each query t attends
+// three branches of softmax attention and mixes them with gates:
+//
+//   out_t = g_cmp(t) o_cmp(t) + g_sel(t) o_sel(t) + g_win(t) o_win(t)
+//
+// compression (l = cmp_block, s = cmp_stride): compressed block i covers keys [i s, i s + l);
+//   its key and value are the MEAN of the block's k and v rows (the paper's learned MLP with
+//   intra-block position encoding; mean pooling is the documented stand-in). Block i is
+//   visible to t iff i s + l - 1 <= t. o_cmp = softmax_i(q_t . k~_i / sqrt(d)) v~_i over the
+//   visible blocks; p_cmp(t) are those probabilities.
+// selection (l' = sel_block, n = sel_top): keys in blocks j of l' keys, [j l', (j+1) l').
+//   Block score (the paper's Eq. 9 overlap rule): compressed block i counts for selection
+//   block j with weight |[i s, i s + l) ∩ [j l', (j+1) l')| / s, the number of stride-s
+//   pieces of block i inside block j:
+//     score_t(j) = sum_{h in group} sum_i w(i, j) p_cmp,h(t)[i]
+//   (at the defaults l = 32, s = 16, l' = 64: blocks i = 4j-1 .. 4j+3 with weights 1,2,2,2,1;
+//   the paper prints the index as 4j - m - n, which points one selection block early under
+//   its own 0-based block numbering, so this follows the stated intent, the overlap). Scores
+//   are summed over the query heads sharing a key/value head (GQA; G = H: each head alone),
+//   so the whole group attends the same blocks. Candidates are the blocks 0 .. c, c = t / l'
+//   (the block holding t). If c + 1 <= n every candidate is taken; otherwise the initial block
+//   0 and the two local blocks c - 1, c are always taken (as in the paper's 27B run: 1
+//   initial + 2 local among the n = 16) and the other n - 3 are the highest scores among
+//   blocks 1 .. c - 2 (ties: the lower block index). o_sel = exact softmax attention over the
+//   keys of the chosen blocks that are <= t.
+// sliding window (w = window): o_win = softmax attention over keys max(0, t - w + 1) .. t.
+// gates: g_c(t) = sigmoid(q_t . u_{c,h}), c in {cmp, sel, win}; u_{c,h} in R^d has entries
+//   N(0, 1/d) drawn from the problem seed (RandomStream(seed, kGateStream + h), value
+//   c d + e): a seeded stand-in for the paper's learned gate MLP on the input.
+// A branch with no key for row t (no complete compressed block yet; window = 0) gives 0.
+//
+// Defaults are the paper's: l = 32, s = 16, l' = 64, n = 16, w = 512. Requires l and
+// l' multiples of s, n >= 3.
+//
+// Kernel. K~, V~ are pooled once per (batch, key/value head). Tasks are (batch, kv head,
+// tile of kTile query positions), heaviest tiles first; per task, numbered passes:
+//   1. compression: S = Q K~^T for every head of the group as a dense product (Eigen) against
+//      the K~ rows the tile's last position sees, masked row by row, softmax, O = P V~; the
+//      probabilities are summed over the group (kTile x n/s floats, never the whole matrix);
+//   2. block scores and top-n per position;
+//   3. selection: the chosen (position, head) rows are gathered per block, so a block chosen
+//      by many rows is one tile of the flash tile kernels (common/tile_attention.h); each
+//      row's per-block results are merged by log-sum-exp;
+//   4. window: the tile's band of keys through the same tile kernels, masked at its edges;
+//   5. gates and the sum.
+// Time per row about 4 d (t / s + n l' + w) (plus pooling, 2 m d per kv head); memory
+// O(B G m d / s) for K~, V~ plus per thread O(kTile (n/s + n/l' + G' d)) with G' = H / G.
+// make_pattern (the `pattern` export and the mass measure): the keys attended at full
+// resolution, the union of the selection and window branches; the compression branch (which
+// attends pooled keys) is not in it.
+// Decode: the KV cache of every position per kv head plus the pooled K~, V~, a new row when a
+// block completes (t - l + 1 a multiple of s); a step runs the passes above for one position.
+// No backward. Overflowing accumulators (v near FLT_MAX) are not rescaled as in flash.
+#include <omp.h>
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/decode.h"
+#include "common/error.h"
+#include "common/oracle.h"
+#include "common/random.h"
+#include "common/registry.h"
+#include "common/row_pattern.h"
+#include "common/threads.h"
+#include "common/tile_attention.h"
+
+namespace attnbench {
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using StridedMap = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
+
+constexpr int64_t kTile = 128;       // query positions per task
+constexpr int64_t kWinBlock = 64;    // keys per window tile
+constexpr uint64_t kGateStream = 0x6e7361000;  // gate vectors of head h: stream kGateStream + h
+constexpr int64_t kForced = 3;       // the initial block and the two local blocks
+
+struct Config {
+  int64_t l, s, lsel, top, w;
+
+  /// Compressed blocks whose keys all exist among `len` keys.
+  int64_t pooled(int64_t len) const { return len >= l ? (len - l) / s + 1 : 0; }
+  /// Compressed blocks visible to position t (their last key <= t).
+  int64_t visible(int64_t t) const { return pooled(t + 1); }
+  /// Keys (pooled and full) one head's position t attends.
+  int64_t row_keys(int64_t t) const {
+    const int64_t cur = t / lsel;
+    return visible(t) + std::min(top, cur + 1) * lsel - ((cur + 1) * lsel - 1 - t) +
+           std::min(w, t + 1);
+  }
+};
+
+Config config_of(const ParamValues& pv) {
+  Config c{pv.get_int("cmp_block"), pv.get_int("cmp_stride"), pv.get_int("sel_block"),
+           pv.get_int("sel_top"), pv.get_int("window")};
+  auto eq = [](const char* name, int64_t x) { return std::string(name) + "=" + std::to_string(x); };
+  if (c.l % c.s != 0)
+    throw SpecError("nsa: " + eq("cmp_block", c.l) + " must be a multiple of " +
+                    eq("cmp_stride", c.s) + " (each compressed block is whole stride pieces)");
+  if (c.lsel % c.s != 0)
+    throw SpecError("nsa: " + eq("sel_block", c.lsel) + " must be a multiple of " +
+                    eq("cmp_stride", c.s) + " (the block scores count stride pieces)");
+  if (c.top < kForced)
+    throw SpecError("nsa: " + eq("sel_top", c.top) +
+                    " must be >= 3: the initial and the two local blocks are always selected");
+  return c;
+}
+
+/// The gate vectors u_{c,h}, [H][3][d] (c: 0 compression, 1 selection, 2 window).
+std::vector<float> gate_vectors(uint64_t seed, int64_t heads, int64_t d) {
+  std::vector<float> u(size_t(heads * 3 * d));
+  const double sd = 1.0 / std::sqrt(double(d));
+  for (int64_t h = 0; h < heads; ++h) {
+    const RandomStream rs(seed, kGateStream + uint64_t(h));
+    for (int64_t e = 0; e < 3 * d; ++e) u[size_t(h * 3 * d + e)] = float(sd * rs.normal(uint64_t(e)));
+  }
+  return u;
+}
+
+/// Compressed rows i0 .. i1 - 1 of one head: out row i = mean of x rows i s .. i s + l - 1
+/// (x row j at x + j sr).
+void pool(const Config& c, const float* x, int64_t sr, int64_t d, int64_t i0, int64_t i1,
+          float* out) {
+  const float inv = 1.0f / float(c.l);
+  for (int64_t i = i0; i < i1; ++i) {
+    float* o = out + i * d;
+    std::fill(o, o + d, 0.0f);
+    for (int64_t j = i * c.s; j < i * c.s + c.l; ++j) {
+      const float* r = x + j * sr;
+      for (int64_t e = 0; e < d; ++e) o[e] += r[e];
+    }
+    for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+  }
+}
+
+/// One (batch, kv head) group's rows for positions i0 .. i0 + rows - 1: query head hg of the
+/// group (0 .. gs - 1) at position i0 + r is q + hg q_sh + r q_sr (out likewise); key j at
+/// k + j kv_sr (keys 0 .. i0 + rows - 1 present); kc, vc the group's nc pooled rows [nc, d].
+struct GroupRows {
+  const float* q;
+  int64_t q_sh, q_sr;
+  float* out;
+  int64_t o_sh, o_sr;
+  const float *k, *v;
+  int64_t k_sr, v_sr;
+  const float *kc, *vc;
+  int64_t nc;
+  const float* gates;  // [gs][3][d]
+  int64_t gs, d;
+  int32_t* chosen = nullptr;  // optional: position r's blocks at chosen + r top, -1 padded
+};
+
+/// Per-thread buffers of attend_rows for up to max_rows positions, max_nc pooled rows and
+/// max_keys keys.
+struct Workspace {
+  Workspace(const Config& c, int64_t d, int64_t gs, int64_t max_rows, int64_t max_nc,
+            int64_t max_keys)
+      : sel(max_rows * gs, c.lsel, d, float(1.0 / std::sqrt(double(d)))),
+        win(max_rows, kWinBlock, d, float(1.0 / std::sqrt(double(d)))) {
+    const int64_t nc = std::max<int64_t>(max_nc, 1), nb = max_keys / c.lsel + 1;
+    s.resize(size_t(max_rows * nc));
+    psum.resize(size_t(max_rows * nc));
+    for (auto* o : {&ocmp, &osel, &owin, &qg, &og}) o->resize(size_t(gs * max_rows * d));
+    lse.resize(size_t(gs * max_rows));
+    lg.resize(size_t(gs * max_rows));
+    who.resize(size_t(gs * max_rows));
+    score.resize(size_t(nb));
+    chosen.resize(size_t(max_rows * c.top));
+    nchosen.resize(size_t(max_rows));
+    bstart.resize(size_t(nb + 1));
+    brows.resize(size_t(max_rows * c.top));
+    cand.reserve(size_t(nb));
+  }
+  static double bytes(const Config& c, int64_t d, int64_t gs, int64_t max_rows, int64_t max_nc,
+                      int64_t max_keys) {
+    const double nb = double(max_keys / c.lsel + 2);
+    return 4.0 * (2.0 * double(max_rows * std::max<int64_t>(max_nc, 1)) +
+                  5.0 * double(gs * max_rows * d) + 3.0 * double(gs * max_rows) + 3.0 * nb +
+                  2.0 * double(max_rows * c.top) + double(max_rows)) +
+           8.0 * nb + double(TileAttention::bytes(max_rows * gs, c.lsel, d)) +
+           double(TileAttention::bytes(max_rows, kWinBlock, d));
+  }
+  TileAttention sel, win;
+  std::vector<float> s, psum, ocmp, osel, owin, qg, og, lse, lg, score;
+  std::vector<int32_t> who, chosen, nchosen, bstart, brows;
+  std::vector<std::pair<float, int32_t>> cand;
+};
+
+/// (o, lse) becomes the softmax result over its keys and those of (o2, lse2) (disjoint).
+inline void merge_row(float* o, float& lse, const float* o2, float lse2, int64_t d) {
+  if (lse2 == -std::numeric_limits<float>::infinity()) return;
+  if (lse == -std::numeric_limits<float>::infinity()) {
+    std::memcpy(o, o2, size_t(d) * sizeof(float));
+    lse = lse2;
+    return;
+  }
+  const float mx = std::max(lse, lse2);
+  const float a = std::exp(lse - mx), b = std::exp(lse2 - mx), inv = 1.0f / (a + b);
+  for (int64_t e = 0; e < d; ++e) o[e] = (a * o[e] + b * o2[e]) * inv;
+  lse = mx + std::log(a + b);
+}
+
+/// out of the group's positions i0 .. i0 + rows - 1 (all heads of the group).
+void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
+  const int64_t d = g.d, gs = g.gs, t_last = i0 + rows - 1;
+  const int64_t C = std::min(g.nc, c.visible(t_last));
+  const float scale = float(1.0 / std::sqrt(double(d)));
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  // pass 1: compression branch of every head; probabilities summed over the group in psum
+  if (C > 0) {
+    Eigen::Map<RowMat> S(ws.s.data(), rows, C), P(ws.psum.data(), rows, C);
+    const Eigen::Map<const RowMat> Kc(g.kc, C, d), Vc(g.vc, C, d);
+    for (int64_t hg = 0; hg < gs; ++hg) {
+      const StridedMap Q(g.q + hg * g.q_sh, rows, d, Eigen::OuterStride<>(g.q_sr));
+      S.noalias() = Q * Kc.transpose();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t vc = std::min(C, c.visible(i0 + r));
+        auto row = S.row(r);
+        row.tail(C - vc).setZero();
+        if (vc == 0) continue;
+        auto a = row.head(vc).array();
+        const float mx = a.maxCoeff();
+        a = ((a - mx) * scale).exp();
+        a *= 1.0f / a.sum();
+      }
+      Eigen::Map<RowMat> O(ws.ocmp.data() + hg * rows * d, rows, d);
+      O.noalias() = S * Vc;
+      if (hg == 0)
+        P = S;
+      else
+        P += S;
+    }
+  } else {
+    std::fill(ws.ocmp.begin(), ws.ocmp.begin() + gs * rows * d, 0.0f);
+  }
+
+  // pass 2: block scores (overlap weights w(i, j), see the header) and the top-n per position
+  const int64_t a = c.lsel / c.s, bw = c.l / c.s;  // a stride pieces per sel block, bw per cmp block
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = i0 + r, cur = t / c.lsel;
+    int32_t* ch = ws.chosen.data() + r * c.top;
+    int64_t n = 0;
+    if (cur + 1 <= c.top) {
+      for (int64_t j = 0; j <= cur; ++j) ch[n++] = int32_t(j);
+    } else {
+      const int64_t vc = std::min(C, c.visible(t));
+      const float* p = ws.psum.data() + r * std::max<int64_t>(C, 1);
+      ws.cand.clear();
+      for (int64_t j = 1; j <= cur - 2; ++j) {
+        // cmp block i = j a + o overlaps sel block j for o in (-bw, a); its weight is the
+        // number of its stride pieces inside: min(a, o + bw) - max(0, o)
+        float sc = 0.0f;
+        const int64_t lo = std::max<int64_t>(j * a - bw + 1, 0), hi = std::min(j * a + a, vc);
+        for (int64_t i = lo; i < hi; ++i) {
+          const int64_t o = i - j * a;
+          sc += float(std::min(a, o + bw) - std::max<int64_t>(0, o)) * p[i];
+        }
+        ws.cand.emplace_back(sc, int32_t(j));
+      }
+      const int64_t k = c.top - kForced;
+      auto better = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+      };
+      if (k > 0)
+        std::nth_element(ws.cand.begin(), ws.cand.begin() + (k - 1), ws.cand.end(), better);
+      ch[n++] = 0;
+      for (int64_t e = 0; e < k; ++e) ch[n++] = ws.cand[size_t(e)].second;
+      ch[n++] = int32_t(cur - 1);
+      ch[n++] = int32_t(cur);
+      std::sort(ch, ch + n);
+    }
+    ws.nchosen[size_t(r)] = int32_t(n);
+    if (g.chosen) {
+      std::copy(ch, ch + n, g.chosen + r * c.top);
+      std::fill(g.chosen + r * c.top + n, g.chosen + (r + 1) * c.top, -1);
+    }
+  }
+
+  // pass 3: selection branch. Rows (position, head) are gathered per chosen block; each
+  // block is one tile; the per-block results merge by log-sum-exp.
+  const int64_t nb = t_last / c.lsel + 1;
+  int32_t* off = ws.bstart.data();  // block j's positions: brows[off[j] .. off[j + 1])
+  std::fill(off, off + nb + 1, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < ws.nchosen[size_t(r)]; ++e) ++off[ws.chosen[size_t(r * c.top + e)] + 1];
+  for (int64_t j = 0; j < nb; ++j) off[j + 1] += off[j];
+  for (int64_t r = 0; r < rows; ++r)  // off[j] moves to the end of block j's list ...
+    for (int64_t e = 0; e < ws.nchosen[size_t(r)]; ++e)
+      ws.brows[size_t(off[ws.chosen[size_t(r * c.top + e)]]++)] = int32_t(r);
+  for (int64_t j = nb; j > 0; --j) off[j] = off[j - 1];  // ... and back to its start
+  off[0] = 0;
+  std::fill(ws.osel.begin(), ws.osel.begin() + gs * rows * d, 0.0f);
+  std::fill(ws.lse.begin(), ws.lse.begin() + gs * rows, kNegInf);
+  for (int64_t j = 0; j < nb; ++j) {
+    if (off[j] == off[j + 1]) continue;
+    const int64_t j0 = j * c.lsel, cols = std::min(c.lsel, t_last + 1 - j0);
+    int64_t e = 0;
+    bool masked = false;
+    for (int64_t x = off[j]; x < off[j + 1]; ++x) {
+      const int64_t r = ws.brows[size_t(x)];
+      masked |= i0 + r < j0 + cols - 1;
+      for (int64_t hg = 0; hg < gs; ++hg, ++e) {
+        std::memcpy(ws.qg.data() + e * d, g.q + hg * g.q_sh + r * g.q_sr, size_t(d) * sizeof(float));
+        ws.who[size_t(e)] = int32_t(hg * rows + r);
+      }
+    }
+    uint8_t* mask = nullptr;
+    if (masked) {
+      mask = ws.sel.mask();
+      for (int64_t x = 0; x < e; ++x) {
+        const int64_t lim = i0 + ws.who[size_t(x)] % rows - j0;  // keys c <= lim are causal
+        for (int64_t cc = 0; cc < cols; ++cc) mask[x * cols + cc] = cc <= lim;
+      }
+    }
+    ws.sel.begin(ws.qg.data(), d, e);
+    ws.sel.attend(g.k + j0 * g.k_sr, g.k_sr, g.v + j0 * g.v_sr, g.v_sr, cols, mask);
+    ws.sel.finish(ws.og.data(), d, ws.lg.data());
+    for (int64_t x = 0; x < e; ++x) {
+      const int64_t w = ws.who[size_t(x)];
+      merge_row(ws.osel.data() + w * d, ws.lse[size_t(w)], ws.og.data() + x * d, ws.lg[size_t(x)],
+                d);
+    }
+  }
+
+  // pass 4: window branch, keys max(0, t - w + 1) .. t, in blocks of kWinBlock keys
+  if (c.w > 0) {
+    const int64_t lo = std::max<int64_t>(0, i0 - c.w + 1);
+    for (int64_t hg = 0; hg < gs; ++hg) {
+      ws.win.begin(g.q + hg * g.q_sh, g.q_sr, rows);
+      for (int64_t j0 = lo; j0 <= t_last; j0 += kWinBlock) {
+        const int64_t cols = std::min(kWinBlock, t_last + 1 - j0);
+        uint8_t* mask = nullptr;
+        if (j0 + cols - 1 > i0 || j0 < t_last - c.w + 1) {
+          mask = ws.win.mask();
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t cc = 0; cc < cols; ++cc) {
+              const int64_t t = i0 + r, j = j0 + cc;
+              mask[r * cols + cc] = j <= t && j > t - c.w;
+            }
+        }
+        ws.win.attend(g.k + j0 * g.k_sr, g.k_sr, g.v + j0 * g.v_sr, g.v_sr, cols, mask);
+      }
+      ws.win.finish(ws.owin.data() + hg * rows * d, d, ws.lg.data());
+    }
+  } else {
+    std::fill(ws.owin.begin(), ws.owin.begin() + gs * rows * d, 0.0f);
+  }
+
+  // pass 5: gates and the sum
+  for (int64_t hg = 0; hg < gs; ++hg)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = g.q + hg * g.q_sh + r * g.q_sr;
+      float gate[3];
+      for (int64_t b = 0; b < 3; ++b) {
+        const float* u = g.gates + (hg * 3 + b) * d;
+        float dot = 0.0f;
+        for (int64_t e = 0; e < d; ++e) dot += qr[e] * u[e];
+        gate[b] = 1.0f / (1.0f + std::exp(-dot));
+      }
+      const float* oc = ws.ocmp.data() + (hg * rows + r) * d;
+      const float* os = ws.osel.data() + (hg * rows + r) * d;
+      const float* ow = ws.owin.data() + (hg * rows + r) * d;
+      float* o = g.out + hg * g.o_sh + r * g.o_sr;
+      for (int64_t e = 0; e < d; ++e) o[e] = gate[0] * oc[e] + gate[1] * os[e] + gate[2] * ow[e];
+    }
+}
+
+/// The pooled K~ and V~ of every (batch, kv head): [B, G, nc, d] each.
+struct Pooled {
+  int64_t nc = 0;
+  std::vector<float> k, v;
+};
+
+Pooled pool_all(const Config& c, const Problem& p, ConstTensorView k, ConstTensorView v) {
+  Pooled pl;
+  const int64_t G = p.kv_head_count(), gs = p.kv_group(), d = p.dim;
+  pl.nc = c.pooled(p.keys());
+  pl.k.resize(size_t(p.batch * G * pl.nc * d));
+  pl.v.resize(pl.k.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t bg = 0; bg < p.batch * G; ++bg) {
+    const int64_t b = bg / G, h = bg % G * gs;
+    pool(c, k.head(b, h), k.stride_row, d, 0, pl.nc, pl.k.data() + bg * pl.nc * d);
+    pool(c, v.head(b, h), v.stride_row, d, 0, pl.nc, pl.v.data() + bg * pl.nc * d);
+  }
+  return pl;
+}
+
+/// The forward pass; with `chosen` ([B, G, n, top], -1 padded), also every position's blocks.
+void nsa_forward(const Config& c, const Problem& p, ConstTensorView q, ConstTensorView k,
+                 ConstTensorView v, TensorView out, int32_t* chosen = nullptr) {
+  const int64_t G = p.kv_head_count(), gs = p.kv_group(), d = p.dim, n = p.n;
+  const Pooled pl = pool_all(c, p, k, v);
+  const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
+  const int64_t tiles = (n + kTile - 1) / kTile, tasks = p.batch * G * tiles;
+#pragma omp parallel
+  {
+    Workspace ws(c, d, gs, std::min(kTile, n), pl.nc, n);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      // the last tiles (the most compressed keys) first
+      const int64_t bg = task % (p.batch * G), tile = tiles - 1 - task / (p.batch * G);
+      const int64_t b = bg / G, h0 = bg % G * gs, i0 = tile * kTile;
+      const int64_t rows = std::min(kTile, n - i0);
+      GroupRows g{q.row(b, h0, i0),       q.stride_h, q.stride_row, out.row(b, h0, i0),
+                  out.stride_h,           out.stride_row, k.head(b, h0), v.head(b, h0),
+                  k.stride_row,           v.stride_row, pl.k.data() + bg * pl.nc * d,
+                  pl.v.data() + bg * pl.nc * d, pl.nc, gates.data() + h0 * 3 * d, gs, d,
+                  chosen ? chosen + (bg * n + i0) * c.top : nullptr};
+      attend_rows(c, g, i0, rows, ws);
+    }
+  }
+}
+
+/// Keys attended at full resolution: position t's chosen blocks and its window.
+class NsaPattern final : public RowKeysPattern {
+ public:
+  NsaPattern(const Problem& p, const Config& c, std::vector<int32_t> chosen)
+      : RowKeysPattern(p.n, p.keys()), p_(p), c_(c), chosen_(std::move(chosen)) {}
+
+  void row_keys(int64_t b, int64_t h, int64_t i, std::vector<int64_t>& keys) const override {
+    keys.clear();
+    const int32_t* ch =
+        chosen_.data() + ((b * p_.kv_head_count() + p_.kv_head(h)) * p_.n + i) * c_.top;
+    const int64_t wlo = std::max<int64_t>(0, i - c_.w + 1);
+    int64_t next = 0;  // keys below are already listed
+    auto add = [&](int64_t lo, int64_t hi) {  // [lo, hi], ascending calls
+      for (int64_t j = std::max(lo, next); j <= std::min(hi, i); ++j) keys.push_back(j);
+      next = std::max(next, hi + 1);
+    };
+    bool win_done = c_.w == 0;
+    for (int64_t e = 0; e < c_.top && ch[e] >= 0; ++e) {
+      const int64_t j0 = int64_t(ch[e]) * c_.lsel;
+      if (!win_done && wlo < j0) {
+        add(wlo, i);
+        win_done = true;
+      }
+      add(j0, j0 + c_.lsel - 1);
+    }
+    if (!win_done) add(wlo, i);
+  }
+  double bytes() const override { return double(chosen_.size()) * sizeof(int32_t); }
+
+ private:
+  Problem p_;
+  Config c_;
+  std::vector<int32_t> chosen_;
+};
+
+class Nsa final : public Variant, public Decoder {
+ public:
+  explicit Nsa(const ParamValues& pv) : c_(config_of(pv)) {}
+
+  void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+               TensorView out) override {
+    nsa_forward(c_, p, q, k, v, out);
+  }
+
+  double flops(const Problem& p) const override {
+    // per (head, position t): the logits and weighted sums of the three branches (4 d per
+    // key) and the gates (6 d); pooling 2 l d per pooled row of k and v
+    double keys = 0;
+    for (int64_t t = 0; t < p.n; ++t) keys += double(c_.row_keys(t));
+    const double d = double(p.dim);
+    return double(p.batch * p.heads) * (4.0 * d * keys + 6.0 * d * double(p.n)) +
+           double(p.batch * p.kv_head_count()) * 4.0 * double(c_.l) * d *
+               double(c_.pooled(p.keys()));
+  }
+
+  double memory_estimate(const Problem& p) const override {
+    const int64_t nc = c_.pooled(p.keys());
+    return double(p.batch * p.kv_head_count() * nc * p.dim) * 8.0 +
+           double(p.heads * 3 * p.dim) * 4.0 +
+           double(team_threads()) *
+               Workspace::bytes(c_, p.dim, p.kv_group(), std::min(kTile, p.n), nc, p.n);
+  }
+
+  std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
+                                              ConstTensorView k) const override {
+    if (!q.data || !k.data) return nullptr;
+    if (!p.causal || p.keys() != p.n)
+      throw UnsupportedError("nsa: causal self-attention only (its pattern likewise)");
+    // the selection needs only q and k: v = k, the output is discarded
+    std::vector<int32_t> chosen(size_t(p.batch * p.kv_head_count() * p.n * c_.top), -1);
+    Tensor scratch(p.q_shape());
+    nsa_forward(c_, p, q, k, k, scratch.view(), chosen.data());
+    return std::make_unique<NsaPattern>(p, c_, std::move(chosen));
+  }
+
+  Decoder* decoder() override { return this; }
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override;
+  double prefill_flops(const Problem& p, int64_t t0) const override {
+    return double(p.batch * p.kv_head_count()) * 4.0 * double(c_.l) * double(p.dim) *
+           double(c_.pooled(t0));
+  }
+
+  const Config& config() const { return c_; }
+
+ private:
+  Config c_;
+};
+
+/// Decode: per (batch, kv head) the keys and values of every position and the pooled rows.
+class NsaState final : public DecodeState {
+ public:
+  NsaState(const Config& c, const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0)
+      : c_(c),
+        p_(p),
+        G_(p.kv_head_count()),
+        gs_(p.kv_group()),
+        d_(p.dim),
+        cap_(p.n),
+        ncap_(std::max<int64_t>(c_.pooled(p.n), 1)),
+        len_(t0),
+        k_(size_t(p.batch * G_ * cap_ * d_)),
+        v_(k_.size()),
+        kc_(size_t(p.batch * G_ * ncap_ * d_)),
+        vc_(kc_.size()),
+        gates_(gate_vectors(p.seed, p.heads, d_)) {
+    for (int64_t bg = 0; bg < p.batch * G_; ++bg) {
+      const int64_t b = bg / G_, h = bg % G_ * gs_;
+      for (int64_t t = 0; t < t0; ++t) {
+        std::memcpy(kbuf(bg) + t * d_, k.row(b, h, t), size_t(d_) * sizeof(float));
+        std::memcpy(vbuf(bg) + t * d_, v.row(b, h, t), size_t(d_) * sizeof(float));
+      }
+      pool(c_, kbuf(bg), d_, d_, 0, c_.pooled(t0), kc_.data() + bg * ncap_ * d_);
+      pool(c_, vbuf(bg), d_, d_, 0, c_.pooled(t0), vc_.data() + bg * ncap_ * d_);
+    }
+  }
+
+  int64_t length() const override { return len_; }
+
+  void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
+    check_step(len_, cap_, Shape4{p_.batch, p_.heads, 1, d_}, q, k, v, out);
+    const int64_t t = len_, nc = c_.pooled(t + 1), tasks = p_.batch * G_;
+#pragma omp parallel
+    {
+      Workspace ws(c_, d_, gs_, 1, nc, t + 1);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t bg = 0; bg < tasks; ++bg) {
+        const int64_t b = bg / G_, h0 = bg % G_ * gs_;
+        std::memcpy(kbuf(bg) + t * d_, k.row(b, h0, 0), size_t(d_) * sizeof(float));
+        std::memcpy(vbuf(bg) + t * d_, v.row(b, h0, 0), size_t(d_) * sizeof(float));
+        if (nc > c_.pooled(t)) {  // position t completes a compressed block
+          pool(c_, kbuf(bg), d_, d_, nc - 1, nc, kc_.data() + bg * ncap_ * d_);
+          pool(c_, vbuf(bg), d_, d_, nc - 1, nc, vc_.data() + bg * ncap_ * d_);
+        }
+        GroupRows g{q.row(b, h0, 0), q.stride_h, q.stride_row, out.row(b, h0, 0), out.stride_h,
+                    out.stride_row, kbuf(bg), vbuf(bg), d_, d_, kc_.data() + bg * ncap_ * d_,
+                    vc_.data() + bg * ncap_ * d_, nc, gates_.data() + h0 * 3 * d_, gs_, d_};
+        attend_rows(c_, g, t, 1, ws);
+      }
+    }
+    ++len_;
+  }
+
+  double state_bytes() const override {
+    return double(G_) * double(2 * len_ * d_ + 2 * c_.pooled(len_) * d_) * 4.0;
+  }
+  double step_bytes_read() const override {
+    const int64_t t = len_;
+    const int64_t full = std::min(c_.top, t / c_.lsel + 1) * c_.lsel + std::min(c_.w, t + 1);
+    return double(p_.batch * G_) * double(2 * (full + c_.pooled(t + 1)) * d_) * 4.0;
+  }
+  double step_flops() const override {
+    return double(p_.batch * p_.heads) * (4.0 * double(d_) * double(c_.row_keys(len_)) +
+                                          6.0 * double(d_));
+  }
+
+ private:
+  float* kbuf(int64_t bg) { return k_.data() + bg * cap_ * d_; }
+  float* vbuf(int64_t bg) { return v_.data() + bg * cap_ * d_; }
+
+  Config c_;
+  Problem p_;
+  int64_t G_, gs_, d_, cap_, ncap_, len_;
+  std::vector<float> k_, v_, kc_, vc_, gates_;
+};
+
+std::unique_ptr<DecodeState> Nsa::prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                          int64_t t0) {
+  check_prefill(p, k, v, t0);
+  return std::make_unique<NsaState>(c_, p, k, v, t0);
+}
+
+// The oracle: the definition in the header, in double, written row by row without the
+// kernel's tiles, gathering or offset arithmetic (the block scores sum the overlap of every
+// visible compressed block with every candidate block).
+std::vector<double> nsa_oracle(const Variant& var, const Problem& p, ConstTensorView q,
+                               ConstTensorView k, ConstTensorView v) {
+  const Config c = config_of(var.params());
+  const int64_t n = p.n, d = p.dim, gs = p.kv_group();
+  const double scale = 1.0 / std::sqrt(double(d));
+  const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
+  return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    const int64_t h0 = p.kv_head(h) * gs;
+    const oracle::Matrix K = oracle::head(k, b, h), V = oracle::head(v, b, h);
+    std::vector<oracle::Matrix> Q;
+    for (int64_t x = 0; x < gs; ++x) Q.push_back(oracle::head(q, b, h0 + x));
+    const oracle::Matrix& Qh = Q[size_t(h - h0)];
+    // pooled keys and values
+    const int64_t nc = n >= c.l ? (n - c.l) / c.s + 1 : 0;
+    oracle::Matrix Kc(nc, d), Vc(nc, d);
+    for (int64_t i = 0; i < nc; ++i)
+      for (int64_t j = i * c.s; j < i * c.s + c.l; ++j)
+        for (int64_t e = 0; e < d; ++e) {
+          Kc(i, e) += K(j, e) / double(c.l);
+          Vc(i, e) += V(j, e) / double(c.l);
+        }
+    // softmax attention of row qrow over the keys `keys` of (Km, Vm); 0 without keys
+    auto attend = [&](const double* qrow, const oracle::Matrix& Km, const oracle::Matrix& Vm,
+                      const std::vector<int64_t>& keys, std::vector<double>& probs) {
+      std::vector<double> o(size_t(d), 0.0);
+      probs.assign(keys.size(), 0.0);
+      if (keys.empty()) return o;
+      double mx = -INFINITY;
+      for (size_t x = 0; x < keys.size(); ++x) {
+        double s = 0;
+        for (int64_t e = 0; e < d; ++e) s += qrow[e] * Km(keys[x], e);
+        probs[x] = s * scale;
+        mx = std::max(mx, probs[x]);
+      }
+      double sum = 0;
+      for (double& w : probs) sum += (w = std::exp(w - mx));
+      for (size_t x = 0; x < keys.size(); ++x) {
+        probs[x] /= sum;
+        for (int64_t e = 0; e < d; ++e) o[size_t(e)] += probs[x] * Vm(keys[x], e);
+      }
+      return o;
+    };
+    oracle::Matrix O(n, d);
+    std::vector<double> probs;
+    for (int64_t t = 0; t < n; ++t) {
+      // compression: blocks whose last key is <= t; scores summed over the group
+      std::vector<int64_t> vis;
+      for (int64_t i = 0; i < nc; ++i)
+        if (i * c.s + c.l - 1 <= t) vis.push_back(i);
+      const int64_t cur = t / c.lsel;
+      std::vector<double> score(size_t(cur + 1), 0.0);
+      std::vector<double> ocmp;
+      for (int64_t x = 0; x < gs; ++x) {
+        std::vector<double> o = attend(Q[size_t(x)].row(t), Kc, Vc, vis, probs);
+        if (h0 + x == h) ocmp = o;
+        for (size_t y = 0; y < vis.size(); ++y) {
+          const int64_t a0 = vis[y] * c.s, a1 = a0 + c.l;
+          for (int64_t j = 0; j <= cur; ++j) {
+            const int64_t ov = std::min(a1, (j + 1) * c.lsel) - std::max(a0, j * c.lsel);
+            if (ov > 0) score[size_t(j)] += probs[y] * double(ov) / double(c.s);
+          }
+        }
+      }
+      // selection: all candidates, or block 0, c - 1, c and the best others
+      std::vector<int64_t> blocks;
+      if (cur + 1 <= c.top) {
+        for (int64_t j = 0; j <= cur; ++j) blocks.push_back(j);
+      } else {
+        std::vector<int64_t> others;
+        for (int64_t j = 1; j <= cur - 2; ++j) others.push_back(j);
+        std::stable_sort(others.begin(), others.end(), [&](int64_t x, int64_t y) {
+          return score[size_t(x)] > score[size_t(y)];
+        });
+        blocks = {0, cur - 1, cur};
+        blocks.insert(blocks.end(), others.begin(), others.begin() + (c.top - 3));
+      }
+      std::vector<int64_t> sel_keys, win_keys;
+      for (int64_t j : blocks)
+        for (int64_t key = j * c.lsel; key < (j + 1) * c.lsel && key <= t; ++key)
+          sel_keys.push_back(key);
+      for (int64_t key = std::max<int64_t>(0, t - c.w + 1); key <= t && c.w > 0; ++key)
+        win_keys.push_back(key);
+      const std::vector<double> osel = attend(Qh.row(t), K, V, sel_keys, probs);
+      const std::vector<double> owin = attend(Qh.row(t), K, V, win_keys, probs);
+      double gate[3];
+      for (int64_t x = 0; x < 3; ++x) {
+        double dot = 0;
+        for (int64_t e = 0; e < d; ++e)
+          dot += Qh(t, e) * double(gates[size_t((h * 3 + x) * d + e)]);
+        gate[x] = 1.0 / (1.0 + std::exp(-dot));
+      }
+      for (int64_t e = 0; e < d; ++e)
+        O(t, e) = gate[0] * ocmp[size_t(e)] + gate[1] * osel[size_t(e)] + gate[2] * owin[size_t(e)];
+    }
+    return O;
+  });
+}
+
+// Tolerance (the float32 error model of common/oracle.h): the pooling (a reduction over l),
+// then three softmax attentions whose reductions run over at most the pooled rows, n l' and w
+// keys, a log-sum-exp merge per selected block (n merges), the gates (a reduction over d and
+// an exp) and the sum of three terms.
+double nsa_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
+  const Config c = config_of(var.params());
+  const double keys = double(c.l + c.pooled(p.keys()) + c.top * c.lsel + c.w + p.dim);
+  return kErrorMargin * float32_error(double(p.dim), logit_size(wl), keys, 8.0 + double(c.top));
+}
+
+ATTNBENCH_REGISTER_VARIANT(
+    nsa,
+    VariantInfo{
+        .name = "nsa",
+        .summary = "native sparse attention: gated mean-pooled, top-n block and window branches "
+                   "(Yuan et al.; seeded gates, mean pooling)",
+        .complexity = "time O(n d (n / cmp_stride + sel_top sel_block + window)), memory "
+                      "O(G m d / cmp_stride + threads 128 (m / cmp_stride + H/G d))",
+        .params = {ParamSpec::Int("cmp_block", 32, 1, 1 << 16,
+                                  "keys per compressed (mean-pooled) block, l"),
+                   ParamSpec::Int("cmp_stride", 16, 1, 1 << 16,
+                                  "stride between compressed blocks, s (divides cmp_block)"),
+                   ParamSpec::Int("sel_block", 64, 1, 1 << 16,
+                                  "keys per selection block, l' (a multiple of cmp_stride)"),
+                   ParamSpec::Int("sel_top", 16, 3, 4096,
+                                  "selection blocks per query, n (block 0 and the two local "
+                                  "blocks included)"),
+                   ParamSpec::Int("window", 512, 0, int64_t(1) << 30,
+                                  "sliding-window keys per query, w (the last w up to t)")},
+        .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
+        .make = [](const ParamValues& pv) { return std::make_unique<Nsa>(pv); },
+        .oracle = nsa_oracle,
+        .tolerance = nsa_tolerance});
+
+}  // namespace
+}  // namespace attnbench
