@@ -30,6 +30,10 @@
 //   S <- gamma_C S + N^T diag(exp(g_C - g_i)) K^
 // all Eigen products (the causal ones on lower halves only). Per token about 6 d^2 + 5 C d
 // flops: more than the recurrence, but in matrix products instead of matrix-vector passes.
+// On a CPU at d = 64 the recurrence is no slower than the chunks: its 16 KiB state stays in L1
+// and its two passes run near the rate of the chunks' small products, which do more flops
+// (measured at n = 8192, H = 8, one thread: recurrent 38 ms, chunk 16 48 ms, chunk 64 65 ms).
+// The chunkwise form is the parallel-over-time form the papers use on GPUs, kept for that.
 // Time O(n d (d + C)) per head, memory O(threads C (C + d)) beyond inputs and output.
 //
 // Backward (exact gradients of the function above, through beta, alpha and both
