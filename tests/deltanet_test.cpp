@@ -16,8 +16,8 @@
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/registry.h"
-#include "harness/team.h"
 #include "decode_util.h"
+#include "harness/team.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -39,8 +39,8 @@ double oracle_error(const std::string& spec, const Problem& p) {
 TEST(DeltaNet, BothFormsMatchTheRecurrence) {
   double worst = 0;
   for (const std::string gated : {"false", "true"})
-    for (const std::string form : {"chunkwise,chunk=64", "chunkwise,chunk=16",
-                                   "chunkwise,chunk=1", "chunkwise,chunk=48", "recurrent"})
+    for (const std::string form : {"chunkwise,chunk=64", "chunkwise,chunk=16", "chunkwise,chunk=1",
+                                   "chunkwise,chunk=48", "recurrent"})
       for (int64_t n : {1, 7, 33, 100, 257, 1000}) {
         const std::string spec = "deltanet:gated=" + gated + ",form=" + form;
         const Problem p = causal_problem(1, 2, 0, n, 64, uint64_t(n));
@@ -53,9 +53,8 @@ TEST(DeltaNet, BothFormsMatchTheRecurrence) {
 }
 
 TEST(DeltaNet, GroupedHeadsBatchesAndOddDims) {
-  for (const std::string spec :
-       {"deltanet", "deltanet:gated=true", "deltanet:form=recurrent,gated=true",
-        "deltanet:chunk=5"})
+  for (const std::string spec : {"deltanet", "deltanet:gated=true",
+                                 "deltanet:form=recurrent,gated=true", "deltanet:chunk=5"})
     for (int64_t g : {1, 2, 4})
       for (int64_t d : {1, 17, 64}) {
         const Problem p = causal_problem(3, 4, g, 101, d, uint64_t(g * 7 + d));
@@ -96,7 +95,7 @@ TEST(DeltaNet, ZeroKeysAndQueries) {
   Inputs in = generate_inputs(p);
   for (int64_t c = 0; c < p.dim; ++c)
     in.k.view().row(0, 1, 5)[c] = 0, in.k.view().row(0, 0, 39)[c] = 0,
-                         in.q.view().row(0, 0, 12)[c] = 0;
+                          in.q.view().row(0, 0, 12)[c] = 0;
   for (const std::string spec : {"deltanet:chunk=8", "deltanet:form=recurrent,gated=true"}) {
     const Tensor out = test::run(spec, p, in);
     EXPECT_LE(test::rel_fro_error(out.data(), test::expected(spec, p, in).out), 1e-5) << spec;
@@ -142,11 +141,10 @@ TEST(DeltaNet, DecodeStepsMatchTheForward) {
             const std::vector<float> fw(forward.data(), forward.data() + forward.numel());
             EXPECT_LE(test::rows_error(p, out, fw, t0), 1e-5);
             if (t0 == n) {
-              EXPECT_THROW(state->step(test::row_view(in.q.view(), 0),
-                                       test::row_view(in.k.view(), 0),
-                                       test::row_view(in.v.view(), 0),
-                                       test::row_view(out.view(), 0)),
-                           UsageError);
+              EXPECT_THROW(
+                  state->step(test::row_view(in.q.view(), 0), test::row_view(in.k.view(), 0),
+                              test::row_view(in.v.view(), 0), test::row_view(out.view(), 0)),
+                  UsageError);
             }
           }
         }
@@ -177,8 +175,8 @@ TEST(DeltaNet, GradientsMatchFiniteDifferences) {
         std::normal_distribution<double> nd;
         for (int64_t i = 0; i < dout.numel(); ++i) dout.data()[i] = float(nd(rng));
         const auto saved = var->run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-        var->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(),
-                          *saved, dq.view(), dk.view(), dv.view());
+        var->run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(), *saved,
+                          dq.view(), dk.view(), dv.view());
         const Tensor* src[3] = {&in.q, &in.k, &in.v};
         const Tensor* grads[3] = {&dq, &dk, &dv};
         for (int which = 0; which < 3; ++which) {
