@@ -35,7 +35,8 @@ Problem grouped(int64_t h, int64_t g, int64_t n, int64_t d, uint64_t seed) {
 TEST(Nsa, MatchesItsOracleOnRaggedLengths) {
   double worst = 0;
   for (const std::string& spec :
-       {std::string(kSmall), std::string("nsa:cmp_block=8,cmp_stride=4,sel_block=16,sel_top=3,window=16"),
+       {std::string(kSmall),
+        std::string("nsa:cmp_block=8,cmp_stride=4,sel_block=16,sel_top=3,window=16"),
         std::string("nsa:cmp_block=16,cmp_stride=8,sel_block=8,sel_top=4,window=0")})
     for (int64_t n : {1, 7, 33, 100, 300, 1000})
       for (auto [h, g] : {std::pair<int64_t, int64_t>{2, 2}, {4, 2}, {3, 1}})
@@ -85,7 +86,8 @@ TEST(Nsa, SelectionIsSharedByTheGroupAndMatchesABruteForce) {
           double dot = 0;
           for (int64_t e = 0; e < d; ++e) {
             double kc = 0;
-            for (int64_t j = i * s; j < i * s + l; ++j) kc += test::at(in.k, 0, h, j, e);  // the grouped view: kv head of h
+            for (int64_t j = i * s; j < i * s + l; ++j)
+              kc += test::at(in.k, 0, h, j, e);  // the grouped view: kv head of h
             dot += double(test::at(in.q, 0, h, t, e)) * kc / double(l);
           }
           logit.push_back(dot / std::sqrt(double(d)));
@@ -164,8 +166,7 @@ TEST(Nsa, RefusesNonCausalCrossAndBadParameters) {
     SCOPED_TRACE(bad);
     EXPECT_THROW(make_variant(bad), SpecError);
   }
-  const std::string msg =
-      test::error_message<SpecError>([] { make_variant("nsa:sel_block=40"); });
+  const std::string msg = test::error_message<SpecError>([] { make_variant("nsa:sel_block=40"); });
   EXPECT_NE(msg.find("multiple of cmp_stride"), std::string::npos) << msg;
 }
 

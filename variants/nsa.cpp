@@ -34,24 +34,28 @@
 // l' multiples of s, n >= 3.
 //
 // Kernel. K~, V~ are pooled once per (batch, key/value head). Tasks are (batch, kv head,
-// tile of kTile query positions), heaviest tiles first; per task, numbered passes:
-//   1. compression: S = Q K~^T for every head of the group as a dense product (Eigen) against
-//      the K~ rows the tile's last position sees, masked row by row, softmax, O = P V~; the
-//      probabilities are summed over the group (kTile x n/s floats, never the whole matrix);
-//   2. block scores and top-n per position;
+// tile of T = task_rows() query positions, about 512 / (H/G)), heaviest tiles first; per
+// task, numbered passes:
+//   1. compression, in sub-tiles of 256 positions: S = Q K~^T for every head of the group as
+//      a dense product (OpenBLAS sgemm) against the K~ rows the sub-tile's last position sees,
+//      masked row by row, softmax, O = P V~ (sgemm); the probabilities are summed over the
+//      group (256 x n/s floats, never the whole n x n/s matrix);
+//   2. block scores (piece sums) and the top-n per position;
 //   3. selection: the chosen (position, head) rows are gathered per block, so a block chosen
 //      by many rows is one tile of the flash tile kernels (common/tile_attention.h); each
 //      row's per-block results are merged by log-sum-exp;
-//   4. window: the tile's band of keys through the same tile kernels, masked at its edges;
+//   4. window: tiles of 64 positions walking their band of keys through the same tile
+//      kernels, masked at its edges;
 //   5. gates and the sum.
 // Time per row about 4 d (t / s + n l' + w) (plus pooling, 2 m d per kv head); memory
-// O(B G m d / s) for K~, V~ plus per thread O(kTile (n/s + n/l' + G' d)) with G' = H / G.
+// O(B G m d / s) for K~, V~ plus per thread O(256 n/s + T (n + H/G d)).
 // make_pattern (the `pattern` export and the mass measure): the keys attended at full
 // resolution, the union of the selection and window branches; the compression branch (which
 // attends pooled keys) is not in it.
 // Decode: the KV cache of every position per kv head plus the pooled K~, V~, a new row when a
 // block completes (t - l + 1 a multiple of s); a step runs the passes above for one position.
 // No backward. Overflowing accumulators (v near FLT_MAX) are not rescaled as in flash.
+#include <cblas.h>
 #include <omp.h>
 
 #include <Eigen/Dense>
@@ -76,12 +80,17 @@ namespace attnbench {
 namespace {
 
 using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using StridedMap = Eigen::Map<const RowMat, 0, Eigen::OuterStride<>>;
 
-constexpr int64_t kTile = 128;       // query positions per task
-constexpr int64_t kWinBlock = 64;    // keys per window tile
+constexpr int64_t kWinRows = 64;   // query rows per window tile
+constexpr int64_t kCmpRows = 256;  // query rows per compression sub-tile
+constexpr int64_t kWinBlock = 64;  // keys per window tile
+
+/// Query positions per task: about 512 rows (positions x the group's heads), so a selection
+/// block chosen by a small share of the positions still fills a tile of several rows (at
+/// n = 16384, about 26 per block; 2048 rows per task measured no faster).
+int64_t task_rows(int64_t gs) { return std::clamp<int64_t>(512 / gs / 64 * 64, 64, 512); }
 constexpr uint64_t kGateStream = 0x6e7361000;  // gate vectors of head h: stream kGateStream + h
-constexpr int64_t kForced = 3;       // the initial block and the two local blocks
+constexpr int64_t kForced = 3;                 // the initial block and the two local blocks
 
 struct Config {
   int64_t l, s, lsel, top, w;
@@ -120,7 +129,8 @@ std::vector<float> gate_vectors(uint64_t seed, int64_t heads, int64_t d) {
   const double sd = 1.0 / std::sqrt(double(d));
   for (int64_t h = 0; h < heads; ++h) {
     const RandomStream rs(seed, kGateStream + uint64_t(h));
-    for (int64_t e = 0; e < 3 * d; ++e) u[size_t(h * 3 * d + e)] = float(sd * rs.normal(uint64_t(e)));
+    for (int64_t e = 0; e < 3 * d; ++e)
+      u[size_t(h * 3 * d + e)] = float(sd * rs.normal(uint64_t(e)));
   }
   return u;
 }
@@ -164,34 +174,35 @@ struct Workspace {
   Workspace(const Config& c, int64_t d, int64_t gs, int64_t max_rows, int64_t max_nc,
             int64_t max_keys)
       : sel(max_rows * gs, c.lsel, d, float(1.0 / std::sqrt(double(d)))),
-        win(max_rows, kWinBlock, d, float(1.0 / std::sqrt(double(d)))) {
+        win(std::min(max_rows, kWinRows), kWinBlock, d, float(1.0 / std::sqrt(double(d)))) {
     const int64_t nc = std::max<int64_t>(max_nc, 1), nb = max_keys / c.lsel + 1;
-    s.resize(size_t(max_rows * nc));
-    psum.resize(size_t(max_rows * nc));
+    s.resize(size_t(std::min(max_rows, kCmpRows) * nc));
+    psum.resize(size_t(std::min(max_rows, kCmpRows) * nc));
     for (auto* o : {&ocmp, &osel, &owin, &qg, &og}) o->resize(size_t(gs * max_rows * d));
     lse.resize(size_t(gs * max_rows));
     lg.resize(size_t(gs * max_rows));
     who.resize(size_t(gs * max_rows));
-    score.resize(size_t(nb));
+    pieces.resize(size_t(nb * (c.lsel / c.s)));
     chosen.resize(size_t(max_rows * c.top));
     nchosen.resize(size_t(max_rows));
     bstart.resize(size_t(nb + 1));
     brows.resize(size_t(max_rows * c.top));
-    cand.reserve(size_t(nb));
+    best.resize(size_t(c.top));
+    scores.resize(size_t(nb));
   }
   static double bytes(const Config& c, int64_t d, int64_t gs, int64_t max_rows, int64_t max_nc,
                       int64_t max_keys) {
     const double nb = double(max_keys / c.lsel + 2);
-    return 4.0 * (2.0 * double(max_rows * std::max<int64_t>(max_nc, 1)) +
+    return 4.0 * (2.0 * double(std::min(max_rows, kCmpRows) * std::max<int64_t>(max_nc, 1)) +
                   5.0 * double(gs * max_rows * d) + 3.0 * double(gs * max_rows) + 3.0 * nb +
                   2.0 * double(max_rows * c.top) + double(max_rows)) +
            8.0 * nb + double(TileAttention::bytes(max_rows * gs, c.lsel, d)) +
-           double(TileAttention::bytes(max_rows, kWinBlock, d));
+           4.0 * nb * double(c.lsel / c.s) +
+           double(TileAttention::bytes(std::min(max_rows, kWinRows), kWinBlock, d));
   }
   TileAttention sel, win;
-  std::vector<float> s, psum, ocmp, osel, owin, qg, og, lse, lg, score;
+  std::vector<float> s, psum, ocmp, osel, owin, qg, og, lse, lg, pieces, best, scores;
   std::vector<int32_t> who, chosen, nchosen, bstart, brows;
-  std::vector<std::pair<float, int32_t>> cand;
 };
 
 /// (o, lse) becomes the softmax result over its keys and those of (o2, lse2) (disjoint).
@@ -211,77 +222,94 @@ inline void merge_row(float* o, float& lse, const float* o2, float lse2, int64_t
 /// out of the group's positions i0 .. i0 + rows - 1 (all heads of the group).
 void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
   const int64_t d = g.d, gs = g.gs, t_last = i0 + rows - 1;
-  const int64_t C = std::min(g.nc, c.visible(t_last));
   const float scale = float(1.0 / std::sqrt(double(d)));
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  // pass 1: compression branch of every head; probabilities summed over the group in psum
-  if (C > 0) {
-    Eigen::Map<RowMat> S(ws.s.data(), rows, C), P(ws.psum.data(), rows, C);
-    const Eigen::Map<const RowMat> Kc(g.kc, C, d), Vc(g.vc, C, d);
-    for (int64_t hg = 0; hg < gs; ++hg) {
-      const StridedMap Q(g.q + hg * g.q_sh, rows, d, Eigen::OuterStride<>(g.q_sr));
-      S.noalias() = Q * Kc.transpose();
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t vc = std::min(C, c.visible(i0 + r));
-        auto row = S.row(r);
-        row.tail(C - vc).setZero();
-        if (vc == 0) continue;
-        auto a = row.head(vc).array();
-        const float mx = a.maxCoeff();
-        a = ((a - mx) * scale).exp();
-        a *= 1.0f / a.sum();
-      }
-      Eigen::Map<RowMat> O(ws.ocmp.data() + hg * rows * d, rows, d);
-      O.noalias() = S * Vc;
-      if (hg == 0)
-        P = S;
-      else
-        P += S;
-    }
-  } else {
-    std::fill(ws.ocmp.begin(), ws.ocmp.begin() + gs * rows * d, 0.0f);
-  }
+  // passes 1 and 2 in sub-tiles of kCmpRows positions (the probabilities of a sub-tile,
+  // kCmpRows x C floats, stay in cache)
+  const int64_t a = c.lsel / c.s,
+                bw = c.l / c.s;  // a stride pieces per sel block, bw per cmp block
+  for (int64_t s0 = 0; s0 < rows; s0 += kCmpRows) {
+    const int64_t sr = std::min(kCmpRows, rows - s0), si0 = i0 + s0;
+    const int64_t C = std::min(g.nc, c.visible(si0 + sr - 1));
 
-  // pass 2: block scores (overlap weights w(i, j), see the header) and the top-n per position
-  const int64_t a = c.lsel / c.s, bw = c.l / c.s;  // a stride pieces per sel block, bw per cmp block
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = i0 + r, cur = t / c.lsel;
-    int32_t* ch = ws.chosen.data() + r * c.top;
-    int64_t n = 0;
-    if (cur + 1 <= c.top) {
-      for (int64_t j = 0; j <= cur; ++j) ch[n++] = int32_t(j);
-    } else {
-      const int64_t vc = std::min(C, c.visible(t));
-      const float* p = ws.psum.data() + r * std::max<int64_t>(C, 1);
-      ws.cand.clear();
-      for (int64_t j = 1; j <= cur - 2; ++j) {
-        // cmp block i = j a + o overlaps sel block j for o in (-bw, a); its weight is the
-        // number of its stride pieces inside: min(a, o + bw) - max(0, o)
-        float sc = 0.0f;
-        const int64_t lo = std::max<int64_t>(j * a - bw + 1, 0), hi = std::min(j * a + a, vc);
-        for (int64_t i = lo; i < hi; ++i) {
-          const int64_t o = i - j * a;
-          sc += float(std::min(a, o + bw) - std::max<int64_t>(0, o)) * p[i];
+    // pass 1: compression branch of every head; probabilities summed over the group in psum
+    if (C > 0) {
+      Eigen::Map<RowMat> S(ws.s.data(), sr, C), P(ws.psum.data(), sr, C);
+      for (int64_t hg = 0; hg < gs; ++hg) {
+        // S = Q K~^T (sr x C)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sr), int(C), int(d), 1.0f,
+                    g.q + hg * g.q_sh + s0 * g.q_sr, int(g.q_sr), g.kc, int(d), 0.0f, ws.s.data(),
+                    int(C));
+        for (int64_t r = 0; r < sr; ++r) {
+          const int64_t vc = std::min(C, c.visible(si0 + r));
+          auto row = S.row(r);
+          row.tail(C - vc).setZero();
+          if (vc == 0) continue;
+          auto x = row.head(vc).array();
+          const float mx = x.maxCoeff();
+          x = ((x - mx) * scale).exp();
+          x *= 1.0f / x.sum();
         }
-        ws.cand.emplace_back(sc, int32_t(j));
+        // O = P V~ (sr x d)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sr), int(d), int(C), 1.0f,
+                    ws.s.data(), int(C), g.vc, int(d), 0.0f, ws.ocmp.data() + (hg * rows + s0) * d,
+                    int(d));
+        if (hg == 0)
+          P = S;
+        else
+          P += S;
       }
-      const int64_t k = c.top - kForced;
-      auto better = [](const std::pair<float, int32_t>& x, const std::pair<float, int32_t>& y) {
-        return x.first > y.first || (x.first == y.first && x.second < y.second);
-      };
-      if (k > 0)
-        std::nth_element(ws.cand.begin(), ws.cand.begin() + (k - 1), ws.cand.end(), better);
-      ch[n++] = 0;
-      for (int64_t e = 0; e < k; ++e) ch[n++] = ws.cand[size_t(e)].second;
-      ch[n++] = int32_t(cur - 1);
-      ch[n++] = int32_t(cur);
-      std::sort(ch, ch + n);
+    } else {
+      for (int64_t hg = 0; hg < gs; ++hg)
+        std::fill_n(ws.ocmp.data() + (hg * rows + s0) * d, sr * d, 0.0f);
     }
-    ws.nchosen[size_t(r)] = int32_t(n);
-    if (g.chosen) {
-      std::copy(ch, ch + n, g.chosen + r * c.top);
-      std::fill(g.chosen + r * c.top + n, g.chosen + (r + 1) * c.top, -1);
+
+    // pass 2: block scores (overlap weights w(i, j), see the header) and the top-n per position
+    for (int64_t r = 0; r < sr; ++r) {
+      const int64_t t = si0 + r, cur = t / c.lsel;
+      int32_t* ch = ws.chosen.data() + (s0 + r) * c.top;
+      int64_t n = 0;
+      if (cur + 1 <= c.top) {
+        for (int64_t j = 0; j <= cur; ++j) ch[n++] = int32_t(j);
+      } else {
+        // stride piece u (keys [u s, (u + 1) s)) collects the probabilities of the compressed
+        // blocks covering it, i = u - bw + 1 .. u; block j's score is the sum of its a pieces,
+        // that is sum_i w(i, j) p_i with w the number of pieces of block i inside block j.
+        // Entries of p past the row's visible blocks are 0 (pass 1), so only i < C is bounded.
+        const float* p = ws.psum.data() + r * std::max<int64_t>(C, 1);
+        const int64_t U = (cur - 1) * a;  // pieces of blocks 0 .. cur - 2
+        float* pc = ws.pieces.data();
+        std::fill(pc, pc + U, 0.0f);
+        for (int64_t o = 0; o < bw; ++o)
+          for (int64_t u = o, u1 = std::min(U, C + o); u < u1; ++u) pc[u] += p[u - o];
+        float* sc = ws.scores.data();  // sc[j] = sum of block j's pieces, j = 0 .. cur - 2
+        std::fill(sc, sc + cur - 1, 0.0f);
+        for (int64_t x = 0; x < a; ++x)
+          for (int64_t j = 0; j < cur - 1; ++j) sc[j] += pc[j * a + x];
+        // the k = n - 3 best of blocks 1 .. cur - 2, kept sorted (score descending; a later
+        // block must score strictly more to enter, so ties go to the lower index)
+        const int64_t k = c.top - kForced;
+        float* best = ws.best.data();
+        int32_t* bj = ch + 1;
+        int64_t have = 0;
+        for (int64_t j = 1; j <= cur - 2 && k > 0; ++j) {
+          if (have == k && !(sc[j] > best[k - 1])) continue;
+          int64_t e = have < k ? have++ : k - 1;
+          for (; e > 0 && sc[j] > best[e - 1]; --e) best[e] = best[e - 1], bj[e] = bj[e - 1];
+          best[e] = sc[j], bj[e] = int32_t(j);
+        }
+        ch[0] = 0;
+        n = 1 + k;
+        ch[n++] = int32_t(cur - 1);
+        ch[n++] = int32_t(cur);
+        std::sort(ch, ch + n);
+      }
+      ws.nchosen[size_t(s0 + r)] = int32_t(n);
+      if (g.chosen) {
+        std::copy(ch, ch + n, g.chosen + (s0 + r) * c.top);
+        std::fill(g.chosen + (s0 + r) * c.top + n, g.chosen + (s0 + r + 1) * c.top, -1);
+      }
     }
   }
 
@@ -309,7 +337,8 @@ void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
       const int64_t r = ws.brows[size_t(x)];
       masked |= i0 + r < j0 + cols - 1;
       for (int64_t hg = 0; hg < gs; ++hg, ++e) {
-        std::memcpy(ws.qg.data() + e * d, g.q + hg * g.q_sh + r * g.q_sr, size_t(d) * sizeof(float));
+        std::memcpy(ws.qg.data() + e * d, g.q + hg * g.q_sh + r * g.q_sr,
+                    size_t(d) * sizeof(float));
         ws.who[size_t(e)] = int32_t(hg * rows + r);
       }
     }
@@ -331,26 +360,28 @@ void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
     }
   }
 
-  // pass 4: window branch, keys max(0, t - w + 1) .. t, in blocks of kWinBlock keys
+  // pass 4: window branch, keys max(0, t - w + 1) .. t: tiles of kWinRows positions walking
+  // their band in blocks of kWinBlock keys, masked where a block leaves some row's band
   if (c.w > 0) {
-    const int64_t lo = std::max<int64_t>(0, i0 - c.w + 1);
-    for (int64_t hg = 0; hg < gs; ++hg) {
-      ws.win.begin(g.q + hg * g.q_sh, g.q_sr, rows);
-      for (int64_t j0 = lo; j0 <= t_last; j0 += kWinBlock) {
-        const int64_t cols = std::min(kWinBlock, t_last + 1 - j0);
-        uint8_t* mask = nullptr;
-        if (j0 + cols - 1 > i0 || j0 < t_last - c.w + 1) {
-          mask = ws.win.mask();
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t cc = 0; cc < cols; ++cc) {
-              const int64_t t = i0 + r, j = j0 + cc;
-              mask[r * cols + cc] = j <= t && j > t - c.w;
-            }
+    for (int64_t hg = 0; hg < gs; ++hg)
+      for (int64_t r0 = 0; r0 < rows; r0 += kWinRows) {
+        const int64_t wr = std::min(kWinRows, rows - r0), u0 = i0 + r0, u1 = u0 + wr - 1;
+        ws.win.begin(g.q + hg * g.q_sh + r0 * g.q_sr, g.q_sr, wr);
+        for (int64_t j0 = std::max<int64_t>(0, u0 - c.w + 1); j0 <= u1; j0 += kWinBlock) {
+          const int64_t cols = std::min(kWinBlock, u1 + 1 - j0);
+          uint8_t* mask = nullptr;
+          if (j0 + cols - 1 > u0 || j0 < u1 - c.w + 1) {
+            mask = ws.win.mask();
+            for (int64_t r = 0; r < wr; ++r)
+              for (int64_t cc = 0; cc < cols; ++cc) {
+                const int64_t t = u0 + r, j = j0 + cc;
+                mask[r * cols + cc] = j <= t && j > t - c.w;
+              }
+          }
+          ws.win.attend(g.k + j0 * g.k_sr, g.k_sr, g.v + j0 * g.v_sr, g.v_sr, cols, mask);
         }
-        ws.win.attend(g.k + j0 * g.k_sr, g.k_sr, g.v + j0 * g.v_sr, g.v_sr, cols, mask);
+        ws.win.finish(ws.owin.data() + (hg * rows + r0) * d, d, ws.lg.data());
       }
-      ws.win.finish(ws.owin.data() + hg * rows * d, d, ws.lg.data());
-    }
   } else {
     std::fill(ws.owin.begin(), ws.owin.begin() + gs * rows * d, 0.0f);
   }
@@ -401,20 +432,32 @@ void nsa_forward(const Config& c, const Problem& p, ConstTensorView q, ConstTens
   const int64_t G = p.kv_head_count(), gs = p.kv_group(), d = p.dim, n = p.n;
   const Pooled pl = pool_all(c, p, k, v);
   const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
-  const int64_t tiles = (n + kTile - 1) / kTile, tasks = p.batch * G * tiles;
+  const int64_t T = task_rows(gs), tiles = (n + T - 1) / T, tasks = p.batch * G * tiles;
 #pragma omp parallel
   {
-    Workspace ws(c, d, gs, std::min(kTile, n), pl.nc, n);
+    Workspace ws(c, d, gs, std::min(T, n), pl.nc, n);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       // the last tiles (the most compressed keys) first
       const int64_t bg = task % (p.batch * G), tile = tiles - 1 - task / (p.batch * G);
-      const int64_t b = bg / G, h0 = bg % G * gs, i0 = tile * kTile;
-      const int64_t rows = std::min(kTile, n - i0);
-      GroupRows g{q.row(b, h0, i0),       q.stride_h, q.stride_row, out.row(b, h0, i0),
-                  out.stride_h,           out.stride_row, k.head(b, h0), v.head(b, h0),
-                  k.stride_row,           v.stride_row, pl.k.data() + bg * pl.nc * d,
-                  pl.v.data() + bg * pl.nc * d, pl.nc, gates.data() + h0 * 3 * d, gs, d,
+      const int64_t b = bg / G, h0 = bg % G * gs, i0 = tile * T;
+      const int64_t rows = std::min(T, n - i0);
+      GroupRows g{q.row(b, h0, i0),
+                  q.stride_h,
+                  q.stride_row,
+                  out.row(b, h0, i0),
+                  out.stride_h,
+                  out.stride_row,
+                  k.head(b, h0),
+                  v.head(b, h0),
+                  k.stride_row,
+                  v.stride_row,
+                  pl.k.data() + bg * pl.nc * d,
+                  pl.v.data() + bg * pl.nc * d,
+                  pl.nc,
+                  gates.data() + h0 * 3 * d,
+                  gs,
+                  d,
                   chosen ? chosen + (bg * n + i0) * c.top : nullptr};
       attend_rows(c, g, i0, rows, ws);
     }
@@ -432,7 +475,7 @@ class NsaPattern final : public RowKeysPattern {
     const int32_t* ch =
         chosen_.data() + ((b * p_.kv_head_count() + p_.kv_head(h)) * p_.n + i) * c_.top;
     const int64_t wlo = std::max<int64_t>(0, i - c_.w + 1);
-    int64_t next = 0;  // keys below are already listed
+    int64_t next = 0;                         // keys below are already listed
     auto add = [&](int64_t lo, int64_t hi) {  // [lo, hi], ascending calls
       for (int64_t j = std::max(lo, next); j <= std::min(hi, i); ++j) keys.push_back(j);
       next = std::max(next, hi + 1);
@@ -480,8 +523,9 @@ class Nsa final : public Variant, public Decoder {
     const int64_t nc = c_.pooled(p.keys());
     return double(p.batch * p.kv_head_count() * nc * p.dim) * 8.0 +
            double(p.heads * 3 * p.dim) * 4.0 +
-           double(team_threads()) *
-               Workspace::bytes(c_, p.dim, p.kv_group(), std::min(kTile, p.n), nc, p.n);
+           double(team_threads()) * Workspace::bytes(c_, p.dim, p.kv_group(),
+                                                     std::min(task_rows(p.kv_group()), p.n), nc,
+                                                     p.n);
   }
 
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView q,
@@ -543,9 +587,12 @@ class NsaState final : public DecodeState {
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{p_.batch, p_.heads, 1, d_}, q, k, v, out);
     const int64_t t = len_, nc = c_.pooled(t + 1), tasks = p_.batch * G_;
-#pragma omp parallel
+    if (ws_.size() < size_t(team_threads())) ws_.resize(size_t(team_threads()));
+#pragma omp parallel if (tasks > 1)
     {
-      Workspace ws(c_, d_, gs_, 1, nc, t + 1);
+      auto& mine = ws_[size_t(omp_get_thread_num())];
+      if (!mine) mine = std::make_unique<Workspace>(c_, d_, gs_, 1, ncap_, cap_);
+      Workspace& ws = *mine;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bg = 0; bg < tasks; ++bg) {
         const int64_t b = bg / G_, h0 = bg % G_ * gs_;
@@ -555,9 +602,22 @@ class NsaState final : public DecodeState {
           pool(c_, kbuf(bg), d_, d_, nc - 1, nc, kc_.data() + bg * ncap_ * d_);
           pool(c_, vbuf(bg), d_, d_, nc - 1, nc, vc_.data() + bg * ncap_ * d_);
         }
-        GroupRows g{q.row(b, h0, 0), q.stride_h, q.stride_row, out.row(b, h0, 0), out.stride_h,
-                    out.stride_row, kbuf(bg), vbuf(bg), d_, d_, kc_.data() + bg * ncap_ * d_,
-                    vc_.data() + bg * ncap_ * d_, nc, gates_.data() + h0 * 3 * d_, gs_, d_};
+        GroupRows g{q.row(b, h0, 0),
+                    q.stride_h,
+                    q.stride_row,
+                    out.row(b, h0, 0),
+                    out.stride_h,
+                    out.stride_row,
+                    kbuf(bg),
+                    vbuf(bg),
+                    d_,
+                    d_,
+                    kc_.data() + bg * ncap_ * d_,
+                    vc_.data() + bg * ncap_ * d_,
+                    nc,
+                    gates_.data() + h0 * 3 * d_,
+                    gs_,
+                    d_};
         attend_rows(c_, g, t, 1, ws);
       }
     }
@@ -573,8 +633,8 @@ class NsaState final : public DecodeState {
     return double(p_.batch * G_) * double(2 * (full + c_.pooled(t + 1)) * d_) * 4.0;
   }
   double step_flops() const override {
-    return double(p_.batch * p_.heads) * (4.0 * double(d_) * double(c_.row_keys(len_)) +
-                                          6.0 * double(d_));
+    return double(p_.batch * p_.heads) *
+           (4.0 * double(d_) * double(c_.row_keys(len_)) + 6.0 * double(d_));
   }
 
  private:
@@ -585,6 +645,7 @@ class NsaState final : public DecodeState {
   Problem p_;
   int64_t G_, gs_, d_, cap_, ncap_, len_;
   std::vector<float> k_, v_, kc_, vc_, gates_;
+  std::vector<std::unique_ptr<Workspace>> ws_;  // one per thread, made at its first step
 };
 
 std::unique_ptr<DecodeState> Nsa::prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
@@ -666,9 +727,8 @@ std::vector<double> nsa_oracle(const Variant& var, const Problem& p, ConstTensor
       } else {
         std::vector<int64_t> others;
         for (int64_t j = 1; j <= cur - 2; ++j) others.push_back(j);
-        std::stable_sort(others.begin(), others.end(), [&](int64_t x, int64_t y) {
-          return score[size_t(x)] > score[size_t(y)];
-        });
+        std::stable_sort(others.begin(), others.end(),
+                         [&](int64_t x, int64_t y) { return score[size_t(x)] > score[size_t(y)]; });
         blocks = {0, cur - 1, cur};
         blocks.insert(blocks.end(), others.begin(), others.begin() + (c.top - 3));
       }
