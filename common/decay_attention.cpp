@@ -98,35 +98,51 @@ void for_each_state(int64_t batch, int64_t states, const Body& body, bool parall
   guard.rethrow();
 }
 
+// Value columns per register block of the fused step.
+constexpr int64_t kBlock = 16;
+
 // One token: S = diag(a) S + k v^T and o_h = scale S^T q_h for each of the nq query heads, the
-// row of S read once (a null: gamma on every dimension; o null: the update only).
+// row of S read once (a null: gamma on every dimension; o null: the update only). With one
+// query head the columns go by blocks of 16: the block's outputs stay in a register while the
+// d rows pass, so S is loaded and stored once and the output once per block.
 void step(int64_t d, float scale, float* __restrict S, const float* a, float gamma,
           const float* __restrict k, const float* __restrict v, int64_t nq, const float* const* q,
           float* const* o) {
+  int64_t e0 = 0;
+  if (o && nq == 1) {
+    const float* __restrict qv = q[0];
+    float* __restrict out = o[0];
+    for (; e0 + kBlock <= d; e0 += kBlock) {
+      float acc[kBlock] = {}, vb[kBlock];
+      for (int64_t e = 0; e < kBlock; ++e) vb[e] = v[e0 + e];
+      for (int64_t c = 0; c < d; ++c) {
+        const float ac = a ? a[c] : gamma, kc = k[c], qc = scale * qv[c];
+        float* __restrict row = S + c * d + e0;
+#pragma omp simd
+        for (int64_t e = 0; e < kBlock; ++e) {
+          const float x = ac * row[e] + kc * vb[e];
+          row[e] = x;
+          acc[e] += qc * x;
+        }
+      }
+      for (int64_t e = 0; e < kBlock; ++e) out[e0 + e] = acc[e];
+    }
+  }
+  // the remaining columns (all of them with several query heads or none)
+  if (e0 == d) return;
   if (o)
-    for (int64_t h = 0; h < nq; ++h) std::fill(o[h], o[h] + d, 0.0f);
+    for (int64_t h = 0; h < nq; ++h) std::fill(o[h] + e0, o[h] + d, 0.0f);
   for (int64_t c = 0; c < d; ++c) {
     const float ac = a ? a[c] : gamma, kc = k[c];
     float* __restrict row = S + c * d;
-    if (o && nq == 1) {
-      const float qc = scale * q[0][c];
-      float* __restrict out = o[0];
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) {
-        const float x = ac * row[e] + kc * v[e];
-        row[e] = x;
-        out[e] += qc * x;
-      }
-      continue;
-    }
-#pragma omp simd
-    for (int64_t e = 0; e < d; ++e) row[e] = ac * row[e] + kc * v[e];
+    for (int64_t e = e0; e < d; ++e) row[e] = ac * row[e] + kc * v[e];
     if (!o) continue;
     for (int64_t h = 0; h < nq; ++h) {
       const float qc = scale * q[h][c];
       float* __restrict out = o[h];
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) out[e] += qc * row[e];
+      for (int64_t e = e0; e < d; ++e) out[e] += qc * row[e];
     }
   }
 }
@@ -332,7 +348,7 @@ Gate::Gate(const Problem& p, int64_t r, double t, double b) : d(p.dim), rank(r),
 void Gate::log_decay(const float* k, int64_t stride, int64_t rows, float* out) const {
   const float* a1 = w1.data();
   const float* a2 = w2.data();
-  std::vector<float> u(static_cast<size_t>(rank));
+  std::vector<float> u(static_cast<size_t>(rank)), t(static_cast<size_t>(d));
   const float inv_tau = float(1.0 / tau);
   for (int64_t i = 0; i < rows; ++i) {
     const float* kr = k + i * stride;
@@ -343,7 +359,16 @@ void Gate::log_decay(const float* k, int64_t stride, int64_t rows, float* out) c
     std::fill(z, z + d, float(bias));
     for (int64_t j = 0; j < rank; ++j)
       for (int64_t e = 0; e < d; ++e) z[e] += u[size_t(j)] * a2[j * d + e];
-    for (int64_t e = 0; e < d; ++e) z[e] = inv_tau * log_sigmoid(z[e]);
+    // log sigmoid(z) = min(z, 0) - log1p(x), x = exp(-|z|) in (0, 1], with
+    // log1p(x) = 2 atanh(s), s = x / (2 + x) <= 1/3: the odd series to s^15 (next term < 2e-9)
+    for (int64_t e = 0; e < d; ++e) t[size_t(e)] = -std::abs(z[e]);
+    exp_inplace(t.data(), d);
+    for (int64_t e = 0; e < d; ++e) {
+      const float x = t[size_t(e)], sv = x / (2.0f + x), s2 = sv * sv;
+      float poly = 1.0f / 15;
+      for (int m = 13; m >= 1; m -= 2) poly = poly * s2 + 1.0f / float(m);
+      z[e] = inv_tau * (std::min(z[e], 0.0f) - 2.0f * sv * poly);
+    }
   }
 }
 
