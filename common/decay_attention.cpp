@@ -346,19 +346,17 @@ Gate::Gate(const Problem& p, int64_t r, double t, double b) : d(p.dim), rank(r),
 }
 
 void Gate::log_decay(const float* k, int64_t stride, int64_t rows, float* out) const {
-  const float* a1 = w1.data();
-  const float* a2 = w2.data();
-  std::vector<float> u(static_cast<size_t>(rank)), t(static_cast<size_t>(d));
+  if (rows <= 0) return;
+  // z = bias + (K W1) W2, two GEMMs
+  std::vector<float> u(static_cast<size_t>(rows * rank)), t(static_cast<size_t>(d));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(rank), int(d), 1.0f, k,
+              int(stride), w1.data(), int(rank), 0.0f, u.data(), int(rank));
+  std::fill(out, out + rows * d, float(bias));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(rank), 1.0f,
+              u.data(), int(rank), w2.data(), int(d), 1.0f, out, int(d));
   const float inv_tau = float(1.0 / tau);
   for (int64_t i = 0; i < rows; ++i) {
-    const float* kr = k + i * stride;
     float* z = out + i * d;
-    std::fill(u.begin(), u.end(), 0.0f);
-    for (int64_t c = 0; c < d; ++c)
-      for (int64_t j = 0; j < rank; ++j) u[size_t(j)] += kr[c] * a1[c * rank + j];
-    std::fill(z, z + d, float(bias));
-    for (int64_t j = 0; j < rank; ++j)
-      for (int64_t e = 0; e < d; ++e) z[e] += u[size_t(j)] * a2[j * d + e];
     // log sigmoid(z) = min(z, 0) - log1p(x), x = exp(-|z|) in (0, 1], with
     // log1p(x) = 2 atanh(s), s = x / (2 + x) <= 1/3: the odd series to s^15 (next term < 2e-9)
     for (int64_t e = 0; e < d; ++e) t[size_t(e)] = -std::abs(z[e]);
