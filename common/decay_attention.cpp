@@ -517,9 +517,10 @@ double backward_flops(const Problem& p, const Decay& decay) {
   return gate + heads * n * 20 * d * d;
 }
 
-double backward_bytes(const Problem& p, int64_t chunk) {
+double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk) {
   const double d = double(p.dim), n = double(p.n), C = double(std::min(chunk, p.n));
-  const double per = 4.0 * ((std::ceil(n / C) + C + 2) * d * d + n * d);
+  // the states at chunk boundaries, one chunk's states, S and dS; gla: the decays (n x d)
+  const double per = 4.0 * ((std::ceil(n / C) + C + 2) * d * d + (decay.gate ? n * d : 0.0));
   return per * double(std::min<int64_t>(team_threads(), p.batch * p.heads));
 }
 
@@ -670,7 +671,7 @@ double DecayVariant::backward_flops(const Problem& p) const {
 }
 
 double DecayVariant::backward_memory_estimate(const Problem& p) const {
-  return backward_bytes(p, chunk_);
+  return backward_bytes(p, decay(p), chunk_);
 }
 
 std::unique_ptr<DecodeState> DecayVariant::prefill(const Problem& p, ConstTensorView k,

@@ -77,7 +77,7 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
               ConstTensorView dout, TensorView dq, TensorView dk, TensorView dv, const Decay& decay,
               int64_t chunk);
 double backward_flops(const Problem& p, const Decay& decay);
-double backward_bytes(const Problem& p, int64_t chunk);
+double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk);
 
 /// The decode state after rows 0 .. t0 - 1 (folded in chunkwise).
 std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
