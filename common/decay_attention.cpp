@@ -53,7 +53,6 @@ struct Seq {
   std::vector<float*> o;                   // outputs (empty: fold the state only)
   float gamma = 1;                         // retention's decay
   const Gate* gate = nullptr;              // gla's (then gamma is unused)
-  int64_t g = 0;                           // the gate's key/value head
 };
 
 // The states of p under `decay`: (batch, query head) for retention, (batch, kv head) for gla.
@@ -82,53 +81,68 @@ Seq make_seq(const Problem& p, const Decay& decay, int64_t b, int64_t s, ConstTe
   }
   if (decay.shared()) {
     x.gate = decay.gate.get();
-    x.g = s;
   } else {
     x.gamma = decay.gamma[size_t(s)];
   }
   return x;
 }
 
-// body(b, s) for every state, OpenMP over them when there are at least as many as threads
-// (BLAS single-threaded inside the region), else serially (BLAS multi-threaded).
+// body(b, s) for every state, OpenMP over them when there are at least as many as threads and
+// `parallel` (BLAS single-threaded inside the region), else serially (BLAS multi-threaded).
 template <class Body>
-void for_each_state(int64_t batch, int64_t states, const Body& body) {
+void for_each_state(int64_t batch, int64_t states, const Body& body, bool parallel = true) {
   const int64_t count = batch * states;
   OmpGuard guard;
-#pragma omp parallel for if (count >= team_threads()) schedule(dynamic, 1)
+#pragma omp parallel for if (parallel && count >= team_threads()) schedule(dynamic, 1)
   for (int64_t i = 0; i < count; ++i) guard.run([&] { body(i / states, i % states); });
   guard.rethrow();
 }
 
+// Value columns per register block of the fused step.
+constexpr int64_t kBlock = 16;
+
 // One token: S = diag(a) S + k v^T and o_h = scale S^T q_h for each of the nq query heads, the
-// row of S read once (a null: gamma on every dimension; o null: the update only).
+// row of S read once (a null: gamma on every dimension; o null: the update only). With one
+// query head the columns go by blocks of 16: the block's outputs stay in a register while the
+// d rows pass, so S is loaded and stored once and the output once per block.
 void step(int64_t d, float scale, float* __restrict S, const float* a, float gamma,
           const float* __restrict k, const float* __restrict v, int64_t nq, const float* const* q,
           float* const* o) {
+  int64_t e0 = 0;
+  if (o && nq == 1) {
+    const float* __restrict qv = q[0];
+    float* __restrict out = o[0];
+    for (; e0 + kBlock <= d; e0 += kBlock) {
+      float acc[kBlock] = {}, vb[kBlock];
+      for (int64_t e = 0; e < kBlock; ++e) vb[e] = v[e0 + e];
+      for (int64_t c = 0; c < d; ++c) {
+        const float ac = a ? a[c] : gamma, kc = k[c], qc = scale * qv[c];
+        float* __restrict row = S + c * d + e0;
+#pragma omp simd
+        for (int64_t e = 0; e < kBlock; ++e) {
+          const float x = ac * row[e] + kc * vb[e];
+          row[e] = x;
+          acc[e] += qc * x;
+        }
+      }
+      for (int64_t e = 0; e < kBlock; ++e) out[e0 + e] = acc[e];
+    }
+  }
+  // the remaining columns (all of them with several query heads or none)
+  if (e0 == d) return;
   if (o)
-    for (int64_t h = 0; h < nq; ++h) std::fill(o[h], o[h] + d, 0.0f);
+    for (int64_t h = 0; h < nq; ++h) std::fill(o[h] + e0, o[h] + d, 0.0f);
   for (int64_t c = 0; c < d; ++c) {
     const float ac = a ? a[c] : gamma, kc = k[c];
     float* __restrict row = S + c * d;
-    if (o && nq == 1) {
-      const float qc = scale * q[0][c];
-      float* __restrict out = o[0];
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) {
-        const float x = ac * row[e] + kc * v[e];
-        row[e] = x;
-        out[e] += qc * x;
-      }
-      continue;
-    }
-#pragma omp simd
-    for (int64_t e = 0; e < d; ++e) row[e] = ac * row[e] + kc * v[e];
+    for (int64_t e = e0; e < d; ++e) row[e] = ac * row[e] + kc * v[e];
     if (!o) continue;
     for (int64_t h = 0; h < nq; ++h) {
       const float qc = scale * q[h][c];
       float* __restrict out = o[h];
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) out[e] += qc * row[e];
+      for (int64_t e = e0; e < d; ++e) out[e] += qc * row[e];
     }
   }
 }
@@ -148,7 +162,7 @@ void recurrent(const Seq& x, float scale, float* S) {
       const int64_t r = t % kGateRows;
       if (r == 0) {
         const int64_t rows = std::min(kGateRows, x.n - t);
-        x.gate->log_decay(x.g, x.k + t * x.ks, x.ks, rows, a.data());
+        x.gate->log_decay(x.k + t * x.ks, x.ks, rows, a.data());
         exp_inplace(a.data(), rows * d);
       }
       at = a.data() + r * d;
@@ -226,7 +240,7 @@ void gated_chunk(const Seq& x, float scale, int64_t t0, int64_t L, float* S, Chu
   const float* V = x.v + t0 * x.vs;
   // cum_i = sum of log a over rows 0 .. i of the chunk
   float* cum = w.cum.data();
-  x.gate->log_decay(x.g, K, x.ks, L, cum);
+  x.gate->log_decay(K, x.ks, L, cum);
   for (int64_t i = 1; i < L; ++i)
     for (int64_t c = 0; c < d; ++c) cum[i * d + c] += cum[(i - 1) * d + c];
   if (!x.o.empty()) {
@@ -323,36 +337,42 @@ float scale_of(int64_t d) { return float(1.0 / std::sqrt(double(d))); }
 }  // namespace
 
 Gate::Gate(const Problem& p, int64_t r, double t, double b) : d(p.dim), rank(r), tau(t), bias(b) {
-  const int64_t G = p.kv_head_count();
-  w1.resize(size_t(G * d * rank));
-  w2.resize(size_t(G * rank * d));
+  w1.resize(size_t(d * rank));
+  w2.resize(size_t(rank * d));
   const RandomStream s1(p.seed, kStreamW1), s2(p.seed, kStreamW2);
   const double f1 = 1.0 / std::sqrt(double(d)), f2 = 1.0 / std::sqrt(double(rank));
   for (size_t i = 0; i < w1.size(); ++i) w1[i] = float(f1 * s1.normal(i));
   for (size_t i = 0; i < w2.size(); ++i) w2[i] = float(f2 * s2.normal(i));
 }
 
-void Gate::log_decay(int64_t g, const float* k, int64_t stride, int64_t rows, float* out) const {
-  const float* a1 = w1.data() + g * d * rank;
-  const float* a2 = w2.data() + g * rank * d;
-  std::vector<float> u(static_cast<size_t>(rank));
+void Gate::log_decay(const float* k, int64_t stride, int64_t rows, float* out) const {
+  if (rows <= 0) return;
+  // z = bias + (K W1) W2, two GEMMs
+  std::vector<float> u(static_cast<size_t>(rows * rank)), t(static_cast<size_t>(d));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(rank), int(d), 1.0f, k,
+              int(stride), w1.data(), int(rank), 0.0f, u.data(), int(rank));
+  std::fill(out, out + rows * d, float(bias));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(rank), 1.0f,
+              u.data(), int(rank), w2.data(), int(d), 1.0f, out, int(d));
   const float inv_tau = float(1.0 / tau);
   for (int64_t i = 0; i < rows; ++i) {
-    const float* kr = k + i * stride;
     float* z = out + i * d;
-    std::fill(u.begin(), u.end(), 0.0f);
-    for (int64_t c = 0; c < d; ++c)
-      for (int64_t j = 0; j < rank; ++j) u[size_t(j)] += kr[c] * a1[c * rank + j];
-    std::fill(z, z + d, float(bias));
-    for (int64_t j = 0; j < rank; ++j)
-      for (int64_t e = 0; e < d; ++e) z[e] += u[size_t(j)] * a2[j * d + e];
-    for (int64_t e = 0; e < d; ++e) z[e] = inv_tau * log_sigmoid(z[e]);
+    // log sigmoid(z) = min(z, 0) - log1p(x), x = exp(-|z|) in (0, 1], with
+    // log1p(x) = 2 atanh(s), s = x / (2 + x) <= 1/3: the odd series to s^15 (next term < 2e-9)
+    for (int64_t e = 0; e < d; ++e) t[size_t(e)] = -std::abs(z[e]);
+    exp_inplace(t.data(), d);
+    for (int64_t e = 0; e < d; ++e) {
+      const float x = t[size_t(e)], sv = x / (2.0f + x), s2 = sv * sv;
+      float poly = 1.0f / 15;
+      for (int m = 13; m >= 1; m -= 2) poly = poly * s2 + 1.0f / float(m);
+      z[e] = inv_tau * (std::min(z[e], 0.0f) - 2.0f * sv * poly);
+    }
   }
 }
 
-std::vector<double> Gate::log_decay(int64_t g, const float* k) const {
-  const float* a1 = w1.data() + g * d * rank;
-  const float* a2 = w2.data() + g * rank * d;
+std::vector<double> Gate::log_decay(const float* k) const {
+  const float* a1 = w1.data();
+  const float* a2 = w2.data();
   std::vector<double> u(static_cast<size_t>(rank), 0.0), z(static_cast<size_t>(d), bias);
   for (int64_t c = 0; c < d; ++c)
     for (int64_t j = 0; j < rank; ++j) u[size_t(j)] += double(k[c]) * double(a1[c * rank + j]);
@@ -362,9 +382,9 @@ std::vector<double> Gate::log_decay(int64_t g, const float* k) const {
   return z;
 }
 
-void Gate::backward(int64_t g, const float* k, const float* dlog, float* dk) const {
-  const float* a1 = w1.data() + g * d * rank;
-  const float* a2 = w2.data() + g * rank * d;
+void Gate::backward(const float* k, const float* dlog, float* dk) const {
+  const float* a1 = w1.data();
+  const float* a2 = w2.data();
   std::vector<float> u(static_cast<size_t>(rank), 0.0f), z(static_cast<size_t>(d), float(bias)),
       du(static_cast<size_t>(rank), 0.0f);
   for (int64_t c = 0; c < d; ++c)
@@ -422,7 +442,6 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
   // one query head at a time (gla recomputes its key/value head's state per query head; the
   // caller sums a group's dk and dv)
   for_each_state(p.batch, p.heads, [&](int64_t b, int64_t h) {
-    const int64_t g = p.kv_head(h);
     const float* K = k.head(b, h);
     const float* V = v.head(b, h);
     const float* Q = q.head(b, h);
@@ -431,7 +450,7 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
     std::vector<float> a;
     if (decay.gate) {
       a.resize(size_t(n * d));
-      decay.gate->log_decay(g, K, k.stride_row, n, a.data());
+      decay.gate->log_decay(K, k.stride_row, n, a.data());
       exp_inplace(a.data(), n * d);
     }
     const float gamma = decay.gate ? 1.0f : decay.gamma[size_t(h)];
@@ -485,7 +504,7 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
           }
           for (int64_t e = 0; e < d; ++e) ds[e] *= ar;
         }
-        if (decay.gate) decay.gate->backward(g, kt, dl.data(), dkt);
+        if (decay.gate) decay.gate->backward(kt, dl.data(), dkt);
       }
     }
   });
@@ -498,13 +517,17 @@ double backward_flops(const Problem& p, const Decay& decay) {
   return gate + heads * n * 20 * d * d;
 }
 
-double backward_bytes(const Problem& p, int64_t chunk) {
+double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk) {
   const double d = double(p.dim), n = double(p.n), C = double(std::min(chunk, p.n));
-  const double per = 4.0 * ((std::ceil(n / C) + C + 2) * d * d + n * d);
+  // the states at chunk boundaries, one chunk's states, S and dS; gla: the decays (n x d)
+  const double per = 4.0 * ((std::ceil(n / C) + C + 2) * d * d + (decay.gate ? n * d : 0.0));
   return per * double(std::min<int64_t>(team_threads(), p.batch * p.heads));
 }
 
 namespace {
+
+// Floats of state a decode step must update before it runs on more than one thread.
+constexpr int64_t kParallelStepWork = 1 << 16;
 
 class DecayState final : public DecodeState {
  public:
@@ -530,17 +553,22 @@ class DecayState final : public DecodeState {
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
     const int64_t d = p_.dim;
-    for_each_state(p_.batch, states_, [&](int64_t b, int64_t s) {
-      Seq x = make_seq(p_, decay_, b, s, q, k, v, &out);
-      std::vector<float> a;
-      if (x.gate) {
-        a.resize(size_t(d));
-        x.gate->log_decay(x.g, x.k, x.ks, 1, a.data());
-        exp_inplace(a.data(), d);
-      }
-      decay_attention::step(d, scale_of(d), state(b, s), x.gate ? a.data() : nullptr, x.gamma, x.k,
-                            x.v, int64_t(x.q.size()), x.q.data(), x.o.data());
-    });
+    // a parallel region only when the step's work (d^2 per state) outweighs opening one
+    const bool parallel = p_.batch * states_ * d * d >= kParallelStepWork;
+    for_each_state(
+        p_.batch, states_,
+        [&](int64_t b, int64_t s) {
+          Seq x = make_seq(p_, decay_, b, s, q, k, v, &out);
+          std::vector<float> a;
+          if (x.gate) {
+            a.resize(size_t(d));
+            x.gate->log_decay(x.k, x.ks, 1, a.data());
+            exp_inplace(a.data(), d);
+          }
+          decay_attention::step(d, scale_of(d), state(b, s), x.gate ? a.data() : nullptr, x.gamma,
+                                x.k, x.v, int64_t(x.q.size()), x.q.data(), x.o.data());
+        },
+        parallel);
     ++len_;
   }
 
@@ -590,7 +618,7 @@ std::vector<double> recurrence_oracle(const Problem& p, ConstTensorView q, Const
       std::vector<double> a(static_cast<size_t>(d),
                             double(decay.gate ? 1.0f : decay.gamma[size_t(h)]));
       if (decay.gate) {
-        a = decay.gate->log_decay(p.kv_head(h), kt);
+        a = decay.gate->log_decay(kt);
         for (double& x : a) x = std::exp(x);
       }
       for (int64_t c = 0; c < d; ++c)
@@ -643,7 +671,7 @@ double DecayVariant::backward_flops(const Problem& p) const {
 }
 
 double DecayVariant::backward_memory_estimate(const Problem& p) const {
-  return backward_bytes(p, chunk_);
+  return backward_bytes(p, decay(p), chunk_);
 }
 
 std::unique_ptr<DecodeState> DecayVariant::prefill(const Problem& p, ConstTensorView k,

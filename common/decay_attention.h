@@ -35,21 +35,22 @@
 
 namespace attnbench::decay_attention {
 
-/// The data-dependent decay of gated linear attention, per key/value head:
-///   log a_t = log(sigmoid(k_t W1 W2 + bias)) / tau,   W1: d x rank, W2: rank x d.
-/// W1 and W2 are seeded (entries N(0, 1/d) and N(0, 1/rank), one pair per key/value head).
+/// The data-dependent decay of gated linear attention:
+///   log a_t = log(sigmoid(k_t W1 W2 + bias)) / tau,   W1: d x rank, W2: rank x d,
+/// W1 and W2 seeded (entries N(0, 1/d) and N(0, 1/rank)), one pair for every head: a key/value
+/// head's decay is a function of its keys alone, so grouped heads equal their copies.
 struct Gate {
   int64_t d = 0, rank = 0;
   double tau = 16, bias = 0;
-  std::vector<float> w1, w2;  ///< per key/value head g: w1[g d rank ..], w2[g rank d ..]
+  std::vector<float> w1, w2;  ///< row-major d x rank and rank x d
 
   Gate(const Problem& p, int64_t rank, double tau, double bias);
-  /// log a of `rows` key rows (row stride `stride`) of key/value head g: out[rows x d].
-  void log_decay(int64_t g, const float* k, int64_t stride, int64_t rows, float* out) const;
+  /// log a of `rows` key rows (row stride `stride`): out[rows x d].
+  void log_decay(const float* k, int64_t stride, int64_t rows, float* out) const;
   /// The same in double for one key row.
-  std::vector<double> log_decay(int64_t g, const float* k) const;
+  std::vector<double> log_decay(const float* k) const;
   /// dk += (d log a / dk)^T dlog for one key row (dlog: d entries).
-  void backward(int64_t g, const float* k, const float* dlog, float* dk) const;
+  void backward(const float* k, const float* dlog, float* dk) const;
   /// Floating-point operations of log_decay per row.
   double flops() const { return 4.0 * double(d * rank) + 20.0 * double(d); }
 };
@@ -76,7 +77,7 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
               ConstTensorView dout, TensorView dq, TensorView dk, TensorView dv, const Decay& decay,
               int64_t chunk);
 double backward_flops(const Problem& p, const Decay& decay);
-double backward_bytes(const Problem& p, int64_t chunk);
+double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk);
 
 /// The decode state after rows 0 .. t0 - 1 (folded in chunkwise).
 std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,

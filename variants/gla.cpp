@@ -5,8 +5,10 @@
 //   a_t = sigmoid(k_t W1 W2 + b)^(1/tau)               (in (0, 1)^d)
 //   S_t = diag(a_t) S_{t-1} + k_t v_t^T,   o_t = s S_t^T q_t,   s = 1 / sqrt(d)
 // (the paper's reference code scales q by d^-1/2 the same way). Defined causally only.
-// The gate: W1 (d x rank) and W2 (rank x d), the paper's low rank 16, seeded per key/value
-// head (entries N(0, 1/d) and N(0, 1/rank), streams "gla1" and "gla2" of the problem's seed);
+// The gate: W1 (d x rank) and W2 (rank x d), the paper's low rank 16, seeded (entries
+// N(0, 1/d) and N(0, 1/rank), streams "gla1" and "gla2" of the problem's seed) and shared by
+// every head (the paper's W2 gives each head its own slice; one pair keeps a key/value head's
+// decay a function of its keys alone, so grouped heads equal their copies);
 // tau = 16, the paper's temperature, which keeps a_t near 1 (slow forgetting): with b = 0 (the
 // reference code's zero-initialised bias) and z = k W1 W2 of unit size, a_t is about
 // 0.5^(1/16) = 0.958 and lies mostly within 0.92 .. 0.99. The paper projects the layer input
