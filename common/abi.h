@@ -12,7 +12,7 @@
 // the loader (common/plugin.h) reads from the file before it runs any of the plugin's code.
 #pragma once
 
-#define ATTNBENCH_ABI_VERSION 8
+#define ATTNBENCH_ABI_VERSION 9
 
 /// Defines the symbol that tells the loader which ABI a plugin was built against. Exactly one
 /// source file of a plugin expands it; attnbench_add_plugin (the CMake package) generates that

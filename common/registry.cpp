@@ -186,6 +186,7 @@ std::string Variant::spec() const {
   std::string s = info_->name;
   char sep = ':';
   for (const auto& ps : info_->params) {
+    if (ps.omit_at_default && params_.text(ps.name) == ps.default_value) continue;
     s += fmt::format("{}{}={}", sep, ps.name, params_.text(ps.name));
     sep = ',';
   }

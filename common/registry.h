@@ -41,6 +41,10 @@ struct ParamSpec {
   double min = 0, max = 0;           ///< inclusive range for Int and Float
   std::vector<std::string> choices;  ///< allowed values for Choice
   std::string help;
+  /// Variant::spec() leaves the parameter out while it holds its default: a parameter added
+  /// to a variant later (local's sinks), so the specs and results of the variant as it was
+  /// keep their names.
+  bool omit_at_default = false;
 
   static ParamSpec Int(std::string name, int64_t def, int64_t lo, int64_t hi, std::string help);
   static ParamSpec Float(std::string name, double def, double lo, double hi, std::string help);

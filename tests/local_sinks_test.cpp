@@ -30,11 +30,11 @@ TEST(LocalSinks, PatternEqualsDefinition) {
   struct Case {
     int64_t n, m, window, sinks, block;
   };
-  const std::vector<Case> cases = {
-      {1, 0, 0, 1, 4},     {7, 0, 1, 2, 4},     {33, 0, 2, 4, 8},   {100, 0, 5, 4, 8},
-      {100, 0, 0, 13, 4},  {257, 0, 17, 4, 16}, {257, 0, 3, 70, 8}, {40, 60, 3, 9, 8},
-      {60, 40, 4, 5, 8},   {50, 0, 10, 500, 8}, {64, 0, 0, 0, 8},   {90, 0, 200, 3, 16},
-      {100, 0, 2, 64, 8},  {100, 0, 2, 63, 64}, {129, 0, 7, 65, 64}};
+  const std::vector<Case> cases = {{1, 0, 0, 1, 4},     {7, 0, 1, 2, 4},     {33, 0, 2, 4, 8},
+                                   {100, 0, 5, 4, 8},   {100, 0, 0, 13, 4},  {257, 0, 17, 4, 16},
+                                   {257, 0, 3, 70, 8},  {40, 60, 3, 9, 8},   {60, 40, 4, 5, 8},
+                                   {50, 0, 10, 500, 8}, {64, 0, 0, 0, 8},    {90, 0, 200, 3, 16},
+                                   {100, 0, 2, 64, 8},  {100, 0, 2, 63, 64}, {129, 0, 7, 65, 64}};
   for (const Case& c : cases)
     for (bool causal : {false, true}) {
       const Problem p = test::problem(1, 1, c.n, c.m, 8, causal);
@@ -54,6 +54,15 @@ TEST(LocalSinks, PatternEqualsDefinition) {
         }
       }
     }
+}
+
+// The spec leaves sinks out at its default (local's earlier specs keep their names) and
+// states it otherwise.
+TEST(LocalSinks, SpecOmitsSinksAtZero) {
+  EXPECT_EQ(make_variant("local:sinks=0")->spec(), "local:window=256,block=64");
+  EXPECT_EQ(make_variant("local:sinks=4")->spec(), "local:window=256,sinks=4,block=64");
+  EXPECT_EQ(make_variant("local:window=256,sinks=4,block=64")->spec(),
+            "local:window=256,sinks=4,block=64");
 }
 
 // sinks = 0 is the plain window: the same output bit for bit.

@@ -28,8 +28,7 @@ std::string spec(int64_t chunk, int64_t topk, int64_t block = 8) {
 
 /// The chunks query i of head (b, h) selects, from the definition in float64.
 std::vector<int64_t> brute_selection(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                     int64_t b, int64_t h, int64_t i, int64_t chunk,
-                                     int64_t topk) {
+                                     int64_t b, int64_t h, int64_t i, int64_t chunk, int64_t topk) {
   const int64_t n = p.n, d = p.dim, nc = (n + chunk - 1) / chunk, own = i / chunk;
   const int64_t cand = p.causal ? own : nc;
   std::vector<double> g(static_cast<size_t>(cand));
@@ -103,9 +102,9 @@ struct Case {
 // topk above the chunk count
 const std::vector<Case>& cases() {
   static const std::vector<Case> cs = {
-      {1, 4, 2, 8},    {7, 3, 2, 4},    {33, 8, 3, 8},   {100, 16, 3, 8},
+      {1, 4, 2, 8},    {7, 3, 2, 4},     {33, 8, 3, 8},   {100, 16, 3, 8},
       {100, 7, 2, 8},  {257, 32, 3, 16}, {257, 10, 4, 8}, {50, 64, 3, 8},
-      {64, 64, 1, 16}, {90, 9, 1, 8},   {40, 5, 20, 8},
+      {64, 64, 1, 16}, {90, 9, 1, 8},    {40, 5, 20, 8},
   };
   return cs;
 }
@@ -216,9 +215,9 @@ TEST(Moba, Refusals) {
   Problem padded = test::problem(2, 2, 40, 0, 8, true);
   padded.key_lengths = {40, 20};
   EXPECT_THROW(v->check_supported(padded), UnsupportedError);
-  EXPECT_THROW(v->check_supported(test::with_score(test::problem(1, 2, 40, 0, 8, true),
-                                                   Score::additive)),
-               UnsupportedError);
+  EXPECT_THROW(
+      v->check_supported(test::with_score(test::problem(1, 2, 40, 0, 8, true), Score::additive)),
+      UnsupportedError);
   // parameters
   EXPECT_THROW(make_variant("moba:topk=0"), SpecError);
   EXPECT_THROW(make_variant("moba:chunk=0"), SpecError);

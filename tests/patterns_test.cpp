@@ -700,7 +700,7 @@ TEST(Patterns, RegisteredWithTheDocumentedParameters) {
     std::vector<std::string> params;
   };
   const Want wants[] = {
-      {"local", true, {"window", "block"}},
+      {"local", true, {"window", "sinks", "block"}},
       {"strided", true, {"stride", "span", "block"}},
       {"sparse_transformer", true, {"mode", "stride", "summary", "block"}},
       {"global", true, {"global", "positions", "block"}},

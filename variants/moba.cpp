@@ -174,8 +174,8 @@ class MobaPattern final : public SparsePattern {
 /// capacity; sums hold the running key sum of the current chunk, means the complete chunks'.
 class MobaDecodeState final : public DecodeState {
  public:
-  MobaDecodeState(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0,
-                  int64_t chunk, int64_t topk)
+  MobaDecodeState(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t t0, int64_t chunk,
+                  int64_t topk)
       : batch_(p.batch),
         heads_(p.heads),
         kv_heads_(p.kv_head_count()),
@@ -229,8 +229,8 @@ class MobaDecodeState final : public DecodeState {
         guard.run([&] {
           const int64_t b = bh / heads_, h = bh % heads_, bg = b * kv_heads_ + h / group_;
           const float* qr = q.row(b, h, 0);
-          const int64_t cnt = select_chunks(qr, means_.data() + bg * nc_ * d_, own, d_,
-                                            topk_ - 1, own, sc.data(), sel.data());
+          const int64_t cnt = select_chunks(qr, means_.data() + bg * nc_ * d_, own, d_, topk_ - 1,
+                                            own, sc.data(), sel.data());
           for (int64_t s = 0; s < cnt; ++s) {
             const int64_t j0 = sel[size_t(s)] * chunk_;
             runs[size_t(s)] = {j0, std::min(j0 + chunk_, t + 1) - j0};
@@ -260,8 +260,7 @@ class MobaDecodeState final : public DecodeState {
   double step_flops() const override {
     if (len_ >= cap_) return 0.0;
     // the gate (2 d per earlier chunk) and 4 d per attended key, per query head
-    return double(batch_ * heads_) * (2.0 * double(len_ / chunk_) + 4.0 * keys_next()) *
-           double(d_);
+    return double(batch_ * heads_) * (2.0 * double(len_ / chunk_) + 4.0 * keys_next()) * double(d_);
   }
 
  private:
@@ -310,8 +309,7 @@ class Moba final : public PatternVariant, public Decoder {
     for (int64_t bg = 0; bg < bgs; ++bg)
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t b = bg / G, h = bg % G * p.kv_group();
-        chunk_means(k.head(b, h), k.stride_row, n, d, chunk_, c, c + 1,
-                    means.data() + bg * nc * d);
+        chunk_means(k.head(b, h), k.stride_row, n, d, chunk_, c, c + 1, means.data() + bg * nc * d);
       }
     OmpGuard guard;
 #pragma omp parallel
@@ -326,11 +324,11 @@ class Moba final : public PatternVariant, public Decoder {
           const float* mh = means.data() + (b * G + p.kv_head(h)) * nc * d;
           for (int64_t i = i0; i < std::min(n, i0 + kRows); ++i) {
             const int64_t own = i / chunk_;
-            pat->count(bh, i) = int32_t(
-                p.causal ? select_chunks(q.row(b, h, i), mh, own, d, topk_ - 1, own, sc.data(),
-                                         pat->sel(bh, i))
-                         : select_chunks(q.row(b, h, i), mh, nc, d, topk_, -1, sc.data(),
-                                         pat->sel(bh, i)));
+            pat->count(bh, i) =
+                int32_t(p.causal ? select_chunks(q.row(b, h, i), mh, own, d, topk_ - 1, own,
+                                                 sc.data(), pat->sel(bh, i))
+                                 : select_chunks(q.row(b, h, i), mh, nc, d, topk_, -1, sc.data(),
+                                                 pat->sel(bh, i)));
           }
         });
     }
@@ -381,8 +379,8 @@ class Moba final : public PatternVariant, public Decoder {
 #pragma omp for schedule(dynamic)
         for (int64_t task = tasks - 1; task >= 0; --task)
           guard.run([&] {
-            const int64_t c =
-                std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+            const int64_t c = std::upper_bound(task_start.begin(), task_start.end(), task) -
+                              task_start.begin() - 1;
             const int64_t m0 = start[size_t(c)] + (task - task_start[size_t(c)]) * kRows;
             const int64_t rows = std::min(kRows, start[size_t(c + 1)] - m0);
             const int32_t* mem = members.data() + m0;
@@ -420,8 +418,10 @@ class Moba final : public PatternVariant, public Decoder {
           });
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; ++i)
-          guard.run([&] { merge_row(parts.data() + i * topk_ * d, lse.data() + i * topk_,
-                                    sel.count(bh, i), d, out.row(b, h, i)); });
+          guard.run([&] {
+            merge_row(parts.data() + i * topk_ * d, lse.data() + i * topk_, sel.count(bh, i), d,
+                      out.row(b, h, i));
+          });
       }
       guard.rethrow();
     }
@@ -480,8 +480,9 @@ class Moba final : public PatternVariant, public Decoder {
 
   void check(const Problem& p) const {
     if (p.keys() != p.n)
-      throw UnsupportedError("moba: self-attention only (m = n): the chunks are of the keys and "
-                             "the causal own chunk is the query's");
+      throw UnsupportedError(
+          "moba: self-attention only (m = n): the chunks are of the keys and "
+          "the causal own chunk is the query's");
   }
 
   /// out = the count partials (o_s [d], lse_s) merged by their log-sum-exps; 0 if none
