@@ -413,7 +413,13 @@ class Moba final : public PatternVariant, public Decoder {
             for (int64_t r = 0; r < rows; ++r) {
               std::memcpy(parts.data() + int64_t(mem[r]) * d, obuf.data() + r * d,
                           size_t(d) * sizeof(float));
-              lse[size_t(mem[r])] = lbuf[size_t(r)];
+              // a row whose partial is not finite (non-finite logits, or overflow past the
+              // rescaled run) marks its merge NaN: never a finite wrong output
+              const float* orow = obuf.data() + r * d;
+              const bool finite =
+                  std::all_of(orow, orow + d, [](float x) { return std::isfinite(x); });
+              lse[size_t(mem[r])] =
+                  finite ? lbuf[size_t(r)] : std::numeric_limits<float>::quiet_NaN();
             }
           });
 #pragma omp for schedule(static)
@@ -489,10 +495,14 @@ class Moba final : public PatternVariant, public Decoder {
   /// attended a key.
   static void merge_row(const float* o, const float* lse, int64_t count, int64_t d, float* out) {
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < count; ++s) mx = std::max(mx, lse[s]);
+    bool nan = false;
+    for (int64_t s = 0; s < count; ++s) {
+      nan = nan || std::isnan(lse[s]);
+      mx = std::max(mx, lse[s]);
+    }
     std::fill(out, out + d, 0.0f);
-    if (count == 0 || mx == -std::numeric_limits<float>::infinity()) return;
-    if (std::isnan(mx) || std::isinf(mx)) {  // a non-finite logit: NaN, as the engine writes
+    if (!nan && (count == 0 || mx == -std::numeric_limits<float>::infinity())) return;
+    if (nan || std::isinf(mx)) {  // a non-finite logit: NaN, as the engine writes
       std::fill(out, out + d, std::numeric_limits<float>::quiet_NaN());
       return;
     }
