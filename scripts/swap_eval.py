@@ -158,8 +158,13 @@ def main(argv=None):
     out_dir = os.path.join(args.dir, "trained")
     out = os.path.join(out_dir, "swap.csv")
     info_path = os.path.join(out_dir, "model.json")
-    settings = {k: getattr(args, k) for k in ("windows", "variants", "threads", "finetune_steps",
+    # the variants as evaluated: with the default (every variant), one registered since the
+    # last evaluation makes it stale
+    names = ([s.strip() for s in args.variants.split(",") if s.strip()] if args.variants
+             else [v["name"] for v in attnbench.variants()])
+    settings = {k: getattr(args, k) for k in ("windows", "threads", "finetune_steps",
                                               "finetune_top", "finetune_lr", "seed")}
+    settings["variants"] = names
     if os.path.exists(out) and os.path.exists(info_path) and not args.force:
         with open(info_path) as f:
             old = json.load(f)
@@ -172,8 +177,6 @@ def main(argv=None):
     C = cfg["context"]
     _, valid_path = lm.fetch_corpus(root)
     batches = list(lm.windows(lm.read_bytes(valid_path), C, args.windows).split(1))
-    names = ([s.strip() for s in args.variants.split(",") if s.strip()] if args.variants
-             else [v["name"] for v in attnbench.variants()])
 
     base = dict(n=C, windows=args.windows, tokens=args.windows * C, threads=args.threads)
     rows = []

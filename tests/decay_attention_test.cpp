@@ -20,11 +20,7 @@
 namespace attnbench {
 namespace {
 
-Problem causal_problem(int64_t b, int64_t h, int64_t g, int64_t n, int64_t d, uint64_t seed) {
-  Problem p = test::problem(b, h, n, 0, d, /*causal=*/true, seed);
-  p.kv_heads = g;
-  return p;
-}
+using test::causal_problem;
 
 // Relative Frobenius error of spec's output against the float64 recurrence.
 double error_vs_recurrence(const std::string& spec, const Problem& p, const Inputs& in) {

@@ -23,11 +23,7 @@
 namespace attnbench {
 namespace {
 
-Problem causal_problem(int64_t b, int64_t h, int64_t g, int64_t n, int64_t d, uint64_t seed) {
-  Problem p = test::problem(b, h, n, 0, d, /*causal=*/true, seed);
-  p.kv_heads = g;
-  return p;
-}
+using test::causal_problem;
 
 /// Relative Frobenius error of `spec` on p against the float64 recurrence.
 double oracle_error(const std::string& spec, const Problem& p) {

@@ -69,6 +69,14 @@ inline Problem problem(int64_t b, int64_t h, int64_t n, int64_t m, int64_t d, bo
   return p;
 }
 
+/// A causal self-attention problem with g key/value heads for the h query heads.
+inline Problem causal_problem(int64_t b, int64_t h, int64_t g, int64_t n, int64_t d,
+                              uint64_t seed) {
+  Problem p = problem(b, h, n, 0, d, /*causal=*/true, seed);
+  p.kv_heads = g;
+  return p;
+}
+
 /// p under the scoring function `score` (hidden size `hidden`, 0 = d), with its seeded weights.
 /// Expects a float gradient g of a loss L to match central differences of L. central(u)
 /// returns (L(x + h u) - L(x - h u)) / 2h along u (g.numel() values). Every entry of g must be
