@@ -4,7 +4,8 @@
 # rows are given known times, so the section's speed-ups over causal flash and over the
 # recurrent form are checked against numbers computed here: the table lists only these specs
 # (not flash, not local without sinks), at n >= 4096 only, and gives a recurrence speed-up only
-# where the run holds the twin with form=recurrent. Results without these variants say so.
+# where the run holds the twin with form=recurrent. Copies of some rows on trained inputs (known
+# mass and error) check the trained-input mass table. Results without these variants say so.
 set -euo pipefail
 bin=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +37,18 @@ for r in rows:
     for c in ("time_median_s", "time_min_s", "time_max_s"):
         r[c] = repr(t)
     r["noisy"] = "0"
+# Rows on the trained model's inputs (two layers), with known masses and errors: copies of the
+# n = 4096 rows of moba, local and flash (flash must stay out of the mass table).
+mass = {"moba": (0.9, 0.6), "local": (0.7, 0.5), "flash": (1.0, 1.0)}
+for r in [r for r in rows if r["n"] == "4096" and r["variant"] in mass
+          and "form=" not in r["spec"]]:
+    for layer in (0, 1):
+        t = dict(r)
+        t["input"] = f"trained:layer={layer}"
+        m = mass[r["variant"]][layer] + (0.05 if "sinks=4" in r["spec"] else 0.0)
+        t["mass_mean"] = repr(m)
+        t["rel_fro_error"] = repr(round(1 - m, 4))
+        rows.append(t)
 with open(path, "w", newline="") as fh:
     w = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
     w.writeheader()
@@ -52,7 +65,8 @@ def fail(msg):
 m = re.search(r"^## Long-context variants[^\n]*\n(.*?)(?=^## )", text, re.S | re.M)
 if not m:
     fail("the report has no long-context section")
-rows = [l for l in m.group(1).splitlines() if l.startswith("| `")]
+speed = m.group(1).split("On the trained model's inputs")[0]
+rows = [l for l in speed.splitlines() if l.startswith("| `")]
 cells = {tuple(c.strip() for c in l.strip("|").split("|")[:2]): [c.strip() for c in
          l.strip("|").split("|")] for l in rows}
 # (label, n) -> (speed-up over flash, speed-up over the recurrence)
@@ -67,6 +81,20 @@ for key, (flash, rec) in want.items():
     got = cells[key]
     if got[3] != flash or got[4] != rec:
         fail(f"{key}: speed-ups {got[3:5]}, expected {flash!r}, {rec!r}")
+# The trained-input table: mass (error) per layer at n = 4096, the sparse variants and plain
+# local only.
+t = re.search(r"On the trained model's inputs \(causal, n = 4096, every layer\).*?\n\n"
+              r"(\| variant \| layer 0 \| layer 1 \|\n\|[-|]+\|\n(?:\|[^\n]*\n)+)",
+              m.group(1), re.S)
+if not t:
+    fail("the section has no trained-input mass table at n = 4096 with layers 0 and 1")
+got = {l.split("|")[1].strip(): [c.strip() for c in l.strip("|").split("|")[1:]]
+       for l in t.group(1).splitlines()[2:]}
+want = {"`moba:chunk=256`": ["0.900 (1.00e-01)", "0.600 (4.00e-01)"],
+        "`local:window=16`": ["0.700 (3.00e-01)", "0.500 (5.00e-01)"],
+        "`local:window=16,sinks=4`": ["0.750 (2.50e-01)", "0.550 (4.50e-01)"]}
+if got != want:
+    fail(f"the trained-input table is {got}, expected {want}")
 EOF
 
 # Results without any of these variants: the section says so.

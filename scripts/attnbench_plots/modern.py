@@ -5,15 +5,21 @@ rows of the timed input.
 Per configuration and length n (the two largest of the run, at least 4096): each such spec's
 time, its speed-up over causal `flash` on the same problem, and for a chunkwise linear form its
 speed-up over its own step-by-step recurrence (the spec with form=recurrent and otherwise the
-same parameters, when the run holds it). No figure of its own: these variants are drawn in every
-figure of the forward with the others.
+same parameters, when the run holds it). When results.csv holds causal forward rows of the sparse
+ones (and of plain `local`, for the sinks' effect) on the trained model's inputs (`--input
+trained:layer=L`), a second table gives, at the largest such n, per layer the mass they keep
+(`mass_mean`) and their error against exact attention. No figure of its own: these variants are
+drawn in every figure of the forward with the others.
 """
 
 import math
 
-from attnbench_results import format_seconds
+import pandas as pd
 
-from .style import NOISY_FOOTNOTE, _split_spec, code, md_table, times
+from attnbench_results import FORWARD, format_seconds
+
+from .anatomy import TRAINED_INPUT, fmt
+from .style import NOISY_FOOTNOTE, _split_spec, code, fmt_sci, md_table, times
 
 SECTION = "Long-context variants: sinks, MoBA, NSA, retention, GLA, DeltaNet"
 SPARSE = ("moba", "nsa")
@@ -45,6 +51,41 @@ def recurrent_twin(spec, specs):
                 {k: v for k, v in o_params if k != FORM} == want:
             return other
     return None
+
+
+def is_sparse_or_local(spec):
+    """Whether spec is one of the section's block-sparse softmax variants (moba, nsa, local
+    with sinks) or plain local, the baseline of the sinks."""
+    name = _split_spec(spec)[0]
+    return name in SPARSE or name == "local"
+
+
+def trained_masses(df, label):
+    """(table rows, layers, n) of the sparse variants' ok causal forward rows on the trained
+    inputs at the largest n they share, or None: per spec (its label) and layer, mass_mean
+    (mean over the rows) and rel_fro_error, as 'mass (error)'."""
+    if "mass_mean" not in df.columns:
+        return None
+    rows = df[(df["status"] == "ok") & (df["pass"] == FORWARD) & (df["causal"] == 1)]
+    rows = rows[[is_sparse_or_local(s) for s in rows["spec"]]]
+    layer = rows["input"].astype(str).str.extract(TRAINED_INPUT)[0]
+    rows = rows.assign(layer=pd.to_numeric(layer, errors="coerce"),
+                       mass=pd.to_numeric(rows["mass_mean"], errors="coerce"),
+                       err=pd.to_numeric(rows["rel_fro_error"], errors="coerce"))
+    rows = rows[rows["layer"].notna()]
+    if rows.empty or not any(is_modern(s) for s in rows["spec"]):
+        return None
+    n = max(rows["n"].unique())
+    rows = rows[rows["n"] == n]
+    layers = sorted(rows["layer"].astype(int).unique())
+    mass = rows.groupby(["spec", "layer"])["mass"].mean()
+    err = rows.groupby(["spec", "layer"])["err"].median()
+    out = []
+    for spec in dict.fromkeys(rows["spec"]):
+        out.append([code(label(spec))] + [
+            f"{fmt(mass.get((spec, float(l)), math.nan), 3)} "
+            f"({fmt_sci(err.get((spec, float(l)), math.nan))})" for l in layers])
+    return out, layers, int(n)
 
 
 def _median(rows, spec, n):
@@ -95,6 +136,16 @@ def section(ctx):
         "moba and nsa attend a data-dependent subset of the keys with exact softmax (nsa adds "
         "a branch over mean-pooled key blocks and gates); retention, gla and deltanet are not "
         "softmax attention, so their error columns elsewhere measure how far their function is "
-        "from it, and their tests hold them to their own float64 recurrence. The mass each "
-        "sparse one keeps on a trained model's attention is in the anatomy section's table "
-        "of every pattern variant.\n")
+        "from it, and their tests hold them to their own float64 recurrence.\n")
+    trained = trained_masses(ctx.df, ctx.styles.label)
+    if trained is not None:
+        rows, layers, n = trained
+        ctx.md.append(
+            f"\nOn the trained model's inputs (causal, n = {n}, every layer): the share of the "
+            f"exact attention inside the keys each sparse variant attends (`mass_mean`, mean "
+            f"over rows and heads; nsa's counts its selection and window keys, not the pooled "
+            f"branch) and, in brackets, the relative error of its output against exact "
+            f"attention. Plain `local` is the baseline of the sinks. nsa's error does not follow its "
+            f"mass: its output is the sum of three branches weighted by independent gates in "
+            f"(0, 1) (seeded stand-ins for the learned ones), not one softmax over its keys.\n\n")
+        ctx.md.append(md_table(["variant"] + [f"layer {l}" for l in layers], rows))
