@@ -149,12 +149,11 @@ std::vector<int64_t> parse_seq_k_list(const std::string& text) {
 
 namespace {
 
-std::string utc_now() {
-  std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
+// The help of --file (machine) and --machine-file (sweep).
+constexpr const char* kMachineFileHelp =
+    "keep the machine figures in FILE: read back when it holds this host's figures at these "
+    "threads, else measured and written there; processes sharing FILE measure once (the "
+    "shards of a cluster sweep)";
 
 std::string run_command(const std::string& cmd) {
   std::string out;
@@ -1202,7 +1201,8 @@ struct PatternCommand {
 
 struct MachineCommand {
   int threads = 0;
-  bool json = false;
+  bool json = false, quick = false;
+  std::string file;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
@@ -1210,18 +1210,22 @@ struct MachineCommand {
                     fmt::format("threads (0 = every core; at most {})", max_threads()))
         ->check(int_in(0, max_threads()));
     cmd->add_flag("--json", json, "print JSON");
+    cmd->add_flag("--quick", quick, "fewer and smaller products (about a second)");
+    cmd->add_option("--file", file, kMachineFileHelp);
     return cmd;
   }
 
   int run() const {
-    MachineFigures mf = measure_machine(apply_threads(threads));
+    MachineFigures mf = machine_figures(file, apply_threads(threads), quick);
     if (json) {
       fmt::print("{}\n", to_json(mf).dump(2));
     } else {
-      fmt::print("cpu        {}\nthreads    {}\n", mf.cpu_model, mf.threads);
+      fmt::print("cpu        {}\nthreads    {}\nhost       {}\n", mf.cpu_model, mf.threads,
+                 mf.host);
       fmt::print("GEMM       {:.1f} GFLOP/s best (OpenBLAS {:.1f}, Eigen {:.1f}; square n = {})\n",
                  mf.gemm_gflops, mf.blas_gflops, mf.eigen_gflops, mf.gemm_size);
       fmt::print("bandwidth  {:.1f} GB/s (triad)\n", mf.bandwidth_gbs);
+      fmt::print("figures    {} at {}\n", mf.source, mf.measured_at);
     }
     return 0;
   }

@@ -1,19 +1,28 @@
 #include "harness/machine.h"
 
 #include <cblas.h>
+#include <fcntl.h>
+#include <fmt/core.h>
 #include <omp.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
+#include "common/error.h"
 #include "common/random.h"
 #include "common/tensor.h"
 
@@ -48,6 +57,8 @@ MachineFigures measure_machine(int threads, bool quick) {
   MachineFigures mf;
   mf.cpu_model = cpu_model();
   mf.threads = threads;
+  mf.host = host_name();
+  mf.measured_at = utc_now();
 #ifdef __SANITIZE_ADDRESS__
   // Under the sanitizers Eigen's GEMM is instrumented: square products of 4096 take minutes
   // and the figure describes the instrumentation, not the machine.
@@ -95,11 +106,128 @@ MachineFigures measure_machine(int threads, bool quick) {
   return mf;
 }
 
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof buf - 1) != 0 || buf[0] == 0) return "unknown";
+  return buf;
+}
+
 nlohmann::json to_json(const MachineFigures& m) {
-  return {{"cpu_model", m.cpu_model},        {"threads", m.threads},
-          {"gemm_gflops", m.gemm_gflops},    {"blas_gflops", m.blas_gflops},
-          {"eigen_gflops", m.eigen_gflops},  {"gemm_size", m.gemm_size},
-          {"bandwidth_gbs", m.bandwidth_gbs}};
+  return {{"cpu_model", m.cpu_model},         {"threads", m.threads},
+          {"gemm_gflops", m.gemm_gflops},     {"blas_gflops", m.blas_gflops},
+          {"eigen_gflops", m.eigen_gflops},   {"gemm_size", m.gemm_size},
+          {"bandwidth_gbs", m.bandwidth_gbs}, {"host", m.host},
+          {"measured_at", m.measured_at},     {"source", m.source}};
+}
+
+MachineFigures machine_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) throw Error("not a JSON object");
+  auto get = [&](const char* key, auto& out, bool positive) {
+    auto it = j.find(key);
+    if (it == j.end()) throw Error(fmt::format("no '{}'", key));
+    using T = std::decay_t<decltype(out)>;
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (!it->is_string()) throw Error(fmt::format("'{}' is not a string", key));
+      out = it->template get<std::string>();
+    } else {
+      if (!it->is_number()) throw Error(fmt::format("'{}' is not a number", key));
+      out = it->template get<T>();
+      if (positive && !(std::isfinite(double(out)) && out > 0))
+        throw Error(fmt::format("'{}' is {}, not a positive number", key, double(out)));
+    }
+  };
+  MachineFigures m;
+  get("cpu_model", m.cpu_model, false);
+  get("threads", m.threads, true);
+  get("gemm_gflops", m.gemm_gflops, true);
+  get("blas_gflops", m.blas_gflops, true);
+  get("eigen_gflops", m.eigen_gflops, true);
+  get("gemm_size", m.gemm_size, true);
+  get("bandwidth_gbs", m.bandwidth_gbs, true);
+  get("host", m.host, false);
+  get("measured_at", m.measured_at, false);
+  return m;
+}
+
+namespace {
+
+// Holds an exclusive flock on a file for its lifetime (none when the file cannot be opened).
+class FileLock {
+ public:
+  explicit FileLock(const std::string& path) : fd_(::open(path.c_str(), O_RDWR | O_CREAT, 0644)) {
+    if (fd_ >= 0)
+      while (::flock(fd_, LOCK_EX) != 0 && errno == EINTR) {
+      }
+  }
+  ~FileLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing releases the lock
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+MachineFigures machine_figures(const std::string& path, int threads, bool quick) {
+  if (path.empty()) return measure_machine(threads, quick);
+  FileLock lock(path + ".lock");
+  if (!lock.held())
+    fmt::print(stderr, "attnbench: warning: cannot lock '{}.lock' ({}); measuring without it\n",
+               path, std::strerror(errno));
+  const std::string host = host_name(), model = cpu_model();
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {
+    std::ifstream f(path);
+    nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+    try {
+      MachineFigures m = machine_from_json(j);
+      if (m.host == host && m.cpu_model == model && m.threads == threads) {
+        m.source = fmt::format("read from {}", path);
+        return m;
+      }
+      fmt::print(stderr,
+                 "attnbench: '{}' holds figures of {} ({}, {} threads), not of {} ({}, {} "
+                 "threads): measuring this machine and replacing them\n",
+                 path, m.host, m.cpu_model, m.threads, host, model, threads);
+    } catch (const Error& e) {
+      fmt::print(stderr,
+                 "attnbench: warning: '{}' is not a machine figures file ({}): measuring again "
+                 "and replacing it\n",
+                 path, e.what());
+    }
+  }
+  MachineFigures m = measure_machine(threads, quick);
+  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+  {
+    std::ofstream out(tmp);
+    out << to_json(m).dump(2) << "\n";
+    out.close();
+    if (!out) {
+      fmt::print(stderr, "attnbench: warning: cannot write '{}'; the figures are not kept\n", tmp);
+      std::filesystem::remove(tmp, ec);
+      return m;
+    }
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    fmt::print(stderr, "attnbench: warning: cannot rename '{}' to '{}' ({}); not kept\n", tmp, path,
+               ec.message());
+    std::filesystem::remove(tmp, ec);
+  } else {
+    m.source = fmt::format("measured, kept in {}", path);
+  }
+  return m;
 }
 
 }  // namespace attnbench

@@ -10,18 +10,38 @@ namespace attnbench {
 struct MachineFigures {
   std::string cpu_model;
   int threads = 0;
-  double gemm_gflops = 0;    ///< best single-precision GEMM rate seen (BLAS or Eigen)
-  double blas_gflops = 0;    ///< OpenBLAS sgemm, large square products
-  double eigen_gflops = 0;   ///< Eigen's own GEMM, same sizes
-  int gemm_size = 0;         ///< the square size that gave the best rate
-  double bandwidth_gbs = 0;  ///< STREAM-style triad a = b + s c, GB/s (3 arrays counted)
+  double gemm_gflops = 0;           ///< best single-precision GEMM rate seen (BLAS or Eigen)
+  double blas_gflops = 0;           ///< OpenBLAS sgemm, large square products
+  double eigen_gflops = 0;          ///< Eigen's own GEMM, same sizes
+  int gemm_size = 0;                ///< the square size that gave the best rate
+  double bandwidth_gbs = 0;         ///< STREAM-style triad a = b + s c, GB/s (3 arrays counted)
+  std::string host;                 ///< the host that measured them (gethostname)
+  std::string measured_at;          ///< when, UTC, ISO 8601
+  std::string source = "measured";  ///< "measured", or "read from FILE" (machine_figures)
 };
 
 /// Measures GEMM (square sizes 2048 and 4096, best of several) and triad bandwidth with
 /// `threads` threads. `quick` uses fewer and smaller products (about a second in all).
 MachineFigures measure_machine(int threads, bool quick = false);
 
+/// The figures of `threads` threads through a file shared by the processes of one sweep (the
+/// shards of a cluster sweep): when `path` holds figures this host measured with this CPU
+/// model and thread count, they are read back (source "read from PATH"); otherwise they are
+/// measured and written there (a temporary file renamed into place). An exclusive lock on
+/// PATH.lock (flock) is held meanwhile, so processes started together on one host measure
+/// once, the first alone, while the others wait, then read. A file that cannot be read as
+/// such figures is measured again and replaced, with a warning on stderr; one that cannot be
+/// written leaves the measured figures in use, with a warning. An empty path measures. `quick`
+/// as for measure_machine.
+MachineFigures machine_figures(const std::string& path, int threads, bool quick = false);
+
 nlohmann::json to_json(const MachineFigures& m);
+/// The figures to_json wrote; throws Error naming what is missing or malformed.
+MachineFigures machine_from_json(const nlohmann::json& j);
+/// This machine's host name (gethostname), or "unknown".
+std::string host_name();
+/// The time now, UTC, as ISO 8601 ("2026-01-31T12:00:00Z").
+std::string utc_now();
 /// "AMD EPYC ..." from /proc/cpuinfo, or "unknown".
 std::string cpu_model();
 
