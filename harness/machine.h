@@ -24,6 +24,8 @@ MachineFigures measure_machine(int threads, bool quick = false);
 nlohmann::json to_json(const MachineFigures& m);
 /// "AMD EPYC ..." from /proc/cpuinfo, or "unknown".
 std::string cpu_model();
+/// This machine's hostname (gethostname), or "unknown".
+std::string host_name();
 
 }  // namespace attnbench
 
