@@ -580,10 +580,13 @@ void print_row(const Row& r) {
 // Prints the row of `run` or `layer` (as JSON or text); false, with its status on stderr, when
 // it is not ok.
 bool print_result(const Row& row, bool json) {
-  if (json)
-    fmt::print("{}\n", to_json(row).dump(2));
-  else
+  if (json) {
+    Row with_host = row;
+    with_host.host = host_name();
+    fmt::print("{}\n", to_json(with_host).dump(2));
+  } else {
     print_row(row);
+  }
   if (row.noisy)
     fmt::print(stderr, "attnbench: warning: noisy timing: {}; see the README, \"Stable numbers\"\n",
                noise_reason(row));

@@ -341,6 +341,12 @@ size_t merge_results(const MergeOptions& opt) {
       const std::string& h = r[host_col];
       if (!h.empty()) hosts.insert(h);
     }
+  for (const char* k : {"rows_noisy", "rows_kept_from_earlier_runs"}) {
+    int64_t sum = 0;
+    for (const Shard& s : shards)
+      if (s.meta.contains(k) && s.meta[k].is_number_integer()) sum += s.meta[k].get<int64_t>();
+    meta[k] = sum;
+  }
   meta["merged_from"] = summaries.size();
   meta["shards"] = summaries;
   meta["hosts"] = hosts;
