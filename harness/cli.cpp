@@ -31,9 +31,11 @@
 #include "harness/catalog.h"
 #include "harness/layer.h"
 #include "harness/machine.h"
+#include "harness/merge.h"
 #include "harness/patterns.h"
 #include "harness/results.h"
 #include "harness/runner.h"
+#include "harness/shard.h"
 #include "harness/sweep_plan.h"
 
 namespace attnbench {
@@ -481,6 +483,7 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
           {"cxx_flags", ATTNBENCH_CXX_FLAGS},
           {"build_type", ATTNBENCH_BUILD_TYPE},
           {"cpu_model", mf.cpu_model},
+          {"host", host_name()},
           {"threads", threads},
           {"machine", to_json(mf)},
           {"command_line", command_line(argc, argv)},
@@ -576,10 +579,13 @@ void print_row(const Row& r) {
 // Prints the row of `run` or `layer` (as JSON or text); false, with its status on stderr, when
 // it is not ok.
 bool print_result(const Row& row, bool json) {
-  if (json)
-    fmt::print("{}\n", to_json(row).dump(2));
-  else
+  if (json) {
+    Row with_host = row;
+    with_host.host = host_name();
+    fmt::print("{}\n", to_json(with_host).dump(2));
+  } else {
     print_row(row);
+  }
   if (row.noisy)
     fmt::print(stderr, "attnbench: warning: noisy timing: {}; see the README, \"Stable numbers\"\n",
                noise_reason(row));
@@ -822,7 +828,8 @@ struct SweepCommand {
               score_list = "scaled_dot", input_list = "gaussian", scale_list = "1", out_dir,
               key_padding_lists, padding_fractions, pass_list = "fwd";
   bool resume = false;
-  int retry_noisy = 0;
+  int retry_noisy = 0, shard_plan = 0;
+  std::string shard;
   std::vector<std::string> also;
 
   CLI::App* add(CLI::App& app) {
@@ -884,6 +891,14 @@ struct SweepCommand {
                     "measurement (else the one with the smallest spread)")
         ->capture_default_str()
         ->check(int_in(0, 100));
+    cmd->add_option("--shard", shard,
+                    "run shard i of N (i/N, 0 <= i < N): the configurations split into N parts "
+                    "of about equal estimated cost, the same on every machine; each shard writes "
+                    "its own --out DIR (attnbench merge joins them)");
+    cmd->add_option("--shard-plan", shard_plan,
+                    "print the split into N shards (configurations and estimated cost of each, "
+                    "imbalance longest/mean) and exit without running")
+        ->check(int_in(1, 100000));
     return cmd;
   }
 
@@ -922,8 +937,8 @@ struct SweepCommand {
     } catch (const CLI::ParseError& e) {
       throw UsageError(fmt::format("--also '{}': {}", args, e.what()));
     }
-    for (const char* name :
-         {"--threads", "--seed", "--reps", "--min-time", "--resume", "--retry-noisy", "--also"})
+    for (const char* name : {"--threads", "--seed", "--reps", "--min-time", "--resume",
+                             "--retry-noisy", "--also", "--shard", "--shard-plan"})
       if (cmd->get_option(name)->count() > 0)
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
@@ -942,7 +957,23 @@ struct SweepCommand {
     }
   }
 
+  // --shard-plan N: the split of the plan into N shards, printed.
+  int print_shard_plan(const SweepPlan& plan) const {
+    const ShardSplit split = split_shards(plan, shard_plan, o.reps, o.min_time);
+    fmt::print("shard  configs  estimated_s\n");
+    for (int s = 0; s < shard_plan; ++s)
+      fmt::print("{:>5}  {:>7}  {:>11.1f}\n", s, split.counts[size_t(s)], split.costs[size_t(s)]);
+    double total = 0;
+    for (double c : split.costs) total += c;
+    fmt::print("total  {:>7}  {:>11.1f}\n", plan.configs.size(), total);
+    fmt::print("imbalance (longest / mean shard): {:.3f}\n", split.imbalance());
+    return 0;
+  }
+
   int run(int argc, char** argv) const {
+    // --shard is checked before any work, the plan's variants first
+    std::optional<std::pair<int, int>> shard_of;
+    if (!shard.empty()) shard_of = parse_shard(shard);
     SweepPlan plan = this->plan();
     for (const std::string& a : also) append_plan(plan, also_plan(a));
     const int threads = plan.axes.threads;
@@ -952,17 +983,64 @@ struct SweepCommand {
                  "and problem as an earlier one), e.g. {}\n",
                  plan.duplicates.size(), plan.duplicates.size() == 1 ? "" : "s",
                  plan.duplicates.front());
+    if (shard_plan > 0) return print_shard_plan(plan);
+    // The whole plan's identity and, with --shard, this shard's part of it: every shard of a
+    // sweep computes the same split from the same plan.
+    const std::vector<std::string> keys = plan_keys(plan);
+    const std::string definition = sweep_definition(keys, o.reps, o.min_time, threads, o.seed);
+    std::vector<bool> in_shard(plan.configs.size(), true);
+    nlohmann::json shard_meta;
+    size_t shard_size = plan.configs.size();
+    if (shard_of) {
+      const auto [index, count] = *shard_of;
+      const ShardSplit split = split_shards(plan, count, o.reps, o.min_time);
+      for (size_t i = 0; i < plan.configs.size(); ++i) in_shard[i] = split.shard_of[i] == index;
+      shard_size = split.counts[size_t(index)];
+      shard_meta = {{"index", index},
+                    {"count", count},
+                    {"configs", shard_size},
+                    {"configs_total", plan.configs.size()},
+                    {"estimated_cost", split.costs[size_t(index)]},
+                    {"estimated_costs", split.costs},
+                    {"estimated_imbalance", split.imbalance()}};
+      fmt::print(
+          stderr,
+          "attnbench: shard {}/{}: {} of {} configurations, estimated {:.0f} s of {:.0f} "
+          "s (imbalance {:.3f})\n",
+          index, count, shard_size, plan.configs.size(), split.costs[size_t(index)],
+          [&] {
+            double t = 0;
+            for (double c : split.costs) t += c;
+            return t;
+          }(),
+          split.imbalance());
+    }
     ResultsDir results(out_dir, resume);
     PatternStore patterns(out_dir, resume);
     // Patterns are those of plain attention rows: a layer's heads attend projected inputs.
+    // Every configuration of the whole plan is declared, so a shard stores the pattern the
+    // unsharded sweep would (if that configuration is in the shard).
     for (const auto& c : plan.configs)
       if (c.embed == 0) patterns.plan(c.variant->spec(), c.problem, c.workload);
+    {
+      const std::vector<std::string> names = plan_names(plan);
+      nlohmann::json configs = nlohmann::json::array();
+      for (size_t i = 0; i < keys.size(); ++i)
+        configs.push_back({{"key", keys[i]}, {"name", names[i]}});
+      write_json_file(
+          (std::filesystem::path(out_dir) / "plan.json").string(),
+          {{"sweep_definition", definition}, {"key_columns", key_columns()}, {"configs", configs}});
+    }
     fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
     MachineFigures mf = measure_machine(threads);
     fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
                mf.bandwidth_gbs);
     auto meta = meta_json(argc, argv, mf, threads);
-    meta["rows_planned"] = plan.configs.size();
+    meta["rows_planned"] = shard_size;
+    meta["sweep_definition"] = definition;
+    meta["plan_configs"] = plan.configs.size();
+    meta["plan_file"] = "plan.json";
+    if (shard_of) meta["shard"] = shard_meta;
     meta["rows_kept_from_earlier_runs"] = results.rows_kept();
     meta["load_avg_start"] = json_number(load_average());
     meta["processors"] = omp_get_num_procs();
@@ -982,14 +1060,17 @@ struct SweepCommand {
       runnable[i] = sweep_runnable(c);
       work[i] = sweep_work(c);
       specs[i] = c.variant->spec();
-      pending[i] = !(resume && results.done(probe_row(c)));
+      pending[i] = in_shard[i] && !(resume && results.done(probe_row(c)));
       measured[i] = runnable[i] && pending[i];
     }
     const std::vector<double> reference_work = plan_reference_work(plan, measured);
     EtaModel eta_model(opt.reps, opt.min_time);
     const auto t0 = std::chrono::steady_clock::now();
     std::map<std::string, int> counts;
+    size_t position = 0;  // of the configuration in this shard (the whole plan unsharded)
     for (size_t i = 0; i < plan.configs.size(); ++i) {
+      if (!in_shard[i]) continue;
+      ++position;
       const SweepConfig& c = plan.configs[i];
       const Row probe = probe_row(c);
       if (!pending[i]) {
@@ -1005,7 +1086,7 @@ struct SweepCommand {
         if (pending[j] && runnable[j])
           eta += eta_model.predict(specs[j], work[j], reference_work[j]);
       fmt::print(stderr, "{}\n",
-                 progress_line(i + 1, plan.configs.size(), elapsed, eta,
+                 progress_line(position, shard_size, elapsed, eta,
                                fmt::format("{} {}{}", probe.spec,
                                            c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
                                            describe(c.problem, c.workload))));
@@ -1025,8 +1106,7 @@ struct SweepCommand {
     std::string summary;
     for (auto& [k, v] : counts)
       summary += fmt::format("{}{} {}", summary.empty() ? "" : ", ", v, k);
-    fmt::print(stderr, "attnbench: {} rows in {}/results.csv ({})\n", plan.configs.size(), out_dir,
-               summary);
+    fmt::print(stderr, "attnbench: {} rows in {}/results.csv ({})\n", shard_size, out_dir, summary);
     if (counts["noisy"] > 0)
       fmt::print(stderr,
                  "attnbench: warning: {} row(s) have noisy timings (the `noisy` column; "
@@ -1080,6 +1160,7 @@ struct SweepCommand {
     };
     nlohmann::json bench;
     Row row = once(&bench);
+    static const std::string host = host_name();
     int tries = 0;
     for (; tries < retries && row.status == "ok" && row.noisy; ++tries) {
       fmt::print(stderr, "    noisy ({}), measuring again ({}/{})\n", noise_reason(row), tries + 1,
@@ -1094,8 +1175,39 @@ struct SweepCommand {
       row.notes +=
           fmt::format("{}timed {} times for noise, kept the {}", row.notes.empty() ? "" : "; ",
                       tries + 1, row.noisy ? "smallest spread" : "first quiet one");
+    row.host = host;
     results.append(row, bench);
     return row;
+  }
+};
+
+// ----- merge -----
+
+struct MergeCommand {
+  MergeOptions opt;
+
+  CLI::App* add(CLI::App& app) {
+    auto* cmd = app.add_subcommand(
+        "merge", "join the results directories of a sharded sweep (sweep --shard i/N) into one");
+    cmd->add_option("dirs", opt.dirs, "the shards' results directories")
+        ->required()
+        ->type_name("DIR...");
+    cmd->add_option("--out", opt.out, "the merged results directory (not one of the inputs)")
+        ->required();
+    cmd->add_flag("--strict", opt.strict,
+                  "refuse shards measured on different CPU models (else a warning: their times "
+                  "are not comparable)");
+    cmd->add_flag("--allow-missing", opt.allow_missing,
+                  "merge even when planned configurations have no row in any shard (they are "
+                  "listed as a warning; else an error)");
+    return cmd;
+  }
+
+  int run() const {
+    const size_t rows = merge_results(opt);
+    fmt::print(stderr, "attnbench: {} rows of {} directories in {}/results.csv\n", rows,
+               opt.dirs.size(), opt.out);
+    return 0;
   }
 };
 
@@ -1318,6 +1430,7 @@ int cli_main(int argc, char** argv) {
   ListCommand list;
   RunCommand run;
   SweepCommand sweep;
+  MergeCommand merge;
   LayerCommand layer;
   PatternCommand pattern;
   MachineCommand machine;
@@ -1325,6 +1438,7 @@ int cli_main(int argc, char** argv) {
   commands.emplace_back(list.add(app), [&] { return list.run(); });
   commands.emplace_back(run.add(app), [&] { return run.run(); });
   commands.emplace_back(sweep.add(app), [&] { return sweep.run(argc, argv); });
+  commands.emplace_back(merge.add(app), [&] { return merge.run(); });
   commands.emplace_back(layer.add(app), [&] { return layer.run(); });
   commands.emplace_back(pattern.add(app), [&] { return pattern.run(); });
   commands.emplace_back(machine.add(app), [&] { return machine.run(); });

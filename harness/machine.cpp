@@ -53,6 +53,12 @@ std::string cpu_model() {
   return "unknown";
 }
 
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "unknown";
+  return name;
+}
+
 MachineFigures measure_machine(int threads, bool quick) {
   MachineFigures mf;
   mf.cpu_model = cpu_model();

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "harness/results.h"
+#include "harness/shard.h"
 
 namespace fs = std::filesystem;
 
@@ -87,11 +88,7 @@ std::string pattern_file_name(const std::string& spec, const Problem& p, const W
   if (name.size() > kMaxSpecChars) name.resize(kMaxSpecChars);
   // FNV-1a (64 bit) of the results.csv key: two specs or problems that read alike above
   // still get different names.
-  uint64_t hash = 0xcbf29ce484222325ULL;
-  for (unsigned char c : row_key(key_row(spec, p, w))) {
-    hash ^= c;
-    hash *= 0x100000001b3ULL;
-  }
+  const uint64_t hash = stable_hash(row_key(key_row(spec, p, w)));
   return fmt::format("{}-n{}-m{}-{}-{:016x}.npy", name, p.n, p.keys(),
                      p.causal ? "causal" : "noncausal", hash);
 }

@@ -65,7 +65,8 @@ const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
                                                           {"bytes_read_per_step", ""},
                                                           {"bandwidth_fraction", ""},
                                                           {"input_layer", ""},
-                                                          {"input_source", "@source"}};
+                                                          {"input_source", "@source"},
+                                                          {"host", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;
@@ -381,7 +382,8 @@ void ResultsDir::write_benchmark_json() const {
 }
 
 // Writes then renames, so an interrupted run never leaves a torn file.
-static void write_json_file(const fs::path& path, const nlohmann::json& j) {
+void write_json_file(const std::string& path_text, const nlohmann::json& j) {
+  const fs::path path(path_text);
   const fs::path tmp = fs::path(path).concat(".tmp");
   {
     std::ofstream f(tmp);

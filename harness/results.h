@@ -38,6 +38,10 @@ std::vector<std::string> key_fields(const Row& row);
 /// Key identifying a row's configuration: spec and every problem field.
 std::string row_key(const Row& row);
 
+/// Writes `j` to `path` (indented), through a temporary file renamed over it, so an
+/// interrupted run never leaves a torn file.
+void write_json_file(const std::string& path, const nlohmann::json& j);
+
 class ResultsDir {
  public:
   /// Opens DIR (creating it). With resume, rows already in DIR/results.csv are kept and

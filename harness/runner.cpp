@@ -620,7 +620,8 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"tokens_per_s", num(r.tokens_per_s)},
            {"state_bytes", num(r.state_bytes)},
            {"bytes_read_per_step", num(r.bytes_read_per_step)},
-           {"bandwidth_fraction", num(r.bandwidth_fraction)}};
+           {"bandwidth_fraction", num(r.bandwidth_fraction)},
+           {"host", r.host}};
 }
 
 }  // namespace attnbench

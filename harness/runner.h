@@ -80,6 +80,9 @@ struct Row {
   /// bandwidth (MachineFigures::bandwidth_gbs; NaN when it was not measured).
   double prefill_seconds = NAN, time_per_token = NAN, tokens_per_s = NAN;
   double state_bytes = NAN, bytes_read_per_step = NAN, bandwidth_fraction = NAN;
+  /// The machine that measured the row (its hostname; the sweep sets it): shards of one sweep
+  /// may run on several. The last results.csv column.
+  std::string host;
 };
 
 /// Generation steps each repetition of a decode row times, after a prefill of n tokens: the

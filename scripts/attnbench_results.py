@@ -28,7 +28,8 @@ KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # a row timed (FORWARD, or a training pass of TRAIN_PASSES): every row of a file written before
 # it timed the forward. The training and decode columns are empty on forward rows. `kv_heads`
 # (the key/value heads G of grouped-query attention) is the row's own `heads` in a file written
-# before it (read_csv fills it from that column).
+# before it (read_csv fills it from that column). `host` is the machine that measured the row
+# (shards of one sweep may run on several), empty in a file written before it.
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
                  "attn_mask": "", "prepare_s": math.nan, "pass": "fwd",
                  "saved_bytes": math.nan, "saved_estimate_bytes": math.nan,
@@ -36,7 +37,8 @@ ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padd
                  "grad_rel_err_v": math.nan, "grad_heads": math.nan,
                  "prefill_s": math.nan, "time_per_token_s": math.nan,
                  "tokens_per_s": math.nan, "state_bytes": math.nan,
-                 "bytes_read_per_step": math.nan, "bandwidth_fraction": math.nan}
+                 "bytes_read_per_step": math.nan, "bandwidth_fraction": math.nan,
+                 "host": ""}
 # The values of `pass` (`attnbench sweep --pass`): the forward alone, the backward alone (from a
 # saved forward, its peak without the saved state), both in one timed pass, and one step of
 # generation at context n (causal rows only).
@@ -101,7 +103,8 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass", INPUT_SOURCE] +
+    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass", INPUT_SOURCE,
+                         "host"] +
                   MASK_COLUMNS,
                   REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
@@ -111,6 +114,7 @@ def load_results(directory, need_ok=True):
         raise ResultsError(f"'{path}' has a header but no rows; expected one row per "
                            f"(variant, problem) from a sweep")
     df["message"] = df["message"].fillna("")
+    df["host"] = df["host"].fillna("").astype(str)
     df["status"] = df["status"].fillna("")
     df["pass"] = df["pass"].fillna(FORWARD)
     optional = [c for c in NOISE_COLUMNS + [UNIFORM_ERROR] if c in df.columns]

@@ -1,0 +1,71 @@
+// Sharded sweeps: a sweep's plan split into N parts of about equal estimated cost, each run on
+// its own (`sweep --shard i/N`, one Slurm array task each) into its own results directory, and
+// the identity of a sweep's definition that `merge` checks the parts against.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "harness/sweep_plan.h"
+
+namespace attnbench {
+
+/// 64-bit FNV-1a of `text`: a hash that is the same on every machine and build (pattern file
+/// names, sweep definitions).
+uint64_t stable_hash(const std::string& text);
+
+/// The key columns' values of a row joined as one CSV line (how plan.json and merge name a
+/// configuration).
+std::string csv_key(const std::vector<std::string>& fields);
+
+/// --shard i/N: the shard index i and count N (0 <= i < N). Throws UsageError naming the text
+/// and the accepted form.
+std::pair<int, int> parse_shard(const std::string& text);
+
+/// Nominal rates of the shard split's cost estimate. They are fixed (not measured), so every
+/// machine computes the same split; only their ratios matter to it.
+constexpr double kShardFlopRate = 5e9;         ///< FLOP/s of a variant's pass
+constexpr double kShardBandwidth = 5e9;        ///< bytes/s moved by a pass
+constexpr double kShardReferenceRate = 5e8;    ///< reference work (sweep_reference_work) per s
+constexpr double kShardFixedSeconds = 0.02;    ///< inputs, patterns, harness: per runnable row
+constexpr double kShardRefusedSeconds = 1e-4;  ///< a row the variant refuses
+
+/// The estimated seconds of one configuration without its error measurement:
+///   fixed + pass + reps max(min_time, pass),   pass = max(work / kShardFlopRate,
+///                                                         memory / kShardBandwidth)
+/// with work = sweep_work and memory the variant's memory_estimate (the EtaModel's form, at
+/// the nominal rates); kShardRefusedSeconds for a configuration the variant refuses.
+double shard_run_cost(const SweepConfig& config, int reps, double min_time);
+
+/// A plan split into shards.
+struct ShardSplit {
+  std::vector<int> shard_of;   ///< per configuration of the plan, its shard
+  std::vector<double> costs;   ///< per shard, its estimated seconds
+  std::vector<size_t> counts;  ///< per shard, its configurations
+  /// The configurations of shard `s`, as plan indices in plan order.
+  std::vector<size_t> members(int s) const;
+  /// Longest shard cost over the mean (1 = perfectly balanced).
+  double imbalance() const;
+};
+
+/// Splits `plan` into `count` shards by longest processing time first: configurations by
+/// estimated cost descending (ties by plan index), each to the shard least loaded so far (ties
+/// to the lowest index). A configuration's cost is shard_run_cost plus, when its shard has no
+/// configuration of the same problem yet, that problem's reference work at
+/// kShardReferenceRate (a shard computes the float64 reference once per problem, as the
+/// sweep does; layer rows every time). Depends on the plan alone.
+ShardSplit split_shards(const SweepPlan& plan, int count, int reps, double min_time);
+
+/// The results.csv key (key_columns(), as a CSV line) of each configuration of the plan, in
+/// plan order.
+std::vector<std::string> plan_keys(const SweepPlan& plan);
+/// "spec problem" of each configuration of the plan (the progress line's description).
+std::vector<std::string> plan_names(const SweepPlan& plan);
+
+/// The sweep definition: 16 hex digits of stable_hash over the plan keys, in order, and the
+/// timing options (reps, min_time, threads, seed). Equal for every shard of one sweep.
+std::string sweep_definition(const std::vector<std::string>& keys, int reps, double min_time,
+                             int threads, uint64_t seed);
+
+}  // namespace attnbench
