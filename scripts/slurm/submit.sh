@@ -110,10 +110,6 @@ default_sweep=0
   default_sweep=1
 mkdir -p "$out/logs" || die "cannot create $out/logs"
 out=$(cd "$out" && pwd)
-# the sweep must parse before anything is submitted: its shard plan (the estimated cost of each
-# shard, and their imbalance) runs nothing
-plan=$("$bin" sweep "${sweep[@]}" --shard-plan "$shards" --out "$out" 2>&1) ||
-  die "attnbench rejects the sweep or --shard-plan:"$'\n'"$plan"
 options_file=$out/sweep_options.txt
 new_options=$(printf '%s\n' "${sweep[@]}")
 if [ -f "$options_file" ]; then
@@ -123,6 +119,16 @@ fi
 if [ -f "$out/shards.txt" ]; then
   [ "$(cat "$out/shards.txt")" = "$shards" ] ||
     die "$out holds $(cat "$out/shards.txt") shards, not $shards; choose another --out"
+fi
+# the sweep must parse before anything is submitted: its shard plan (the estimated cost of each
+# shard, and their imbalance) runs nothing
+if ! plan=$("$bin" sweep "${sweep[@]}" --shard-plan "$shards" --out "$out" 2>&1); then
+  # the default sweep's trained inputs are built by the prepare job, before the shards
+  if [ $default_sweep = 1 ] && [ -z "$tasks" ] && grep -q 'trained inputs not found' <<<"$plan"; then
+    plan="no shard plan yet: it needs the trained inputs, which the prepare job builds first"
+  else
+    die "attnbench rejects the sweep or --shard-plan:"$'\n'"$plan"
+  fi
 fi
 printf '%s\n' "$new_options" >"$options_file"
 echo "$shards" >"$out/shards.txt"
@@ -157,14 +163,23 @@ array=$(sbatch "${common[@]}" "${array_dependency[@]}" "${shard_options[@]}" \
   --output="$out/logs/shard-%a-%A.out" "$here/sweep_array.sbatch") ||
   die "sbatch refused the job array"
 array=$(job_id "$array")
-# a resubmission: the merge job of the earlier submission waits for shards that failed
+# a resubmission: the merge job of the earlier submission waits for shards that failed, so it
+# is cancelled...
 if [ -n "$tasks" ] && [ -f "$out/jobs.txt" ]; then
   earlier=$(sed -n 's/^merge=//p' "$out/jobs.txt" | tail -n 1)
   if [ -n "$earlier" ] && squeue -h -j "$earlier" -t PENDING -o %i 2>/dev/null | grep -q .; then
     scancel "$earlier" && echo "cancelled the earlier merge job $earlier"
   fi
 fi
-merge=$(sbatch "${common[@]}" --dependency=afterok:"$array" --cpus-per-task=1 \
+# ... and, as it does, shards of earlier submissions still queued or running: the new merge
+# waits for them to end too
+after=afterok:$array
+if [ -n "$tasks" ] && [ -f "$out/jobs.txt" ]; then
+  while read -r a; do
+    if squeue -h -j "$a" -o %i 2>/dev/null | grep -q .; then after+=",afterany:$a"; fi
+  done < <(sed -n 's/^array=//p' "$out/jobs.txt")
+fi
+merge=$(sbatch "${common[@]}" --dependency="$after" --cpus-per-task=1 \
   --output="$out/logs/merge-%j.out" "$here/merge.sbatch") || die "sbatch refused the merge job"
 merge=$(job_id "$merge")
 
