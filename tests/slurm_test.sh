@@ -231,7 +231,8 @@ while :; do
 done
 end=$(date +%s.%N)
 # each task's run time, as Slurm saw it (two run at a time on a 2-core machine)
-scontrol -o show job "$array" | sort | sed -n 's/.*JobId=\([0-9]*\) ArrayJobId=[0-9]* ArrayTaskId=\([0-9]*\).* RunTime=\([0-9:-]*\).*/slurm_test: shard \2 ran \3/p' >&2
+scontrol -o show job "$array" | sed -n 's/.*JobId=\([0-9]*\) ArrayJobId=[0-9]* ArrayTaskId=\([0-9]*\).* RunTime=\([0-9:-]*\).*/slurm_test: shard \2 ran \3/p' |
+  sort -k3,3n >&2
 [ -s "$tmp/array/merged/report.md" ] || { show_failure; fail "the merge job wrote no merged/report.md"; }
 
 # --- the same sweep in one process -------------------------------------------------------------
