@@ -3,7 +3,8 @@
 # the whole test suite there. Any undefined behaviour stops the process (compiled with
 # -fno-sanitize-recover=all, and halt_on_error below). Tests that cannot run under the
 # sanitizers skip themselves and say why (tests/test_util.h: the allocation-count tests and
-# the death tests that cap the address space).
+# the death tests that cap the address space). The Slurm test (label slurm, tests/slurm_test.sh)
+# is left out: it exercises the scheduler, not the code, and runs in the plain build's suite.
 #
 # usage: scripts/sanitize_test.sh [BUILD_TYPE] [ctest args...]   (BUILD_TYPE: RelWithDebInfo)
 set -euo pipefail
@@ -34,7 +35,8 @@ fi
 export ASAN_OPTIONS=detect_leaks=$leaks:allocator_may_return_null=1:abort_on_error=0:check_initialization_order=1
 
 status=0
-ctest --test-dir "$dir" -j"$(nproc)" --output-on-failure --timeout 1500 "$@" || status=$?
+ctest --test-dir "$dir" -j"$(nproc)" --output-on-failure --timeout 1500 -LE slurm "$@" ||
+  status=$?
 end=$(date +%s)
 echo "sanitize_test: build $((built - start)) s, tests $((end - built)) s, exit $status" >&2
 exit $status

@@ -64,13 +64,9 @@ py=/usr/bin/python3
 if [ -d "$here/../build/python/attnbench" ] && [ ! -f "$here/installed_binary.txt" ]; then
   export PYTHONPATH="$(cd "$here/../build/python" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 fi
-trained_layers=trained:layer=0,trained:layer=1,trained:layer=2,trained:layer=3
-# the settings of the long-context variants beside their defaults, and the recurrent forms of
-# the linear ones (the baseline of their chunkwise forms)
-long_context_settings="--variant local:sinks=4 --variant moba:chunk=128"
-long_context="--variant flash --variant moba --variant nsa --variant retention --variant gla \
-  --variant deltanet --variant deltanet:gated=true --variant retention:form=recurrent \
-  --variant gla:form=recurrent --variant deltanet:form=recurrent $long_context_settings"
+# the default sweep's options (default_sweep_options), shared with scripts/slurm/submit.sh
+# shellcheck source=scripts/default_sweep.sh
+source "$here/default_sweep.sh"
 if [ $# -eq 0 ]; then
   # the trained model and its captured inputs (each step does nothing when its cache is current)
   if ! "$py" -c 'import torch, numpy' 2>/dev/null; then
@@ -80,15 +76,7 @@ if [ $# -eq 0 ]; then
   fi
   "$py" "$here/train_lm.py"
   "$py" "$here/capture_qkv.py"
-  "$bin" sweep --out "$out" --resume --seq 256..8192 --causal both \
-    --also='--seq 256..8192 --causal both --pass bwd,fwdbwd' \
-    --also='--seq 256..8192 --causal off --input local,clustered,lowrank --scale 1,2,4' \
-    --also='--seq 256..8192 --causal off --input gaussian --scale 2,4' \
-    --also="--seq 256..4096 --causal on --input $trained_layers" \
-    --also="$long_context --seq 256..16384 --causal on" \
-    --also="$long_context_settings --seq 256..4096 --causal on --input $trained_layers" \
-    --also='--seq 1024..65536 --causal on --pass decode' \
-    --also='--variant flash --seq 1024..65536 --causal on --pass decode --kv-heads 1,2,4'
+  "$bin" sweep --out "$out" --resume "${default_sweep_options[@]}"
   "$py" "$here/anatomy.py" --out "$out"
   if "$py" -c 'import attnbench' 2>/dev/null; then
     "$py" "$here/swap_eval.py" "$out" --finetune-steps 20 --finetune-top 4
