@@ -829,7 +829,7 @@ struct SweepCommand {
               key_padding_lists, padding_fractions, pass_list = "fwd";
   bool resume = false;
   int retry_noisy = 0, shard_plan = 0;
-  std::string shard;
+  std::string shard, machine_file;
   std::vector<std::string> also;
 
   CLI::App* add(CLI::App& app) {
@@ -899,6 +899,7 @@ struct SweepCommand {
                     "print the split into N shards (configurations and estimated cost of each, "
                     "imbalance longest/mean) and exit without running")
         ->check(int_in(1, 100000));
+    cmd->add_option("--machine-file", machine_file, kMachineFileHelp);
     return cmd;
   }
 
@@ -937,8 +938,9 @@ struct SweepCommand {
     } catch (const CLI::ParseError& e) {
       throw UsageError(fmt::format("--also '{}': {}", args, e.what()));
     }
-    for (const char* name : {"--threads", "--seed", "--reps", "--min-time", "--resume",
-                             "--retry-noisy", "--also", "--shard", "--shard-plan"})
+    for (const char* name :
+         {"--threads", "--seed", "--reps", "--min-time", "--resume", "--retry-noisy", "--also",
+          "--shard", "--shard-plan", "--machine-file"})
       if (cmd->get_option(name)->count() > 0)
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
@@ -1031,10 +1033,11 @@ struct SweepCommand {
           (std::filesystem::path(out_dir) / "plan.json").string(),
           {{"sweep_definition", definition}, {"key_columns", key_columns()}, {"configs", configs}});
     }
-    fmt::print(stderr, "attnbench: measuring the machine ({} threads)...\n", threads);
-    MachineFigures mf = measure_machine(threads);
-    fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s\n", mf.gemm_gflops,
-               mf.bandwidth_gbs);
+    fmt::print(stderr, "attnbench: machine figures ({} threads{})...\n", threads,
+               machine_file.empty() ? "" : ", through " + machine_file);
+    MachineFigures mf = machine_figures(machine_file, threads);
+    fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s ({})\n",
+               mf.gemm_gflops, mf.bandwidth_gbs, mf.source);
     auto meta = meta_json(argc, argv, mf, threads);
     meta["rows_planned"] = shard_size;
     meta["sweep_definition"] = definition;

@@ -119,12 +119,6 @@ std::string utc_now() {
   return buf;
 }
 
-std::string host_name() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof buf - 1) != 0 || buf[0] == 0) return "unknown";
-  return buf;
-}
-
 nlohmann::json to_json(const MachineFigures& m) {
   return {{"cpu_model", m.cpu_model},         {"threads", m.threads},
           {"gemm_gflops", m.gemm_gflops},     {"blas_gflops", m.blas_gflops},

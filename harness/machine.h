@@ -44,8 +44,6 @@ std::string host_name();
 std::string utc_now();
 /// "AMD EPYC ..." from /proc/cpuinfo, or "unknown".
 std::string cpu_model();
-/// This machine's hostname (gethostname), or "unknown".
-std::string host_name();
 
 }  // namespace attnbench
 

@@ -1,7 +1,8 @@
 // The machine figures file shared by the processes of one sweep (machine_figures): measured
 // and kept once, read back by later processes of the same host, CPU model and thread count,
 // measured again for another thread count or a file that is not such figures; concurrent
-// processes measure once; the machine command reads and writes such a file.
+// processes measure once; the machine command and the shards of a sweep read and write
+// such a file.
 #include "harness/machine.h"
 
 #include <fmt/core.h>
@@ -124,6 +125,30 @@ TEST(MachineFile, TheMachineCommandPrintsWhereItsFiguresCameFrom) {
   const CliResult second = run_cli("machine --threads 1 --quick --file '" + path + "'", dir);
   ASSERT_EQ(second.code, 0) << second.err;
   EXPECT_CONTAINS(second.out, "figures    read from " + path);
+}
+
+TEST(MachineFile, ShardsOfASweepShareTheFigures) {
+  TempDir dir;
+  const std::string path = dir.file("machine.json");
+  std::vector<std::string> sources;
+  for (int shard = 0; shard < 2; ++shard) {
+    const std::string out = dir.file("shard-" + std::to_string(shard));
+    const CliResult r = run_cli(
+        fmt::format("sweep --variant flash --variant local --seq 32,64 --heads 1 --dim 8 --reps 1 "
+                    "--min-time 0 --threads 1 --shard {}/2 --out '{}' --machine-file '{}'",
+                    shard, out, path),
+        dir);
+    ASSERT_EQ(r.code, 0) << r.err;
+    std::ifstream f(out + "/meta.json");
+    const auto meta = nlohmann::json::parse(f);
+    sources.push_back(meta.at("machine").at("source").get<std::string>());
+  }
+  EXPECT_EQ(sources[0], "measured, kept in " + path);
+  EXPECT_EQ(sources[1], "read from " + path);
+  const CliResult bad =
+      run_cli("sweep --variant flash --seq 32 --out x '--also=--seq 64 --machine-file m'", dir);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_CONTAINS(bad.err, "--machine-file belongs to the whole sweep");
 }
 
 }  // namespace

@@ -469,7 +469,7 @@ TEST(Trained, CliRunsAndRefuses) {
       dir);
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "n = 64 exceeds the captured length 48");
-  EXPECT_EQ(r.err.find("measuring the machine"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("attnbench: machine figures ("), std::string::npos) << r.err;
   {
     TempDir empty;
     ScopedEnv env("ATTNBENCH_CACHE", empty.path().string());
