@@ -11,7 +11,8 @@
 # It exits 77 (skipped; ctest shows why) when it cannot run a Slurm here: not root, no apt-get
 # to install the packages, the daemons do not start, or an attnbench without `sweep --shard`.
 #
-# usage: tests/slurm_test.sh ATTNBENCH   (SLURM_TEST_TIMEOUT: seconds to wait for the jobs, 1200)
+# usage: tests/slurm_test.sh ATTNBENCH   (SLURM_TEST_TIMEOUT: seconds to wait for the jobs, 1200;
+#        SLURM_TEST_SWEEP: the sweep's options in place of the small one, as one string)
 set -euo pipefail
 bin=${1:?usage: slurm_test.sh ATTNBENCH}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -186,6 +187,11 @@ log "Slurm up: node $node ($node_line), ports $ctld_port/$slurmd_port, $task_plu
 # --- the sweep as a 4-task array, merged -------------------------------------------------------
 sweep=(--variant flash --variant local --variant linear --seq "64,128,256" --causal both --heads 2
   --dim 16 --reps 1 --min-time 0)
+# SLURM_TEST_SWEEP: other sweep options (one string, split at spaces), e.g. a sweep long enough
+# that the ratio of the two wall clocks measures the scheduler rather than fixed costs
+if [ -n "${SLURM_TEST_SWEEP:-}" ]; then
+  read -r -a sweep <<<"$SLURM_TEST_SWEEP"
+fi
 start=$(date +%s.%N)
 submitted=$(bash "$root/scripts/slurm/submit.sh" --shards 4 --out "$tmp/array" --bin "$bin" \
   -- "${sweep[@]}") || fail "scripts/slurm/submit.sh failed"
