@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -32,21 +33,100 @@ Problem grouped(int64_t h, int64_t g, int64_t n, int64_t d, uint64_t seed) {
   return p;
 }
 
+// The block scores of kv group g at row t, in double: the compression branch's probabilities of
+// every head of the group (mean-pooled keys of l keys every s), summed, weighted by the overlap
+// of each compressed block with each selection block of ls keys, in units of the stride.
+std::vector<double> block_scores(const Problem& p, const Inputs& in, int64_t l, int64_t s,
+                                 int64_t ls, int64_t g, int64_t t) {
+  const int64_t d = p.dim, gs = p.kv_group(), cur = t / ls;
+  std::vector<double> score(size_t(cur + 1), 0.0);
+  for (int64_t h = g * gs; h < (g + 1) * gs; ++h) {
+    std::vector<double> logit;
+    for (int64_t i = 0; i * s + l - 1 <= t; ++i) {
+      double dot = 0;
+      for (int64_t e = 0; e < d; ++e) {
+        double kc = 0;
+        for (int64_t j = i * s; j < i * s + l; ++j)
+          kc += test::at(in.k, 0, h, j, e);  // the grouped view: kv head of h
+        dot += double(test::at(in.q, 0, h, t, e)) * kc / double(l);
+      }
+      logit.push_back(dot / std::sqrt(double(d)));
+    }
+    if (logit.empty()) continue;
+    const double mx = *std::max_element(logit.begin(), logit.end());
+    double sum = 0;
+    for (double x : logit) sum += std::exp(x - mx);
+    for (size_t i = 0; i < logit.size(); ++i)
+      for (int64_t j = 0; j <= cur; ++j) {
+        const int64_t a0 = int64_t(i) * s, a1 = a0 + l;
+        const int64_t ov = std::min(a1, (j + 1) * ls) - std::max(a0, j * ls);
+        if (ov > 0) score[size_t(j)] += std::exp(logit[i] - mx) / sum * double(ov / s);
+      }
+  }
+  return score;
+}
+
+// Whether row t of kv group g has a near tie at the edge of its top-n choice: the last block
+// taken by score and the first one left scoring within `tie` of each other (relative). float32
+// scores cannot order such blocks reliably: either choice is the function's value within float
+// rounding.
+bool near_tie(const Problem& p, const Inputs& in, int64_t l, int64_t s, int64_t ls, int64_t top,
+              int64_t g, int64_t t, double tie) {
+  const int64_t cur = t / ls;
+  if (cur + 1 <= top || top == 3) return false;
+  const std::vector<double> score = block_scores(p, in, l, s, ls, g, t);
+  std::vector<double> rest(score.begin() + 1, score.begin() + (cur - 1));
+  if (int64_t(rest.size()) <= top - 3) return false;
+  std::sort(rest.begin(), rest.end(), std::greater<>());
+  return rest[size_t(top - 4)] - rest[size_t(top - 3)] <= tie * rest[size_t(top - 4)];
+}
+
+// Against the oracle, ragged lengths and grouped heads. Rows with a near tie in their block
+// choice (near_tie: the kernel's float32 scores may order the tied blocks either way) are left
+// out of the comparison and counted; they must stay rare.
 TEST(Nsa, MatchesItsOracleOnRaggedLengths) {
+  struct Spec {
+    std::string text;
+    int64_t l, s, ls, top;
+  };
   double worst = 0;
-  for (const std::string& spec :
-       {std::string(kSmall),
-        std::string("nsa:cmp_block=8,cmp_stride=4,sel_block=16,sel_top=3,window=16"),
-        std::string("nsa:cmp_block=16,cmp_stride=8,sel_block=8,sel_top=4,window=0")})
+  int64_t tied = 0, rows = 0;
+  for (const Spec& spec :
+       {Spec{kSmall, 8, 4, 16, 5},
+        Spec{"nsa:cmp_block=8,cmp_stride=4,sel_block=16,sel_top=3,window=16", 8, 4, 16, 3},
+        Spec{"nsa:cmp_block=16,cmp_stride=8,sel_block=8,sel_top=4,window=0", 16, 8, 8, 4}})
     for (int64_t n : {1, 7, 33, 100, 300, 1000})
       for (auto [h, g] : {std::pair<int64_t, int64_t>{2, 2}, {4, 2}, {3, 1}})
         for (int64_t d : {16, 64}) {
           if (n == 1000 && d == 16) continue;
           const Problem p = grouped(h, g, n, d, uint64_t(n + 7 * h + d));
-          SCOPED_TRACE(spec + " " + p.str());
-          worst = std::max(worst, expect_matches_oracle(spec, p, generate_inputs(p)));
+          SCOPED_TRACE(spec.text + " " + p.str());
+          const Inputs in = generate_inputs(p);
+          const Tensor out = run(spec.text, p, in);
+          const test::Expected e = test::expected(spec.text, p, in);
+          double diff2 = 0, ref2 = 0;
+          for (int64_t head = 0; head < h; ++head)
+            for (int64_t t = 0; t < n; ++t) {
+              ++rows;
+              if (near_tie(p, in, spec.l, spec.s, spec.ls, spec.top, p.kv_head(head), t, 1e-5)) {
+                ++tied;
+                continue;
+              }
+              const size_t at = size_t((head * n + t) * d);
+              for (int64_t c = 0; c < d; ++c) {
+                const double x = double(out.data()[at + size_t(c)]), y = e.out[at + size_t(c)];
+                diff2 += (x - y) * (x - y), ref2 += y * y;
+              }
+            }
+          const double err = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+          EXPECT_LE(err, e.tolerance);
+          worst = std::max(worst, err);
         }
-  std::printf("nsa vs oracle: worst relative error %.2e\n", worst);
+  std::printf(
+      "nsa vs oracle: worst relative error %.2e; %lld of %lld rows left out for a near "
+      "tie in their block choice\n",
+      worst, (long long)tied, (long long)rows);
+  EXPECT_LE(tied * 200, rows) << "near ties should be rare on random inputs";
 }
 
 TEST(Nsa, MatchesItsOracleAtTheDefaults) {
@@ -79,30 +159,7 @@ TEST(Nsa, SelectionIsSharedByTheGroupAndMatchesABruteForce) {
   for (int64_t g = 0; g < p.kv_head_count(); ++g)
     for (int64_t t = 0; t < p.n; ++t) {
       const int64_t cur = t / ls;
-      std::vector<double> score(size_t(cur + 1), 0.0);
-      for (int64_t h = g * gs; h < (g + 1) * gs; ++h) {
-        std::vector<double> logit;
-        for (int64_t i = 0; i * s + l - 1 <= t; ++i) {
-          double dot = 0;
-          for (int64_t e = 0; e < d; ++e) {
-            double kc = 0;
-            for (int64_t j = i * s; j < i * s + l; ++j)
-              kc += test::at(in.k, 0, h, j, e);  // the grouped view: kv head of h
-            dot += double(test::at(in.q, 0, h, t, e)) * kc / double(l);
-          }
-          logit.push_back(dot / std::sqrt(double(d)));
-        }
-        if (logit.empty()) continue;
-        const double mx = *std::max_element(logit.begin(), logit.end());
-        double sum = 0;
-        for (double x : logit) sum += std::exp(x - mx);
-        for (size_t i = 0; i < logit.size(); ++i)
-          for (int64_t j = 0; j <= cur; ++j) {
-            const int64_t a0 = int64_t(i) * s, a1 = a0 + l;
-            const int64_t ov = std::min(a1, (j + 1) * ls) - std::max(a0, j * ls);
-            if (ov > 0) score[size_t(j)] += std::exp(logit[i] - mx) / sum * double(ov / s);
-          }
-      }
+      const std::vector<double> score = block_scores(p, in, l, s, ls, g, t);
       std::set<int64_t> blocks;
       if (cur + 1 <= top) {
         for (int64_t j = 0; j <= cur; ++j) blocks.insert(j);
