@@ -1063,7 +1063,7 @@ struct SweepCommand {
       runnable[i] = sweep_runnable(c);
       work[i] = sweep_work(c);
       specs[i] = c.variant->spec();
-      pending[i] = in_shard[i] && !(resume && results.done(probe_row(c)));
+      pending[i] = in_shard[i] && !(resume && results.done(key_row(c)));
       measured[i] = runnable[i] && pending[i];
     }
     const std::vector<double> reference_work = plan_reference_work(plan, measured);
@@ -1075,7 +1075,7 @@ struct SweepCommand {
       if (!in_shard[i]) continue;
       ++position;
       const SweepConfig& c = plan.configs[i];
-      const Row probe = probe_row(c);
+      const Row probe = key_row(c);
       if (!pending[i]) {
         ++counts["kept"];
         if (c.embed == 0)
@@ -1139,16 +1139,6 @@ struct SweepCommand {
     j["dir"] = tm.dir;
     j["inputs"] = used;
     return j;
-  }
-
-  // The key of a configuration's row (what --resume looks for).
-  static Row probe_row(const SweepConfig& c) {
-    Row probe;
-    probe.spec = c.variant->spec();
-    probe.problem = c.problem;
-    probe.workload = c.workload;
-    probe.embed = c.embed;
-    return probe;
   }
 
   // Runs one configuration of the plan, again up to `retries` times while its timing is

@@ -14,8 +14,6 @@
 
 namespace attnbench {
 
-namespace {
-
 Row key_row(const SweepConfig& c) {
   Row r;
   r.spec = c.variant->spec();
@@ -24,6 +22,8 @@ Row key_row(const SweepConfig& c) {
   r.embed = c.embed;
   return r;
 }
+
+namespace {
 
 // The problem of a configuration: what its float64 reference rows depend on (every key
 // column but the spec).

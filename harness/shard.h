@@ -7,9 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "harness/results.h"
 #include "harness/sweep_plan.h"
 
 namespace attnbench {
+
+/// A row holding only a configuration's key columns (what --resume and merge look for).
+Row key_row(const SweepConfig& c);
 
 /// 64-bit FNV-1a of `text`: a hash that is the same on every machine and build (pattern file
 /// names, sweep definitions).
