@@ -18,6 +18,7 @@ bin=${1:?usage: slurm_test.sh ATTNBENCH}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=/usr/bin/python3
 timeout_s=${SLURM_TEST_TIMEOUT:-1200}
+test_sweep=${SLURM_TEST_SWEEP:-}  # read before the SLURM_* variables are cleared below
 skip() { echo "slurm_test: SKIPPED: $*" >&2; exit 77; }
 fail() { echo "slurm_test: FAILED: $*" >&2; exit 1; }
 log() { echo "slurm_test: $*" >&2; }
@@ -189,8 +190,8 @@ sweep=(--variant flash --variant local --variant linear --seq "64,128,256" --cau
   --dim 16 --reps 1 --min-time 0)
 # SLURM_TEST_SWEEP: other sweep options (one string, split at spaces), e.g. a sweep long enough
 # that the ratio of the two wall clocks measures the scheduler rather than fixed costs
-if [ -n "${SLURM_TEST_SWEEP:-}" ]; then
-  read -r -a sweep <<<"$SLURM_TEST_SWEEP"
+if [ -n "$test_sweep" ]; then
+  read -r -a sweep <<<"$test_sweep"
 fi
 start=$(date +%s.%N)
 submitted=$(bash "$root/scripts/slurm/submit.sh" --shards 4 --out "$tmp/array" --bin "$bin" \
