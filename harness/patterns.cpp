@@ -47,15 +47,6 @@ size_t causal_column() {
   return size_t(std::find(cols.begin(), cols.end(), "causal") - cols.begin());
 }
 
-std::string csv_join(const std::vector<std::string>& fields) {
-  std::string line;
-  for (size_t i = 0; i < fields.size(); ++i) {
-    if (i) line += ',';
-    line += csv_quote(fields[i]);
-  }
-  return line;
-}
-
 }  // namespace
 
 std::unique_ptr<SparsePattern> head_pattern(const Variant& v, const Problem& p, const Workload& w,
@@ -224,8 +215,8 @@ void PatternStore::write_index() const {
   const fs::path path = fs::path(dir_) / "index.csv", tmp = fs::path(dir_) / "index.csv.tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
-    out << csv_join(index_columns()) << '\n';
-    for (const auto& g : order_) out << csv_join(entries_.at(g).fields) << '\n';
+    out << csv_key(index_columns()) << '\n';
+    for (const auto& g : order_) out << csv_key(entries_.at(g).fields) << '\n';
     if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
   }
   fs::rename(tmp, path);
