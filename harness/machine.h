@@ -11,7 +11,7 @@ struct MachineFigures {
   std::string cpu_model;
   int threads = 0;
   double gemm_gflops = 0;           ///< best single-precision GEMM rate seen (BLAS or Eigen)
-  double blas_gflops = 0;           ///< OpenBLAS sgemm, large square products
+  double blas_gflops = 0;           ///< OpenBLAS sgemm, square products
   double eigen_gflops = 0;          ///< Eigen's own GEMM, same sizes
   int gemm_size = 0;                ///< the square size that gave the best rate
   double bandwidth_gbs = 0;         ///< STREAM-style triad a = b + s c, GB/s (3 arrays counted)
@@ -20,8 +20,9 @@ struct MachineFigures {
   std::string source = "measured";  ///< "measured", or "read from FILE" (machine_figures)
 };
 
-/// Measures GEMM (square sizes 2048 and 4096, best of several) and triad bandwidth with
-/// `threads` threads. `quick` uses fewer and smaller products (about a second in all).
+/// Measures GEMM (OpenBLAS and Eigen, square sizes 1024, 2048 and 4096 as time allows, best
+/// of several) and triad bandwidth with `threads` threads, in a few seconds. `quick` uses
+/// fewer and smaller products (about a second in all).
 MachineFigures measure_machine(int threads, bool quick = false);
 
 /// The figures of `threads` threads through a file shared by the processes of one sweep (the
