@@ -65,19 +65,27 @@ MachineFigures measure_machine(int threads, bool quick) {
   mf.threads = threads;
   mf.host = host_name();
   mf.measured_at = utc_now();
-#ifdef __SANITIZE_ADDRESS__
-  // Under the sanitizers Eigen's GEMM is instrumented: square products of 4096 take minutes
-  // and the figure describes the instrumentation, not the machine.
-  quick = true;
+  // Under the sanitizers the products and loops are instrumented: the figures describe the
+  // instrumentation, not the machine, so they are taken on the smallest sizes.
+  bool instrumented = false;
+#if defined(__SANITIZE_ADDRESS__)
+  instrumented = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  instrumented = true;
+#endif
 #endif
   omp_set_num_threads(threads);
-  // Square products of growing size, each library repeated until 0.3 s (at least twice): the
-  // peak is the best rate seen. A size is taken only while one product of the faster library
-  // is projected to take at most 2 s, and a library far behind the other at one size (below
-  // 0.6 of its rate) is not measured at the larger ones, so the whole takes a few seconds on
-  // any machine (a full measurement of 2 sizes x 2 libraries at 4096 took 20-25 s).
+  // Square products of growing size, each library repeated until 0.3 s (0.1 s when quick),
+  // at least twice: the peak is the best rate seen. A size is taken only while one product of
+  // the faster library is projected to take at most 2 s, and a library far behind the other
+  // at one size (below 0.6 of its rate) is not measured at the larger ones, so the whole takes
+  // a few seconds on any machine (two libraries at 2048 and 4096, as before, took 20-25 s).
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const std::vector<int> sizes = quick ? std::vector<int>{1536} : std::vector<int>{1024, 2048, 4096};
+  const std::vector<int> sizes = instrumented ? std::vector<int>{256}
+                                 : quick      ? std::vector<int>{1024, 1536}
+                                              : std::vector<int>{1024, 2048, 4096};
+  const double min_spent = quick ? 0.1 : 0.3;  // seconds per library and size
   bool blas_on = true;
   for (int n : sizes) {
     Tensor a({1, 1, n, n}), b({1, 1, n, n}), c({1, 1, n, n});
@@ -89,7 +97,7 @@ MachineFigures measure_machine(int threads, bool quick) {
     auto best = [&](auto&& product, double& fastest) {
       double rate = 0, spent = 0;
       fastest = INFINITY;
-      for (int r = 0; r < (quick ? 3 : 8) && (r < 2 || (!quick && spent < 0.3)); ++r) {
+      for (int r = 0; r < 8 && (r < 2 || spent < min_spent); ++r) {
         auto t0 = std::chrono::steady_clock::now();
         product();
         const double s = seconds_since(t0);
@@ -99,16 +107,14 @@ MachineFigures measure_machine(int threads, bool quick) {
       }
       return rate;
     };
+    auto eigen_product = [&] { ec.noalias() = ea * eb; };
+    auto blas_product = [&] {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n,
+                  b.data(), n, 0.0f, c.data(), n);
+    };
     double eigen_rep = INFINITY, blas_rep = INFINITY;
-    const double eigen = best([&] { ec.noalias() = ea * eb; }, eigen_rep);
-    const double blas = blas_on ? best(
-                                      [&] {
-                                        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n,
-                                                    n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
-                                                    c.data(), n);
-                                      },
-                                      blas_rep)
-                                : 0.0;
+    const double eigen = best(eigen_product, eigen_rep);
+    const double blas = blas_on ? best(blas_product, blas_rep) : 0.0;
     mf.eigen_gflops = std::max(mf.eigen_gflops, eigen);
     mf.blas_gflops = std::max(mf.blas_gflops, blas);
     for (double g : {eigen, blas})
@@ -117,7 +123,7 @@ MachineFigures measure_machine(int threads, bool quick) {
     if (8 * std::min(eigen_rep, blas_rep) > 2.0) break;
   }
   // triad over three arrays well beyond the last-level cache
-  const int64_t count = (quick ? 16 : 32) << 20;
+  const int64_t count = instrumented ? 1 << 20 : (quick ? 16 : 32) << 20;
   Tensor a({1, 1, 1, count}), b({1, 1, 1, count}), c({1, 1, 1, count});
   fill(b.data(), count, 3);
   fill(c.data(), count, 4);
