@@ -109,8 +109,8 @@ MachineFigures measure_machine(int threads, bool quick) {
     };
     auto eigen_product = [&] { ec.noalias() = ea * eb; };
     auto blas_product = [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n,
-                  b.data(), n, 0.0f, c.data(), n);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
+                  n, 0.0f, c.data(), n);
     };
     double eigen_rep = INFINITY, blas_rep = INFINITY;
     const double eigen = best(eigen_product, eigen_rep);
