@@ -14,12 +14,20 @@
 
 #define ATTNBENCH_ABI_VERSION 9
 
+// The loader reads the ABI symbol as a 4-byte object; clang's AddressSanitizer would pad it
+// with a redzone (a 32-byte symbol), so it is left out of that instrumentation.
+#if defined(__clang__)
+#define ATTNBENCH_PLUGIN_ABI_NO_ASAN __attribute__((no_sanitize("address")))
+#else
+#define ATTNBENCH_PLUGIN_ABI_NO_ASAN
+#endif
+
 /// Defines the symbol that tells the loader which ABI a plugin was built against. Exactly one
 /// source file of a plugin expands it; attnbench_add_plugin (the CMake package) generates that
 /// file, so plugin sources never need it.
-#define ATTNBENCH_DEFINE_PLUGIN_ABI()                                                              \
-  extern "C" __attribute__((visibility("default"), used)) const int attnbench_plugin_abi_version = \
-      ATTNBENCH_ABI_VERSION
+#define ATTNBENCH_DEFINE_PLUGIN_ABI()                     \
+  extern "C" __attribute__((visibility("default"), used)) \
+  ATTNBENCH_PLUGIN_ABI_NO_ASAN const int attnbench_plugin_abi_version = ATTNBENCH_ABI_VERSION
 
 /// Name of the symbol ATTNBENCH_DEFINE_PLUGIN_ABI defines.
 #define ATTNBENCH_PLUGIN_ABI_SYMBOL "attnbench_plugin_abi_version"

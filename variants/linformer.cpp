@@ -527,7 +527,7 @@ class Linformer final : public Variant, public Backward {
         if (!used_)
           guard.run([&] { gen.reset(new float[size_t((share_ ? 1 : 2) * gen_cols * kp)]); });
         float* et = gen.get();
-        float* ft = share_ ? gen.get() : gen.get() + gen_cols * kp;
+        float* ft = share_ || !et ? et : et + gen_cols * kp;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < pl.tasks; ++t)
           guard.run([&] {
