@@ -136,17 +136,19 @@ def test_flash_in_the_model_reproduces_exact_attention(cache):
 def test_swap_eval_table(cache, tmp_path):
     out = str(tmp_path / "results")
     args = [out, "--cache", cache, "--windows", "2", "--variants",
-            "flash,local:window=4,linformer,full", "--finetune-steps", "3", "--finetune-top", "1"]
+            "flash,local:window=1,linformer,full", "--finetune-steps", "3", "--finetune-top", "1"]
     run_script("swap_eval.py", *args)
     with open(os.path.join(out, "trained", "swap.csv")) as f:
         rows = {r["spec"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"torch softmax", "flash", "local:window=4", "linformer", "full"}
+    assert set(rows) == {"torch softmax", "flash", "local:window=1", "linformer", "full"}
     assert abs(float(rows["flash"]["delta_bpb"])) < 1e-4
     assert float(rows["flash"]["speedup"]) == 1.0
-    assert float(rows["local:window=4"]["delta_bpb"]) > 1e-3
+    # a window of one key (each byte sees itself) raises the loss of even so small a model;
+    # wider windows can lower it on two windows of text (window 4: -5e-4 on one training text)
+    assert float(rows["local:window=1"]["delta_bpb"]) > 1e-3
     assert rows["linformer"]["status"] == "unsupported"
     assert "causal" in rows["linformer"]["message"]
-    for spec in ("flash", "full", "local:window=4"):
+    for spec in ("flash", "full", "local:window=1"):
         assert float(rows[spec]["attention_s_per_token"]) > 0
     with open(os.path.join(out, "trained", "model.json")) as f:
         assert json.load(f)["checkpoint"] == lm.sha256_file(lm.checkpoint_path(cache))
@@ -157,7 +159,7 @@ def test_swap_eval_table(cache, tmp_path):
     ft = float(rows["flash"]["ft_bpb"])
     assert math.isfinite(ft) and ft != float(rows["flash"]["bpb"])
     assert abs(ft - float(rows["flash"]["bpb"])) < 0.5
-    local = rows["local:window=4"]
+    local = rows["local:window=1"]
     assert int(local["ft_steps"]) == 3
     assert math.isclose(float(local["recovered"]),
                         1 - float(local["ft_delta_bpb"]) / float(local["delta_bpb"]))
