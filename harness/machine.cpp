@@ -80,7 +80,7 @@ MachineFigures measure_machine(int threads, bool quick) {
   // at least twice: the peak is the best rate seen. A size is taken only while one product of
   // the faster library is projected to take at most 2 s, and a library far behind the other
   // at one size (below 0.6 of its rate) is not measured at the larger ones, so the whole takes
-  // a few seconds on any machine (two libraries at 2048 and 4096, as before, took 20-25 s).
+  // a few seconds on any machine (both libraries at every size would take 20-25 s).
   using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const std::vector<int> sizes = instrumented ? std::vector<int>{256}
                                  : quick      ? std::vector<int>{1024, 1536}
