@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <set>
 
@@ -75,6 +76,14 @@ std::pair<int, int> parse_shard(const std::string& text) {
   return {i, n};
 }
 
+namespace {
+
+// The threads a configuration runs on (0: every core; counted as 1, the split depends on the
+// plan alone).
+double config_threads(const SweepConfig& c) { return double(std::max(1, c.workload.threads)); }
+
+}  // namespace
+
 double shard_run_cost(const SweepConfig& config, int reps, double min_time) {
   if (!sweep_runnable(config)) return kShardRefusedSeconds;
   double bytes = 0;
@@ -83,7 +92,9 @@ double shard_run_cost(const SweepConfig& config, int reps, double min_time) {
   } catch (const std::exception&) {
   }
   if (!std::isfinite(bytes) || bytes < 0) bytes = 0;
-  const double pass = std::max(sweep_work(config) / kShardFlopRate, bytes / kShardBandwidth);
+  const double t = config_threads(config);
+  const double pass =
+      std::max(sweep_work(config) / (kShardFlopRate * t), bytes / (kShardBandwidth * t));
   return kShardFixedSeconds + pass + double(std::max(1, reps)) * std::max(min_time, pass);
 }
 
@@ -100,35 +111,144 @@ double ShardSplit::imbalance() const {
   return mean > 0 ? *std::max_element(costs.begin(), costs.end()) / mean : 1;
 }
 
-ShardSplit split_shards(const SweepPlan& plan, int count, int reps, double min_time) {
-  const size_t n = plan.configs.size();
-  std::vector<double> run(n), reference(n);
-  std::vector<std::string> problem(n);
-  for (size_t i = 0; i < n; ++i) {
-    const SweepConfig& c = plan.configs[i];
-    run[i] = shard_run_cost(c, reps, min_time);
-    reference[i] = sweep_runnable(c) ? sweep_reference_work(c) / kShardReferenceRate : 0;
-    problem[i] = c.embed > 0 ? std::string() : problem_key(c);  // "": paid by every layer row
+namespace {
+
+// Estimated costs of a plan's configurations for the split.
+struct SplitCosts {
+  std::vector<double> run, reference;
+  std::vector<std::string> problem;  // "" for one that shares no reference (layer, refused)
+  // what configuration i adds to a shard holding the problems `held`: its run, and its
+  // problem's reference when the shard holds none of that problem's configurations yet
+  double added(size_t i, const std::set<std::string>& held) const {
+    const bool pays = reference[i] > 0 && (problem[i].empty() || !held.count(problem[i]));
+    return run[i] + (pays ? reference[i] : 0.0);
   }
+};
+
+// A split's shard of each configuration and each shard's estimated cost.
+struct Assignment {
+  std::vector<int> shard_of;
+  std::vector<double> costs;
+  double longest() const { return *std::max_element(costs.begin(), costs.end()); }
+};
+
+// Longest processing time first: configurations by cost descending (ties by plan index), each
+// to the shard where it ends earliest (ties to the lowest index).
+Assignment longest_first(const SplitCosts& k, int count) {
+  const size_t n = k.run.size();
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), size_t(0));
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return run[a] + reference[a] > run[b] + reference[b];
+    return k.run[a] + k.reference[a] > k.run[b] + k.reference[b];
   });
+  Assignment a{std::vector<int>(n, 0), std::vector<double>(size_t(count), 0.0)};
+  std::vector<std::set<std::string>> held(static_cast<size_t>(count));
+  for (size_t i : order) {
+    size_t best = 0;
+    for (size_t s = 1; s < size_t(count); ++s)
+      if (a.costs[s] + k.added(i, held[s]) < a.costs[best] + k.added(i, held[best])) best = s;
+    a.shard_of[i] = int(best);
+    a.costs[best] += k.added(i, held[best]);
+    if (!k.problem[i].empty()) held[best].insert(k.problem[i]);
+  }
+  return a;
+}
+
+// Problems whole, in order: the configurations in `order` (each problem's together) fill shard
+// 0 up to `capacity`, then shard 1, and so on; a problem split between two shards pays its
+// reference in both. The last shard takes what is left, beyond the capacity if need be.
+Assignment fill(const SplitCosts& k, const std::vector<size_t>& order, int count, double capacity) {
+  Assignment a{std::vector<int>(k.run.size(), 0), std::vector<double>(size_t(count), 0.0)};
+  std::set<std::string> held;
+  size_t s = 0;
+  for (size_t i : order) {
+    if (a.costs[s] > 0 && a.costs[s] + k.added(i, held) > capacity && s + 1 < size_t(count)) {
+      ++s;
+      held.clear();
+    }
+    a.shard_of[i] = int(s);
+    a.costs[s] += k.added(i, held);
+    if (!k.problem[i].empty()) held.insert(k.problem[i]);
+  }
+  return a;
+}
+
+// The fill at the smallest capacity (to 1e-6 relative, by bisection) that needs no more than
+// `count` shards: few problems are split, so few references are paid twice.
+Assignment packed(const SplitCosts& k, int count) {
+  const size_t n = k.run.size();
+  // problems by their estimated cost descending (ties by first plan index); within one, its
+  // configurations by cost descending (ties by plan index); a configuration with no shared
+  // reference is a problem of its own
+  std::map<std::string, size_t> group_of;
+  std::vector<std::vector<size_t>> groups;
+  std::vector<double> group_cost;
+  for (size_t i = 0; i < n; ++i) {
+    size_t g = groups.size();
+    if (!k.problem[i].empty()) {
+      const auto [it, fresh] = group_of.emplace(k.problem[i], groups.size());
+      g = it->second;
+      if (!fresh) {
+        groups[g].push_back(i);
+        group_cost[g] += k.run[i];
+        continue;
+      }
+    }
+    groups.push_back({i});
+    group_cost.push_back(k.run[i] + k.reference[i]);
+  }
+  std::vector<size_t> by_cost(groups.size());
+  std::iota(by_cost.begin(), by_cost.end(), size_t(0));
+  std::stable_sort(by_cost.begin(), by_cost.end(),
+                   [&](size_t a, size_t b) { return group_cost[a] > group_cost[b]; });
+  std::vector<size_t> order;
+  order.reserve(n);
+  for (size_t g : by_cost) {
+    std::stable_sort(groups[g].begin(), groups[g].end(),
+                     [&](size_t a, size_t b) { return k.run[a] > k.run[b]; });
+    order.insert(order.end(), groups[g].begin(), groups[g].end());
+  }
+  double lo = 0, hi = 0;
+  for (size_t i = 0; i < n; ++i) hi += k.run[i] + k.reference[i];  // fits in one shard
+  for (int step = 0; step < 200 && hi - lo > 1e-6 * hi; ++step) {
+    const double mid = 0.5 * (lo + hi);
+    (fill(k, order, count, mid).longest() <= mid ? hi : lo) = mid;
+  }
+  return fill(k, order, count, hi);
+}
+
+}  // namespace
+
+ShardSplit split_shards(const SweepPlan& plan, int count, int reps, double min_time) {
+  const size_t n = plan.configs.size();
+  SplitCosts k{std::vector<double>(n), std::vector<double>(n), std::vector<std::string>(n)};
+  for (size_t i = 0; i < n; ++i) {
+    const SweepConfig& c = plan.configs[i];
+    k.run[i] = shard_run_cost(c, reps, min_time);
+    k.reference[i] =
+        sweep_runnable(c) ? sweep_reference_work(c) / (kShardReferenceRate * config_threads(c)) : 0;
+    if (c.embed == 0 && k.reference[i] > 0) k.problem[i] = problem_key(c);
+  }
+  // of the two, the split whose longest shard is shorter (the packed one on a tie)
+  Assignment a = packed(k, count);
+  if (Assignment b = longest_first(k, count); b.longest() < a.longest()) a = std::move(b);
+  // number the shards by estimated cost, longest first (ties by the order they were filled)
+  std::vector<size_t> rank(static_cast<size_t>(count));
+  std::iota(rank.begin(), rank.end(), size_t(0));
+  std::stable_sort(rank.begin(), rank.end(),
+                   [&](size_t x, size_t y) { return a.costs[x] > a.costs[y]; });
+  std::vector<int> number(static_cast<size_t>(count));
+  for (size_t r = 0; r < rank.size(); ++r) number[rank[r]] = int(r);
   ShardSplit split;
-  split.shard_of.assign(n, 0);
+  split.shard_of.resize(n);
   split.costs.assign(size_t(count), 0.0);
   split.counts.assign(size_t(count), 0);
-  std::vector<std::set<std::string>> problems(static_cast<size_t>(count));
-  for (size_t i : order) {
-    const size_t s =
-        size_t(std::min_element(split.costs.begin(), split.costs.end()) - split.costs.begin());
+  for (size_t i = 0; i < n; ++i) {
+    const size_t s = size_t(number[size_t(a.shard_of[i])]);
     split.shard_of[i] = int(s);
     ++split.counts[s];
-    split.costs[s] += run[i];
-    if (reference[i] > 0 && (problem[i].empty() || problems[s].insert(problem[i]).second))
-      split.costs[s] += reference[i];
   }
+  for (size_t s = 0; s < size_t(count); ++s) split.costs[size_t(number[s])] = a.costs[s];
   return split;
 }
 

@@ -27,19 +27,25 @@ std::string csv_key(const std::vector<std::string>& fields);
 /// and the accepted form.
 std::pair<int, int> parse_shard(const std::string& text);
 
-/// Nominal rates of the shard split's cost estimate. They are fixed (not measured), so every
-/// machine computes the same split; only their ratios matter to it.
-constexpr double kShardFlopRate = 5e9;         ///< FLOP/s of a variant's pass
+/// Rates of the shard split's cost estimate, per thread (a pass and the float64 reference
+/// run on the sweep's threads; the fixed part and min_time do not shrink with them). They are
+/// fixed, not measured, so every machine computes the same split. They are fitted to the rows
+/// of a one-thread sweep on an AVX-512 Xeon (flash, local, bigbird, linear, performer and
+/// nystrom, n = 256..8192, causal both): passes ran at 50-130 GFLOP/s for the tiled softmax
+/// variants and 11-26 for the feature-map ones, the reference at 4e8-1.2e9 of its work per
+/// second, and a small row spent about 0.1 s beyond its timed repetitions.
+constexpr double kShardFlopRate = 5e10;        ///< FLOP/s of a variant's pass
 constexpr double kShardBandwidth = 5e9;        ///< bytes/s moved by a pass
 constexpr double kShardReferenceRate = 5e8;    ///< reference work (sweep_reference_work) per s
-constexpr double kShardFixedSeconds = 0.02;    ///< inputs, patterns, harness: per runnable row
+constexpr double kShardFixedSeconds = 0.1;     ///< inputs, patterns, harness: per runnable row
 constexpr double kShardRefusedSeconds = 1e-4;  ///< a row the variant refuses
 
 /// The estimated seconds of one configuration without its error measurement:
-///   fixed + pass + reps max(min_time, pass),   pass = max(work / kShardFlopRate,
-///                                                         memory / kShardBandwidth)
-/// with work = sweep_work and memory the variant's memory_estimate (the EtaModel's form, at
-/// the nominal rates); kShardRefusedSeconds for a configuration the variant refuses.
+///   fixed + pass + reps max(min_time, pass),   pass = max(work / (kShardFlopRate t),
+///                                                         memory / (kShardBandwidth t))
+/// with work = sweep_work, memory the variant's memory_estimate and t the configuration's
+/// threads (its workload's; 0 counts as 1); kShardRefusedSeconds for a configuration the
+/// variant refuses.
 double shard_run_cost(const SweepConfig& config, int reps, double min_time);
 
 /// A plan split into shards.
@@ -53,12 +59,20 @@ struct ShardSplit {
   double imbalance() const;
 };
 
-/// Splits `plan` into `count` shards by longest processing time first: configurations by
-/// estimated cost descending (ties by plan index), each to the shard least loaded so far (ties
-/// to the lowest index). A configuration's cost is shard_run_cost plus, when its shard has no
-/// configuration of the same problem yet, that problem's reference work at
-/// kShardReferenceRate (a shard computes the float64 reference once per problem, as the
-/// sweep does; layer rows every time). Depends on the plan alone.
+/// Splits `plan` into `count` shards. A configuration costs shard_run_cost, and a shard pays
+/// the reference work of each problem it holds once, at kShardReferenceRate per thread (a
+/// shard computes the float64 reference once per problem, as the sweep does; a layer row pays
+/// its own). Two splits are made and the one whose longest shard is shorter is kept (the
+/// first on a tie):
+///  - packed: problems by cost descending (ties by first plan index), each with its
+///    configurations by cost descending (ties by plan index), fill shard 0 up to a capacity,
+///    then shard 1, ...; a problem cut at a shard's end pays its reference in both. The
+///    capacity is the smallest (bisection) at which `count` shards take the whole plan, so at
+///    most count - 1 problems are cut;
+///  - longest processing time first: configurations by cost descending (ties by plan index),
+///    each to the shard where it ends earliest (ties to the lowest index).
+/// The shards are then numbered by estimated cost, longest first: a scheduler that starts
+/// array tasks in index order starts the longest first. Depends on the plan alone.
 ShardSplit split_shards(const SweepPlan& plan, int count, int reps, double min_time);
 
 /// The results.csv key (key_columns(), as a CSV line) of each configuration of the plan, in

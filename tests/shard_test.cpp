@@ -104,6 +104,77 @@ TEST(ShardSplit, RefusedConfigurationsCostAlmostNothing) {
   if (!refused) GTEST_SKIP() << "no variant of the default set refuses a configuration";
 }
 
+TEST(ShardSplit, NumbersShardsLongestFirst) {
+  const SweepPlan plan = default_plan();
+  for (int count : {2, 4, 8, 13}) {
+    const ShardSplit split = split_shards(plan, count, 3, 0.1);
+    for (size_t s = 1; s < split.costs.size(); ++s)
+      EXPECT_GE(split.costs[s - 1], split.costs[s]) << "shard " << s << " of " << count;
+  }
+}
+
+// A shard computes the float64 reference of each problem it holds once: the split gathers a
+// problem's configurations in few shards, and each shard's estimate counts the reference of
+// each of its problems once.
+TEST(ShardSplit, GathersAProblemsConfigurations) {
+  const SweepPlan plan = default_plan();
+  std::map<std::string, double> reference;  // problem -> its reference seconds (one thread)
+  std::vector<std::string> problem(plan.configs.size());
+  double run_total = 0;
+  for (size_t i = 0; i < plan.configs.size(); ++i) {
+    const SweepConfig& c = plan.configs[i];
+    Row r = key_row(c);
+    r.spec.clear();
+    problem[i] = row_key(r);
+    run_total += shard_run_cost(c, 3, 0.1);
+    if (sweep_runnable(c)) reference[problem[i]] = sweep_reference_work(c) / kShardReferenceRate;
+  }
+  double once = 0;
+  for (const auto& [key, seconds] : reference) once += seconds;
+  for (int count : {2, 4, 8}) {
+    const ShardSplit split = split_shards(plan, count, 3, 0.1);
+    std::set<std::pair<int, std::string>> held;  // (shard, problem) of runnable configurations
+    for (size_t i = 0; i < plan.configs.size(); ++i)
+      if (sweep_runnable(plan.configs[i])) held.insert({split.shard_of[i], problem[i]});
+    double paid = 0;
+    for (const auto& [shard, key] : held) paid += reference.at(key);
+    double total = 0;
+    for (double c : split.costs) total += c;
+    EXPECT_NEAR(total, run_total + paid, 1e-9 * total) << count << " shards";
+    std::printf("%d shards: %zu problems held %zu times; references %.1f s, %.2f x once\n", count,
+                reference.size(), held.size(), paid, paid / once);
+    // placing each configuration by its cost alone spreads every problem over every shard
+    // (here 10 problems held 72 times in 8 shards, the references paid 5.3 times); filled a
+    // problem at a time, at most count - 1 problems are split between two shards
+    EXPECT_LE(held.size(), reference.size() + size_t(count) - 1) << count << " shards";
+    EXPECT_LT(paid, 2.0 * once) << count << " shards";
+  }
+}
+
+TEST(ShardSplit, PassesAndReferencesShrinkWithThreads) {
+  SweepAxes a;
+  a.seqs = {4096};
+  a.batches = {1};
+  a.heads = {8};
+  a.dims = {64};
+  a.causals = {false};
+  a.inputs = {"gaussian"};
+  a.threads = 1;
+  SweepPlan one = plan_sweep(make_sweep_variants({"flash"}), a);
+  a.threads = 2;
+  SweepPlan two = plan_sweep(make_sweep_variants({"flash"}), a);
+  ASSERT_EQ(one.configs.size(), 1u);
+  ASSERT_EQ(two.configs.size(), 1u);
+  // flash at n = 4096: 34 GFLOP a pass, 0.69 s at 50 GFLOP/s, four passes, and a reference of
+  // 2^26 pairs x 64 at 5e8 per second (8.6 s)
+  const double c1 = shard_run_cost(one.configs[0], 3, 0.1),
+               c2 = shard_run_cost(two.configs[0], 3, 0.1);
+  EXPECT_NEAR(c1, kShardFixedSeconds + 4 * sweep_work(one.configs[0]) / kShardFlopRate, 1e-9);
+  EXPECT_NEAR(c2 - kShardFixedSeconds, (c1 - kShardFixedSeconds) / 2, 1e-9);
+  const ShardSplit s1 = split_shards(one, 1, 3, 0.1), s2 = split_shards(two, 1, 3, 0.1);
+  EXPECT_NEAR(s2.costs[0] - kShardFixedSeconds, (s1.costs[0] - kShardFixedSeconds) / 2, 1e-9);
+}
+
 TEST(ShardSplit, ParseShard) {
   EXPECT_EQ(parse_shard("0/1"), std::make_pair(0, 1));
   EXPECT_EQ(parse_shard("3/4"), std::make_pair(3, 4));

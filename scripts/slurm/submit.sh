@@ -121,8 +121,8 @@ if [ -f "$out/shards.txt" ]; then
     die "$out holds $(cat "$out/shards.txt") shards, not $shards; choose another --out"
 fi
 # the sweep must parse before anything is submitted: its shard plan (the estimated cost of each
-# shard, and their imbalance) runs nothing
-if ! plan=$("$bin" sweep "${sweep[@]}" --shard-plan "$shards" --out "$out" 2>&1); then
+# shard, and their imbalance) runs nothing; it is the split the tasks compute, on their threads
+if ! plan=$("$bin" sweep "${sweep[@]}" --shard-plan "$shards" --threads "$cpus" --out "$out" 2>&1); then
   # the default sweep's trained inputs are built by the prepare job, before the shards
   if [ $default_sweep = 1 ] && [ -z "$tasks" ] && grep -q 'trained inputs not found' <<<"$plan"; then
     plan="no shard plan yet: it needs the trained inputs, which the prepare job builds first"
