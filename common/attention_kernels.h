@@ -54,6 +54,7 @@
 #include <utility>
 
 #include "common/additive_score.h"
+#include "common/bf16.h"
 #include "common/problem.h"
 #include "common/simd.h"
 #include "common/softmax.h"
@@ -407,6 +408,21 @@ inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, fl
   }
 }
 
+// Between passes 3 and 4 under bf16: the cols x (nrv 16) weights of P^T rounded to
+// bfloat16, to nearest even (P is finite and non-negative: no NaN case).
+inline void round_tile_bf16(float* pt, int64_t ldp, int64_t nrv, int64_t cols) {
+  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1),
+                high = _mm512_set1_epi32(int(0xffff0000u));
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t rv = 0; rv < nrv; ++rv) {
+      float* x = pt + c * ldp + rv * kLanes;
+      const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(x));
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+      const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), high);
+      _mm512_storeu_ps(x, _mm512_castsi512_ps(r));
+    }
+}
+
 // Pass 4: acc = acc corr + P V for R rows and NV vectors (16 features each) of acc. P is
 // read from S^T (column r of row c is p[r][c], leading dimension ldp), V row by row as
 // stored (leading dimension ldv); `tail` masks the features of the last vector, so nothing
@@ -521,7 +537,8 @@ inline void hook_scores(const Tiles& tl, const Workspace& w, int64_t rows, int64
 inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, const float* kb,
                          int64_t ldk, const float* vb, int64_t ldv, int64_t cols, float scale,
                          int64_t causal_first, const uint8_t* mask, float pscale = 1.0f,
-                         const ScoreHook* hook = nullptr, const float* bias = nullptr) {
+                         const ScoreHook* hook = nullptr, const float* bias = nullptr,
+                         bool round_p = false) {
   const int64_t nrv = (rows + kLanes - 1) / kLanes, ld = tl.bqp;
   // pass 1: S^T = K Q^T, or the hook's scores
   if (hook)
@@ -556,6 +573,8 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
     softmax_update<false>(w.st, ld, nrv, cols, scale, 1.0f, w.mx, w.l, w.corr, w.bmax);
   else
     softmax_update<true>(w.st, ld, nrv, cols, scale, pscale, w.mx, w.l, w.corr, w.bmax);
+  // bf16 (round_p): P rounded to bfloat16 for the product with V, l summed before rounding
+  if (round_p) round_tile_bf16(w.st, ld, nrv, cols);
   // pass 4: acc = acc corr + P V
   pv_block(tl, w, rows, vb, ldv, cols, causal ? causal_first : cols);
 }
@@ -617,7 +636,7 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
                          const float* kb, int64_t ldk, const float* vb, int64_t ldv, int64_t cols,
                          float scale, int64_t causal_first, const uint8_t* mask,
                          float pscale = 1.0f, const ScoreHook* hook = nullptr,
-                         const float* bias = nullptr) {
+                         const float* bias = nullptr, bool round_p = false) {
   ConstMap qm(q0, rows, d, Eigen::OuterStride<>(ldq));
   ConstMap km(kb, cols, d, Eigen::OuterStride<>(ldk));
   ConstMap vm(vb, cols, d, Eigen::OuterStride<>(ldv));
@@ -666,6 +685,9 @@ inline void attend_block(Workspace& w, const float* q0, int64_t ldq, int64_t row
     w.mx[r] = new_mx;
     if (corr != 1.0f) w.acc.row(r) *= corr;
   }
+  // bf16 (round_p): P rounded to bfloat16 for the product with V, l summed before rounding
+  if (round_p)
+    for (int64_t r = 0; r < rows; ++r) round_to_bf16(w.s.row(r).data(), cols);
   // pass 4: acc += P V
   w.acc.topRows(rows).noalias() += sb * vm;
 }

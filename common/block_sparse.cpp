@@ -180,6 +180,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
   const int64_t n = p.n, qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
   const float scale = logit_scale(p) * kLog2e;  // applied in pass 3: base-2 weights
+  const bool round_p = p.dtype == DType::bf16;  // P in bfloat16 for P V
 
   OmpGuard guard;
 #pragma omp parallel
@@ -237,7 +238,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
             const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
             attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
                          cols, scale, causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr,
-                         bias);
+                         bias, round_p);
           }
           if (kPrefetch && pscale == 1.0f) prefetch_upto(rows);
           if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
@@ -277,6 +278,7 @@ template <bool kDense>
   const int64_t qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
   const float scale = logit_scale(p);
+  const bool round_p = p.dtype == DType::bf16;  // P in bfloat16 for P V
 
   OmpGuard guard;
 #pragma omp parallel
@@ -311,7 +313,8 @@ template <bool kDense>
             const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
             attend_block(w, q.row(b, h, i0), q.stride_row, rows, d, k.row(b, h, j0), k.stride_row,
                          v.row(b, h, j0), v.stride_row, cols, scale,
-                         kernels::causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr, bias);
+                         kernels::causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr, bias,
+                         round_p);
           }
           if (finish_tile(w, rows, d, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
             write_lse(lse, b, h, i0, rows, w.mx, w.l, scale, pscale);

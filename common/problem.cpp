@@ -136,7 +136,19 @@ std::string Problem::score_str() const {
 std::string Problem::str() const {
   return fmt::format("B={},H={}{},n={},m={},d={},causal={}{},seed={}", batch, heads, kv_str(), n,
                      keys(), dim, int(causal), score_str(), seed) +
-         mask_suffix(*this);
+         mask_suffix(*this) + dtype_str();
+}
+
+std::string Problem::dtype_str() const {
+  return dtype == DType::f32 ? std::string() : fmt::format(",dtype={}", dtype_name(dtype));
+}
+
+std::string_view dtype_name(DType t) { return t == DType::bf16 ? "bf16" : "f32"; }
+
+DType parse_dtype(std::string_view name) {
+  if (name == "f32") return DType::f32;
+  if (name == "bf16") return DType::bf16;
+  throw UsageError(fmt::format("unknown dtype '{}'; accepted: f32, bf16", name));
 }
 
 std::string key_padding_text(const Problem& p) {

@@ -22,6 +22,17 @@ std::string_view score_name(Score s);
 /// The score named `name`; throws UsageError naming it and the accepted names.
 Score parse_score(std::string_view name);
 
+/// The precision a variant computes in. f32: float32 throughout. bf16: q, k and v rounded to
+/// bfloat16 (round to nearest even) and the products taken in bfloat16 with float32
+/// accumulation, the softmax statistics (max, sum) in float32: the mixed precision models
+/// train and generate with. The tensors a variant is given stay float32 arrays; under bf16
+/// they hold bfloat16 values. A variant says it has a bf16 path (Capabilities::bf16).
+enum class DType { f32, bf16 };
+/// "f32" or "bf16".
+std::string_view dtype_name(DType t);
+/// The precision named `name`; throws UsageError naming it and the accepted names.
+DType parse_dtype(std::string_view name);
+
 /// The weights of the bilinear and additive scores, one set per head, row-major:
 ///   bilinear  qᵀ W k:             w_bilinear [H, d, d]
 ///   additive  wᵀ tanh(W_q q + W_k k): w_q, w_k [H, hidden, d], w_score [H, hidden]
@@ -86,6 +97,8 @@ struct Problem {
   std::vector<int64_t> key_lengths;
   /// An attention mask combined with causal and key padding; null for none.
   std::shared_ptr<const AttnMask> attn_mask;
+  /// The precision of the computation (DType).
+  DType dtype = DType::f32;
   // What attention computes grows here. Each addition comes with a flag in Capabilities (or,
   // like kv_heads, applies to every variant through one shared mechanism) and with its column
   // among the results' key columns.
@@ -144,6 +157,9 @@ struct Problem {
   /// ",score=NAME" (and ",h=H" for additive) after causal in str() and describe(); empty for
   /// scaled_dot, so the names of scaled_dot problems stay as they were.
   std::string score_str() const;
+  /// ",dtype=bf16" at the end of str() and describe() for bf16; empty for f32, so float32
+  /// problems keep their names.
+  std::string dtype_str() const;
   /// ",G=2" (the key/value heads) after H in str() and describe() when they are fewer than the
   /// heads; empty otherwise, so ungrouped problems keep their names.
   std::string kv_str() const;

@@ -10,6 +10,7 @@
 #include <set>
 #include <utility>
 
+#include "common/bf16.h"
 #include "common/error.h"
 #include "common/pattern.h"
 
@@ -222,6 +223,15 @@ void Variant::check_supported(const Problem& p) const {
   if (p.attn_mask && !c.attn_mask)
     throw UnsupportedError(
         fmt::format("{} does not support an attention mask (--attn-mask)", info_->name));
+  if (p.dtype == DType::bf16 && p.score == Score::additive)
+    throw UnsupportedError(
+        "the additive score runs in float32 only (--dtype f32); bf16 takes scaled_dot, dot and "
+        "bilinear");
+  if (p.dtype == DType::bf16 && !c.bf16)
+    throw UnsupportedError(fmt::format(
+        "{} has no bf16 path (--dtype bf16); variants that do: those whose `list` entry says "
+        "bf16",
+        info_->name));
 }
 
 Problem linear_score_problem(const Problem& p) {
@@ -268,7 +278,9 @@ void Variant::compute(const Problem& p, ConstTensorView q, ConstTensorView k, Co
     forward(p, q, k, v, out);
     return;
   }
-  const Tensor mapped = linear_score_query(p, q);
+  Tensor mapped = linear_score_query(p, q);
+  // bf16: the mapped query is an operand of the products like q
+  if (p.dtype == DType::bf16) round_to_bf16(mapped.data(), mapped.numel());
   forward(linear_score_problem(p), mapped.view(), k, v, out);
 }
 
@@ -307,6 +319,10 @@ void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstT
 }
 
 void Backward::check_backward(const Problem& p) const {
+  if (p.dtype != DType::f32)
+    throw UnsupportedError(
+        "the backward pass runs in float32 only: --dtype bf16 measures the forward pass "
+        "(--pass fwd)");
   if (p.score == Score::additive)
     throw UnsupportedError(
         "the backward pass does not support the additive score (its weights are not "
@@ -324,6 +340,9 @@ void Variant::check_backward(const Problem& p) const {
 }
 
 void Decoder::check_decode(const Problem& p) const {
+  if (p.dtype != DType::f32)
+    throw UnsupportedError(
+        "decoding runs in float32 only: --dtype bf16 measures the forward pass (--pass fwd)");
   if (!p.causal || p.keys() != p.n)
     throw UnsupportedError(
         "decoding is causal self-attention: it needs --causal and m = n (no --seq-k)");

@@ -94,6 +94,9 @@ struct Capabilities {
   /// Refuses problems without the causal mask: its function is a causal recurrence (retention,
   /// gated linear attention, the delta rule) or is defined causally only. Implies causal.
   bool causal_only = false;
+  /// Computes in bfloat16 (Problem::dtype, DType::bf16): its products take bf16 operands with
+  /// float32 accumulation, its softmax statistics stay float32.
+  bool bf16 = false;
 };
 
 class Variant;

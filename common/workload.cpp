@@ -41,7 +41,8 @@ std::string describe(const Problem& p, const Workload& w) {
   return fmt::format("B={},H={}{},n={},m={},d={},causal={}{},input={},scale={},seed={}", p.batch,
                      p.heads, p.kv_str(), p.n, p.keys(), p.dim, int(p.causal), p.score_str(),
                      w.input, w.scale, p.seed) +
-         mask_suffix(p) + (w.pass == "fwd" || w.pass.empty() ? "" : ",pass=" + w.pass);
+         mask_suffix(p) + p.dtype_str() +
+         (w.pass == "fwd" || w.pass.empty() ? "" : ",pass=" + w.pass);
 }
 
 }  // namespace attnbench

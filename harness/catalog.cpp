@@ -34,6 +34,7 @@ nlohmann::ordered_json variants_json() {
                    {"additive", v->caps.additive},
                    {"key_padding", v->caps.key_padding},
                    {"attn_mask", v->caps.attn_mask},
+                   {"bf16", v->caps.bf16},
                    {"backward", has_backward(*v)},
                    {"decode", has_decode(*v)},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()

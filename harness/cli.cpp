@@ -243,6 +243,7 @@ const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColum
     {"causal", &Capabilities::causal},       {"m!=n", &Capabilities::cross},
     {"exact", &Capabilities::exact},         {"additive", &Capabilities::additive},
     {"padding", &Capabilities::key_padding}, {"mask", &Capabilities::attn_mask},
+    {"bf16", &Capabilities::bf16},
 };
 
 void print_list() {
@@ -365,6 +366,7 @@ struct ProblemOptions {
   bool causal = false;
   std::string score = "scaled_dot";
   int64_t score_hidden = 0;
+  std::string dtype = "f32";
   std::string input = "gaussian";
   double scale = 1.0;
   uint64_t seed = 0;
@@ -377,6 +379,7 @@ struct ProblemOptions {
     p.batch = batch, p.heads = heads, p.kv_heads = kv_heads, p.n = seq, p.m = seq_k, p.dim = dim;
     p.causal = causal, p.seed = seed;
     p.score = parse_score(score), p.score_hidden = score_hidden;
+    p.dtype = parse_dtype(dtype);
     return p;
   }
   /// The workload these options state (threads still unresolved).
@@ -675,6 +678,11 @@ struct RunCommand {
         ->excludes(input_opt)
         ->excludes(scale_opt);
     cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+    cmd->add_option("--dtype", o.dtype,
+                    "precision: f32, or bf16 (q, k, v rounded to bfloat16, products in bf16 with "
+                    "float32 accumulation, softmax statistics in float32; the forward pass)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"f32", "bf16"}));
     cmd->add_option("--pass", pass,
                     "what is timed: fwd (the forward pass), bwd (the backward pass alone, from a "
                     "saved forward), fwdbwd (both) or decode (one generation step against the "
@@ -826,7 +834,7 @@ struct SweepCommand {
   std::string seq_list = "256..4096", seq_k_list = "same", batch_list = "1", heads_list = "8",
               kv_heads_list = "same", dim_list = "64", embed_list, causal_mode = "off",
               score_list = "scaled_dot", input_list = "gaussian", scale_list = "1", out_dir,
-              key_padding_lists, padding_fractions, pass_list = "fwd";
+              key_padding_lists, padding_fractions, pass_list = "fwd", dtype_list = "f32";
   bool resume = false;
   int retry_noisy = 0, shard_plan = 0;
   std::string shard, machine_file;
@@ -873,6 +881,10 @@ struct SweepCommand {
                     "what is timed, comma-separated: fwd (forward), bwd (backward alone, from a "
                     "saved forward), fwdbwd (both)")
         ->capture_default_str();
+    cmd->add_option("--dtype", dtype_list,
+                    "precisions, comma-separated: f32, bf16 (see run --help; bf16 rows measure "
+                    "the forward pass of variants with a bf16 path)")
+        ->capture_default_str();
     add_timing_options(cmd, o);
     cmd->add_option("--key-padding", key_padding_lists,
                     "key padding settings separated by ';', each a comma list of valid key "
@@ -918,6 +930,7 @@ struct SweepCommand {
     axes.inputs = parse_input_list(input_list);
     axes.scales = parse_scale_list(scale_list);
     axes.passes = parse_pass_list(pass_list);
+    axes.dtypes = parse_dtype_list(dtype_list);
     axes.causals = parse_causal_mode(causal_mode);
     axes.scores = parse_score_list(score_list);
     axes.score_hidden = o.score_hidden;
@@ -946,7 +959,7 @@ struct SweepCommand {
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
             "problem and variant options (--variant, --seq, --seq-k, --batch, --heads, "
             "--kv-heads, --dim, "
-            "--embed, --causal, --score, --score-hidden, --input, --scale, --pass, "
+            "--embed, --causal, --score, --score-hidden, --input, --scale, --pass, --dtype, "
             "--key-padding, --padding-fraction)",
             args, name));
     if (cmd->get_option("--out")->count() > 1)

@@ -31,7 +31,7 @@ std::string field_text(const nlohmann::ordered_json& v) {
 const std::vector<std::string> kKeyColumns = {
     "spec",    "batch",       "heads",     "kv_heads",     "n",     "m",     "dim",
     "embed",   "causal",      "score",     "score_hidden", "input", "scale", "seed",
-    "threads", "key_padding", "attn_mask", "pass"};
+    "threads", "key_padding", "attn_mask", "pass",         "dtype"};
 
 // Columns results.csv (and patterns/index.csv) gained after their first version, with the
 // field a row of an older file stands for (what the row meant before the column existed;
@@ -52,6 +52,8 @@ const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
                                                           {"uniform_error", ""},
                                                           {"prepare_s", ""},
                                                           {"pass", "fwd"},
+                                                          {"dtype", "f32"},
+                                                          {"rounded_input_error", ""},
                                                           {"saved_bytes", ""},
                                                           {"saved_estimate_bytes", ""},
                                                           {"grad_rel_err_q", ""},
@@ -105,6 +107,11 @@ std::string malformed_reason(const std::vector<std::string>& header,
     parse_score(at("score"));
   } catch (const UsageError&) {
     return fmt::format("score is '{}', not a scoring function", at("score"));
+  }
+  try {
+    parse_dtype(at("dtype"));
+  } catch (const UsageError&) {
+    return fmt::format("dtype is '{}', not f32 or bf16", at("dtype"));
   }
   if (!integer(at("score_hidden"), 0))
     return fmt::format("score_hidden is '{}', not an integer", at("score_hidden"));

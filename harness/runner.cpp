@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "common/bf16.h"
 #include "common/checked.h"
 #include "common/error.h"
 #include "common/inputs.h"
@@ -430,8 +431,12 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     const double decode_bytes = decode ? 8.0 * double(p.batch * p.heads) *
                                              double(p.n + decode_timed_steps(p.n)) * double(p.dim)
                                        : 0.0;
+    // bf16: the rounded copies of q, k and v, and the float32 path's output on them
+    const bool bf16 = p.dtype == DType::bf16;
+    const double bf16_bytes =
+        bf16 ? double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4 : 0.0;
     const double need = (decode ? decode_bytes : row.estimated_bytes) + (given ? 0 : io_bytes) +
-                        train_bytes + error_memory_estimate(p, opt.exact_limit);
+                        train_bytes + bf16_bytes + error_memory_estimate(p, opt.exact_limit);
     if (std::string why = too_large(need, row.estimated_bytes, opt); !why.empty()) {
       row.status = "skipped";
       row.message = why;
@@ -443,7 +448,18 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
 
     Inputs generated;
     if (!given) generated = generate_inputs(p, w);
-    const Inputs& in = given ? *given : generated;
+    const Inputs& exact_in = given ? *given : generated;
+    // bf16: the variant computes on q, k and v rounded to bfloat16; the error is measured
+    // against the float64 reference on the unrounded inputs (exact_in), the float32 problem
+    Inputs rounded;
+    if (bf16) {
+      rounded.q = rounded_bf16(exact_in.q);
+      rounded.k = rounded_bf16(exact_in.k);
+      rounded.v = rounded_bf16(exact_in.v);
+    }
+    const Inputs& in = bf16 ? rounded : exact_in;
+    Problem p32 = p;
+    p32.dtype = DType::f32;
     Tensor out(p.q_shape());
     const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
     std::string grad_note;
@@ -470,10 +486,19 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
       }
       auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
       const double e0 = omp_get_wtime();
-      row.error = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view(),
-                                opt.exact_limit, pattern.get());
+      row.error = measure_error(p32, exact_in.q.view(), exact_in.k.view(), exact_in.v.view(),
+                                out.view(), opt.exact_limit, pattern.get());
       row.error_seconds = omp_get_wtime() - e0;
       pattern.reset();
+      if (bf16) {
+        // the variant's float32 path on the same rounded inputs: the error of the rounding
+        // alone (checked before the bf16 row's timed passes, so they run after it)
+        Tensor out32(p.q_shape());
+        variant.run(p32, in.q.view(), in.k.view(), in.v.view(), out32.view());
+        row.rounded_input_error = measure_error(p32, exact_in.q.view(), exact_in.k.view(),
+                                                exact_in.v.view(), out32.view(), opt.exact_limit)
+                                      .rel_fro;
+      }
 
       if (!train) {
         if (!time_passes(
@@ -580,6 +605,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"key_padding", key_padding_text(p)},
            {"attn_mask", p.attn_mask ? p.attn_mask->name : std::string()},
            {"pass", w.pass},
+           {"dtype", std::string(dtype_name(p.dtype))},
            {"status", r.status},
            {"message", r.message},
            {"time_median_s", num(r.time_median)},
@@ -605,6 +631,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"mass_mean", num(r.error.mass_mean)},
            {"mass_min", num(r.error.mass_min)},
            {"uniform_error", num(r.error.uniform_rel_fro)},
+           {"rounded_input_error", num(r.rounded_input_error)},
            {"notes", r.notes},
            {"phases", phases_text(r.phases)},
            {"attention_share", num(r.attention_share)},

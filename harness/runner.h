@@ -47,6 +47,11 @@ struct Row {
   double flops = NAN, gflops = NAN, gemm_fraction = NAN;
   double peak_bytes = NAN, estimated_bytes = NAN;
   ErrorStats error{NAN, NAN, NAN, 0, 0, NAN, NAN};
+  /// bf16 rows (Problem::dtype): the relative Frobenius error of the variant's float32 path
+  /// on the same bf16-rounded inputs against the same float64 reference on the unrounded
+  /// ones, i.e. what rounding the inputs costs alone (rel_fro_error less this is the bf16
+  /// arithmetic's share); NaN for f32 rows.
+  double rounded_input_error = NAN;
   std::string notes;  ///< the variant's notes() after the last timed pass
   /// Where the inputs came from (the input_source column): "generated", "file" or
   /// "trained@<first 12 hex of the checkpoint>"; set by run_one, "" = derived from the

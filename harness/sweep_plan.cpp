@@ -105,6 +105,11 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
             "--pass {}: layer rows (--embed) measure the forward pass only; accepted with "
             "--embed: fwd",
             ps));
+    for (DType t : axes.dtypes)
+      if (t != DType::f32)
+        throw UsageError(fmt::format(
+            "--dtype {}: layer rows (--embed) run in float32; accepted with --embed: f32",
+            dtype_name(t)));
   }
   for (int64_t g : axes.kv_heads) {
     if (g < 0)
@@ -128,7 +133,7 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   // One configuration per variant of the problem the outer loops chose.
   auto add = [&](const std::string& in, double scale, bool c, Score s, int64_t size, int64_t h,
                  int64_t g, int64_t b, const PaddingSetting& pad, int64_t n, int64_t seq_k,
-                 const std::string& pass) {
+                 const std::string& pass, DType dtype) {
     // m = n is written m = 0, as without --seq-k: the same row (and for a layer,
     // self-attention)
     const int64_t m = seq_k == n ? 0 : seq_k;
@@ -145,6 +150,7 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
     }
     p.kv_heads = g == h ? 0 : g;  // G = H is written 0: the same row as without --kv-heads
     p.score = s, p.score_hidden = axes.score_hidden;
+    p.dtype = dtype;
     if (!pad.lengths.empty()) p.key_lengths = parse_key_lengths(pad.lengths, b);
     if (pad.fraction >= 0) p.key_lengths = padding_lengths(p, pad.fraction);
     Workload w;
@@ -182,9 +188,22 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
                     for (auto n : axes.seqs)
                       for (auto m : axes.seq_ks)
                         for (const auto& ps : axes.passes)
-                          if (g == 0 || h % g == 0)
-                            add(in, scale, c, s, size, h, g, b, pad, n, m, ps);
+                          for (DType t : axes.dtypes)
+                            if (g == 0 || h % g == 0)
+                              add(in, scale, c, s, size, h, g, b, pad, n, m, ps, t);
   return plan;
+}
+
+std::vector<DType> parse_dtype_list(const std::string& text) {
+  std::vector<DType> out;
+  for (auto& s : split_csv_line(text)) {
+    try {
+      out.push_back(parse_dtype(s));
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("--dtype: {}", e.what()));
+    }
+  }
+  return out;
 }
 
 std::vector<Score> parse_score_list(const std::string& text) {

@@ -41,6 +41,7 @@ struct SweepAxes {
   std::vector<std::string> inputs;                  ///< input distributions
   std::vector<double> scales = {1.0};               ///< logit sharpening factors (Workload)
   std::vector<std::string> passes = {"fwd"};        ///< fwd, bwd, fwdbwd (Workload::pass)
+  std::vector<DType> dtypes = {DType::f32};         ///< precisions (Problem::dtype)
   /// Key padding settings (parse_padding_settings); empty or {none}: no padding.
   std::vector<PaddingSetting> paddings;
   uint64_t seed = 0;
@@ -108,6 +109,10 @@ std::vector<bool> parse_causal_mode(const std::string& mode);
 /// --score of the sweep: comma-separated scoring function names, in the order given. Throws
 /// UsageError naming an unknown one and the accepted names.
 std::vector<Score> parse_score_list(const std::string& text);
+
+/// --dtype of the sweep: comma-separated precisions (f32, bf16), in the order given. Throws
+/// UsageError naming an unknown one and the accepted names.
+std::vector<DType> parse_dtype_list(const std::string& text);
 
 /// --pass of the sweep: comma-separated passes (fwd, bwd, fwdbwd), in the order given. Throws
 /// UsageError naming an unknown one and the accepted names.

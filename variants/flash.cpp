@@ -124,7 +124,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = true,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& pv) {
           return std::make_unique<Flash>(pv.get_int("block_q"), pv.get_int("block_k"));
         }});
