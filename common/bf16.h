@@ -30,6 +30,14 @@ inline float bf16_float(uint16_t bits) {
 /// x rounded to the nearest bfloat16 value (ties to even), as a float.
 inline float bf16_round(float x) { return bf16_float(bf16_bits(x)); }
 
+/// The bf16 path of the tiled attention engine (common/block_sparse.h), as a row's notes say
+/// it: its products take the bfloat16 values of q, k, v and P in float32 arithmetic (a product
+/// of two bfloat16 values is exact in float32, so this is bf16 products with float32
+/// accumulation), on every CPU; it uses no bf16 instruction (AVX512-BF16, AMX), so it is not
+/// faster than float32.
+inline constexpr const char* kBf16EnginePath =
+    "bf16 path: portable (bfloat16 operands, float32 arithmetic; no AVX512-BF16/AMX kernel)";
+
 /// Rounds n floats to bfloat16 values in place.
 void round_to_bf16(float* x, int64_t n);
 

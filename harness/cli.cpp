@@ -522,6 +522,11 @@ void print_row(const Row& r) {
       "error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
       "rows)\n",
       r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used, r.error.rows_total);
+  if (!std::isnan(r.rounded_input_error))
+    fmt::print(
+        "rounding     rel. Frobenius {:.3e} of the float32 path on the same bf16-rounded "
+        "inputs: the rounding of q, k, v alone\n",
+        r.rounded_input_error);
   if (!std::isnan(r.error.uniform_rel_fro))
     fmt::print(
         "baselines    rel. Frobenius {:.3e} for the uniform average of the visible values, 1 "

@@ -17,7 +17,7 @@ import pandas as pd
 # The problem columns that, with `spec`, identify a row (harness/results.cpp, kKeyColumns).
 PROBLEM_COLUMNS = ["batch", "heads", "kv_heads", "n", "m", "dim", "embed", "causal", "score",
                    "score_hidden", "input", "scale", "seed", "threads", "key_padding", "attn_mask",
-                   "pass"]
+                   "pass", "dtype"]
 # The mask columns: text, empty when the row has no key padding or no attention mask.
 MASK_COLUMNS = ["key_padding", "attn_mask"]
 KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
@@ -29,7 +29,9 @@ KEY_COLUMNS = ["spec"] + PROBLEM_COLUMNS
 # it timed the forward. The training and decode columns are empty on forward rows. `kv_heads`
 # (the key/value heads G of grouped-query attention) is the row's own `heads` in a file written
 # before it (read_csv fills it from that column). `host` is the machine that measured the row
-# (shards of one sweep may run on several), empty in a file written before it.
+# (shards of one sweep may run on several), empty in a file written before it. `dtype` is the
+# precision (F32, or bf16): every row of a file written before it ran in float32, and
+# `rounded_input_error` (bf16 rows only) is empty there.
 ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padding": "",
                  "attn_mask": "", "prepare_s": math.nan, "pass": "fwd",
                  "saved_bytes": math.nan, "saved_estimate_bytes": math.nan,
@@ -38,11 +40,15 @@ ADDED_COLUMNS = {"embed": 0, "score": "scaled_dot", "score_hidden": 0, "key_padd
                  "prefill_s": math.nan, "time_per_token_s": math.nan,
                  "tokens_per_s": math.nan, "state_bytes": math.nan,
                  "bytes_read_per_step": math.nan, "bandwidth_fraction": math.nan,
-                 "host": ""}
+                 "host": "", "dtype": "f32", "rounded_input_error": math.nan}
 # The values of `pass` (`attnbench sweep --pass`): the forward alone, the backward alone (from a
 # saved forward, its peak without the saved state), both in one timed pass, and one step of
 # generation at context n (causal rows only).
 FORWARD = "fwd"
+# The float32 precision (`attnbench sweep --dtype`); the figures other than the precision table
+# show float32 rows.
+F32 = "f32"
+BF16 = "bf16"
 TRAIN_PASSES = ["bwd", "fwdbwd"]
 DECODE = "decode"
 # Columns of the training rows (pass bwd or fwdbwd; harness/runner.h, Row): the bytes the
@@ -103,8 +109,8 @@ def load_results(directory, need_ok=True):
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "
                            f"`attnbench sweep --out {directory}` writes")
-    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass", INPUT_SOURCE,
-                         "host"] +
+    df = read_csv(path, ["spec", "score", "input", "status", "message", "pass", "dtype",
+                         INPUT_SOURCE, "host"] +
                   MASK_COLUMNS,
                   REQUIRED_COLUMNS,
                   "a header line and one row per (variant, problem)")
@@ -117,6 +123,7 @@ def load_results(directory, need_ok=True):
     df["host"] = df["host"].fillna("").astype(str)
     df["status"] = df["status"].fillna("")
     df["pass"] = df["pass"].fillna(FORWARD)
+    df["dtype"] = df["dtype"].replace("", F32).fillna(F32)
     optional = [c for c in NOISE_COLUMNS + [UNIFORM_ERROR] if c in df.columns]
     for c in NUMERIC_COLUMNS + TRAIN_COLUMNS + DECODE_COLUMNS + [INPUT_LAYER] + optional:
         df[c] = pd.to_numeric(df[c], errors="coerce")

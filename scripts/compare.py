@@ -41,7 +41,7 @@ PROG = "compare.py"
 SHORT = {"batch": "B", "heads": "H", "kv_heads": "G", "n": "n", "m": "m", "dim": "d", "embed": "E",
          "causal": "causal", "score": "score", "score_hidden": "h", "input": "input",
          "scale": "scale", "seed": "seed", "threads": "threads", "key_padding": "padding",
-         "attn_mask": "mask", "pass": "pass"}
+         "attn_mask": "mask", "pass": "pass", "dtype": "dtype"}
 
 
 def machine(meta):

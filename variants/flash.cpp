@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "common/additive_score.h"
+#include "common/bf16.h"
 #include "common/block_sparse.h"
 #include "common/error.h"
 #include "common/kv_decode.h"
@@ -52,8 +53,11 @@ class Flash final : public Variant, public Backward, public Decoder {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
+    bf16_ = p.dtype == DType::bf16;
     dense_attention(p, q, k, v, out, bq_, bk_);
   }
+
+  std::string notes() const override { return bf16_ ? kBf16EnginePath : ""; }
 
   double flops(const Problem& p) const override {
     // the logits and PV over the visible pairs (whole key blocks past the diagonal are skipped)
@@ -109,6 +113,7 @@ class Flash final : public Variant, public Backward, public Decoder {
   int64_t bwd_k() const { return std::min(bk_, kBwdKeys); }
 
   int64_t bq_, bk_;
+  bool bf16_ = false;  // the last forward ran the bf16 path
 };
 
 ATTNBENCH_REGISTER_VARIANT(

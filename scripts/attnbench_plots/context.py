@@ -7,7 +7,8 @@ import os
 
 import numpy as np
 
-from attnbench_results import DECODE, FORWARD, TRAIN_PASSES, ResultsError, spec_order
+from attnbench_results import (BF16, DECODE, F32, FORWARD, TRAIN_PASSES, ResultsError,
+                               spec_order)
 
 from .style import Styles, causal_name, code, fmt_n, md_table, new_grid, num, warn
 
@@ -60,7 +61,11 @@ class Context:
         self.plots = os.path.join(self.dir, "plots")
         self.df = df
         self.meta = meta
-        all_ok = df[df["status"] == "ok"].copy()
+        ok_any = df[df["status"] == "ok"]
+        # Every figure and the tables but the precision one draw float32 rows; the precision
+        # section (precision.py) compares the bf16 rows with them.
+        self.bf16 = ok_any[ok_any["dtype"] == BF16].copy()
+        all_ok = ok_any[ok_any["dtype"] == F32].copy()
         # Every figure and table draws the forward rows (pass fwd, every row of a file written
         # before the column), except the training section (training.py), which draws the rows
         # of the training passes, and the generation section (decode.py), which draws the

@@ -7,8 +7,8 @@ import re
 
 from attnbench_results import DECODE, FORWARD, TRAIN_PASSES, noisy, problem_label
 
-from . import (anatomy, crossover, decode, error, layer, modern, patterns, time_memory,
-               trained_model, training)
+from . import (anatomy, crossover, decode, error, layer, modern, patterns, precision,
+               time_memory, trained_model, training)
 from .context import Context
 from .style import code, md_table, remove, unit
 
@@ -21,8 +21,8 @@ FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_
                     error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
                     layer.section, patterns.section, modern.section]
 # The report's sections after its header, in order; each draws its own figures.
-SECTIONS = FORWARD_SECTIONS + [training.section, decode.section, trained_model.section,
-                               anatomy.section]
+SECTIONS = FORWARD_SECTIONS + [precision.section, training.section, decode.section,
+                               trained_model.section, anatomy.section]
 
 
 def header(ctx):

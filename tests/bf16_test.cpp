@@ -1,0 +1,260 @@
+// bfloat16 as a problem dimension (Problem::dtype): the rounding itself, flash's bf16 path
+// against a float64 reference on the bf16-rounded inputs within a bound derived from bf16's
+// unit roundoff, and the refusals of what has no bf16 path.
+#include "common/bf16.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/inputs.h"
+#include "common/reference.h"
+#include "common/registry.h"
+#include "harness/results.h"
+#include "test_util.h"
+
+namespace attnbench {
+namespace {
+
+using test::problem;
+
+float bits_to_float(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+TEST(Bf16, RoundsToNearestEven) {
+  const float ulp1 = std::ldexp(1.0f, -7);  // bf16's spacing at 1 (8 significant bits)
+  EXPECT_EQ(bf16_round(1.0f), 1.0f);
+  EXPECT_EQ(bf16_round(1.0f + ulp1), 1.0f + ulp1);
+  // halfway cases go to the even neighbour
+  EXPECT_EQ(bf16_round(1.0f + ulp1 / 2), 1.0f);
+  EXPECT_EQ(bf16_round(1.0f + 3 * ulp1 / 2), 1.0f + 2 * ulp1);
+  EXPECT_EQ(bf16_round(-1.0f - ulp1 / 2), -1.0f);
+  // just past halfway goes up, just below goes down
+  EXPECT_EQ(bf16_round(std::nextafter(1.0f + ulp1 / 2, 2.0f)), 1.0f + ulp1);
+  EXPECT_EQ(bf16_round(std::nextafter(1.0f + ulp1 / 2, 0.0f)), 1.0f);
+  // 1/3 = 0x3eaaaaab: the low half 0xaaab is above halfway, so up to 0x3eab
+  EXPECT_EQ(bf16_bits(1.0f / 3), 0x3eab);
+  // signed zeros, infinities, NaN
+  EXPECT_EQ(bf16_bits(0.0f), 0x0000);
+  EXPECT_EQ(bf16_bits(-0.0f), 0x8000);
+  EXPECT_EQ(bf16_round(INFINITY), INFINITY);
+  EXPECT_EQ(bf16_round(-INFINITY), -INFINITY);
+  EXPECT_TRUE(std::isnan(bf16_round(NAN)));
+  EXPECT_TRUE(std::isnan(bf16_round(bits_to_float(0x7f800001u))));  // a NaN that would round to inf
+  // the largest float rounds past the largest bf16 to infinity, as torch's conversion does
+  EXPECT_EQ(bf16_round(FLT_MAX), INFINITY);
+  EXPECT_EQ(bf16_round(bits_to_float(0x7f7f0000u)), bits_to_float(0x7f7f0000u));
+  // subnormals round on the same grid
+  EXPECT_EQ(bf16_bits(bits_to_float(0x00018000u)), 0x0002);
+  EXPECT_EQ(bf16_bits(bits_to_float(0x00008000u)), 0x0000);
+  // every value is a bf16 value after rounding, within half a spacing of the input
+  for (float x = -3.0f; x < 3.0f; x += 0.0137f) {
+    const float r = bf16_round(x);
+    EXPECT_EQ(bf16_round(r), r);
+    EXPECT_LE(std::abs(double(r) - x), std::ldexp(std::abs(double(x)), -8) * (1 + 1e-12)) << x;
+  }
+}
+
+TEST(Bf16, RoundedTensorKeepsShapeAndGrouping) {
+  Problem p = problem(2, 4, 5, 7, 3, false);
+  p.kv_heads = 2;
+  const Inputs in = generate_inputs(p);
+  const Tensor k = rounded_bf16(in.k);
+  EXPECT_TRUE(k.shape() == in.k.shape());
+  EXPECT_EQ(k.group(), in.k.group());
+  for (int64_t i = 0; i < k.numel(); ++i) EXPECT_EQ(k.data()[i], bf16_round(in.k.data()[i]));
+}
+
+// flash's bf16 path on bf16 inputs: q, k, v are bf16 values, so the products Q K^T and their
+// float32 sums are those of float32 flash; P is rounded to bf16 for P V. Each weight then
+// carries a relative error of at most u = 2^-8 (bf16's unit roundoff) against the float32
+// path, and the row sum is taken before the rounding, so every output element obeys
+//   |o - o*| <= u sum_j p_j |v_j| + (float32 rounding, well below it)
+// with o* the float64 reference on the same (rounded) inputs and sum_j p_j |v_j| the
+// reference's attention over |v|.
+struct Case {
+  const char* name;
+  Problem p;
+};
+
+std::vector<Case> ragged_cases() {
+  std::vector<Case> cases;
+  cases.push_back({"self", problem(2, 3, 77, 0, 40, false, 3)});
+  cases.push_back({"causal", problem(1, 2, 130, 0, 64, true, 4)});
+  cases.push_back({"cross_causal", problem(1, 2, 61, 203, 24, true, 5)});
+  Problem gqa = problem(1, 4, 96, 0, 32, true, 6);
+  gqa.kv_heads = 2;
+  cases.push_back({"grouped", gqa});
+  Problem padded = problem(3, 2, 50, 90, 16, false, 7);
+  padded.key_lengths = {90, 17, 1};
+  cases.push_back({"key_padding", padded});
+  Problem masked = problem(2, 2, 45, 70, 32, false, 8);
+  masked.attn_mask = test::random_mask(masked, 2, 1, /*is_bool=*/false, /*empty_row=*/3);
+  cases.push_back({"attn_mask", masked});
+  return cases;
+}
+
+// The largest |o - o*| / (u sum_j p_j |v_j|) over the elements (u = 2^-8).
+double worst_ratio(const Problem& p, const Inputs& rounded, const Tensor& out) {
+  Problem p32 = p;
+  p32.dtype = DType::f32;
+  const auto ref = reference_attention(p32, rounded.q.view(), rounded.k.view(), rounded.v.view());
+  Tensor abs_v = rounded_bf16(rounded.v);  // a copy with the same grouping (already bf16)
+  for (int64_t i = 0; i < abs_v.numel(); ++i) abs_v.data()[i] = std::abs(abs_v.data()[i]);
+  const auto scale = reference_attention(p32, rounded.q.view(), rounded.k.view(), abs_v.view());
+  const double u = std::ldexp(1.0, -8);
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double err = std::abs(double(out.data()[i]) - ref[i]);
+    // an element whose bound is 0 (a row with no key) must be exactly 0
+    if (scale[i] == 0) {
+      EXPECT_EQ(err, 0.0) << "element " << i;
+      continue;
+    }
+    worst = std::max(worst, err / (u * scale[i]));
+  }
+  return worst;
+}
+
+TEST(Bf16Flash, WithinTheRoundoffBoundOnRaggedShapes) {
+  for (const Case& c : ragged_cases()) {
+    SCOPED_TRACE(c.name);
+    Problem p = c.p;
+    const Inputs in = generate_inputs(p);
+    Inputs rounded;
+    rounded.q = rounded_bf16(in.q), rounded.k = rounded_bf16(in.k), rounded.v = rounded_bf16(in.v);
+    for (const char* spec : {"flash", "flash:block_q=16,block_k=32"}) {
+      SCOPED_TRACE(spec);
+      p.dtype = DType::bf16;
+      const Tensor bf = test::run(spec, p, rounded);
+      p.dtype = DType::f32;
+      const Tensor f32 = test::run(spec, p, rounded);
+      const double bf_ratio = worst_ratio(p, rounded, bf), f32_ratio = worst_ratio(p, rounded, f32);
+      std::printf("%s %s: worst |o - o*| / (u sum p|v|) %.3f (bf16), %.2e (f32)\n", c.name, spec,
+                  bf_ratio, f32_ratio);
+      // within the bound (a 2% margin for the float32 part of the arithmetic) ...
+      EXPECT_LE(bf_ratio, 1.02);
+      // ... and the bound is the bf16 rounding's: the float32 path on the same inputs stays
+      // far inside it, and the bf16 path uses a good part of it
+      EXPECT_LT(f32_ratio, 0.01);
+      EXPECT_GT(bf_ratio, 0.05);
+    }
+  }
+}
+
+// The dot and bilinear scores map q first; under bf16 the mapped query is rounded like q, so
+// bilinear bf16 is scaled_dot bf16 on the rounded map, bit for bit.
+TEST(Bf16Flash, RoundsTheMappedQuery) {
+  Problem p = test::with_score(problem(1, 2, 40, 0, 16, true, 9), Score::bilinear);
+  p.dtype = DType::bf16;
+  const Inputs in = generate_inputs(p);
+  Inputs rounded;
+  rounded.q = rounded_bf16(in.q), rounded.k = rounded_bf16(in.k), rounded.v = rounded_bf16(in.v);
+  const Tensor out = test::run("flash", p, rounded);
+  Inputs mapped;
+  mapped.q = linear_score_query(p, rounded.q.view());
+  round_to_bf16(mapped.q.data(), mapped.q.numel());
+  mapped.k = rounded_bf16(rounded.k), mapped.v = rounded_bf16(rounded.v);
+  const Problem scaled = linear_score_problem(p);
+  ASSERT_EQ(scaled.dtype, DType::bf16);
+  const Tensor expect = test::run("flash", scaled, mapped);
+  for (int64_t i = 0; i < out.numel(); ++i) ASSERT_EQ(out.data()[i], expect.data()[i]) << i;
+}
+
+TEST(Bf16Refusals, WhatHasNoBf16Path) {
+  Problem p = problem(1, 2, 32, 0, 16, true);
+  p.dtype = DType::bf16;
+  // a variant without a bf16 path
+  auto local = make_variant("local");
+  const std::string no_path =
+      test::error_message<UnsupportedError>([&] { local->check_supported(p); });
+  EXPECT_NE(no_path.find("local has no bf16 path"), std::string::npos) << no_path;
+  EXPECT_THROW(local->check_supported(p), UnsupportedError);
+  // flash's backward and decode run in float32 only
+  auto flash = make_variant("flash");
+  flash->check_supported(p);
+  EXPECT_THROW(flash->check_backward(p), UnsupportedError);
+  EXPECT_THROW(flash->check_decode(p), UnsupportedError);
+  // the additive score has no bf16 path in any variant
+  Problem additive = test::with_score(p, Score::additive);
+  EXPECT_THROW(flash->check_supported(additive), UnsupportedError);
+  // names: bf16 problems say so, f32 ones keep their names
+  EXPECT_NE(p.str().find(",dtype=bf16"), std::string::npos);
+  p.dtype = DType::f32;
+  EXPECT_EQ(p.str().find("dtype"), std::string::npos);
+  EXPECT_EQ(parse_dtype("bf16"), DType::bf16);
+  EXPECT_THROW(parse_dtype("fp16"), UsageError);
+}
+
+// sweep --dtype f32,bf16: a row per precision, the bf16 rows of flash with both errors, the
+// variant without a bf16 path unsupported, and the dtype a key column (--resume keeps both).
+TEST(Bf16Cli, SweepCrossesThePrecisions) {
+  test::TempDir dir;
+  const std::string out = dir.file("sweep");
+  const std::string args =
+      "sweep --variant flash --variant local --seq 64,96 --heads 2 --dim 16 "
+      "--dtype f32,bf16 --reps 1 --min-time 0 --threads 1 --out '" +
+      out + "'";
+  const test::CliResult r = test::run_cli(args, dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto lines = test::read_lines(out + "/results.csv");
+  ASSERT_EQ(lines.size(), 1u + 2 * 2 * 2) << r.err;
+  const auto header = split_csv_line(lines[0]);
+  auto col = [&](const char* name) {
+    const auto it = std::find(header.begin(), header.end(), name);
+    EXPECT_NE(it, header.end()) << name;
+    return size_t(it - header.begin());
+  };
+  const size_t spec = col("spec"), dtype = col("dtype"), status = col("status"),
+               err = col("rel_fro_error"), rounding = col("rounded_input_error"),
+               notes = col("notes");
+  int bf16_ok = 0;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    const auto f = split_csv_line(lines[i]);
+    const bool flash = f[spec].rfind("flash", 0) == 0, bf16 = f[dtype] == "bf16";
+    EXPECT_TRUE(f[dtype] == "f32" || bf16) << lines[i];
+    if (!flash && bf16) {
+      EXPECT_EQ(f[status], "unsupported") << lines[i];
+      continue;
+    }
+    EXPECT_EQ(f[status], "ok") << lines[i];
+    const double e = std::stod(f[err]);
+    if (bf16) {
+      ++bf16_ok;
+      const double e_round = std::stod(f[rounding]);
+      // bf16 costs about its unit roundoff; the rounding of the inputs is a part of it
+      EXPECT_GT(e, 1e-4) << lines[i];
+      EXPECT_LT(e, 2e-2) << lines[i];
+      EXPECT_GT(e_round, 1e-4) << lines[i];
+      EXPECT_LT(e_round, e * 1.5) << lines[i];
+      EXPECT_NE(f[notes].find("bf16 path"), std::string::npos) << lines[i];
+    } else {
+      EXPECT_LT(e, 1e-5) << lines[i];
+      EXPECT_EQ(f[rounding], "") << lines[i];
+    }
+  }
+  EXPECT_EQ(bf16_ok, 2);
+  // resumed, every row is kept: f32 and bf16 rows of one problem are distinct keys
+  const test::CliResult again = test::run_cli(args + " --resume", dir);
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.err.find("8 kept"), std::string::npos) << again.err;
+  // a bad precision is refused, naming the accepted ones
+  const test::CliResult bad = test::run_cli(
+      "sweep --variant flash --seq 64 --dtype f32,fp16 --out '" + dir.file("bad") + "'", dir);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("accepted: f32, bf16"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace attnbench
