@@ -194,28 +194,31 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
   return plan;
 }
 
-std::vector<DType> parse_dtype_list(const std::string& text) {
-  std::vector<DType> out;
+namespace {
+
+// The comma-separated names of `text`, each parsed by `parse` (which throws UsageError naming
+// an unknown one and the accepted names); the error is prefixed with the option.
+template <class Parse>
+auto parse_name_list(const std::string& text, const char* option, Parse parse) {
+  std::vector<decltype(parse(std::string_view()))> out;
   for (auto& s : split_csv_line(text)) {
     try {
-      out.push_back(parse_dtype(s));
+      out.push_back(parse(s));
     } catch (const UsageError& e) {
-      throw UsageError(fmt::format("--dtype: {}", e.what()));
+      throw UsageError(fmt::format("{}: {}", option, e.what()));
     }
   }
   return out;
 }
 
+}  // namespace
+
+std::vector<DType> parse_dtype_list(const std::string& text) {
+  return parse_name_list(text, "--dtype", parse_dtype);
+}
+
 std::vector<Score> parse_score_list(const std::string& text) {
-  std::vector<Score> out;
-  for (auto& s : split_csv_line(text)) {
-    try {
-      out.push_back(parse_score(s));
-    } catch (const UsageError& e) {
-      throw UsageError(fmt::format("--score: {}", e.what()));
-    }
-  }
-  return out;
+  return parse_name_list(text, "--score", parse_score);
 }
 
 std::vector<int64_t> parse_key_lengths(const std::string& text, int64_t batch) {
