@@ -1,13 +1,12 @@
 """The precision section: the bf16 rows (`sweep --dtype f32,bf16`) beside the float32 rows of
 the same variant and problem, time and error."""
 
-from attnbench_results import F32, format_seconds
+from attnbench_results import F32, KEY_COLUMNS, format_seconds
 
 from .style import causal_name, code, md_table
 
-# The columns that, with the spec, pair a bf16 row with its float32 row.
-PAIR = ["spec", "batch", "heads", "kv_heads", "n", "m", "dim", "causal", "score", "input", "scale",
-        "seed", "threads", "key_padding", "attn_mask", "pass"]
+# The columns that pair a bf16 row with its float32 row: its key but the precision.
+PAIR = [c for c in KEY_COLUMNS if c != "dtype"]
 
 
 def fmt_error(v):
