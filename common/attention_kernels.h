@@ -527,6 +527,17 @@ inline void hook_scores(const Tiles& tl, const Workspace& w, int64_t rows, int64
   }
 }
 
+/// Pass 2 of a block every row sees whole (no mask, no causal crossing): a block row max of
+/// -inf can only come from overflowed logits (see mask_block), and becomes NaN.
+inline void flag_overflowed_max(float* bmax, int64_t nrv) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), nan = _mm512_set1_ps(NAN);
+  for (int64_t rv = 0; rv < nrv; ++rv) {
+    const __m512 bm = _mm512_loadu_ps(bmax + rv * kLanes);
+    _mm512_storeu_ps(bmax + rv * kLanes,
+                     _mm512_mask_mov_ps(bm, _mm512_cmp_ps_mask(bm, neg_inf, _CMP_EQ_OQ), nan));
+  }
+}
+
 /// Passes 1-4 for one key block: cols <= bk keys, key c at kb + c ldk and vb + c ldv, for
 /// the tile's `rows` query rows. Row r sees the keys c < causal_first + r of the block
 /// (causal_first >= cols: every key), and, if mask is not null, only those with
@@ -560,13 +571,7 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   } else if (causal) {
     mask_block<true, false>(w.st, ld, rows, nrv, cols, causal_first, nullptr, w.bmax);
   } else {
-    // every row sees every key: a max of -inf means overflowed logits (see mask_block)
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), nan = _mm512_set1_ps(NAN);
-    for (int64_t rv = 0; rv < nrv; ++rv) {
-      const __m512 bm = _mm512_loadu_ps(w.bmax + rv * kLanes);
-      _mm512_storeu_ps(w.bmax + rv * kLanes,
-                       _mm512_mask_mov_ps(bm, _mm512_cmp_ps_mask(bm, neg_inf, _CMP_EQ_OQ), nan));
-    }
+    flag_overflowed_max(w.bmax, nrv);
   }
   // pass 3: new max, correction, P, l
   if (pscale == 1.0f)

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "common/tensor.h"
 
@@ -30,13 +31,30 @@ inline float bf16_float(uint16_t bits) {
 /// x rounded to the nearest bfloat16 value (ties to even), as a float.
 inline float bf16_round(float x) { return bf16_float(bf16_bits(x)); }
 
-/// The bf16 path of the tiled attention engine (common/block_sparse.h), as a row's notes say
-/// it: its products take the bfloat16 values of q, k, v and P in float32 arithmetic (a product
-/// of two bfloat16 values is exact in float32, so this is bf16 products with float32
-/// accumulation), on every CPU; it uses no bf16 instruction (AVX512-BF16, AMX), so it is not
-/// faster than float32.
-inline constexpr const char* kBf16EnginePath =
-    "bf16 path: portable (bfloat16 operands, float32 arithmetic; no AVX512-BF16/AMX kernel)";
+/// The bf16 kernels of the tiled attention engine (common/block_sparse.h).
+///   amx  AMX tiles (common/amx_kernels.h): Q K^T and P V as TDPBF16PS products of bfloat16
+///        operands with float32 accumulation, the softmax in float32. Built when the compiler
+///        targets AMX-BF16 (ATTNBENCH_NATIVE on such a CPU); used when the CPU has it and the
+///        kernel grants the process the tile state.
+///   f32  the float32 passes (AVX-512 or portable) on the bfloat16 values of q, k, v and P:
+///        a product of two bfloat16 values is exact in float32, so this computes the same
+///        function (bf16 products, float32 accumulation) on every CPU, at float32 speed.
+enum class Bf16Kernel { amx, f32 };
+
+/// Whether the amx kernel can run in this process: built in, the CPU reports AMX-TILE,
+/// AMX-BF16 and AVX512-BF16 (CPUID), and arch_prctl(ARCH_REQ_XCOMP_PERM) granted the tile
+/// state. Asked once per process.
+bool amx_usable();
+/// Why amx_usable() is false, a phrase ("this CPU has no AMX-BF16", ...); empty when true.
+std::string amx_unusable_reason();
+/// Whether the CPU reports AVX512-BF16 (CPUID), whether or not a kernel uses it.
+bool cpu_has_avx512_bf16();
+
+/// The environment variable that picks the bf16 kernel: "auto" (the default: amx where
+/// usable, else f32), "amx" (an error where it is not usable) or "f32".
+inline constexpr const char* kBf16KernelEnv = "ATTNBENCH_BF16_KERNEL";
+/// Its value ("auto" when unset); throws Error naming the accepted values for any other.
+std::string bf16_kernel_request();
 
 /// Rounds n floats to bfloat16 values in place.
 void round_to_bf16(float* x, int64_t n);

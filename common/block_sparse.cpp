@@ -1,6 +1,7 @@
 #include "common/block_sparse.h"
 
 #include <cblas.h>
+#include <fmt/format.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -10,7 +11,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/amx_kernels.h"
 #include "common/attention_kernels.h"
+#include "common/bf16.h"
 #include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/softmax.h"
@@ -18,6 +21,9 @@
 
 namespace attnbench {
 namespace {
+
+/// Key blocks on the amx kernel start at a multiple of this many keys (its packed V^T chunks).
+constexpr int64_t kAmxKeyAlign = 32;
 
 /// Key blocks a thread's block list can hold without growing: a query block lists each key
 /// block at most once.
@@ -166,21 +172,117 @@ Tiles tiles(const Problem& p, int64_t bq, int64_t bk) {
   return Tiles(tile_rows(p, bq), tile_cols(p, bk), p.dim);
 }
 
-/// One thread's working block: the tiles of the shared kernels, then (pattern case, or an
+/// One thread's working block: the kernels' tiles (tile_bytes), then (pattern case, or an
 /// attention mask) the element-mask tile, then (attention mask) the bias tile.
-int64_t thread_bytes(const Tiles& tl, bool dense, bool biased) {
-  return tl.bytes() + (dense && !biased ? 0 : mask_tile_bytes(tl.bq, tl.bk)) +
-         (biased ? round_up(tl.bq * tl.bk * int64_t(sizeof(float)), 64) : 0);
+int64_t thread_bytes(int64_t tile_bytes, int64_t bq, int64_t bk, bool dense, bool biased) {
+  return tile_bytes + (dense && !biased ? 0 : mask_tile_bytes(bq, bk)) +
+         (biased ? round_up(bq * bk * int64_t(sizeof(float)), 64) : 0);
 }
 
-template <bool kDense>
+/// The float32 passes of attention_kernels.h (under bf16, the f32 kernel: P rounded to bf16
+/// before P V, the operands holding bf16 values).
+class F32Kernel {
+ public:
+  using Work = Workspace;
+  F32Kernel(const Problem& p, int64_t bq, int64_t bk)
+      : tl_(fast::tiles(p, bq, bk)), round_p_(p.dtype == DType::bf16) {}
+  const Tiles& tiles() const { return tl_; }
+  int64_t bytes() const { return tl_.bytes(); }
+  void enter() const {}
+  void leave() const {}
+  Work work(float* buf) const { return Workspace(tl_, buf); }
+  void begin(const Work& w, const float* q0, int64_t ldq, int64_t rows) const {
+    begin_tile(tl_, w, q0, ldq, rows);
+  }
+  void block(const Work& w, int64_t rows, ConstTensorView k, ConstTensorView v, int64_t b,
+             int64_t h, int64_t j0, int64_t cols, float scale, int64_t causal_first,
+             const uint8_t* mask, float pscale, const ScoreHook* hook, const float* bias) const {
+    attend_block(tl_, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row, cols,
+                 scale, causal_first, mask, pscale, hook, bias, round_p_);
+  }
+  bool finish(const Work& w, int64_t rows, float* out0, int64_t ldo) const {
+    return finish_tile(tl_, w, rows, out0, ldo);
+  }
+
+ private:
+  Tiles tl_;
+  bool round_p_;
+};
+
+#ifdef ATTNBENCH_AMX_KERNELS
+/// The bf16 passes on AMX tiles (amx_kernels.h), with K and V of every head packed as bf16
+/// once per call (K rows of dk, V^T by 32-key chunks; keys padded to a multiple of 32).
+class AmxKernel {
+ public:
+  using Work = amx::Workspace;
+  AmxKernel(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t bq, int64_t bk)
+      : tl_(tile_rows(p, bq), tile_cols(p, bk), p.dim),
+        heads_(p.batch * p.heads),
+        heads_per_batch_(p.heads),
+        keys_(padded_keys(p)),
+        packed_(packed_bytes(p)) {
+    uint16_t* kp = packed_k();
+    uint16_t* vp = packed_v();
+    const int64_t m = p.keys();
+    OmpGuard guard;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < heads_; ++bh)
+      guard.run([&] {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
+        amx::pack_keys(k.row(b, h, 0), k.stride_row, m, p.dim, tl_.dk, keys_,
+                       kp + bh * keys_ * tl_.dk);
+        amx::pack_values(v.row(b, h, 0), v.stride_row, m, p.dim, tl_.dv, keys_,
+                         vp + bh * keys_ * tl_.dv);
+      });
+    guard.rethrow();
+  }
+  /// Bytes of the packed K and V (bf16) of every head.
+  static int64_t packed_bytes(const Problem& p) {
+    const int64_t dp = round_up(p.dim, amx::kDepth);
+    return 2 * p.batch * p.heads * padded_keys(p) * dp * int64_t(sizeof(uint16_t));
+  }
+  static int64_t tile_bytes(const Problem& p, int64_t bq, int64_t bk) {
+    return amx::Tiles(tile_rows(p, bq), tile_cols(p, bk), p.dim).bytes();
+  }
+  const amx::Tiles& tiles() const { return tl_; }
+  int64_t bytes() const { return tl_.bytes(); }
+  void enter() const { amx::configure(); }
+  void leave() const { amx::release(); }
+  Work work(float* buf) const { return Work(tl_, buf); }
+  void begin(const Work& w, const float* q0, int64_t ldq, int64_t rows) const {
+    amx::begin_tile(tl_, w, q0, ldq, rows);
+  }
+  void block(const Work& w, int64_t rows, ConstTensorView, ConstTensorView, int64_t b, int64_t h,
+             int64_t j0, int64_t cols, float scale, int64_t causal_first, const uint8_t* mask,
+             float pscale, const ScoreHook*, const float* bias) const {
+    const int64_t bh = b * heads_per_batch_ + h;
+    amx::attend_block(tl_, w, rows, packed_k() + (bh * keys_ + j0) * tl_.dk,
+                      packed_v() + (bh * keys_ + j0) * tl_.dv, cols, scale, causal_first, mask,
+                      pscale, bias);
+  }
+  bool finish(const Work& w, int64_t rows, float* out0, int64_t ldo) const {
+    return amx::finish_tile(tl_, w, rows, out0, ldo);
+  }
+
+ private:
+  static int64_t padded_keys(const Problem& p) { return round_up(p.keys(), amx::kDepth); }
+  uint16_t* packed_k() const { return reinterpret_cast<uint16_t*>(packed_.bytes()); }
+  uint16_t* packed_v() const { return packed_k() + heads_ * keys_ * tl_.dk; }
+
+  amx::Tiles tl_;
+  int64_t heads_, heads_per_batch_, keys_;
+  AlignedBuffer packed_;
+};
+#endif
+
+template <bool kDense, class Kernel>
 void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
-         int64_t bq, int64_t bk, const SparsePattern* pat, const LseView* lse) {
-  const Tiles tl = tiles(p, bq, bk);
+         int64_t bq, int64_t bk, const SparsePattern* pat, const LseView* lse,
+         const Kernel& kernel) {
+  const int64_t tbq = kernel.tiles().bq, tbk = kernel.tiles().bk;
   const int64_t n = p.n, qblocks = (n + bq - 1) / bq, tasks = p.batch * p.heads * qblocks;
   const std::optional<AdditiveProjections> add = additive_projections(p, q, k);
   const float scale = logit_scale(p) * kLog2e;  // applied in pass 3: base-2 weights
-  const bool round_p = p.dtype == DType::bf16;  // P in bfloat16 for P V
 
   OmpGuard guard;
 #pragma omp parallel
@@ -188,13 +290,15 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
     // per-thread tiles (and mask and block list), allocated once per call
     std::optional<AlignedBuffer> buf;
     std::optional<KeyWalk<kDense>> walk;
+    bool entered = false;
     guard.run([&] {
       const bool biased = p.attn_mask != nullptr;
-      buf.emplace(thread_bytes(tl, kDense, biased));
-      uint8_t* mask = buf->bytes() + tl.bytes();
-      float* bias =
-          biased ? reinterpret_cast<float*>(mask + mask_tile_bytes(tl.bq, tl.bk)) : nullptr;
+      buf.emplace(thread_bytes(kernel.bytes(), tbq, tbk, kDense, biased));
+      uint8_t* mask = buf->bytes() + kernel.bytes();
+      float* bias = biased ? reinterpret_cast<float*>(mask + mask_tile_bytes(tbq, tbk)) : nullptr;
       walk.emplace(p, bk, pat, mask, bias);
+      kernel.enter();
+      entered = true;
     });
 
 #pragma omp for schedule(dynamic, 1)
@@ -203,7 +307,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
       // lambda measured about 5% slower on `local`
       if (guard.failed()) continue;
       try {
-        const Workspace w(tl, buf->floats());
+        const typename Kernel::Work w = kernel.work(buf->floats());
         // within a head, the last query tiles first: under a causal mask they see the most keys
         const int64_t bh = t / qblocks, qb = qblocks - 1 - t % qblocks, i0 = qb * bq;
         const int64_t b = bh / p.heads, h = bh % p.heads, rows = std::min(bq, n - i0);
@@ -219,16 +323,16 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
         const int64_t ahead = std::min<int64_t>(2, qb);
         int64_t fetched = 0;  // rows of those tiles prefetched so far
         auto prefetch_upto = [&](int64_t upto) {
-          prefetch_rows(out.row(b, h, i0 + fetched), upto - fetched, out.stride_row, tl.d, true);
+          prefetch_rows(out.row(b, h, i0 + fetched), upto - fetched, out.stride_row, p.dim, true);
           for (int64_t a = 1; a <= ahead; ++a)
-            prefetch_rows(q.row(b, h, i0 - a * bq + fetched), upto - fetched, q.stride_row, tl.d,
+            prefetch_rows(q.row(b, h, i0 - a * bq + fetched), upto - fetched, q.stride_row, p.dim,
                           false);
           fetched = upto;
         };
         // the key blocks; again with scaled weights if acc overflowed (huge v, see
         // attention_kernels.h: rare, so the prefetches are not repeated)
         for (float pscale = 1.0f;; pscale = safe_pscale(kend)) {
-          begin_tile(tl, w, q.row(b, h, i0), q.stride_row, rows);
+          kernel.begin(w, q.row(b, h, i0), q.stride_row, rows);
           for (int64_t i = 0; i < nb; ++i) {
             if (kPrefetch && pscale == 1.0f) prefetch_upto(rows * (i + 1) / nb);
             int64_t j0, cols;
@@ -236,12 +340,11 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
             const float* bias;
             if (!walk->block(i, j0, cols, mk, bias)) continue;
             const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
-            attend_block(tl, w, rows, k.row(b, h, j0), k.stride_row, v.row(b, h, j0), v.stride_row,
-                         cols, scale, causal_first(p, i0, j0), mk, pscale, add ? &hook : nullptr,
-                         bias, round_p);
+            kernel.block(w, rows, k, v, b, h, j0, cols, scale, causal_first(p, i0, j0), mk,
+                         pscale, add ? &hook : nullptr, bias);
           }
           if (kPrefetch && pscale == 1.0f) prefetch_upto(rows);
-          if (finish_tile(tl, w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
+          if (kernel.finish(w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
             write_lse(lse, b, h, i0, rows, w.mx, w.l, logit_scale(p), pscale);
             break;
           }
@@ -250,6 +353,7 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
         guard.capture();
       }
     }
+    if (entered) kernel.leave();
   }
   guard.rethrow();
 }
@@ -328,28 +432,74 @@ template <bool kDense>
 
 }  // namespace portable
 
+/// The bf16 kernel the engine runs p on (p.dtype bf16) with key blocks of bk keys: amx, or
+/// f32 and why not amx. Throws UnsupportedError when ATTNBENCH_BF16_KERNEL=amx asks for amx
+/// and it cannot run.
+struct Bf16Choice {
+  bool amx = false;
+  std::string why_not;
+};
+
+Bf16Choice bf16_choice(const Problem& p, int64_t bk) {
+  Bf16Choice c;
+  const std::string request = bf16_kernel_request();
+  if (request == "f32")
+    c.why_not = fmt::format("{}=f32", kBf16KernelEnv);
+  else if (!amx_usable())
+    c.why_not = amx_unusable_reason();
+  else if (bk % kAmxKeyAlign != 0 && p.keys() > bk)
+    c.why_not = fmt::format("key blocks of {} keys (amx takes multiples of {})", bk, kAmxKeyAlign);
+  else
+    c.amx = true;
+  if (request == "amx" && !c.amx)
+    throw UnsupportedError(
+        fmt::format("{}=amx, but the amx bf16 kernel cannot run: {}", kBf16KernelEnv, c.why_not));
+  return c;
+}
+
+bool use_amx(const Problem& p, int64_t bk) {
+  return p.dtype == DType::bf16 && bf16_choice(p, bk).amx;
+}
+
 template <bool kDense>
 void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
          int64_t bq, int64_t bk, const SparsePattern* pat, const LseView* lse) {
 #ifdef __AVX512F__
-  fast::run<kDense>(p, q, k, v, out, bq, bk, pat, lse);
+#ifdef ATTNBENCH_AMX_KERNELS
+  if (use_amx(p, bk)) {
+    fast::run<kDense>(p, q, k, v, out, bq, bk, pat, lse, fast::AmxKernel(p, k, v, bq, bk));
+    return;
+  }
+#endif
+  fast::run<kDense>(p, q, k, v, out, bq, bk, pat, lse, fast::F32Kernel(p, bq, bk));
 #else
   portable::run<kDense>(p, q, k, v, out, bq, bk, pat, lse);
 #endif
 }
 
-/// Bytes the engine allocates beyond inputs, output and the pattern, on every thread.
+/// Bytes the engine allocates beyond inputs, output and the pattern, on every thread (and,
+/// on the amx kernel, K and V packed as bf16 once).
 double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
   const int threads = team_threads();
+  double shared = 0.0;
 #ifdef __AVX512F__
-  const double tile_bytes =
-      double(fast::thread_bytes(fast::tiles(p, bq, bk), dense, p.attn_mask != nullptr));
+  const bool biased = p.attn_mask != nullptr;
+  const int64_t rows = tile_rows(p, bq), cols = tile_cols(p, bk);
+  double tile_bytes = double(fast::thread_bytes(fast::tiles(p, bq, bk).bytes(), rows, cols, dense,
+                                                biased));
+#ifdef ATTNBENCH_AMX_KERNELS
+  if (use_amx(p, bk)) {
+    tile_bytes = double(fast::thread_bytes(fast::AmxKernel::tile_bytes(p, bq, bk), rows, cols,
+                                           dense, biased));
+    shared = double(fast::AmxKernel::packed_bytes(p));
+  }
+#endif
 #else
   const double tile_bytes = double(portable::thread_bytes(p, bq, bk, dense));
 #endif
   const double list = dense ? 0.0 : double(max_key_blocks(p, bk)) * sizeof(KeyBlock);
   const double additive = p.score == Score::additive ? AdditiveProjections::bytes(p) : 0.0;
-  return (tile_bytes + list) * threads + additive;
+  return (tile_bytes + list) * threads + additive + shared;
 }
 
 // ----- the backward pass -----
@@ -636,6 +786,23 @@ double memory(const Problem& p, int64_t bq, int64_t bk, bool dense, double liste
 }  // namespace bwd
 
 }  // namespace
+
+std::string bf16_engine_note(const Problem& p, int64_t block_k) {
+  if (p.dtype != DType::bf16) return "";
+  const Bf16Choice c = bf16_choice(p, block_k);
+  if (c.amx)
+    return "bf16 kernel: amx (AMX tile products of bf16 operands, float32 accumulation; "
+           "float32 softmax)";
+#ifdef __AVX512F__
+  constexpr const char* passes = "AVX-512";
+#else
+  constexpr const char* passes = "portable";
+#endif
+  return fmt::format(
+      "bf16 kernel: f32 (float32 arithmetic on bf16 operands, {} passes, float32 speed; amx not "
+      "used: {})",
+      passes, c.why_not);
+}
 
 void dense_attention(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                      TensorView out, int64_t block_q, int64_t block_k, const LseView* lse) {

@@ -139,6 +139,11 @@ void merge_attention(const Problem& p, TensorView out, const LseView& lse_out,
 
 /// Bytes dense_attention allocates beyond inputs and output: per thread, the kernels' tiles.
 double dense_attention_memory(const Problem& p, int64_t block_q, int64_t block_k);
+/// What a row's notes say of the engine's bf16 kernel for p with key blocks of block_k keys
+/// (empty for float32 problems): "bf16 kernel: amx (...)" or "bf16 kernel: f32 (...; amx not
+/// used: why)" (see Bf16Kernel, common/bf16.h). Throws as the engine would for a bad
+/// ATTNBENCH_BF16_KERNEL or an amx request that cannot run.
+std::string bf16_engine_note(const Problem& p, int64_t block_k);
 
 /// Bytes block_sparse_attention allocates beyond inputs, output and the pattern: per thread,
 /// the tiles of the kernels, the element-mask tile and the key-block list (reserved for every

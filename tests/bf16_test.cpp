@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -127,29 +129,130 @@ double worst_ratio(const Problem& p, const Inputs& rounded, const Tensor& out) {
   return worst;
 }
 
+// The bf16 kernels this machine can run (ATTNBENCH_BF16_KERNEL values): f32 everywhere, amx
+// where amx_usable().
+std::vector<std::string> bf16_kernels() {
+  std::vector<std::string> k = {"f32"};
+  if (amx_usable()) k.push_back("amx");
+  return k;
+}
+
+Inputs rounded_inputs(const Inputs& in) {
+  Inputs r;
+  r.q = rounded_bf16(in.q), r.k = rounded_bf16(in.k), r.v = rounded_bf16(in.v);
+  return r;
+}
+
 TEST(Bf16Flash, WithinTheRoundoffBoundOnRaggedShapes) {
-  for (const Case& c : ragged_cases()) {
-    SCOPED_TRACE(c.name);
-    Problem p = c.p;
-    const Inputs in = generate_inputs(p);
-    Inputs rounded;
-    rounded.q = rounded_bf16(in.q), rounded.k = rounded_bf16(in.k), rounded.v = rounded_bf16(in.v);
-    for (const char* spec : {"flash", "flash:block_q=16,block_k=32"}) {
-      SCOPED_TRACE(spec);
-      p.dtype = DType::bf16;
-      const Tensor bf = test::run(spec, p, rounded);
-      p.dtype = DType::f32;
-      const Tensor f32 = test::run(spec, p, rounded);
-      const double bf_ratio = worst_ratio(p, rounded, bf), f32_ratio = worst_ratio(p, rounded, f32);
-      std::printf("%s %s: worst |o - o*| / (u sum p|v|) %.3f (bf16), %.2e (f32)\n", c.name, spec,
-                  bf_ratio, f32_ratio);
-      // within the bound (a 2% margin for the float32 part of the arithmetic) ...
-      EXPECT_LE(bf_ratio, 1.02);
-      // ... and the bound is the bf16 rounding's: the float32 path on the same inputs stays
-      // far inside it, and the bf16 path uses a good part of it
-      EXPECT_LT(f32_ratio, 0.01);
-      EXPECT_GT(bf_ratio, 0.05);
+  std::vector<Case> cases = ragged_cases();
+  // a head dimension past two AMX depth steps, and rows past one tile
+  cases.push_back({"wide", problem(1, 2, 150, 0, 72, true, 10)});
+  for (const std::string& kernel : bf16_kernels()) {
+    SCOPED_TRACE(kernel);
+    const test::ScopedEnv env(kBf16KernelEnv, kernel);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name);
+      Problem p = c.p;
+      const Inputs rounded = rounded_inputs(generate_inputs(p));
+      for (const char* spec : {"flash", "flash:block_q=16,block_k=32", "flash:block_q=48,block_k=64"}) {
+        SCOPED_TRACE(spec);
+        p.dtype = DType::bf16;
+        auto flash = make_variant(spec);
+        Tensor bf(p.q_shape());
+        flash->run(p, rounded.q.view(), rounded.k.view(), rounded.v.view(), bf.view());
+        EXPECT_EQ(flash->notes().rfind("bf16 kernel: " + kernel, 0), 0u) << flash->notes();
+        p.dtype = DType::f32;
+        const Tensor f32 = test::run(spec, p, rounded);
+        const double bf_ratio = worst_ratio(p, rounded, bf), f32_ratio = worst_ratio(p, rounded, f32);
+        std::printf("%s %s %s: worst |o - o*| / (u sum p|v|) %.3f (bf16), %.2e (f32)\n",
+                    kernel.c_str(), c.name, spec, bf_ratio, f32_ratio);
+        // within the bound (a 2% margin for the float32 part of the arithmetic) ...
+        EXPECT_LE(bf_ratio, 1.02);
+        // ... and the bound is the bf16 rounding's: the float32 path on the same inputs stays
+        // far inside it, and the bf16 path uses a good part of it
+        EXPECT_LT(f32_ratio, 0.01);
+        EXPECT_GT(bf_ratio, 0.05);
+      }
     }
+  }
+}
+
+// Values near the top of the bf16 range: P V overflows float32 when summed plainly, and the
+// tile runs again with scaled weights (attention_kernels.h), on every kernel. The output, a
+// convex combination of v rows, is finite and within bf16 rounding of the reference.
+TEST(Bf16Flash, HugeValuesRunAgainScaled) {
+  for (const std::string& kernel : bf16_kernels()) {
+    SCOPED_TRACE(kernel);
+    const test::ScopedEnv env(kBf16KernelEnv, kernel);
+    Problem p = problem(1, 2, 70, 0, 32, false, 11);
+    Inputs in = rounded_inputs(generate_inputs(p));
+    for (int64_t i = 0; i < in.v.numel(); ++i)
+      in.v.data()[i] = bf16_round(in.v.data()[i] > 0 ? 3e38f : -3e38f);
+    p.dtype = DType::bf16;
+    const Tensor out = test::run("flash", p, in);
+    p.dtype = DType::f32;
+    const auto ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+    for (size_t i = 0; i < ref.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(out.data()[i])) << i;
+      ASSERT_LE(std::abs(out.data()[i] - ref[i]), 3e38 * std::ldexp(1.0, -7)) << i;
+    }
+  }
+}
+
+// Which bf16 kernel runs: the environment variable's choice, amx wherever it can run unless
+// told otherwise, the f32 kernel with the reason where it cannot, and errors for what cannot be
+// done.
+TEST(Bf16Dispatch, PicksTheKernelAndSaysWhy) {
+  Problem p = problem(1, 2, 100, 0, 32, true, 12);
+  p.dtype = DType::bf16;
+  const Inputs in = rounded_inputs(generate_inputs(p));
+  auto notes_of = [&](const std::string& spec) {
+    auto v = make_variant(spec);
+    Tensor out(p.q_shape());
+    v->run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    return v->notes();
+  };
+  {
+    const test::ScopedEnv env(kBf16KernelEnv, "auto");
+    const std::string notes = notes_of("flash");
+    if (amx_usable()) {
+      EXPECT_EQ(notes.rfind("bf16 kernel: amx", 0), 0u) << notes;
+      EXPECT_EQ(amx_unusable_reason(), "");
+    } else {
+      EXPECT_EQ(notes.rfind("bf16 kernel: f32", 0), 0u) << notes;
+      EXPECT_NE(notes.find("amx not used: " + amx_unusable_reason()), std::string::npos) << notes;
+    }
+    // key blocks amx cannot start at take the f32 kernel, saying so
+    const std::string odd = notes_of("flash:block_k=48");
+    EXPECT_EQ(odd.rfind("bf16 kernel: f32", 0), 0u) << odd;
+    if (amx_usable()) {
+      EXPECT_NE(odd.find("key blocks of 48 keys"), std::string::npos) << odd;
+    }
+  }
+  {
+    const test::ScopedEnv env(kBf16KernelEnv, "f32");
+    const std::string notes = notes_of("flash");
+    EXPECT_NE(notes.find("amx not used: ATTNBENCH_BF16_KERNEL=f32"), std::string::npos) << notes;
+  }
+  {
+    // amx asked for where it cannot run is an error, never the other kernel quietly
+    const test::ScopedEnv env(kBf16KernelEnv, "amx");
+    const std::string spec = amx_usable() ? "flash:block_k=48" : "flash";
+    const std::string msg = test::error_message<UnsupportedError>([&] { notes_of(spec); });
+    EXPECT_NE(msg.find("ATTNBENCH_BF16_KERNEL=amx"), std::string::npos) << msg;
+  }
+  {
+    const test::ScopedEnv env(kBf16KernelEnv, "avx512");
+    const std::string msg = test::error_message<UsageError>([&] { notes_of("flash"); });
+    EXPECT_NE(msg.find("accepted: auto, amx, f32"), std::string::npos) << msg;
+  }
+  // on a CPU that reports AMX-BF16, a build for it must use it: the f32 kernel would pass
+  // every other test here at a third of the speed
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  const std::string info((std::istreambuf_iterator<char>(cpuinfo)), {});
+  if (info.find(" amx_bf16") != std::string::npos &&
+      amx_unusable_reason().rfind("not built", 0) != 0) {
+    EXPECT_TRUE(amx_usable()) << amx_unusable_reason();
   }
 }
 
@@ -238,7 +341,7 @@ TEST(Bf16Cli, SweepCrossesThePrecisions) {
       EXPECT_LT(e, 2e-2) << lines[i];
       EXPECT_GT(e_round, 1e-4) << lines[i];
       EXPECT_LT(e_round, e * 1.5) << lines[i];
-      EXPECT_NE(f[notes].find("bf16 path"), std::string::npos) << lines[i];
+      EXPECT_NE(f[notes].find("bf16 kernel: "), std::string::npos) << lines[i];
     } else {
       EXPECT_LT(e, 1e-5) << lines[i];
       EXPECT_EQ(f[rounding], "") << lines[i];

@@ -19,6 +19,7 @@
 #include <functional>
 #include <random>
 #include <sstream>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -167,6 +168,27 @@ class ScopedThreads {
 };
 
 /// Builds the variant named by `spec` and runs it on p with the given inputs.
+// Sets an environment variable for the scope, restoring what was there after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
 inline Tensor run(const std::string& spec, const Problem& p, const Inputs& in) {
   auto v = make_variant(spec);
   Tensor out(p.q_shape());

@@ -38,26 +38,7 @@ namespace {
 namespace fs = std::filesystem;
 using test::TempDir;
 
-// Sets an environment variable for the scope, restoring what was there after.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using test::ScopedEnv;
 
 constexpr int64_t kLayers = 2, kHeads = 2, kDim = 8, kContext = 16, kLength = 48;
 const std::string kCheckpoint = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";

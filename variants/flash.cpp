@@ -38,7 +38,6 @@
 #include <vector>
 
 #include "common/additive_score.h"
-#include "common/bf16.h"
 #include "common/block_sparse.h"
 #include "common/error.h"
 #include "common/kv_decode.h"
@@ -53,11 +52,11 @@ class Flash final : public Variant, public Backward, public Decoder {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
-    bf16_ = p.dtype == DType::bf16;
+    note_ = bf16_engine_note(p, bk_);
     dense_attention(p, q, k, v, out, bq_, bk_);
   }
 
-  std::string notes() const override { return bf16_ ? kBf16EnginePath : ""; }
+  std::string notes() const override { return note_; }
 
   double flops(const Problem& p) const override {
     // the logits and PV over the visible pairs (whole key blocks past the diagonal are skipped)
@@ -113,7 +112,7 @@ class Flash final : public Variant, public Backward, public Decoder {
   int64_t bwd_k() const { return std::min(bk_, kBwdKeys); }
 
   int64_t bq_, bk_;
-  bool bf16_ = false;  // the last forward ran the bf16 path
+  std::string note_;  // the last forward's bf16 kernel (empty for float32)
 };
 
 ATTNBENCH_REGISTER_VARIANT(
