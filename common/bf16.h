@@ -50,6 +50,14 @@ std::string amx_unusable_reason();
 /// Whether the CPU reports AVX512-BF16 (CPUID), whether or not a kernel uses it.
 bool cpu_has_avx512_bf16();
 
+/// Peak rates of this machine's bf16 product instructions, GFLOP/s over `threads` threads,
+/// each timed for about `seconds`: 0 where the build or the CPU has no such instruction.
+///   amx          TDPBF16PS on L1-resident tiles, blocked as the engine's amx kernel (4 C tiles,
+///                2 A and 2 B tiles loaded per step), 16384 flops per instruction
+///   avx512_bf16  VDPBF16PS into 12 register accumulators, 64 flops per instruction
+double amx_bf16_peak_gflops(int threads, double seconds);
+double avx512_bf16_peak_gflops(int threads, double seconds);
+
 /// The environment variable that picks the bf16 kernel: "auto" (the default: amx where
 /// usable, else f32), "amx" (an error where it is not usable) or "f32".
 inline constexpr const char* kBf16KernelEnv = "ATTNBENCH_BF16_KERNEL";

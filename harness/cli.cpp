@@ -509,8 +509,9 @@ void print_row(const Row& r) {
       "time         {:.4f} ms median, {:.4f} ms min, {:.4f} ms max over {} reps of {} "
       "iterations\n",
       r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
-  fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's GEMM rate)\n", r.gflops,
-             r.gemm_fraction * 100);
+  fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's {})\n", r.gflops,
+             r.gemm_fraction * 100,
+             r.problem.dtype == DType::bf16 ? "bf16 peak" : "GEMM rate");
   const std::string& pass = r.workload.pass;
   fmt::print("memory       {} peak {} (estimate {})\n", human_bytes(r.peak_bytes),
              pass == "bwd"      ? "of the backward beyond inputs, output, saved state and gradients"
@@ -1347,6 +1348,10 @@ struct MachineCommand {
                  mf.host);
       fmt::print("GEMM       {:.1f} GFLOP/s best (OpenBLAS {:.1f}, Eigen {:.1f}; square n = {})\n",
                  mf.gemm_gflops, mf.blas_gflops, mf.eigen_gflops, mf.gemm_size);
+      fmt::print(
+          "bf16       {:.1f} GFLOP/s peak (AMX tiles {:.1f}, AVX512-BF16 {:.1f}; 0: none; in "
+          "registers and L1)\n",
+          mf.bf16_gflops, mf.amx_bf16_gflops, mf.avx512_bf16_gflops);
       fmt::print("bandwidth  {:.1f} GB/s (triad)\n", mf.bandwidth_gbs);
       fmt::print("figures    {} at {}\n", mf.source, mf.measured_at);
     }

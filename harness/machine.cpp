@@ -22,6 +22,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/bf16.h"
 #include "common/error.h"
 #include "common/random.h"
 #include "common/tensor.h"
@@ -122,6 +123,11 @@ MachineFigures measure_machine(int threads, bool quick) {
     if (blas < 0.6 * eigen) blas_on = false;
     if (8 * std::min(eigen_rep, blas_rep) > 2.0) break;
   }
+  // the bf16 product instructions, in registers and L1
+  const double bf16_seconds = instrumented ? 0.01 : quick ? 0.05 : 0.2;
+  mf.amx_bf16_gflops = amx_bf16_peak_gflops(threads, bf16_seconds);
+  mf.avx512_bf16_gflops = avx512_bf16_peak_gflops(threads, bf16_seconds);
+  mf.bf16_gflops = std::max({mf.gemm_gflops, mf.amx_bf16_gflops, mf.avx512_bf16_gflops});
   // triad over three arrays well beyond the last-level cache
   const int64_t count = instrumented ? 1 << 20 : (quick ? 16 : 32) << 20;
   Tensor a({1, 1, 1, count}), b({1, 1, 1, count}), c({1, 1, 1, count});
@@ -138,6 +144,10 @@ MachineFigures measure_machine(int threads, bool quick) {
   return mf;
 }
 
+double peak_gflops(const MachineFigures& m, bool bf16) {
+  return bf16 && m.bf16_gflops > 0 ? m.bf16_gflops : m.gemm_gflops;
+}
+
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   char buf[32];
@@ -149,6 +159,8 @@ nlohmann::json to_json(const MachineFigures& m) {
   return {{"cpu_model", m.cpu_model},         {"threads", m.threads},
           {"gemm_gflops", m.gemm_gflops},     {"blas_gflops", m.blas_gflops},
           {"eigen_gflops", m.eigen_gflops},   {"gemm_size", m.gemm_size},
+          {"bf16_gflops", m.bf16_gflops},     {"amx_bf16_gflops", m.amx_bf16_gflops},
+          {"avx512_bf16_gflops", m.avx512_bf16_gflops},
           {"bandwidth_gbs", m.bandwidth_gbs}, {"host", m.host},
           {"measured_at", m.measured_at},     {"source", m.source}};
 }
@@ -177,6 +189,14 @@ MachineFigures machine_from_json(const nlohmann::json& j) {
   get("eigen_gflops", m.eigen_gflops, true);
   get("gemm_size", m.gemm_size, true);
   get("bandwidth_gbs", m.bandwidth_gbs, true);
+  // the bf16 figures are newer: files without them read as none measured
+  if (j.contains("bf16_gflops")) {
+    get("bf16_gflops", m.bf16_gflops, true);
+    get("amx_bf16_gflops", m.amx_bf16_gflops, false);
+    get("avx512_bf16_gflops", m.avx512_bf16_gflops, false);
+    if (!(m.amx_bf16_gflops >= 0) || !(m.avx512_bf16_gflops >= 0))
+      throw Error("'amx_bf16_gflops' and 'avx512_bf16_gflops' must be 0 or more");
+  }
   get("host", m.host, false);
   get("measured_at", m.measured_at, false);
   return m;

@@ -14,14 +14,24 @@ struct MachineFigures {
   double blas_gflops = 0;           ///< OpenBLAS sgemm, square products
   double eigen_gflops = 0;          ///< Eigen's own GEMM, same sizes
   int gemm_size = 0;                ///< the square size that gave the best rate
+  double amx_bf16_gflops = 0;       ///< AMX bf16 tile products, L1-resident (0: none usable)
+  double avx512_bf16_gflops = 0;    ///< AVX512-BF16 VDPBF16PS in registers (0: none)
+  /// The bf16 peak: the fastest of the two above and gemm_gflops (bf16 values multiply
+  /// exactly in float32, so float32 GEMM is a bf16 product too). bf16 rows' gemm_fraction
+  /// is their rate over it.
+  double bf16_gflops = 0;
   double bandwidth_gbs = 0;         ///< STREAM-style triad a = b + s c, GB/s (3 arrays counted)
   std::string host;                 ///< the host that measured them (gethostname)
   std::string measured_at;          ///< when, UTC, ISO 8601
   std::string source = "measured";  ///< "measured", or "read from FILE" (machine_figures)
 };
 
+/// The peak a row of this precision is measured against: gemm_gflops for float32,
+/// bf16_gflops for bf16 (gemm_gflops when the figures predate it).
+double peak_gflops(const MachineFigures& m, bool bf16);
+
 /// Measures GEMM (OpenBLAS and Eigen, square sizes 1024, 2048 and 4096 as time allows, best
-/// of several) and triad bandwidth with `threads` threads, in a few seconds. `quick` uses
+/// of several), the bf16 instructions' peaks (common/bf16.h) and triad bandwidth with `threads` threads, in a few seconds. `quick` uses
 /// fewer and smaller products (about a second in all).
 MachineFigures measure_machine(int threads, bool quick = false);
 

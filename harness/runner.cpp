@@ -224,7 +224,9 @@ bool time_passes(const std::string& name, const RunOptions& opt, const MachineFi
   row.time_spread = row.time_min > 0 ? row.time_max / row.time_min : NAN;
   row.noisy = !noise_reason(row).empty();
   row.gflops = row.flops / row.time_median / 1e9;
-  row.gemm_fraction = mf.gemm_gflops > 0 ? row.gflops / mf.gemm_gflops : NAN;
+  // the share of the peak of the row's precision
+  const double rate = peak_gflops(mf, row.problem.dtype == DType::bf16);
+  row.gemm_fraction = rate > 0 ? row.gflops / rate : NAN;
   row.peak_bytes = heap_counting() ? peak : NAN;  // never a figure that was not measured
   phase_times.check();
   row.phases = phase_times.per_pass(passes);

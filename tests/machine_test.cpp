@@ -8,11 +8,13 @@
 #include <fmt/core.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "common/bf16.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -81,6 +83,41 @@ TEST(MachineFile, ABadFileIsMeasuredAgainAndReplaced) {
             std::string::npos);
   j["bandwidth_gbs"] = 0.0;
   EXPECT_NE(test::error_message<Error>([&] { machine_from_json(j); }).find("not a positive"),
+            std::string::npos);
+}
+
+// The bf16 peaks: measured where the instructions run (0 where not), the bf16 peak the best of
+// them and float32 GEMM, kept in the file, and older files without them read as none; a bf16
+// row's share of the peak is taken against the bf16 peak.
+TEST(MachineFile, Bf16PeaksBesideGemm) {
+  TempDir dir;
+  const std::string path = dir.file("machine.json");
+  const MachineFigures m = machine_figures(path, 1, /*quick=*/true);
+  EXPECT_EQ(m.amx_bf16_gflops > 0, amx_usable());
+  if (amx_usable()) {
+    // 16 x 16 x 32 multiply-adds per instruction: far past float32 GEMM on one core
+    EXPECT_GT(m.amx_bf16_gflops, 2 * m.gemm_gflops);
+  }
+  if (!cpu_has_avx512_bf16()) {
+    EXPECT_EQ(m.avx512_bf16_gflops, 0.0);
+  }
+  EXPECT_EQ(m.bf16_gflops, std::max({m.gemm_gflops, m.amx_bf16_gflops, m.avx512_bf16_gflops}));
+  EXPECT_EQ(peak_gflops(m, true), m.bf16_gflops);
+  EXPECT_EQ(peak_gflops(m, false), m.gemm_gflops);
+  const MachineFigures again = machine_figures(path, 1, /*quick=*/true);
+  EXPECT_EQ(again.bf16_gflops, m.bf16_gflops);
+  EXPECT_EQ(again.amx_bf16_gflops, m.amx_bf16_gflops);
+
+  nlohmann::json j = read_json(path);
+  j.erase("bf16_gflops");
+  j.erase("amx_bf16_gflops");
+  j.erase("avx512_bf16_gflops");
+  const MachineFigures old = machine_from_json(j);
+  EXPECT_EQ(old.bf16_gflops, 0.0);
+  EXPECT_EQ(peak_gflops(old, true), old.gemm_gflops);
+  j = read_json(path);
+  j["amx_bf16_gflops"] = -1.0;
+  EXPECT_NE(test::error_message<Error>([&] { machine_from_json(j); }).find("amx_bf16_gflops"),
             std::string::npos);
 }
 
