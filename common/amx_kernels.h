@@ -101,15 +101,15 @@ inline __m512i bf16_32(__m512 a, __m512 b) { return __m512i(_mm512_cvtne2ps_pbh(
 
 /// 16 pairs (bf16(a_i), bf16(b_i)) as 32-bit words, a_i in the low half: the pair layout of B.
 inline __m512i bf16_pairs(__m512 a, __m512 b) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                       8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(idx, bf16_32(a, b));
 }
 
 /// Packs K of one head for pass 1: keys x dk bf16, row j the bf16 of key j (rows from m up to
 /// `keys`, and features past d, 0). k0: key 0, row stride ldk.
-inline void pack_keys(const float* k0, int64_t ldk, int64_t m, int64_t d, int64_t dk,
-                      int64_t keys, uint16_t* dst) {
+inline void pack_keys(const float* k0, int64_t ldk, int64_t m, int64_t d, int64_t dk, int64_t keys,
+                      uint16_t* dst) {
   for (int64_t j = 0; j < keys; ++j) {
     uint16_t* row = dst + j * dk;
     for (int64_t x = 0; x < dk; x += kDepth) {
@@ -207,7 +207,8 @@ inline void scores_block(const Tiles& tl, const Workspace& w, int64_t groups, co
   }
   for (int64_t rv = 0; rv < groups; ++rv) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t c = 0; c < cols; ++c) mx = _mm512_max_ps(mx, _mm512_loadu_ps(w.st + c * ld + rv * kLanes));
+    for (int64_t c = 0; c < cols; ++c)
+      mx = _mm512_max_ps(mx, _mm512_loadu_ps(w.st + c * ld + rv * kLanes));
     _mm512_storeu_ps(w.bmax + rv * kLanes, mx);
   }
 }
@@ -216,9 +217,9 @@ inline void scores_block(const Tiles& tl, const Workspace& w, int64_t groups, co
 /// weights), but P^T goes out as bf16 pairs of keys (c, c + 1) per row into pv (key pairs
 /// past cols, up to keys32 / 2, are 0). Returns whether some row's max moved (corr != 1).
 template <bool kScaleP>
-inline bool softmax_pack(const float* st, int64_t ld, int64_t groups, int64_t cols,
-                         int64_t keys32, float scale, float pscale, float* mx, float* l,
-                         float* corr, const float* bmax, uint32_t* pv) {
+inline bool softmax_pack(const float* st, int64_t ld, int64_t groups, int64_t cols, int64_t keys32,
+                         float scale, float pscale, float* mx, float* l, float* corr,
+                         const float* bmax, uint32_t* pv) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale),
                ps = _mm512_set1_ps(pscale), one = _mm512_set1_ps(1.0f);
   auto weight = [&](__m512 x, __m512 shift) {
@@ -269,7 +270,8 @@ inline void pv_block(const Tiles& tl, const Workspace& w, int64_t groups, const 
     for (int64_t f = 0; f < tl.dv; ++f)
       for (int64_t rv = 0; rv < groups; ++rv) {
         float* a = w.acc + f * ld + rv * kLanes;
-        _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(w.corr + rv * kLanes)));
+        _mm512_storeu_ps(a,
+                         _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(w.corr + rv * kLanes)));
       }
   for (int64_t f0 = 0; f0 < tl.dv; f0 += 2 * kTileRows)
     for (int64_t rg = 0; rg < groups; rg += 2) {
@@ -320,12 +322,10 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   } else {
     flag_overflowed_max(w.bmax, groups);
   }
-  const bool moved =
-      pscale == 1.0f
-          ? softmax_pack<false>(w.st, ld, groups, cols, keys32, scale, 1.0f, w.mx, w.l, w.corr,
-                                w.bmax, w.pv)
-          : softmax_pack<true>(w.st, ld, groups, cols, keys32, scale, pscale, w.mx, w.l, w.corr,
-                               w.bmax, w.pv);
+  const bool moved = pscale == 1.0f ? softmax_pack<false>(w.st, ld, groups, cols, keys32, scale,
+                                                          1.0f, w.mx, w.l, w.corr, w.bmax, w.pv)
+                                    : softmax_pack<true>(w.st, ld, groups, cols, keys32, scale,
+                                                         pscale, w.mx, w.l, w.corr, w.bmax, w.pv);
   pv_block(tl, w, groups, vb, keys32, moved);
 }
 
@@ -338,8 +338,8 @@ inline bool finish_tile(const Tiles& tl, const Workspace& w, int64_t rows, float
   for (int64_t rv = 0; rv * kLanes < rows; ++rv) {
     const int64_t real = std::min<int64_t>(kLanes, rows - rv * kLanes);
     const __m512 lv = _mm512_loadu_ps(w.l + rv * kLanes);
-    const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(lv, zero, _CMP_GT_OQ),
-                                           _mm512_set1_ps(1.0f), lv);
+    const __m512 inv =
+        _mm512_maskz_div_ps(_mm512_cmp_ps_mask(lv, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f), lv);
     for (int64_t f0 = 0; f0 < tl.d; f0 += kLanes) {
       __m512 blk[kLanes];
       for (int64_t i = 0; i < kLanes; ++i)

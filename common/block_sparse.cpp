@@ -340,8 +340,8 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
             const float* bias;
             if (!walk->block(i, j0, cols, mk, bias)) continue;
             const ScoreHook hook{add ? &*add : nullptr, b, h, i0, j0};
-            kernel.block(w, rows, k, v, b, h, j0, cols, scale, causal_first(p, i0, j0), mk,
-                         pscale, add ? &hook : nullptr, bias);
+            kernel.block(w, rows, k, v, b, h, j0, cols, scale, causal_first(p, i0, j0), mk, pscale,
+                         add ? &hook : nullptr, bias);
           }
           if (kPrefetch && pscale == 1.0f) prefetch_upto(rows);
           if (kernel.finish(w, rows, out.row(b, h, i0), out.stride_row) || pscale != 1.0f) {
@@ -485,12 +485,12 @@ double engine_memory(const Problem& p, int64_t bq, int64_t bk, bool dense) {
 #ifdef __AVX512F__
   const bool biased = p.attn_mask != nullptr;
   const int64_t rows = tile_rows(p, bq), cols = tile_cols(p, bk);
-  double tile_bytes = double(fast::thread_bytes(fast::tiles(p, bq, bk).bytes(), rows, cols, dense,
-                                                biased));
+  double tile_bytes =
+      double(fast::thread_bytes(fast::tiles(p, bq, bk).bytes(), rows, cols, dense, biased));
 #ifdef ATTNBENCH_AMX_KERNELS
   if (use_amx(p, bk)) {
-    tile_bytes = double(fast::thread_bytes(fast::AmxKernel::tile_bytes(p, bq, bk), rows, cols,
-                                           dense, biased));
+    tile_bytes = double(
+        fast::thread_bytes(fast::AmxKernel::tile_bytes(p, bq, bk), rows, cols, dense, biased));
     shared = double(fast::AmxKernel::packed_bytes(p));
   }
 #endif

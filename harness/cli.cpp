@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "build_info.h"
+#include "common/bf16.h"
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/npy.h"
@@ -475,6 +476,20 @@ std::optional<Inputs> load_given_inputs(const std::string& path,
 
 nlohmann::json json_number(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
 
+/// The bf16 kernels of the tiled attention engine on this machine (common/bf16.h): the
+/// ATTNBENCH_BF16_KERNEL request, whether amx can run (and why not), whether the CPU has
+/// AVX512-BF16, and the kernel bf16 rows take by default (each row's notes name the one that
+/// ran: key blocks amx cannot start at take f32).
+nlohmann::json bf16_kernels_json() {
+  const std::string request = bf16_kernel_request();
+  const bool amx = amx_usable();
+  return {{"request", request},
+          {"amx_usable", amx},
+          {"amx_unusable_reason", amx_unusable_reason()},
+          {"cpu_avx512_bf16", cpu_has_avx512_bf16()},
+          {"default_kernel", amx && request != "f32" ? "amx" : "f32"}};
+}
+
 nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int threads) {
   const GitState git = git_state();
   return {{"date", utc_now()},
@@ -494,7 +509,8 @@ nlohmann::json meta_json(int argc, char** argv, const MachineFigures& mf, int th
           // what `list --json` says: parameters with their defaults (plots label a spec by
           // the parameters that differ) and capabilities
           {"variants", nlohmann::json::parse(variants_json().dump())},
-          {"exact_pairs_limit", kExactPairsLimit}};
+          {"exact_pairs_limit", kExactPairsLimit},
+          {"bf16_kernels", bf16_kernels_json()}};
 }
 
 void print_row(const Row& r) {
@@ -510,8 +526,7 @@ void print_row(const Row& r) {
       "iterations\n",
       r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
   fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's {})\n", r.gflops,
-             r.gemm_fraction * 100,
-             r.problem.dtype == DType::bf16 ? "bf16 peak" : "GEMM rate");
+             r.gemm_fraction * 100, r.problem.dtype == DType::bf16 ? "bf16 peak" : "GEMM rate");
   const std::string& pass = r.workload.pass;
   fmt::print("memory       {} peak {} (estimate {})\n", human_bytes(r.peak_bytes),
              pass == "bwd"      ? "of the backward beyond inputs, output, saved state and gradients"

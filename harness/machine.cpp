@@ -156,13 +156,19 @@ std::string utc_now() {
 }
 
 nlohmann::json to_json(const MachineFigures& m) {
-  return {{"cpu_model", m.cpu_model},         {"threads", m.threads},
-          {"gemm_gflops", m.gemm_gflops},     {"blas_gflops", m.blas_gflops},
-          {"eigen_gflops", m.eigen_gflops},   {"gemm_size", m.gemm_size},
-          {"bf16_gflops", m.bf16_gflops},     {"amx_bf16_gflops", m.amx_bf16_gflops},
+  return {{"cpu_model", m.cpu_model},
+          {"threads", m.threads},
+          {"gemm_gflops", m.gemm_gflops},
+          {"blas_gflops", m.blas_gflops},
+          {"eigen_gflops", m.eigen_gflops},
+          {"gemm_size", m.gemm_size},
+          {"bf16_gflops", m.bf16_gflops},
+          {"amx_bf16_gflops", m.amx_bf16_gflops},
           {"avx512_bf16_gflops", m.avx512_bf16_gflops},
-          {"bandwidth_gbs", m.bandwidth_gbs}, {"host", m.host},
-          {"measured_at", m.measured_at},     {"source", m.source}};
+          {"bandwidth_gbs", m.bandwidth_gbs},
+          {"host", m.host},
+          {"measured_at", m.measured_at},
+          {"source", m.source}};
 }
 
 MachineFigures machine_from_json(const nlohmann::json& j) {

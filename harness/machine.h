@@ -10,12 +10,12 @@ namespace attnbench {
 struct MachineFigures {
   std::string cpu_model;
   int threads = 0;
-  double gemm_gflops = 0;           ///< best single-precision GEMM rate seen (BLAS or Eigen)
-  double blas_gflops = 0;           ///< OpenBLAS sgemm, square products
-  double eigen_gflops = 0;          ///< Eigen's own GEMM, same sizes
-  int gemm_size = 0;                ///< the square size that gave the best rate
-  double amx_bf16_gflops = 0;       ///< AMX bf16 tile products, L1-resident (0: none usable)
-  double avx512_bf16_gflops = 0;    ///< AVX512-BF16 VDPBF16PS in registers (0: none)
+  double gemm_gflops = 0;         ///< best single-precision GEMM rate seen (BLAS or Eigen)
+  double blas_gflops = 0;         ///< OpenBLAS sgemm, square products
+  double eigen_gflops = 0;        ///< Eigen's own GEMM, same sizes
+  int gemm_size = 0;              ///< the square size that gave the best rate
+  double amx_bf16_gflops = 0;     ///< AMX bf16 tile products, L1-resident (0: none usable)
+  double avx512_bf16_gflops = 0;  ///< AVX512-BF16 VDPBF16PS in registers (0: none)
   /// The bf16 peak: the fastest of the two above and gemm_gflops (bf16 values multiply
   /// exactly in float32, so float32 GEMM is a bf16 product too). bf16 rows' gemm_fraction
   /// is their rate over it.
@@ -31,8 +31,8 @@ struct MachineFigures {
 double peak_gflops(const MachineFigures& m, bool bf16);
 
 /// Measures GEMM (OpenBLAS and Eigen, square sizes 1024, 2048 and 4096 as time allows, best
-/// of several), the bf16 instructions' peaks (common/bf16.h) and triad bandwidth with `threads` threads, in a few seconds. `quick` uses
-/// fewer and smaller products (about a second in all).
+/// of several), the bf16 instructions' peaks (common/bf16.h) and triad bandwidth with `threads`
+/// threads, in a few seconds. `quick` uses fewer and smaller products (about a second in all).
 MachineFigures measure_machine(int threads, bool quick = false);
 
 /// The figures of `threads` threads through a file shared by the processes of one sweep (the

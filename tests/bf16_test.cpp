@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -154,7 +155,8 @@ TEST(Bf16Flash, WithinTheRoundoffBoundOnRaggedShapes) {
       SCOPED_TRACE(c.name);
       Problem p = c.p;
       const Inputs rounded = rounded_inputs(generate_inputs(p));
-      for (const char* spec : {"flash", "flash:block_q=16,block_k=32", "flash:block_q=48,block_k=64"}) {
+      for (const char* spec :
+           {"flash", "flash:block_q=16,block_k=32", "flash:block_q=48,block_k=64"}) {
         SCOPED_TRACE(spec);
         p.dtype = DType::bf16;
         auto flash = make_variant(spec);
@@ -163,7 +165,8 @@ TEST(Bf16Flash, WithinTheRoundoffBoundOnRaggedShapes) {
         EXPECT_EQ(flash->notes().rfind("bf16 kernel: " + kernel, 0), 0u) << flash->notes();
         p.dtype = DType::f32;
         const Tensor f32 = test::run(spec, p, rounded);
-        const double bf_ratio = worst_ratio(p, rounded, bf), f32_ratio = worst_ratio(p, rounded, f32);
+        const double bf_ratio = worst_ratio(p, rounded, bf),
+                     f32_ratio = worst_ratio(p, rounded, f32);
         std::printf("%s %s %s: worst |o - o*| / (u sum p|v|) %.3f (bf16), %.2e (f32)\n",
                     kernel.c_str(), c.name, spec, bf_ratio, f32_ratio);
         // within the bound (a 2% margin for the float32 part of the arithmetic) ...
@@ -348,6 +351,13 @@ TEST(Bf16Cli, SweepCrossesThePrecisions) {
     }
   }
   EXPECT_EQ(bf16_ok, 2);
+  // meta.json records the bf16 kernels this machine runs
+  const auto meta = nlohmann::json::parse(test::read_text(out + "/meta.json"));
+  const auto& kernels = meta.at("bf16_kernels");
+  EXPECT_EQ(kernels.at("amx_usable").get<bool>(), amx_usable());
+  EXPECT_EQ(kernels.at("amx_unusable_reason").get<std::string>(), amx_unusable_reason());
+  EXPECT_EQ(kernels.at("default_kernel").get<std::string>(), amx_usable() ? "amx" : "f32");
+  EXPECT_EQ(kernels.at("cpu_avx512_bf16").get<bool>(), cpu_has_avx512_bf16());
   // resumed, every row is kept: f32 and bf16 rows of one problem are distinct keys
   const test::CliResult again = test::run_cli(args + " --resume", dir);
   ASSERT_EQ(again.code, 0) << again.err;

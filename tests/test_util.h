@@ -17,9 +17,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <sstream>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
