@@ -890,6 +890,7 @@ double block_sparse_memory(const Problem& p, int64_t block) {
 void PatternVariant::forward(const Problem& p, ConstTensorView q, ConstTensorView k,
                              ConstTensorView v, TensorView out) {
   auto pat = make_pattern(p, q, k);
+  bf16_note_ = bf16_engine_note(p, pat->block());
   block_sparse_attention(p, q, k, v, out, *pat);
 }
 

@@ -179,8 +179,12 @@ class PatternVariant : public Variant, public Backward {
   double backward_flops(const Problem& p) const override;
   double saved_estimate(const Problem& p) const override;
   double backward_memory_estimate(const Problem& p) const override;
+  /// For a bf16 forward, the engine's bf16 kernel (bf16_engine_note); empty otherwise.
+  std::string notes() const override { return bf16_note_; }
 
  protected:
+  /// The last forward's bf16 kernel, as notes() says it (empty for float32).
+  std::string bf16_note_;
   /// Sizes of the pattern on p for the estimates: the scores the engine computes over all
   /// heads, the (query block, key block) pairs listed, the pattern's bytes, its block size.
   struct Counts {

@@ -219,7 +219,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = false,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<BigBird>(v.get_int("block"), v.get_int("window_blocks"),
                                            v.get_int("random_blocks"), v.get_int("global_blocks"));

@@ -151,7 +151,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = true,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Global>(v.get_int("global"), v.get_int_list("positions"),
                                           v.get_int("block"));

@@ -118,7 +118,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = true,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Local>(v.get_int("window"), v.get_int("sinks"),
                                          v.get_int("block"));

@@ -146,7 +146,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = true,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Longformer>(v.get_int("window"), v.get_int("dilation"),
                                               v.get_int("dilated_heads"), v.get_int("global"),
