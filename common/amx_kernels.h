@@ -24,7 +24,9 @@
 // last; the process must have been granted the tile state (amx_usable, common/bf16.h).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+// (GCC spells the AMX macros __AMX_TILE__ and __AMX_BF16__, clang 14 __AMXTILE__, __AMXBF16__)
+#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
+    (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__AVX512BF16__) && \
     defined(__AVX512F__) && defined(__AVX512BW__)
 #define ATTNBENCH_AMX_KERNELS 1
 
@@ -308,20 +310,7 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   const int64_t ld = tl.ld, keys32 = round_up(cols, kDepth);
   const int64_t groups = round_up(rows, 2 * kTileRows) / kTileRows;
   scores_block(tl, w, groups, kb, keys32, cols);
-  if (bias)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) w.st[c * ld + r] += bias[r * cols + c];
-  const bool causal = causal_first < cols;
-  if (mask) {
-    if (causal)
-      mask_block<true, true>(w.st, ld, rows, groups, cols, causal_first, mask, w.bmax);
-    else
-      mask_block<false, true>(w.st, ld, rows, groups, cols, causal_first, mask, w.bmax);
-  } else if (causal) {
-    mask_block<true, false>(w.st, ld, rows, groups, cols, causal_first, nullptr, w.bmax);
-  } else {
-    flag_overflowed_max(w.bmax, groups);
-  }
+  bias_and_mask(w.st, ld, w.bmax, rows, groups, cols, causal_first, mask, bias);
   const bool moved = pscale == 1.0f ? softmax_pack<false>(w.st, ld, groups, cols, keys32, scale,
                                                           1.0f, w.mx, w.l, w.corr, w.bmax, w.pv)
                                     : softmax_pack<true>(w.st, ld, groups, cols, keys32, scale,

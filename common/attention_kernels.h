@@ -538,6 +538,32 @@ inline void flag_overflowed_max(float* bmax, int64_t nrv) {
   }
 }
 
+/// Between passes 1 and 3 of a block of S^T (leading dimension ld, nrv row vectors, rows
+/// real rows, cols keys; bmax the block row max of pass 1): the attention mask's finite bias
+/// (rows x cols, raw score units, or null) added, then pass 2 where the block needs it (a
+/// causal crossing, causal_first < cols, or an element mask; the mask, never null with a
+/// bias, recomputes the block max), else the overflow check. Returns whether the block
+/// crosses the causal diagonal.
+inline bool bias_and_mask(float* st, int64_t ld, float* bmax, int64_t rows, int64_t nrv,
+                          int64_t cols, int64_t causal_first, const uint8_t* mask,
+                          const float* bias) {
+  if (bias)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) st[c * ld + r] += bias[r * cols + c];
+  const bool causal = causal_first < cols;
+  if (mask) {
+    if (causal)
+      mask_block<true, true>(st, ld, rows, nrv, cols, causal_first, mask, bmax);
+    else
+      mask_block<false, true>(st, ld, rows, nrv, cols, causal_first, mask, bmax);
+  } else if (causal) {
+    mask_block<true, false>(st, ld, rows, nrv, cols, causal_first, nullptr, bmax);
+  } else {
+    flag_overflowed_max(bmax, nrv);
+  }
+  return causal;
+}
+
 /// Passes 1-4 for one key block: cols <= bk keys, key c at kb + c ldk and vb + c ldv, for
 /// the tile's `rows` query rows. Row r sees the keys c < causal_first + r of the block
 /// (causal_first >= cols: every key), and, if mask is not null, only those with
@@ -556,23 +582,8 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
     hook_scores(tl, w, rows, nrv, cols, *hook);
   else
     scores_block(tl, w, nrv, kb, ldk, cols, std::min(causal_first, cols));
-  // the attention mask's finite bias, added in raw score units (the element mask, never
-  // null with a bias, recomputes the block max in pass 2)
-  if (bias)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) w.st[c * ld + r] += bias[r * cols + c];
-  // pass 2: only blocks reaching past the keys every row sees, or with a mask
-  const bool causal = causal_first < cols;
-  if (mask) {
-    if (causal)
-      mask_block<true, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
-    else
-      mask_block<false, true>(w.st, ld, rows, nrv, cols, causal_first, mask, w.bmax);
-  } else if (causal) {
-    mask_block<true, false>(w.st, ld, rows, nrv, cols, causal_first, nullptr, w.bmax);
-  } else {
-    flag_overflowed_max(w.bmax, nrv);
-  }
+  // the attention mask's bias, and pass 2 where the block needs it
+  const bool causal = bias_and_mask(w.st, ld, w.bmax, rows, nrv, cols, causal_first, mask, bias);
   // pass 3: new max, correction, P, l
   if (pscale == 1.0f)
     softmax_update<false>(w.st, ld, nrv, cols, scale, 1.0f, w.mx, w.l, w.corr, w.bmax);

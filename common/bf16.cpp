@@ -10,6 +10,7 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#include <immintrin.h>
 #endif
 #if defined(__linux__)
 #include <sys/syscall.h>

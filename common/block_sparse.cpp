@@ -457,7 +457,7 @@ Bf16Choice bf16_choice(const Problem& p, int64_t bk) {
   return c;
 }
 
-bool use_amx(const Problem& p, int64_t bk) {
+[[maybe_unused]] bool use_amx(const Problem& p, int64_t bk) {
   return p.dtype == DType::bf16 && bf16_choice(p, bk).amx;
 }
 

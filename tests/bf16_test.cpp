@@ -192,10 +192,12 @@ TEST(Bf16Patterns, WithinTheRoundoffBoundOfTheirFloat32Path) {
   for (const std::string& kernel : bf16_kernels()) {
     SCOPED_TRACE(kernel);
     const test::ScopedEnv env(kBf16KernelEnv, kernel);
-    for (const char* spec :
-         {"local:window=20,block=32", "local:window=9,sinks=3,block=16",
-          "bigbird:block=32,window_blocks=3,random_blocks=1,global_blocks=1",
-          "global:global=5,block=32", "longformer:window=12,global=4,block=32"}) {
+    for (const char* spec : {"local:window=20,block=32", "local:window=9,sinks=3,block=16",
+                             "bigbird:block=32,window_blocks=3,random_blocks=1,global_blocks=1",
+                             "global:global=5,block=32", "longformer:window=12,global=4,block=32",
+                             "strided:stride=5,span=40,block=32", "strided:stride=9,block=32",
+                             "sparse_transformer:stride=24,block=32",
+                             "sparse_transformer:mode=fixed,stride=24,summary=4,block=32"}) {
       SCOPED_TRACE(spec);
       for (const Case& c : cases) {
         SCOPED_TRACE(c.name);

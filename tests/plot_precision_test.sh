@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The report's precision section on a real short sweep with --dtype f32,bf16: flash has a bf16
-# path, local has not. The flash rows are given known times and errors, so the table's
-# speed-ups and error columns are checked against numbers set here; local's bf16 rows
+# path, linear has not. The flash rows are given known times and errors, so the table's
+# speed-ups and error columns are checked against numbers set here; linear's bf16 rows
 # (unsupported) stay out of it and are listed among the rows not plotted, and the float32
 # figures and tables draw no bf16 row.
 set -euo pipefail
@@ -12,7 +12,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_precision_test: $*" >&2; exit 1; }
 
-"$bin" sweep --out "$tmp/run" --variant flash --variant local:window=16 --seq 64,128 \
+"$bin" sweep --out "$tmp/run" --variant flash --variant linear --seq 64,128 \
   --causal both --dtype f32,bf16 --reps 1 --min-time 0 --heads 1 --dim 16 --threads 1 \
   2>/dev/null || fail "the sweep failed"
 
@@ -24,7 +24,7 @@ path = sys.argv[1]
 rows = list(csv.DictReader(open(path)))
 for r in rows:
     if r["status"] != "ok":
-        if not (r["variant"] == "local" and r["dtype"] == "bf16" and r["status"] == "unsupported"):
+        if not (r["variant"] == "linear" and r["dtype"] == "bf16" and r["status"] == "unsupported"):
             sys.exit(f"plot_precision_test: unexpected row {r['spec']} {r['dtype']} {r['status']}")
         continue
     t = (1e-3 if r["n"] == "64" else 4e-3) * (0.5 if r["dtype"] == "bf16" else 1.0)
@@ -67,8 +67,8 @@ for l in rows:
     want = ("1 ms", "500 µs") if n == 64 else ("4 ms", "2 ms")
     if (cells[4], cells[5]) != want:
         fail(f"times {cells[4:6]}, expected {want}: {l}")
-if "local has no bf16 path" not in report:
-    fail("the unsupported bf16 rows of local are not listed among the rows not plotted")
+if "linear has no bf16 path" not in report:
+    fail("the unsupported bf16 rows of linear are not listed among the rows not plotted")
 # the float32 figures: error_vs_n draws one point per (spec, n) and causal setting, none of
 # them a bf16 row's (their errors, 3e-3, would show)
 debug = json.load(open(sys.argv[2]))

@@ -155,6 +155,7 @@ class SparseTransformer final : public FixedPatternVariant {
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     if (on_engine(p)) return PatternVariant::forward(p, q, k, v, out);
+    bf16_note_ = bf16_engine_note(p, block_);  // both parts run on the engine
     std::vector<float> lse(size_t(p.batch * p.heads * p.n));
     run_parts(p, q, k, v, out, LseView{lse.data(), p.heads * p.n, p.n, 1});
   }
@@ -279,7 +280,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = true,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<SparseTransformer>(v.get_choice("mode") == "fixed",
                                                      v.get_int("stride"), v.get_int("summary"),

@@ -45,6 +45,7 @@ class Strided final : public FixedPatternVariant {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
+    bf16_note_ = bf16_engine_note(p, block_);  // the classes run on the engine
     strided_attention(p, q, k, v, out, stride_, limit(), block_);
   }
 
@@ -101,7 +102,8 @@ ATTNBENCH_REGISTER_VARIANT(
                  .cross = true,
                  .additive = true,
                  .key_padding = true,
-                 .attn_mask = true},
+                 .attn_mask = true,
+                 .bf16 = true},
         .make = [](const ParamValues& v) {
           return std::make_unique<Strided>(v.get_int("stride"), v.get_int("span"),
                                            v.get_int("block"));
