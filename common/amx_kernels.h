@@ -25,7 +25,7 @@
 #pragma once
 
 // (GCC spells the AMX macros __AMX_TILE__ and __AMX_BF16__, clang 14 __AMXTILE__, __AMXBF16__)
-#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) && \
+#if (defined(__AMX_TILE__) || defined(__AMXTILE__)) &&                            \
     (defined(__AMX_BF16__) || defined(__AMXBF16__)) && defined(__AVX512BF16__) && \
     defined(__AVX512F__) && defined(__AVX512BW__)
 #define ATTNBENCH_AMX_KERNELS 1
