@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/error.h"
 #include "common/inputs.h"
 #include "common/npy.h"
@@ -79,6 +80,7 @@ struct Options {
   std::optional<py::array> attn_mask;
   int64_t kv_heads = 0;  // 0: from k's shape
   uint64_t seed = 0;
+  std::string dtype = "f32";
   int threads = 0;
 };
 
@@ -110,6 +112,7 @@ Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o)
   p.kv_heads = g < h ? g : 0;
   p.causal = o.causal;
   p.score = parse_score(o.score);
+  p.dtype = parse_dtype(o.dtype);
   p.seed = o.seed;
   if (!o.key_padding.empty()) {
     p.key_lengths = o.key_padding;
@@ -156,10 +159,12 @@ Options options(const py::kwargs& kw) {
       o.seed = value.cast<uint64_t>();
     } else if (k == "threads") {
       o.threads = value.cast<int>();
+    } else if (k == "dtype") {
+      o.dtype = value.cast<std::string>();
     } else {
       throw UsageError("unknown keyword '" + k +
                        "'; accepted: causal, score, key_padding, attn_mask, kv_heads, seed, "
-                       "threads");
+                       "threads, dtype");
     }
   }
   return o;
@@ -198,6 +203,14 @@ void record_pointers(const F32& q, const F32& k, const F32& v) {
   g_last_v = reinterpret_cast<uintptr_t>(v.data());
 }
 
+// A copy of a with every value rounded to bfloat16 (to nearest even).
+F32 rounded_copy(const F32& a) {
+  F32 r(std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+  std::copy(a.data(), a.data() + a.size(), r.mutable_data());
+  round_to_bf16(r.mutable_data(), int64_t(r.size()));
+  return r;
+}
+
 F32 forward(Variant& variant, std::mutex& mu, const py::handle& qo, const py::handle& ko,
             const py::handle& vo, const Options& o) {
   const F32 q = expect_f32(qo, "q"), k = expect_f32(ko, "k"), v = expect_f32(vo, "v");
@@ -206,11 +219,18 @@ F32 forward(Variant& variant, std::mutex& mu, const py::handle& qo, const py::ha
   F32 out = empty(p.q_shape());
   record_pointers(q, k, v);
   TensorView ov = mut_view(out);
+  // bf16: the variant runs on copies of q, k, v rounded to bfloat16 (as the runner gives it)
+  F32 qr, kr, vr;
+  if (p.dtype == DType::bf16) {
+    variant.check_supported(p);  // before the copies
+    qr = rounded_copy(q), kr = rounded_copy(k), vr = rounded_copy(v);
+  }
+  const bool bf16 = p.dtype == DType::bf16;
   {
     py::gil_scoped_release nogil;
     const std::lock_guard<std::mutex> lock(mu);
     ThreadTeam team(threads);
-    variant.run(p, view(q), kv_view(k, p), kv_view(v, p), ov);
+    variant.run(p, view(bf16 ? qr : q), kv_view(bf16 ? kr : k, p), kv_view(bf16 ? vr : v, p), ov);
   }
   return out;
 }
@@ -247,7 +267,7 @@ py::dict capabilities(const Variant& v) {
   py::dict d;
   d["causal"] = c.causal, d["cross"] = c.cross, d["exact"] = c.exact;
   d["linear_score"] = c.linear_score, d["additive"] = c.additive;
-  d["key_padding"] = c.key_padding, d["attn_mask"] = c.attn_mask;
+  d["key_padding"] = c.key_padding, d["attn_mask"] = c.attn_mask, d["bf16"] = c.bf16;
   d["backward"] = const_cast<Variant&>(v).backward() != nullptr;
   d["decode"] = const_cast<Variant&>(v).decoder() != nullptr;
   return d;
@@ -293,6 +313,11 @@ PYBIND11_MODULE(_attnbench, m) {
       .def_property_readonly("summary", [](const PyVariant& s) { return s.v->info().summary; })
       .def_property_readonly("params", [](const PyVariant& s) { return params_dict(*s.v); })
       .def_property_readonly("capabilities", [](const PyVariant& s) { return capabilities(*s.v); })
+      .def_property_readonly("notes",
+                             [](const PyVariant& s) {
+                               const std::lock_guard<std::mutex> lock(*s.mu);
+                               return s.v->notes();
+                             })
       .def(
           "forward",
           [](PyVariant& s, py::handle q, py::handle k, py::handle v, const py::kwargs& kw) {

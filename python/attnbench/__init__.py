@@ -20,6 +20,10 @@ Problem keywords (attention, reference, Variant.forward, Variant.forward_train):
   kv_heads     if given, must equal k.shape[1]
   seed         the variant's random draws (features, projections, hashes)
   threads      threads of the call (0: every core)
+  dtype        "f32" (default) or "bf16": q, k, v rounded to bfloat16 (to nearest even, as
+               torch's .to(torch.bfloat16)), bf16 products with float32 accumulation, the
+               softmax in float32 (the forward of variants whose capabilities say bf16; the
+               output stays float32). Variant.notes then names the bf16 kernel that ran.
 
 Errors carry the C++ messages: a bad spec, value, shape or dtype raises ValueError; a
 problem the variant cannot run (causal, masks, a backward or decode step it lacks) raises
@@ -47,7 +51,7 @@ def _as_f32(x, what):
 
 
 def _problem_kwargs(causal=False, score="scaled_dot", key_padding=None, attn_mask=None,
-                    kv_heads=None, seed=0, threads=0):
+                    kv_heads=None, seed=0, threads=0, dtype="f32"):
     if key_padding is None:
         lengths = []
     elif _np.isscalar(key_padding):
@@ -61,7 +65,7 @@ def _problem_kwargs(causal=False, score="scaled_dot", key_padding=None, attn_mas
         attn_mask = _np.ascontiguousarray(mask)
     return dict(causal=bool(causal), score=str(score), key_padding=lengths, attn_mask=attn_mask,
                 kv_heads=0 if kv_heads is None else int(kv_heads), seed=int(seed),
-                threads=int(threads))
+                threads=int(threads), dtype=str(dtype))
 
 
 def variants():
@@ -131,6 +135,8 @@ class Variant:
     summary = property(lambda self: self._core.summary)
     params = property(lambda self: self._core.params, doc="parameter values, a dict (typed)")
     capabilities = property(lambda self: self._core.capabilities)
+    notes = property(lambda self: self._core.notes,
+                     doc="what the last call ran, as the results' notes column says it")
     has_backward = property(lambda self: self._core.capabilities["backward"])
     has_decode = property(lambda self: self._core.capabilities["decode"])
 
@@ -165,11 +171,11 @@ class Variant:
 
 
 def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=None,
-              attn_mask=None, kv_heads=None, seed=0, threads=0):
+              attn_mask=None, kv_heads=None, seed=0, threads=0, dtype="f32"):
     """Variant(spec).forward(q, k, v, ...): float32 [B, H, n, d]."""
     return Variant(spec).forward(q, k, v, causal=causal, score=score, key_padding=key_padding,
                                  attn_mask=attn_mask, kv_heads=kv_heads, seed=seed,
-                                 threads=threads)
+                                 threads=threads, dtype=dtype)
 
 
 def reference(q, k, v, *, causal=False, score="scaled_dot", key_padding=None, attn_mask=None,

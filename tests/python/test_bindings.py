@@ -341,3 +341,45 @@ def test_torch_shares_memory():
     q, k, v = (torch.from_numpy(x) for x in qkv())
     abt.attention("flash", q, k, v)
     assert attnbench._attnbench._last_pointers() == tuple(x.data_ptr() for x in (q, k, v))
+
+
+def to_bf16(x):
+    """x rounded to bfloat16 by torch (to nearest even), back as float32."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).float().numpy()
+
+
+@pytest.mark.parametrize("spec,causal", [("flash", False), ("flash", True),
+                                         ("local:window=8,block=32", True)])
+def test_bf16_rounds_as_torch_and_stays_in_the_roundoff_bound(spec, causal):
+    q, k, v = qkv(n=70, m=70 if causal else 90, g=2)
+    variant = attnbench.Variant(spec)
+    assert variant.capabilities["bf16"]
+    out = variant.forward(q, k, v, causal=causal, dtype="bf16")
+    assert out.dtype == np.float32 and out.shape == q.shape
+    assert variant.notes.startswith("bf16 kernel: ")
+    # the inputs are rounded as torch rounds them: the same output bit for bit from torch's
+    # bf16 values
+    qr, kr, vr = to_bf16(q), to_bf16(k), to_bf16(v)
+    again = variant.forward(qr, kr, vr, causal=causal, dtype="bf16")
+    assert np.array_equal(out, again)
+    # |o - o*| <= 2^-8 sum_j p_j |v_j| against the variant's float32 path on the same rounded
+    # inputs (the float64 reference for flash), and the bound is used (bf16 arithmetic ran)
+    exact = variant.forward(qr, kr, vr, causal=causal)
+    scale = variant.forward(qr, kr, np.abs(vr), causal=causal)
+    if spec == "flash":
+        rq = torch_attention(qr, kr, vr, causal=causal)
+        assert rel(exact, rq) < RTOL
+    ratio = np.abs(out.astype(np.float64) - exact) / (2.0 ** -8 * scale + 1e-30)
+    assert ratio.max() <= 1.02
+    assert ratio.max() > 0.05
+
+
+def test_bf16_refusals():
+    q, k, v = qkv(n=32)
+    assert not attnbench.Variant("linear").capabilities["bf16"]
+    with pytest.raises(NotImplementedError, match="no bf16 path"):
+        attnbench.attention("linear", q, k, v, dtype="bf16")
+    with pytest.raises(NotImplementedError, match="float32 only"):
+        attnbench.Variant("flash").forward_train(q, k, v, dtype="bf16")
+    with pytest.raises(ValueError, match="accepted: f32, bf16"):
+        attnbench.attention("flash", q, k, v, dtype="fp16")
