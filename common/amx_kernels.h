@@ -207,11 +207,17 @@ inline void scores_block(const Tiles& tl, const Workspace& w, int64_t groups, co
       _tile_stored(3, s + kTileRows * ld + kTileRows, ldb);
     }
   }
+  // four independent maxima per row vector: one chain would wait on each max's latency
   for (int64_t rv = 0; rv < groups; ++rv) {
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t c = 0; c < cols; ++c)
-      mx = _mm512_max_ps(mx, _mm512_loadu_ps(w.st + c * ld + rv * kLanes));
-    _mm512_storeu_ps(w.bmax + rv * kLanes, mx);
+    const float* col = w.st + rv * kLanes;
+    __m512 mx[4];
+    for (__m512& x : mx) x = _mm512_set1_ps(-INFINITY);
+    int64_t c = 0;
+    for (; c + 4 <= cols; c += 4)
+      for (int u = 0; u < 4; ++u) mx[u] = _mm512_max_ps(mx[u], _mm512_loadu_ps(col + (c + u) * ld));
+    for (; c < cols; ++c) mx[0] = _mm512_max_ps(mx[0], _mm512_loadu_ps(col + c * ld));
+    _mm512_storeu_ps(w.bmax + rv * kLanes,
+                     _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3])));
   }
 }
 
