@@ -10,6 +10,9 @@ long_context_settings="--variant local:sinks=4 --variant moba:chunk=128"
 long_context="--variant flash --variant moba --variant nsa --variant retention --variant gla \
   --variant deltanet --variant deltanet:gated=true --variant retention:form=recurrent \
   --variant gla:form=recurrent --variant deltanet:form=recurrent $long_context_settings"
+# the variants with a bf16 path (`attnbench list`, column bf16)
+bf16_variants="--variant flash --variant local --variant bigbird --variant global \
+  --variant longformer --variant strided --variant sparse_transformer"
 default_sweep_options=(
   --seq 256..8192 --causal both
   --also='--seq 256..8192 --causal both --pass bwd,fwdbwd'
@@ -20,4 +23,5 @@ default_sweep_options=(
   --also="$long_context_settings --seq 256..4096 --causal on --input $trained_layers"
   --also='--seq 1024..65536 --causal on --pass decode'
   --also='--variant flash --seq 1024..65536 --causal on --pass decode --kv-heads 1,2,4'
+  --also="$bf16_variants --seq 256..8192 --causal both --dtype bf16"
 )

@@ -30,7 +30,9 @@
 #   6. generation: one decode step (--pass decode) after a prefill of n = 1024..65536 tokens,
 #      causal, for every variant (those without a decode step give unsupported rows), and for
 #      flash with grouped-query heads (--kv-heads 1, 2 and 4 of the 8 heads: a KV cache of G
-#      heads, each read once for its group).
+#      heads, each read once for its group);
+#   7. precision: the variants with a bf16 path, n = 256..8192, causal off and on, in bfloat16
+#      (--dtype bf16) beside their float32 rows of set 1, for the report's precision table.
 # After the sweep, scripts/anatomy.py measures the trained model's heads (entropy, mass in a
 # window, on the first tokens, in each pattern) and scripts/swap_eval.py puts every variant
 # into the model in place of its attention (validation bits per byte; the 4 most harmful, and
