@@ -15,13 +15,13 @@ namespace {
 
 /// Distance in units of the float spacing at the reference value (at least the smallest
 /// normal's, so that results near 0 are judged on an absolute scale).
-double ulps(float got, double want) {
+[[maybe_unused]] double ulps(float got, double want) {
   const double spacing = std::max(std::ldexp(std::abs(want), -23), double(FLT_MIN) * 0x1p-23);
   return std::abs(double(got) - want) / spacing;
 }
 
 /// Evenly spaced points of [lo, hi] plus their neighbours in float.
-std::vector<float> grid(float lo, float hi, int count) {
+[[maybe_unused]] std::vector<float> grid(float lo, float hi, int count) {
   std::vector<float> x;
   for (int i = 0; i <= count; ++i) {
     const float v = lo + (hi - lo) * float(i) / float(count);
