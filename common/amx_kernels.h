@@ -221,50 +221,35 @@ inline void scores_block(const Tiles& tl, const Workspace& w, int64_t groups, co
   }
 }
 
-/// Pass 3 as kernels::softmax_update (the same mx, corr and l, in raw score units, the same
-/// weights), but P^T goes out as bf16 pairs of keys (c, c + 1) per row into pv (key pairs
-/// past cols, up to keys32 / 2, are 0). Returns whether some row's max moved (corr != 1).
+/// Where pass 3 writes the weights on AMX: P^T as bf16 pairs of keys (c, c + 1) per row
+/// (the B layout of pass 4), word row c / 2 of pv (leading dimension ld); a last odd key
+/// pairs with 0.
+struct PairedWeights {
+  uint32_t* pv;
+  int64_t ld;
+  void pair(int64_t c, int64_t o, __m512 p0, __m512 p1) const {
+    _mm512_storeu_si512(pv + c / 2 * ld + o, bf16_pairs(p0, p1));
+  }
+  void last(int64_t c, int64_t o, __m512 p0) const {
+    _mm512_storeu_si512(pv + c / 2 * ld + o, bf16_pairs(p0, _mm512_setzero_ps()));
+  }
+};
+
+/// Pass 3: kernels::softmax_update into PairedWeights, then the key pairs past cols, up to
+/// keys32 / 2, set to 0. Returns whether some row's max moved (corr != 1).
 template <bool kScaleP>
 inline bool softmax_pack(const float* st, int64_t ld, int64_t groups, int64_t cols, int64_t keys32,
                          float scale, float pscale, float* mx, float* l, float* corr,
                          const float* bmax, uint32_t* pv) {
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale),
-               ps = _mm512_set1_ps(pscale), one = _mm512_set1_ps(1.0f);
-  auto weight = [&](__m512 x, __m512 shift) {
-    const __m512 p = simd::exp2_nonpos_ps(_mm512_mul_ps(_mm512_sub_ps(x, shift), sc));
-    if constexpr (kScaleP)
-      return _mm512_mul_ps(p, ps);
-    else
-      return p;
-  };
+  softmax_update<kScaleP>(st, ld, groups, cols, scale, pscale, mx, l, corr, bmax,
+                          PairedWeights{pv, ld});
+  const __m512 one = _mm512_set1_ps(1.0f);
   __mmask16 moved = 0;
   for (int64_t rv = 0; rv < groups; ++rv) {
     const int64_t o = rv * kLanes;
-    const __m512 old_mx = _mm512_loadu_ps(mx + o);
-    const __m512 new_mx = _mm512_max_ps(old_mx, _mm512_loadu_ps(bmax + o));
-    const __m512 shift = _mm512_mask_mov_ps(new_mx, _mm512_cmp_ps_mask(new_mx, neg_inf, _CMP_EQ_OQ),
-                                            _mm512_setzero_ps());
-    const __m512 cr = simd::exp2_nonpos_ps(_mm512_mul_ps(_mm512_sub_ps(old_mx, shift), sc));
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 1 < cols; c += 2) {
-      const __m512 p0 = weight(_mm512_loadu_ps(st + c * ld + o), shift);
-      const __m512 p1 = weight(_mm512_loadu_ps(st + (c + 1) * ld + o), shift);
-      _mm512_storeu_si512(pv + c / 2 * ld + o, bf16_pairs(p0, p1));
-      sum0 = _mm512_add_ps(sum0, p0);
-      sum1 = _mm512_add_ps(sum1, p1);
-    }
-    if (c < cols) {
-      const __m512 p0 = weight(_mm512_loadu_ps(st + c * ld + o), shift);
-      _mm512_storeu_si512(pv + c / 2 * ld + o, bf16_pairs(p0, _mm512_setzero_ps()));
-      sum0 = _mm512_add_ps(sum0, p0);
-      c += 2;
-    }
-    for (; c < keys32; c += 2) _mm512_storeu_si512(pv + c / 2 * ld + o, _mm512_setzero_si512());
-    _mm512_storeu_ps(l + o, _mm512_fmadd_ps(_mm512_loadu_ps(l + o), cr, _mm512_add_ps(sum0, sum1)));
-    _mm512_storeu_ps(mx + o, new_mx);
-    _mm512_storeu_ps(corr + o, cr);
-    moved |= _mm512_cmp_ps_mask(cr, one, _CMP_NEQ_UQ);
+    for (int64_t c = round_up(cols, 2); c < keys32; c += 2)
+      _mm512_storeu_si512(pv + c / 2 * ld + o, _mm512_setzero_si512());
+    moved |= _mm512_cmp_ps_mask(_mm512_loadu_ps(corr + o), one, _CMP_NEQ_UQ);
   }
   return moved != 0;
 }

@@ -354,16 +354,31 @@ inline void mask_block(float* st, int64_t lds, int64_t rows, int64_t nrv, int64_
   }
 }
 
+/// Where pass 3 writes the weights: back into S^T, in place (the float32 passes). A sink has
+/// pair(c, o, p0, p1) for keys c and c + 1 and last(c, o, p0) for a last odd key, row vector
+/// at offset o.
+struct InPlaceWeights {
+  float* st;
+  int64_t lds;
+  void pair(int64_t c, int64_t o, __m512 p0, __m512 p1) const {
+    _mm512_storeu_ps(st + c * lds + o, p0);
+    _mm512_storeu_ps(st + (c + 1) * lds + o, p1);
+  }
+  void last(int64_t c, int64_t o, __m512 p0) const { _mm512_storeu_ps(st + c * lds + o, p0); }
+};
+
 // Pass 3: online-softmax update of 16 rows at a time, in raw score units: the new max
 // mx' = max(mx, block max); corr = 2^((mx - mx') s) rescales what was accumulated
-// (s = scale = log2(e)/sqrt(d)); S^T becomes P = 2^((x - mx') s) pscale in place;
-// l = l corr + rowsum P. x - mx' <= 0, so P <= pscale whatever the size of the scores, and a
-// row whose max is NaN (see mask_block) gets NaN. A row that has seen no visible key yet keeps
-// mx = -inf and is shifted by 0 instead, so that its exponentials are 2^-inf = 0 and never
-// NaN. kScaleP: multiply P by pscale (a power of two, see safe_pscale), else pscale = 1.
-template <bool kScaleP>
-inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, float scale,
-                           float pscale, float* mx, float* l, float* corr, const float* bmax) {
+// (s = scale = log2(e)/sqrt(d)); the weights P = 2^((x - mx') s) pscale of the scores x of
+// S^T go to `sink` (InPlaceWeights: S^T becomes P in place); l = l corr + rowsum P.
+// x - mx' <= 0, so P <= pscale whatever the size of the scores, and a row whose max is NaN
+// (see mask_block) gets NaN. A row that has seen no visible key yet keeps mx = -inf and is
+// shifted by 0 instead, so that its exponentials are 2^-inf = 0 and never NaN. kScaleP:
+// multiply P by pscale (a power of two, see safe_pscale), else pscale = 1.
+template <bool kScaleP, class Sink>
+inline void softmax_update(const float* st, int64_t lds, int64_t nrv, int64_t cols, float scale,
+                           float pscale, float* mx, float* l, float* corr, const float* bmax,
+                           const Sink& sink) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale),
                ps = _mm512_set1_ps(pscale);
   // 2^((x - shift) s) for 16 scores
@@ -386,19 +401,15 @@ inline void softmax_update(float* st, int64_t lds, int64_t nrv, int64_t cols, fl
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 1 < cols; c += 2) {
-      float* s0 = st + c * lds + o;
-      float* s1 = s0 + lds;
-      const __m512 p0 = weight(_mm512_loadu_ps(s0), shift);
-      const __m512 p1 = weight(_mm512_loadu_ps(s1), shift);
-      _mm512_storeu_ps(s0, p0);
-      _mm512_storeu_ps(s1, p1);
+      const __m512 p0 = weight(_mm512_loadu_ps(st + c * lds + o), shift);
+      const __m512 p1 = weight(_mm512_loadu_ps(st + (c + 1) * lds + o), shift);
+      sink.pair(c, o, p0, p1);
       sum0 = _mm512_add_ps(sum0, p0);
       sum1 = _mm512_add_ps(sum1, p1);
     }
     if (c < cols) {
-      float* s0 = st + c * lds + o;
-      const __m512 p0 = weight(_mm512_loadu_ps(s0), shift);
-      _mm512_storeu_ps(s0, p0);
+      const __m512 p0 = weight(_mm512_loadu_ps(st + c * lds + o), shift);
+      sink.last(c, o, p0);
       sum0 = _mm512_add_ps(sum0, p0);
     }
     const __m512 sum = _mm512_add_ps(sum0, sum1);
@@ -586,9 +597,11 @@ inline void attend_block(const Tiles& tl, const Workspace& w, int64_t rows, cons
   const bool causal = bias_and_mask(w.st, ld, w.bmax, rows, nrv, cols, causal_first, mask, bias);
   // pass 3: new max, correction, P, l
   if (pscale == 1.0f)
-    softmax_update<false>(w.st, ld, nrv, cols, scale, 1.0f, w.mx, w.l, w.corr, w.bmax);
+    softmax_update<false>(w.st, ld, nrv, cols, scale, 1.0f, w.mx, w.l, w.corr, w.bmax,
+                          InPlaceWeights{w.st, ld});
   else
-    softmax_update<true>(w.st, ld, nrv, cols, scale, pscale, w.mx, w.l, w.corr, w.bmax);
+    softmax_update<true>(w.st, ld, nrv, cols, scale, pscale, w.mx, w.l, w.corr, w.bmax,
+                         InPlaceWeights{w.st, ld});
   // bf16 (round_p): P rounded to bfloat16 for the product with V, l summed before rounding
   if (round_p) round_tile_bf16(w.st, ld, nrv, cols);
   // pass 4: acc = acc corr + P V
