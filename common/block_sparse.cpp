@@ -210,15 +210,17 @@ class F32Kernel {
 };
 
 #ifdef ATTNBENCH_AMX_KERNELS
-/// The bf16 passes on AMX tiles (amx_kernels.h), with K and V of every head packed as bf16
-/// once per call (K rows of dk, V^T by 32-key chunks; keys padded to a multiple of 32).
+/// The bf16 passes on AMX tiles (amx_kernels.h), with K and V of every key/value head packed
+/// as bf16 once per call (K rows of dk, V^T by 32-key chunks; keys padded to a multiple of
+/// 32); grouped query heads share their group's.
 class AmxKernel {
  public:
   using Work = amx::Workspace;
   AmxKernel(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t bq, int64_t bk)
       : tl_(tile_rows(p, bq), tile_cols(p, bk), p.dim),
-        heads_(p.batch * p.heads),
-        heads_per_batch_(p.heads),
+        batch_(p.batch),
+        kv_heads_(p.kv_head_count()),
+        group_(p.kv_group()),
         keys_(padded_keys(p)),
         packed_(packed_bytes(p)) {
     uint16_t* kp = packed_k();
@@ -226,20 +228,21 @@ class AmxKernel {
     const int64_t m = p.keys();
     OmpGuard guard;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < heads_; ++bh)
+    for (int64_t bg = 0; bg < p.batch * kv_heads_; ++bg)
       guard.run([&] {
-        const int64_t b = bh / p.heads, h = bh % p.heads;
+        // the first query head of the group reads key/value head g
+        const int64_t b = bg / kv_heads_, h = bg % kv_heads_ * p.kv_group();
         amx::pack_keys(k.row(b, h, 0), k.stride_row, m, p.dim, tl_.dk, keys_,
-                       kp + bh * keys_ * tl_.dk);
+                       kp + bg * keys_ * tl_.dk);
         amx::pack_values(v.row(b, h, 0), v.stride_row, m, p.dim, tl_.dv, keys_,
-                         vp + bh * keys_ * tl_.dv);
+                         vp + bg * keys_ * tl_.dv);
       });
     guard.rethrow();
   }
-  /// Bytes of the packed K and V (bf16) of every head.
+  /// Bytes of the packed K and V (bf16) of every key/value head.
   static int64_t packed_bytes(const Problem& p) {
     const int64_t dp = round_up(p.dim, amx::kDepth);
-    return 2 * p.batch * p.heads * padded_keys(p) * dp * int64_t(sizeof(uint16_t));
+    return 2 * p.batch * p.kv_head_count() * padded_keys(p) * dp * int64_t(sizeof(uint16_t));
   }
   static int64_t tile_bytes(const Problem& p, int64_t bq, int64_t bk) {
     return amx::Tiles(tile_rows(p, bq), tile_cols(p, bk), p.dim).bytes();
@@ -255,9 +258,9 @@ class AmxKernel {
   void block(const Work& w, int64_t rows, ConstTensorView, ConstTensorView, int64_t b, int64_t h,
              int64_t j0, int64_t cols, float scale, int64_t causal_first, const uint8_t* mask,
              float pscale, const ScoreHook*, const float* bias) const {
-    const int64_t bh = b * heads_per_batch_ + h;
-    amx::attend_block(tl_, w, rows, packed_k() + (bh * keys_ + j0) * tl_.dk,
-                      packed_v() + (bh * keys_ + j0) * tl_.dv, cols, scale, causal_first, mask,
+    const int64_t bg = b * kv_heads_ + h / group_;
+    amx::attend_block(tl_, w, rows, packed_k() + (bg * keys_ + j0) * tl_.dk,
+                      packed_v() + (bg * keys_ + j0) * tl_.dv, cols, scale, causal_first, mask,
                       pscale, bias);
   }
   bool finish(const Work& w, int64_t rows, float* out0, int64_t ldo) const {
@@ -267,10 +270,10 @@ class AmxKernel {
  private:
   static int64_t padded_keys(const Problem& p) { return round_up(p.keys(), amx::kDepth); }
   uint16_t* packed_k() const { return reinterpret_cast<uint16_t*>(packed_.bytes()); }
-  uint16_t* packed_v() const { return packed_k() + heads_ * keys_ * tl_.dk; }
+  uint16_t* packed_v() const { return packed_k() + batch_ * kv_heads_ * keys_ * tl_.dk; }
 
   amx::Tiles tl_;
-  int64_t heads_, heads_per_batch_, keys_;
+  int64_t batch_, kv_heads_, group_, keys_;
   AlignedBuffer packed_;
 };
 #endif

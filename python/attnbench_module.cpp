@@ -220,12 +220,12 @@ F32 forward(Variant& variant, std::mutex& mu, const py::handle& qo, const py::ha
   record_pointers(q, k, v);
   TensorView ov = mut_view(out);
   // bf16: the variant runs on copies of q, k, v rounded to bfloat16 (as the runner gives it)
+  const bool bf16 = p.dtype == DType::bf16;
   F32 qr, kr, vr;
-  if (p.dtype == DType::bf16) {
+  if (bf16) {
     variant.check_supported(p);  // before the copies
     qr = rounded_copy(q), kr = rounded_copy(k), vr = rounded_copy(v);
   }
-  const bool bf16 = p.dtype == DType::bf16;
   {
     py::gil_scoped_release nogil;
     const std::lock_guard<std::mutex> lock(mu);
