@@ -32,6 +32,11 @@ The measures (means over the query rows i = 0 .. n-1; row i sees the i + 1 keys 
 
 Without an attnbench binary the pattern masses are left out, with a note. Nothing here is
 random: the same cache gives the same numbers.
+
+RESULTS_DIR is locked while the script measures and writes (DIR/.attnbench.lock, the lock of
+`attnbench sweep`): another process writing it is refused, naming the holder. Every file is
+written whole or not at all (a temporary file renamed over the old one); a write that fails
+leaves the earlier file and exits with status 2.
 """
 
 import argparse
@@ -46,7 +51,9 @@ import numpy as np
 import pandas as pd
 
 from attnbench_plots import anatomy as figures
-from attnbench_results import ResultsError, cache_root, read_json, run_main
+from attnbench_plots.style import remove_unsaved
+from attnbench_results import (ResultsError, atomic_write, atomic_write_json, cache_root,
+                               read_json, results_lock, run_main)
 from attnbench_variants import default_binary
 
 PROG = "anatomy.py"
@@ -268,6 +275,14 @@ def main():
 
     if n > meta["context"]:
         note(f"n = {n} reaches beyond the trained context {meta['context']}")
+    # the results directory's lock from here to the last file written, as `attnbench sweep`
+    # takes it: a second writer of the directory is refused, naming this one
+    with results_lock(args.out, PROG):
+        return measure(args, directory, meta, n, note, notes)
+
+
+def measure(args, directory, meta, n, note, notes):
+    """Measures every layer and head, writes anatomy.csv, anatomy.json and the figures."""
     binary = args.attnbench or default_binary()
     masks, defaults = {}, {}
     if os.path.isfile(binary) and os.access(binary, os.X_OK):
@@ -316,10 +331,14 @@ def main():
     }
     out = os.path.join(args.out, "trained")
     os.makedirs(out, exist_ok=True)
-    df.to_csv(os.path.join(out, "anatomy.csv"), index=False)
-    with open(os.path.join(out, "anatomy.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=1)
+    atomic_write(os.path.join(out, "anatomy.csv"), lambda f: df.to_csv(f, index=False),
+                 binary=False)
+    atomic_write_json(os.path.join(out, "anatomy.json"), info, indent=1)
     drawn = figures.draw(args.out, df, info)
+    # an earlier run's figures this one did not draw (no patterns measured), once every file
+    # of this run is written
+    remove_unsaved([os.path.join(args.out, "plots", name + ".png")
+                    for name in figures.FIGURES])
     print(f"{PROG}: wrote {os.path.join(out, 'anatomy.csv')} ({meta['layers']} layers x "
           f"{meta['heads']} heads, n = {n}) and {', '.join(drawn)} in "
           f"{os.path.join(args.out, 'plots')}")

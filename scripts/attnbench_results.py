@@ -5,12 +5,23 @@ writes: DIR/results.csv holds one row per (variant spec, problem), DIR/meta.json
 commit and command of the run. Everything that is wrong with a directory is raised as
 ResultsError with a one-line message that says what was found and what was expected;
 `run_main` turns it into that message on stderr and exit code 2.
+
+Also shared by every script that writes into a results directory (plot.py, anatomy.py,
+swap_eval.py): `results_lock` holds the directory's lock (DIR/.attnbench.lock, the lock
+`attnbench sweep` and `merge` take) while they write, and `atomic_write` and its variants write
+each file through a temporary file renamed over it, so that no failure loses an earlier result.
 """
 
+import contextlib
+import datetime
+import errno
+import fcntl
 import json
 import math
 import os
+import socket
 import sys
+import time
 
 import pandas as pd
 
@@ -92,6 +103,180 @@ class ResultsError(Exception):
     """A results directory that cannot be used; the message is meant for the user as is."""
 
 
+def not_a_results_directory(directory):
+    """The ResultsError for a results directory that does not exist."""
+    return ResultsError(f"'{directory}' is not a directory; expected a results directory "
+                        f"written by `attnbench sweep --out DIR`")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing into a results directory
+
+# The lock of a results directory, shared with `attnbench sweep` and `merge`
+# (harness/output_dir.h, DirLock): a writer opens DIR/.attnbench.lock (created with mode 0644,
+# never deleted), holds flock(LOCK_EX | LOCK_NB) on it for as long as it writes into DIR (the kernel
+# releases it when the process dies), and after taking it truncates the file and writes one
+# line of JSON saying who holds it: pid, host, command (argv joined by spaces) and started (UTC,
+# ISO 8601). A writer that cannot take it reads that line and refuses.
+LOCK_NAME = ".attnbench.lock"
+# How long a refused writer waits for the holder's line when the file is still empty (the
+# holder has the lock but has not written it yet).
+_HOLDER_WAIT_S = 0.5
+
+
+def lock_path(directory):
+    return os.path.join(directory, LOCK_NAME)
+
+
+def _holder_description(fd):
+    """What the lock file open at fd says of its holder: 'pid P on HOST, started T: COMMAND',
+    or None when the file holds no readable line (it waits a moment for a holder that has
+    just taken the lock to write it)."""
+    deadline = time.monotonic() + _HOLDER_WAIT_S
+    while True:
+        try:
+            raw = os.pread(fd, 1 << 16, 0)
+            info = json.loads(raw.decode("utf-8").strip() or "null")
+        except (OSError, UnicodeDecodeError, ValueError):
+            info = None
+        if isinstance(info, dict) and "pid" in info:
+            return (f"pid {info.get('pid')} on {info.get('host', 'an unknown host')}, started "
+                    f"{info.get('started', 'at an unknown time')}: "
+                    f"{info.get('command', 'unknown command')}")
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def results_lock(directory, prog, create=True):
+    """Holds the lock of the results directory `directory` (see LOCK_NAME) for the body of the
+    `with`; `prog` names this script in the lock's command when sys.argv is empty.
+
+    Creates the directory first (with create; without it, a missing directory is the
+    ResultsError load_results raises). Raises ResultsError when another process holds the
+    lock, naming it (its pid, host, start time and command from the lock file, or saying it is
+    unknown when the file cannot be read), or when the lock file cannot be opened. The lock's
+    descriptor is not inherited by child processes, so it is released when this process exits
+    or leaves the `with`, whatever its children do.
+    """
+    if create:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise ResultsError(f"cannot create the results directory '{directory}' "
+                               f"({e.strerror or e})") from None
+    elif not os.path.isdir(directory):
+        raise not_a_results_directory(directory)
+    path = lock_path(directory)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ResultsError(f"cannot open the lock file '{path}' of the results directory "
+                           f"({e.strerror or e}); a script writes into a directory it can "
+                           f"write") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ResultsError(f"cannot lock '{path}' ({e.strerror or e})") from None
+            holder = _holder_description(fd)
+            raise ResultsError(f"results directory '{directory}' is being written by another "
+                               f"process ({holder or 'an unknown process'}); wait for it to "
+                               f"finish or write elsewhere") from None
+        started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        line = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "command": " ".join(sys.argv) if any(sys.argv) else prog,
+                           "started": started}) + "\n"
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, line.encode("utf-8"), 0)
+        except OSError:
+            pass  # a full disk: the lock holds all the same, a refused writer says "unknown"
+        yield path
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _remove_quietly(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _write_failed(path, reason):
+    before = ("the previous file is left as it was" if os.path.exists(path)
+              else "no file was written")
+    return ResultsError(f"cannot write '{path}': {reason}; {before}")
+
+
+def atomic_write(path, write, binary=True):
+    """Writes the file `path` through `write(f)`, given a file object (binary, or text in UTF-8
+    with newline="" without `binary`): into a temporary file beside it, flushed, synced and
+    checked, then renamed over `path`. When anything fails (a full disk, ENOSPC, or any other
+    OSError on the way) the temporary file is removed, `path` keeps what it held before (or
+    still does not exist), and a ResultsError names the file and the reason. Other exceptions
+    of `write` remove the temporary file and propagate. A path that exists and is not a regular
+    file (a device such as /dev/stdout, a pipe) is written in place. Returns path."""
+    text = {} if binary else {"encoding": "utf-8", "newline": ""}
+    if os.path.exists(path) and not os.path.isfile(path):
+        try:
+            with open(path, "wb" if binary else "w", **text) as f:
+                write(f)
+        except OSError as e:
+            raise ResultsError(f"cannot write '{path}': {e.strerror or e}") from None
+        return path
+    target = os.path.realpath(path)  # a symbolic link keeps pointing at the file it names
+    directory = os.path.dirname(target) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise _write_failed(path, e.strerror or str(e)) from None
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **text) as f:
+            write(f)
+            f.flush()
+            size = os.lseek(f.fileno(), 0, os.SEEK_CUR)
+            os.fsync(f.fileno())
+            written = os.fstat(f.fileno()).st_size
+        if written != size:
+            raise OSError(errno.EIO, f"{written} of {size} bytes reached the file")
+        os.replace(tmp, target)
+    except OSError as e:
+        _remove_quietly(tmp)
+        raise _write_failed(path, e.strerror or str(e)) from None
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    try:  # the rename itself survives a crash once the directory is synced
+        dfd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return path
+
+
+def atomic_write_bytes(path, data):
+    """atomic_write of the bytes `data`."""
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path, text):
+    """atomic_write of the string `text` (UTF-8)."""
+    return atomic_write(path, lambda f: f.write(text), binary=False)
+
+
+def atomic_write_json(path, obj, **kwargs):
+    """atomic_write of obj as JSON (json.dump's kwargs, e.g. indent)."""
+    return atomic_write(path, lambda f: json.dump(obj, f, **kwargs), binary=False)
+
+
 def load_results(directory, need_ok=True):
     """Reads DIR/results.csv into a DataFrame after checking it.
 
@@ -103,8 +288,7 @@ def load_results(directory, need_ok=True):
     forward.
     """
     if not os.path.isdir(directory):
-        raise ResultsError(f"'{directory}' is not a directory; expected a results directory "
-                           f"written by `attnbench sweep --out DIR`")
+        raise not_a_results_directory(directory)
     path = os.path.join(directory, "results.csv")
     if not os.path.isfile(path):
         raise ResultsError(f"'{path}' does not exist; expected the results.csv that "

@@ -50,9 +50,18 @@ every figure of every run (attnbench_plots/style.py); legends name a spec by its
 parameters. Time, memory and crossover use one
 input distribution (--input); they do not depend on the data for most variants, and mixing
 inputs would draw several points per n. The figures are drawn by the attnbench_plots package
-(one module per figure family). The attnbench binary (--attnbench) is run only for a results
-directory whose meta.json does not describe every variant in it (one written by an earlier
-attnbench): `attnbench list --json`, with the plugins meta.json records loaded.
+(one module per figure family).
+
+plot.py writes only those files, each whole or not at all (a temporary file renamed over the
+old one), holding the directory's lock (DIR/.attnbench.lock, the one `attnbench sweep` takes)
+while it reads and writes: it refuses, naming the holder, a directory another process is
+writing, and a write that fails (a full disk) leaves the earlier file and exits with status 2.
+It never changes results.csv, meta.json or patterns/; figures of an earlier run that this run
+does not draw are removed once everything else is written.
+
+The attnbench binary (--attnbench) is run only for a results directory whose meta.json does
+not describe every variant in it (one written by an earlier attnbench): `attnbench list
+--json`, with the plugins meta.json records loaded.
 """
 
 import argparse
@@ -60,7 +69,7 @@ import os
 
 from attnbench_plots import report
 from attnbench_plots.style import PROG, warn
-from attnbench_results import load_meta, load_results, run_main
+from attnbench_results import load_meta, load_results, results_lock, run_main
 from attnbench_variants import complete_variants, default_binary
 
 
@@ -106,10 +115,13 @@ def main():
     args = ap.parse_args()
     if args.pattern_n is not None and args.pattern_n < 1:
         ap.error("--pattern-n must be positive")
-    df = load_results(args.dir)
-    meta = load_meta(args.dir)
-    describe_variants(args, df, meta)
-    path = report.write(args, df, meta)
+    # the directory's lock for the whole run, as `attnbench sweep` takes it: the results are
+    # read and the figures and report written while no other process writes there
+    with results_lock(args.dir, PROG, create=False):
+        df = load_results(args.dir)
+        meta = load_meta(args.dir)
+        describe_variants(args, df, meta)
+        path = report.write(args, df, meta)
     print(f"{PROG}: wrote {path} and {os.path.join(args.dir, 'plots')}/*.png")
     return 0
 

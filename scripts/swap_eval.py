@@ -16,6 +16,11 @@ attention_s_per_token (the variant's attention calls, all layers, per evaluated 
 eval_s_per_token (the whole model's forward), speedup (flash's attention time over the
 variant's), threads.
 
+DIR is locked while the script evaluates and writes (DIR/.attnbench.lock, the lock of
+`attnbench sweep`): another process writing it is refused, naming the holder. Every file is
+written whole or not at all (a temporary file renamed over the old one); a write that fails
+leaves the earlier file and exits with status 2.
+
 With --finetune-steps S, the --finetune-top K variants with the largest increase (and
 `flash`, the exact baseline) are each fine-tuned for S steps with the variant in place,
 through its own backward pass (batches of 4 × C training bytes drawn from the seed, AdamW at
@@ -28,7 +33,6 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -37,6 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnbench_lm as lm  # noqa: E402
+from attnbench_results import atomic_write, atomic_write_bytes, results_lock  # noqa: E402
+
+PROG = "swap_eval.py"
 
 EXACT = "exact"  # the row of the model's own attention (torch)
 
@@ -155,6 +162,14 @@ def main(argv=None):
     ckpt_path = args.checkpoint or lm.checkpoint_path(root)
     model, ckpt = lm.load_model(ckpt_path)
     sha = lm.sha256_file(ckpt_path)
+    # the results directory's lock from here to the last file written, as `attnbench sweep`
+    # takes it: a second writer of the directory is refused, naming this one
+    with results_lock(args.dir, PROG):
+        return evaluate_into(args, attnbench, model, ckpt, ckpt_path, sha, root)
+
+
+def evaluate_into(args, attnbench, model, ckpt, ckpt_path, sha, root):
+    """Evaluates the variants and writes DIR/trained/ (swap.csv, train_log.csv, model.json)."""
     out_dir = os.path.join(args.dir, "trained")
     out = os.path.join(out_dir, "swap.csv")
     info_path = os.path.join(out_dir, "model.json")
@@ -210,14 +225,17 @@ def main(argv=None):
     fields = ["variant", "spec", "status", "message", "n", "windows", "tokens", "bpb",
               "delta_bpb", "attention_s_per_token", "eval_s_per_token", "speedup", "threads",
               "ft_steps", "ft_bpb", "ft_delta_bpb", "recovered"]
-    with open(out + ".tmp", "w", newline="") as f:
+
+    def write_rows(f):
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(rows)
-    os.replace(out + ".tmp", out)
+
+    atomic_write(out, write_rows, binary=False)
     log = os.path.join(os.path.dirname(ckpt_path), "train_log.csv")
     if os.path.exists(log):
-        shutil.copyfile(log, os.path.join(out_dir, "train_log.csv"))
+        with open(log, "rb") as f:
+            atomic_write_bytes(os.path.join(out_dir, "train_log.csv"), f.read())
     info = {k: ckpt.get(k) for k in ("config", "steps", "batch", "lr", "seed", "threads",
                                      "attention", "train_seconds", "valid_bpb", "parameters",
                                      "corpus")}

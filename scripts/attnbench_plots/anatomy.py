@@ -25,7 +25,7 @@ import pandas as pd
 
 from attnbench_results import FORWARD, ResultsError, read_json
 
-from .style import DPI, Styles, code, fmt_n, md_table, remove
+from .style import DPI, Styles, code, fmt_n, md_table, save_figure
 
 FIGURES = ["anatomy_entropy", "anatomy_window_mass", "anatomy_sinks", "anatomy_patterns"]
 COLUMNS = ["layer", "head", "measure", "w", "s", "pattern", "value"]
@@ -115,20 +115,19 @@ def title(info):
 
 
 def draw(directory, df, info, record=None):
-    """Draws the anatomy figures into DIR/plots/ (removing those it cannot draw); returns the
-    names of the files written. record(figure, **items) is told what each figure drew."""
+    """Draws the anatomy figures into DIR/plots/; returns the names of the files written (the
+    caller removes the earlier ones it did not draw once its outputs are written:
+    style.remove_unsaved). record(figure, **items) is told what each figure drew."""
     record = record or (lambda figure, **items: None)
     plots = os.path.join(directory, "plots")
     os.makedirs(plots, exist_ok=True)
-    for name in FIGURES:
-        remove(os.path.join(plots, name + ".png"))
     layers, heads = layers_heads(df)
     head_labels = [str(h) for h in heads]
     layer_labels = [f"layer {l}" for l in layers]
     drawn = []
 
     def save(fig, name):
-        fig.savefig(os.path.join(plots, name + ".png"), dpi=DPI, bbox_inches="tight",
+        save_figure(fig, os.path.join(plots, name + ".png"), dpi=DPI, bbox_inches="tight",
                     facecolor="white")
         plt.close(fig)
         drawn.append(name + ".png")

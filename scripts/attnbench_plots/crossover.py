@@ -14,7 +14,7 @@ from matplotlib.lines import Line2D
 from attnbench_results import noisy
 
 from .style import (NOISY_FOOTNOTE, NOISY_HANDLE, code, finish, fmt_n, freeze_layout,
-                    jsonable, log2_n_axis, md_table, new_grid, ratio_axis, remove)
+                    jsonable, log2_n_axis, md_table, new_grid, ratio_axis)
 
 # Crossover marks closer than this along n (display points) are stacked above and below the
 # line at 1 instead of drawn over each other.
@@ -159,7 +159,6 @@ def crossover_section(ctx):
     ctx.md.append("## Crossover lengths\n")
     if not bases:
         ctx.md.append("Neither `flash` nor `full` was measured, so there is no crossover.\n")
-        remove(ctx.fig_path("crossover"))
         return
     panels = [(cfg, causal) for _, _, cfg, causal in ctx.panels()]
     fig, axes = new_grid(len(panels), len(bases), sharey=False)

@@ -9,7 +9,7 @@ import numpy as np
 from attnbench_results import format_seconds
 
 from .crossover import Crossing, ratio_series
-from .style import NOISY_FOOTNOTE, code, finish, log2_n_axis, md_table, new_grid, remove, series
+from .style import NOISY_FOOTNOTE, code, finish, log2_n_axis, md_table, new_grid, series
 
 # The speed-up of the layer the table asks for (time with full / time with the variant).
 TARGET_SPEEDUP = 2.0
@@ -43,7 +43,6 @@ def section(ctx):
     ctx.md.append("## Multi-head layer\n")
     if rows.empty:
         ctx.md.append("No multi-head layer rows (`sweep --embed`) in these results.\n")
-        remove(ctx.fig_path(name))
         return
     lay = ctx.layout
     panels = [(cfg, causal) for cfg in lay.configs for causal in lay.causals

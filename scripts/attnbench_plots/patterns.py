@@ -12,7 +12,7 @@ import pandas as pd
 
 from attnbench_results import ADDED_COLUMNS, KEY_COLUMNS, MASK_COLUMNS, ResultsError, read_csv
 
-from .style import causal_name, code, fmt_n, md_table, remove, warn
+from .style import causal_name, code, fmt_n, md_table, save_figure, warn
 
 # DIR/patterns/index.csv (harness/patterns.h): the results.csv key of the row a pattern belongs
 # to, the file (empty for a variant without a pattern) and why there is no file.
@@ -79,7 +79,6 @@ def stored_entries(ctx, idx):
 def section(ctx):
     ctx.md.append("## Attention patterns\n")
     path = ctx.fig_path("patterns")
-    remove(path)
     where = index_path(ctx.dir)
     try:
         idx = load_index(ctx.dir)
@@ -197,7 +196,7 @@ def figure(ctx, tiles, path):
     at = f", n = {fmt_n(lengths[0])}" if len(lengths) == 1 else ""
     fig.suptitle(f"Attention patterns, head 0{at} (black = attended; rows queries, columns "
                  f"keys{cell})", fontsize=10.5)
-    fig.savefig(path, bbox_inches="tight", facecolor="white")
+    save_figure(fig, path, bbox_inches="tight", facecolor="white")
     plt.close(fig)
 
 

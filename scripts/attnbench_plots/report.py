@@ -1,18 +1,18 @@
 """The report: DIR/report.md with its run header, one section per figure family (each
 drawing its figures into DIR/plots/) and the rows that could not be drawn."""
 
-import json
 import os
 import re
 
-from attnbench_results import DECODE, FORWARD, TRAIN_PASSES, noisy, problem_label
+from attnbench_results import (DECODE, FORWARD, TRAIN_PASSES, atomic_write_json,
+                               atomic_write_text, noisy, problem_label)
 
-from . import (anatomy, crossover, decode, error, layer, modern, patterns, precision,
+from . import (anatomy, crossover, decode, error, layer, modern, patterns, precision, style,
                time_memory, trained_model, training)
 from .context import Context
-from .style import code, md_table, remove, unit
+from .style import code, md_table, unit
 
-FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover",
+FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover", "layer",
            "patterns"] + (training.FIGURES + decode.FIGURES + trained_model.FIGURES +
                           anatomy.FIGURES)
 PASSES = [FORWARD] + TRAIN_PASSES + [DECODE]
@@ -84,11 +84,13 @@ def not_ok(ctx):
 
 def write(args, df, meta):
     """Draws every figure of the results in args.dir and writes its report; returns the
-    report's path."""
+    report's path. Every file is written whole or not at all (attnbench_results.atomic_write),
+    and the figures of an earlier run this one does not draw are removed last, once the report
+    is written: a run that fails (a full disk) leaves the earlier report and figures. The
+    caller holds the directory's lock (attnbench_results.results_lock)."""
     ctx = Context(args, df, meta)
     os.makedirs(ctx.plots, exist_ok=True)
-    for name in FIGURES:
-        remove(ctx.fig_path(name))
+    style.SAVED.clear()
     header(ctx)
     if ctx.ok.empty:
         ctx.note("no ok row of pass fwd: the forward's figures and tables are not drawn")
@@ -98,9 +100,8 @@ def write(args, df, meta):
         draw(ctx)
     not_ok(ctx)
     report = os.path.join(ctx.dir, "report.md")
-    with open(report, "w", encoding="utf-8") as f:
-        f.write(re.sub(r"\n{3,}", "\n\n", "\n".join(ctx.md)))
+    atomic_write_text(report, re.sub(r"\n{3,}", "\n\n", "\n".join(ctx.md)))
     if getattr(args, "debug_json", None):
-        with open(args.debug_json, "w", encoding="utf-8") as f:
-            json.dump(ctx.debug, f, indent=1, ensure_ascii=False)
+        atomic_write_json(args.debug_json, ctx.debug, indent=1, ensure_ascii=False)
+    style.remove_unsaved([ctx.fig_path(name) for name in FIGURES])
     return report

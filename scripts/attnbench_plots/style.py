@@ -12,12 +12,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from attnbench_results import atomic_write  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,  # noqa: E402
                                NullLocator)
 
 PROG = "plot.py"
 MIB = float(1 << 20)
+# The figures this process has written (save_figure), by absolute path: the report removes
+# its own figures it did not draw only once everything else is written (remove_unsaved).
+SAVED = set()
 
 # Colours for variants not in NAME_STYLE (plugins, new variants): picked by a hash of the name,
 # so a variant keeps its colour whatever else a run holds.
@@ -304,8 +308,15 @@ def finish(fig, path, handles, title, legend_ax=None, notes=()):
     extra = fig.get_default_bbox_extra_artists()  # the legend in a cell is out of the layout
     if legend is not None and legend not in extra:
         extra.append(legend)
-    fig.savefig(path, bbox_inches="tight", facecolor="white", bbox_extra_artists=extra)
+    save_figure(fig, path, bbox_inches="tight", facecolor="white", bbox_extra_artists=extra)
     plt.close(fig)
+
+
+def save_figure(fig, path, **kwargs):
+    """fig.savefig(path, **kwargs) as a PNG written whole or not at all (atomic_write: a failed
+    write, e.g. a full disk, leaves the previous figure and raises ResultsError naming it)."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", **kwargs))
+    SAVED.add(os.path.abspath(path))
 
 
 def legend_columns(fig, handles, room=None):
@@ -458,6 +469,10 @@ def times(x):
     return "—" if not np.isfinite(x) else f"{x:.3g}×"
 
 
-def remove(path):
-    if os.path.exists(path):
-        os.remove(path)
+def remove_unsaved(paths):
+    """Removes each of `paths` (figures of the script's own, from an earlier run) that this
+    process has not written (save_figure), so that no stale figure outlives its data. Called
+    last, once every other output is written: a run that fails leaves the earlier figures."""
+    for path in paths:
+        if os.path.abspath(path) not in SAVED and os.path.exists(path):
+            os.remove(path)
