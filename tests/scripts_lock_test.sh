@@ -114,7 +114,15 @@ grep -qE "started [0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z: " "$tm
   fail "the refusal does not give the holder's start in UTC: $(cat "$tmp/err")"
 
 # --- a sweep (the binary) is refused too, naming the script -----------------------------------
-if [ -n "$bin" ] && grep -qaF ".attnbench.lock" "$bin"; then
+takes_lock() {  # whether the binary (or the libattnbench it loads) has the lock
+  local f
+  [ -n "$bin" ] || return 1
+  for f in "$bin" $(ldd "$bin" 2>/dev/null | awk '/libattnbench/ {print $3}'); do
+    grep -qaF ".attnbench.lock" "$f" && return 0
+  done
+  return 1
+}
+if takes_lock; then
   code=0
   "$bin" sweep --out "$d" --variant full --seq 128 --heads 1 --dim 16 --reps 1 \
     >/dev/null 2>"$tmp/sweep.err" || code=$?
