@@ -344,8 +344,10 @@ void Decoder::check_decode(const Problem& p) const {
     throw UnsupportedError(
         "decoding runs in float32 only: --dtype bf16 measures the forward pass (--pass fwd)");
   if (!p.causal || p.keys() != p.n)
-    throw UnsupportedError(
-        "decoding is causal self-attention: it needs --causal and m = n (no --seq-k)");
+    throw UnsupportedError(fmt::format(
+        "decoding is causal self-attention: it needs --causal and m = n (no --seq-k; k and v "
+        "of an inputs file as long as q); here {}causal, n = {}, m = {}",
+        p.causal ? "" : "not ", p.n, p.keys()));
   if (p.score != Score::scaled_dot)
     throw UnsupportedError(
         fmt::format("decoding supports the scaled_dot score only, not {}", score_name(p.score)));

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <charconv>
@@ -10,7 +11,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -33,6 +36,7 @@
 #include "harness/layer.h"
 #include "harness/machine.h"
 #include "harness/merge.h"
+#include "harness/output_dir.h"
 #include "harness/patterns.h"
 #include "harness/results.h"
 #include "harness/runner.h"
@@ -317,6 +321,35 @@ CLI::Validator seed_value() {
         return "";
       },
       "INT in [0, 2^64-1]");
+}
+
+// A file an option writes (--output, --save-grads), checked before any work so a bad path never
+// costs a measurement: not empty, not a directory or device, in a directory that exists and is
+// writable. `kind` names what is written (".npy", ".npz").
+CLI::Validator output_file(const char* kind) {
+  return CLI::Validator(
+      [kind](std::string& text) -> std::string {
+        namespace fs = std::filesystem;
+        if (text.empty()) return fmt::format("is empty; accepted: the path of a {} file", kind);
+        std::error_code ec;
+        const auto st = fs::status(text, ec);
+        if (fs::is_directory(st))
+          return fmt::format("'{}' is a directory; accepted: the path of a {} file", text, kind);
+        if (fs::exists(st) && !fs::is_regular_file(st))
+          return fmt::format(
+              "'{}' is not a regular file (a device or pipe); accepted: the path "
+              "of a {} file",
+              text, kind);
+        fs::path parent = fs::path(text).parent_path();
+        if (parent.empty()) parent = ".";
+        if (!fs::is_directory(parent, ec))
+          return fmt::format("'{}': the directory '{}' does not exist", text, parent.string());
+        if (::access(parent.c_str(), W_OK) != 0)
+          return fmt::format("'{}': the directory '{}' is not writable ({})", text, parent.string(),
+                             std::strerror(errno));
+        return "";
+      },
+      fmt::format("FILE ({})", kind));
 }
 
 // A finite number in [lo, hi] (NaN and infinities refused).
@@ -698,7 +731,8 @@ struct RunCommand {
         ->check(CLI::ExistingFile)
         ->excludes(input_opt)
         ->excludes(scale_opt);
-    cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy");
+    cmd->add_option("--output", output_path, "write the output [B, H, n, d] to this .npy")
+        ->check(output_file(".npy"));
     cmd->add_option("--dtype", o.dtype,
                     "precision: f32, or bf16 (q, k, v rounded to bfloat16, products in bf16 with "
                     "float32 accumulation, softmax statistics in float32; the forward pass)")
@@ -712,7 +746,8 @@ struct RunCommand {
         ->check(CLI::IsMember(pass_names()));
     cmd->add_option("--save-grads", grads_path,
                     "write dq, dk, dv of the checked backward pass to this .npz (--pass bwd or "
-                    "fwdbwd; dO is the inputs file's 'do' or drawn from the seed)");
+                    "fwdbwd; dO is the inputs file's 'do' or drawn from the seed)")
+        ->check(output_file(".npz"));
     add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
@@ -784,7 +819,8 @@ struct LayerCommand {
                     "in_proj_bias, out_proj.weight, out_proj.bias")
         ->check(CLI::ExistingFile);
     cmd->add_option("--output", output_path,
-                    "write output [B, L, E] (and attn_weights [B, L, S]) to this .npz");
+                    "write output [B, L, E] (and attn_weights [B, L, S]) to this .npz")
+        ->check(output_file(".npz"));
     add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
     return cmd;
@@ -856,7 +892,7 @@ struct SweepCommand {
               kv_heads_list = "same", dim_list = "64", embed_list, causal_mode = "off",
               score_list = "scaled_dot", input_list = "gaussian", scale_list = "1", out_dir,
               key_padding_lists, padding_fractions, pass_list = "fwd", dtype_list = "f32";
-  bool resume = false;
+  bool resume = false, force = false;
   int retry_noisy = 0, shard_plan = 0;
   std::string shard, machine_file;
   std::vector<std::string> also;
@@ -914,7 +950,13 @@ struct SweepCommand {
                     "padding fractions in [0, 1), comma-separated: lengths drawn from the seed "
                     "so that the expected padded share of the keys is F");
     cmd->add_option("--out", out_dir, "results directory")->required();
-    cmd->add_flag("--resume", resume, "keep rows already in DIR and run only the missing ones");
+    auto* resume_opt = cmd->add_flag(
+        "--resume", resume,
+        "keep rows already in DIR and run only the missing ones (a DIR holding rows is refused "
+        "without --resume or --force)");
+    cmd->add_flag("--force", force,
+                  "if DIR holds results, move them aside into DIR/earlier-<time>/ and start anew")
+        ->excludes(resume_opt);
     cmd->add_option("--also", also,
                     "another set of problems, as sweep options in one argument "
                     "(--also='--seq 256..2048 --input local'), planned after the first with "
@@ -931,7 +973,7 @@ struct SweepCommand {
     cmd->add_option("--shard-plan", shard_plan,
                     "print the split into N shards (configurations and estimated cost of each, "
                     "imbalance longest/mean) and exit without running")
-        ->check(int_in(1, 100000));
+        ->check(int_in(1, kMaxShards));
     cmd->add_option("--machine-file", machine_file, kMachineFileHelp);
     return cmd;
   }
@@ -973,8 +1015,8 @@ struct SweepCommand {
       throw UsageError(fmt::format("--also '{}': {}", args, e.what()));
     }
     for (const char* name :
-         {"--threads", "--seed", "--reps", "--min-time", "--resume", "--retry-noisy", "--also",
-          "--shard", "--shard-plan", "--machine-file"})
+         {"--threads", "--seed", "--reps", "--min-time", "--resume", "--force", "--retry-noisy",
+          "--also", "--shard", "--shard-plan", "--machine-file"})
       if (cmd->get_option(name)->count() > 0)
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
@@ -1051,7 +1093,7 @@ struct SweepCommand {
           }(),
           split.imbalance());
     }
-    ResultsDir results(out_dir, resume);
+    ResultsDir results(out_dir, resume, force);
     PatternStore patterns(out_dir, resume);
     // Patterns are those of plain attention rows: a layer's heads attend projected inputs.
     // Every configuration of the whole plan is declared, so a shard stores the pattern the
@@ -1083,7 +1125,11 @@ struct SweepCommand {
     meta["processors"] = omp_get_num_procs();
     if (auto trained = trained_inputs_meta(plan); !trained.is_null())
       meta["trained_inputs"] = trained;
-    results.write_meta(meta);
+    try {
+      results.write_meta(meta);
+    } catch (const WriteError& e) {
+      throw stopped(e, results);
+    }
 
     const RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     // The ETA: the runnable configurations still to measure, their count and work, priced
@@ -1128,8 +1174,13 @@ struct SweepCommand {
                                            c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
                                            describe(c.problem, c.workload))));
       const auto r0 = std::chrono::steady_clock::now();
-      const Row row = measure(c, mf, opt, retry_noisy, results);
-      if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
+      Row row;
+      try {
+        row = measure(c, mf, opt, retry_noisy, results);
+        if (c.embed == 0) patterns.row_done(*c.variant, c.problem, c.workload, row.status);
+      } catch (const WriteError& e) {
+        throw stopped(e, results);
+      }
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count();
       if (runnable[i] && row.status == "ok")
@@ -1154,8 +1205,21 @@ struct SweepCommand {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     meta["load_avg_end"] = json_number(load_average());
     meta["rows_noisy"] = counts["noisy"];
-    results.update_meta(meta);
+    try {
+      results.update_meta(meta);
+    } catch (const WriteError& e) {
+      throw stopped(e, results);
+    }
     return 0;
+  }
+
+  // A failed write (a full disk) as the sweep reports it: what failed, what is kept, and how to
+  // go on.
+  WriteError stopped(const WriteError& e, const ResultsDir& results) const {
+    return WriteError(fmt::format(
+        "{}\nthe sweep stopped; the {} row(s) in {}/results.csv are kept: free space (or fix the "
+        "disk) and run the same command with --resume",
+        e.what(), results.rows_kept(), out_dir));
   }
 
   // What meta.json records of the trained inputs a plan uses: their meta.json (checkpoint,
@@ -1227,6 +1291,9 @@ struct MergeCommand {
     cmd->add_flag("--allow-missing", opt.allow_missing,
                   "merge even when planned configurations have no row in any shard (they are "
                   "listed as a warning; else an error)");
+    cmd->add_flag("--force", opt.force,
+                  "if the --out directory holds results, move them aside into "
+                  "DIR/earlier-<time>/ first (else it is refused)");
     return cmd;
   }
 
@@ -1287,7 +1354,9 @@ struct PatternCommand {
                     "of H: grouped-query attention)")
         ->check(CLI::ExistingFile)
         ->excludes(input_opt);
-    cmd->add_option("--output", output_path, "uint8 [n, m] .npy, 1 = attended")->required();
+    cmd->add_option("--output", output_path, "uint8 [n, m] .npy, 1 = attended")
+        ->required()
+        ->check(output_file(".npy"));
     return cmd;
   }
 
@@ -1443,6 +1512,7 @@ int report_error(const std::exception& e) {
 }  // namespace
 
 int cli_main(int argc, char** argv) {
+  set_command_line(argc, argv);
   CLI::App app{
       "attnbench: speed, memory and error of attention variants against exact softmax "
       "attention"};

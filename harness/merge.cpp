@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "harness/output_dir.h"
 #include "harness/patterns.h"
 #include "harness/results.h"
 #include "harness/shard.h"
@@ -52,7 +54,8 @@ std::string text_of(const nlohmann::json& meta, const char* key) {
 // upgraded, as --resume does). Throws UsageError for another layout or a line whose field
 // count does not match its header.
 std::vector<std::vector<std::string>> read_rows(const fs::path& path,
-                                                const std::vector<std::string>& columns) {
+                                                const std::vector<std::string>& columns,
+                                                bool results = false) {
   std::ifstream in(path);
   std::string line;
   if (!std::getline(in, line))
@@ -74,6 +77,13 @@ std::vector<std::vector<std::string>> read_rows(const fs::path& path,
       throw UsageError(fmt::format("'{}' line {} has {} fields where the header has {}",
                                    path.string(), line_no, f.size(), header.size()));
     rows.push_back(upgrade ? *upgrade_line(header, f, columns) : f);
+    if (results)
+      if (const std::string why = malformed_reason(columns, rows.back()); !why.empty())
+        throw UsageError(fmt::format(
+            "'{}' line {} is not a row attnbench writes ({}); merge takes shards as their "
+            "sweeps wrote them (`sweep --resume` on that shard sets such a line aside into "
+            "results.malformed.csv and measures its configuration again)",
+            path.string(), line_no, why));
   }
   return rows;
 }
@@ -91,13 +101,14 @@ std::string join_line(const std::vector<std::string>& fields) {
 }
 
 void write_text(const fs::path& path, const std::string& text) {
-  const fs::path tmp = fs::path(path).concat(".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
-  }
-  fs::rename(tmp, path);
+  write_file_atomic(path.string(), text);
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) throw UsageError(fmt::format("cannot read '{}'", path.string()));
+  return bytes;
 }
 
 // Names a configuration by its plan entry, else by its key.
@@ -124,6 +135,7 @@ size_t merge_results(const MergeOptions& opt) {
           opt.out));
     if (!seen.insert(d).second)
       throw UsageError(fmt::format("'{}' is given twice; give each shard's directory once", dir));
+    require_not_being_written(dir);
     if (!fs::is_regular_file(fs::path(dir) / "results.csv"))
       throw UsageError(fmt::format(
           "'{}' has no results.csv; expected the --out directory of `attnbench sweep`", dir));
@@ -213,7 +225,7 @@ size_t merge_results(const MergeOptions& opt) {
   std::vector<std::string> order;  // keys in the order the shards hold them
   std::vector<std::string> duplicates;
   for (size_t si = 0; si < shards.size(); ++si) {
-    for (auto& f : read_rows(fs::path(shards[si].dir) / "results.csv", columns)) {
+    for (auto& f : read_rows(fs::path(shards[si].dir) / "results.csv", columns, true)) {
       const std::string key = key_of(f, columns);
       auto [it, fresh] = found.try_emplace(key, Found{si, f});
       if (fresh) {
@@ -295,6 +307,14 @@ size_t merge_results(const MergeOptions& opt) {
           groups.erase(f.front() + '\x1f' + f[causal_col]);
           continue;
         }
+        if (const std::string why = pattern_file_problem(e.source.string()); !why.empty()) {
+          fmt::print(stderr,
+                     "attnbench: warning: {} names {}, which is not a whole pattern ({}); left "
+                     "out\n",
+                     index.string(), e.source.string(), why);
+          groups.erase(f.front() + '\x1f' + f[causal_col]);
+          continue;
+        }
       }
       patterns.push_back(std::move(e));
     }
@@ -358,26 +378,42 @@ size_t merge_results(const MergeOptions& opt) {
   meta["rows_missing"] = missing.size();
   if (!plan_json.is_null()) meta["plan_file"] = "plan.json";
   // ----- write -----
-  fs::create_directories(opt.out, ec);
-  if (ec)
-    throw UsageError(
-        fmt::format("cannot create results directory '{}': {}", opt.out, ec.message()));
+  if (!opt.force) {
+    const auto held = held_results(opt.out);
+    if (!held.empty()) {
+      std::string list;
+      for (const auto& h : held) list += (list.empty() ? "" : ", ") + h;
+      throw UsageError(fmt::format(
+          "--out '{}' already holds results ({}); merge writes a new directory: choose another "
+          "--out, or --force to move them aside into '{}/earlier-<time>/' first",
+          opt.out, list, opt.out));
+    }
+  }
+  const DirLock lock = claim_results_dir(opt.out, /*resume=*/false, opt.force, "merge",
+                                         /*resume_hint=*/false);
   const fs::path pat_dir = fs::path(opt.out) / "patterns";
   fs::create_directories(pat_dir, ec);
   if (ec) throw UsageError(fmt::format("cannot create '{}': {}", pat_dir.string(), ec.message()));
-  for (const auto& entry : fs::directory_iterator(pat_dir))
-    if (entry.is_regular_file() && entry.path().extension() == ".npy") fs::remove(entry.path());
   std::string csv = join_line(columns) + '\n';
   for (const auto& key : rows_order) csv += join_line(found.at(key).fields) + '\n';
   write_text(fs::path(opt.out) / "results.csv", csv);
   nlohmann::json bench = {{"context", nullptr}, {"benchmarks", nlohmann::json::array()}};
   for (const Shard& s : shards) {
     const fs::path p = fs::path(s.dir) / "benchmark.json";
-    if (!fs::is_regular_file(p)) continue;
+    if (!fs::is_regular_file(p)) {
+      fmt::print(stderr,
+                 "attnbench: warning: '{}' has no benchmark.json; its rows are merged without "
+                 "their Google Benchmark records\n",
+                 s.dir);
+      continue;
+    }
     std::ifstream in(p);
     const auto b = nlohmann::json::parse(in, nullptr, false);
-    if (!b.is_object()) {
-      fmt::print(stderr, "attnbench: warning: {} is not JSON; its runs are left out\n", p.string());
+    if (!b.is_object() || !b.contains("benchmarks") || !b["benchmarks"].is_array()) {
+      fmt::print(stderr,
+                 "attnbench: warning: {} is not Google Benchmark JSON (an object with a "
+                 "\"benchmarks\" array); its runs are left out\n",
+                 p.string());
       continue;
     }
     if (bench["context"].is_null() && b.contains("context")) bench["context"] = b["context"];
@@ -388,7 +424,7 @@ size_t merge_results(const MergeOptions& opt) {
   std::string index = join_line(index_cols) + '\n';
   for (const auto& e : patterns) {
     if (!e.source.empty())
-      fs::copy_file(e.source, pat_dir / e.fields[file_col], fs::copy_options::overwrite_existing);
+      write_file_atomic((pat_dir / e.fields[file_col]).string(), read_bytes(e.source));
     index += join_line(e.fields) + '\n';
   }
   write_text(pat_dir / "index.csv", index);

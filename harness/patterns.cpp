@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "common/error.h"
+#include "harness/output_dir.h"
 #include "harness/results.h"
 #include "harness/shard.h"
 
@@ -94,18 +95,29 @@ const std::vector<std::string>& PatternStore::index_columns() {
   return cols;
 }
 
+std::string pattern_file_problem(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  try {
+    const NpyArray a = parse_npy(bytes, path);
+    if (a.dtype != "|u1" || a.shape.size() != 2)
+      return fmt::format("dtype {} of {} dimensions where a pattern is |u1 [n, m]", a.dtype,
+                         a.shape.size());
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 PatternStore::PatternStore(const std::string& results_dir, bool resume)
     : dir_((fs::path(results_dir) / "patterns").string()) {
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) throw UsageError(fmt::format("cannot create '{}': {}", dir_, ec.message()));
   const fs::path index = fs::path(dir_) / "index.csv";
-  if (!resume) {
-    // The patterns of an earlier sweep belong to rows that results.csv no longer holds.
-    for (const auto& entry : fs::directory_iterator(dir_))
-      if (entry.is_regular_file() && entry.path().extension() == ".npy") fs::remove(entry.path());
-    fs::remove(index);
-  } else if (fs::exists(index)) {
+  // Without resume the directory holds no earlier results (claim_results_dir refused it or
+  // moved them aside), so a new index starts; with it, the entries whose file is whole are kept.
+  if (resume && fs::exists(index)) {
     std::ifstream in(index);
     std::string line;
     std::getline(in, line);
@@ -140,6 +152,16 @@ PatternStore::PatternStore(const std::string& results_dir, bool resume)
                    "pattern is stored again\n",
                    index.string(), line_no, file);
         continue;
+      }
+      if (!file.empty()) {
+        if (std::string why = pattern_file_problem((fs::path(dir_) / file).string());
+            !why.empty()) {
+          fmt::print(stderr,
+                     "attnbench: warning: {} line {} names {}, which is not a whole pattern "
+                     "({}); its pattern is stored again\n",
+                     index.string(), line_no, file, why);
+          continue;
+        }
       }
       const std::string g = group_of(e.fields.front(), e.fields[causal_column()]);
       if (entries_.count(g)) continue;  // one pattern per spec and causal setting
@@ -191,12 +213,14 @@ void PatternStore::row_done(const Variant& v, const Problem& p, const Workload& 
     auto pat = head_pattern(v, p, w, 0, nullptr);
     if (pat) {
       const std::string file = pattern_file_name(spec, p, w);
-      write_npy((fs::path(dir_) / file).string(), pattern_array(p, *pat, 0, 0));
+      write_file_atomic((fs::path(dir_) / file).string(), encode_npy(pattern_array(p, *pat, 0, 0)));
       e.fields.insert(e.fields.end(), {file, ""});
     } else {
       e.fields.insert(e.fields.end(), {"", "no attention pattern"});
     }
     add(e);
+  } catch (const WriteError&) {
+    throw;  // a full disk or a failed write stops the sweep; the rows are safe in results.csv
   } catch (const std::exception& ex) {
     fmt::print(stderr, "attnbench: warning: the pattern of {} {} is not stored: {}\n", spec,
                describe(p, w), ex.what());
@@ -211,15 +235,9 @@ void PatternStore::add(const Entry& e) {
 }
 
 void PatternStore::write_index() const {
-  // write then rename, so an interrupted sweep never leaves a torn index
-  const fs::path path = fs::path(dir_) / "index.csv", tmp = fs::path(dir_) / "index.csv.tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << csv_key(index_columns()) << '\n';
-    for (const auto& g : order_) out << csv_key(entries_.at(g).fields) << '\n';
-    if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
-  }
-  fs::rename(tmp, path);
+  std::string text = csv_key(index_columns()) + '\n';
+  for (const auto& g : order_) text += csv_key(entries_.at(g).fields) + '\n';
+  write_file_atomic((fs::path(dir_) / "index.csv").string(), text);
 }
 
 }  // namespace attnbench

@@ -49,14 +49,19 @@ NpyArray pattern_array(const Problem& p, const SparsePattern& pat, int64_t b, in
 /// results.csv key of (spec, p, w), then ".npy".
 std::string pattern_file_name(const std::string& spec, const Problem& p, const Workload& w);
 
+/// Why the file at `path` is not a whole stored pattern (a uint8 [n, m] .npy): truncated,
+/// unreadable or of another dtype or shape; "" if it is one.
+std::string pattern_file_problem(const std::string& path);
+
 /// DIR/patterns of a sweep and its index.csv.
 class PatternStore {
  public:
   /// The index.csv columns: the results.csv key columns, then `file` and `message`.
   static const std::vector<std::string>& index_columns();
 
-  /// Opens DIR/patterns (creating it). Without resume, the files of an earlier sweep are
-  /// removed; with it, the entries of index.csv whose file exists are kept.
+  /// Opens DIR/patterns (creating it); the caller holds DIR's lock (ResultsDir). Without resume
+  /// a new index starts; with it, the entries of index.csv whose file is a whole pattern are
+  /// kept (the others are stored again).
   PatternStore(const std::string& results_dir, bool resume);
 
   /// Declares one configuration of the sweep, in sweep order (before the first row).

@@ -1,15 +1,21 @@
 #include "harness/results.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iterator>
 #include <map>
 #include <optional>
+#include <set>
+#include <string_view>
 #include <utility>
 
 #include "common/error.h"
@@ -76,7 +82,45 @@ std::string join_key(const std::vector<std::string>& fields) {
   return k;
 }
 
-// Why a complete results.csv line cannot stand for a finished row, or "" if it can.
+// The results.csv columns that hold numbers (or flags): those a default row does not write as
+// text.
+const std::set<std::string>& numeric_columns() {
+  static const std::set<std::string> cols = [] {
+    std::set<std::string> c;
+    const auto row = to_json(Row{});  // named: items() refers to it
+    for (const auto& [key, value] : row.items())
+      if (!value.is_string()) c.insert(key);
+    return c;
+  }();
+  return cols;
+}
+
+// Numeric columns that cannot be negative: times, sizes, counts, rates and errors.
+bool non_negative(const std::string& c) {
+  auto ends = [&](std::string_view suffix) {
+    return c.size() >= suffix.size() &&
+           c.compare(c.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (c == "mean_cosine" || c == "other_load") return false;
+  return c.rfind("time_", 0) == 0 || ends("_s") || ends("_bytes") || ends("flops") ||
+         ends("_error") || c.rfind("grad_", 0) == 0 || c.rfind("error_rows", 0) == 0 ||
+         c == "reps" || c == "iterations" || c == "load_avg" || c == "tokens_per_s" ||
+         c == "gemm_fraction" || c == "bandwidth_fraction";
+}
+
+// Throws UsageError if `path` exists but is not a regular file (a directory, say).
+void require_regular_file(const fs::path& path) {
+  std::error_code ec;
+  const auto st = fs::status(path, ec);
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st))
+    throw UsageError(
+        fmt::format("'{}' is not a regular file (a directory?); a results directory "
+                    "holds results.csv, benchmark.json and meta.json as files",
+                    path.string()));
+}
+
+}  // namespace
+
 std::string malformed_reason(const std::vector<std::string>& header,
                              const std::vector<std::string>& f) {
   if (f.size() != header.size())
@@ -118,24 +162,21 @@ std::string malformed_reason(const std::vector<std::string>& header,
   const std::string& status = at("status");
   if (status != "ok" && status != "skipped" && status != "unsupported" && status != "error")
     return fmt::format("status is '{}', not ok, skipped, unsupported or error", status);
+  // every other number attnbench writes is finite (a non-finite value is written empty), and
+  // those that count or measure something are non-negative
+  for (size_t i = 0; i < header.size(); ++i) {
+    if (!numeric_columns().count(header[i]) || f[i].empty()) continue;
+    if (!number(f[i])) return fmt::format("{} is '{}', not a finite number", header[i], f[i]);
+    if (non_negative(header[i]) && std::strtod(f[i].c_str(), nullptr) < 0)
+      return fmt::format("{} is '{}', a negative {}", header[i], f[i],
+                         header[i].find("time") != std::string::npos ? "time" : "amount");
+  }
   if (status == "ok")
     for (const char* c : {"time_median_s", "time_min_s", "time_max_s"})
-      if (!number(at(c))) return fmt::format("an ok row whose {} is '{}'", c, at(c));
+      if (!number(at(c)) || std::strtod(at(c).c_str(), nullptr) <= 0)
+        return fmt::format("an ok row whose {} is '{}', not a positive time", c, at(c));
   return "";
 }
-
-// Throws UsageError if `path` exists but is not a regular file (a directory, say).
-void require_regular_file(const fs::path& path) {
-  std::error_code ec;
-  const auto st = fs::status(path, ec);
-  if (!ec && fs::exists(st) && !fs::is_regular_file(st))
-    throw UsageError(
-        fmt::format("'{}' is not a regular file (a directory?); a results directory "
-                    "holds results.csv, benchmark.json and meta.json as files",
-                    path.string()));
-}
-
-}  // namespace
 
 std::string csv_quote(const std::string& s) {
   if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
@@ -242,11 +283,8 @@ std::string ResultsDir::status(const Row& row) const {
   return it == done_.end() ? std::string() : it->second;
 }
 
-ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec)
-    throw UsageError(fmt::format("cannot create results directory '{}': {}", dir, ec.message()));
+ResultsDir::ResultsDir(const std::string& dir, bool resume, bool force)
+    : lock_(claim_results_dir(dir, resume, force, "sweep")), dir_(dir) {
   const fs::path csv_path = fs::path(dir) / "results.csv",
                  json_path = fs::path(dir) / "benchmark.json";
   for (const char* name : {"results.csv", "benchmark.json", "meta.json", "benchmark.json.tmp"})
@@ -262,7 +300,16 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     }
     if (!text.empty() && text.back() != '\n') {
       const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
-      fs::resize_file(csv_path, keep);
+      const std::string torn = text.substr(keep);
+      std::error_code ec;
+      fs::resize_file(csv_path, keep, ec);
+      if (ec)
+        throw WriteError(fmt::format("cannot cut the torn last line off '{}': {}",
+                                     csv_path.string(), ec.message()));
+      fmt::print(stderr,
+                 "attnbench: warning: {} ended in a torn line (an interrupted write); it is "
+                 "dropped and its configuration runs again\n",
+                 csv_path.string());
     }
   }
   if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
@@ -319,19 +366,16 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
     in.close();
     if (n_rejected > 0 || upgrade) {
       if (n_rejected > 0) {
-        std::ofstream bad(fs::path(dir) / "results.malformed.csv", std::ios::app);
-        bad << rejected;
-        if (!bad)
-          throw UsageError(
-              fmt::format("cannot write '{}'", (fs::path(dir) / "results.malformed.csv").string()));
+        // kept whole: what an earlier file held comes before the lines set aside now
+        const fs::path bad = fs::path(dir) / "results.malformed.csv";
+        std::string earlier;
+        if (fs::exists(bad)) {
+          std::ifstream b(bad, std::ios::binary);
+          earlier.assign(std::istreambuf_iterator<char>(b), std::istreambuf_iterator<char>());
+        }
+        write_file_atomic(bad.string(), earlier + rejected);
       }
-      const fs::path tmp = fs::path(dir) / "results.csv.tmp";
-      {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        out << kept;
-        if (!out) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
-      }
-      fs::rename(tmp, csv_path);
+      write_file_atomic(csv_path.string(), kept);
     }
     if (fs::exists(json_path)) {
       std::ifstream j(json_path);
@@ -340,7 +384,9 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
           bench_.is_object() && bench_.contains("benchmarks") && bench_["benchmarks"].is_array();
       if (!usable) {
         // Not Google Benchmark JSON: set it aside, never lose it, and start a new one.
-        const fs::path aside = fs::path(dir) / "benchmark.json.unreadable";
+        fs::path aside = fs::path(dir) / "benchmark.json.unreadable";
+        for (int i = 2; fs::exists(aside); ++i)
+          aside = fs::path(dir) / fmt::format("benchmark.json.unreadable.{}", i);
         fmt::print(stderr,
                    "attnbench: warning: {} is not Google Benchmark JSON (an object with "
                    "a \"benchmarks\" array); moved to {}, a new one is started\n",
@@ -352,22 +398,27 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume) : dir_(dir) {
       }
     }
   }
-  csv_.open(csv_path, have_header ? std::ios::app : std::ios::trunc);
-  if (!csv_) throw UsageError(fmt::format("cannot write '{}'", csv_path.string()));
+  // Without rows to keep (claim_results_dir made sure of that, or moved them aside), the file
+  // starts anew with its header.
+  csv_ =
+      ::open(csv_path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (have_header ? 0 : O_TRUNC), 0644);
+  if (csv_ < 0)
+    throw WriteError(fmt::format("cannot write '{}': {}", csv_path.string(), std::strerror(errno)));
   if (!have_header) {
     std::string header;
     for (const auto& c : csv_columns()) header += (header.empty() ? "" : ",") + c;
-    csv_ << header << '\n' << std::flush;
+    append_synced(csv_, csv_path.string(), header + '\n');
   }
   if (!bench_.is_object()) bench_ = {{"context", nullptr}, {"benchmarks", nlohmann::json::array()}};
-  write_benchmark_json();  // without --resume, this replaces an earlier run's file at once
+  write_benchmark_json();
+}
+
+ResultsDir::~ResultsDir() {
+  if (csv_ >= 0) ::close(csv_);
 }
 
 void ResultsDir::append(const Row& row, const nlohmann::json& bench) {
-  csv_ << csv_line(row) << '\n' << std::flush;
-  if (!csv_)
-    throw std::runtime_error(
-        fmt::format("cannot append to '{}'", (fs::path(dir_) / "results.csv").string()));
+  append_synced(csv_, (fs::path(dir_) / "results.csv").string(), csv_line(row) + '\n');
   done_[row_key(row)] = row.status;
   if (bench.is_object() && bench.contains("benchmarks") && bench["benchmarks"].is_array()) {
     if (bench_["context"].is_null() && bench.contains("context"))
@@ -378,26 +429,11 @@ void ResultsDir::append(const Row& row, const nlohmann::json& bench) {
 }
 
 void ResultsDir::write_benchmark_json() const {
-  // write then rename, so an interrupted run never leaves a torn file
-  const fs::path path = fs::path(dir_) / "benchmark.json",
-                 tmp = fs::path(dir_) / "benchmark.json.tmp";
-  {
-    std::ofstream f(tmp);
-    f << bench_.dump(2) << '\n';
-  }
-  fs::rename(tmp, path);
+  write_file_atomic((fs::path(dir_) / "benchmark.json").string(), bench_.dump(2) + '\n');
 }
 
-// Writes then renames, so an interrupted run never leaves a torn file.
-void write_json_file(const std::string& path_text, const nlohmann::json& j) {
-  const fs::path path(path_text);
-  const fs::path tmp = fs::path(path).concat(".tmp");
-  {
-    std::ofstream f(tmp);
-    f << j.dump(2) << '\n';
-    if (!f) throw UsageError(fmt::format("cannot write '{}'", tmp.string()));
-  }
-  fs::rename(tmp, path);
+void write_json_file(const std::string& path, const nlohmann::json& j) {
+  write_file_atomic(path, j.dump(2) + '\n');
 }
 
 void ResultsDir::write_meta(const nlohmann::json& meta) const {

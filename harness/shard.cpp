@@ -63,11 +63,15 @@ std::pair<int, int> parse_shard(const std::string& text) {
   const size_t slash = text.find('/');
   if (slash == std::string::npos) throw bad("has no '/'");
   auto number = [&](const std::string& s, const char* role) {
-    int v = -1;
+    const bool digits =
+        !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (!digits) throw bad(fmt::format("{} '{}' is not a non-negative integer", role, s));
+    int64_t v = -1;
     const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-    if (s.empty() || ec != std::errc() || ptr != s.data() + s.size() || v < 0)
-      throw bad(fmt::format("{} '{}' is not a non-negative integer", role, s));
-    return v;
+    if (ec != std::errc() || v > kMaxShards)
+      throw bad(fmt::format("{} '{}' is above {}, the largest shard count accepted", role, s,
+                            kMaxShards));
+    return int(v);
   };
   const int i = number(text.substr(0, slash), "the index");
   const int n = number(text.substr(slash + 1), "the count");

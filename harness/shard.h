@@ -23,8 +23,12 @@ uint64_t stable_hash(const std::string& text);
 /// configuration).
 std::string csv_key(const std::vector<std::string>& fields);
 
-/// --shard i/N: the shard index i and count N (0 <= i < N). Throws UsageError naming the text
-/// and the accepted form.
+/// The largest shard count --shard and --shard-plan accept (a plan is split into at most this
+/// many parts; beyond it the split's own bookkeeping, not the work, dominates).
+constexpr int kMaxShards = 100000;
+
+/// --shard i/N: the shard index i and count N (0 <= i < N <= kMaxShards). Throws UsageError
+/// naming the text and the accepted form.
 std::pair<int, int> parse_shard(const std::string& text);
 
 /// Rates of the shard split's cost estimate, per thread (a pass and the float64 reference

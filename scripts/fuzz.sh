@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fuzzes the parsers that take untrusted input with libFuzzer: the variant spec parser
-# (fuzz_spec), the .npy reader (fuzz_npy) and the .npz reader (fuzz_npz), sources in
+# (fuzz_spec), the .npy reader (fuzz_npy), the .npz reader (fuzz_npz), the attention mask reader
+# (fuzz_mask) and the results.csv readers of --resume and merge (fuzz_results), sources in
 # tests/fuzz/. Builds them with clang (ASan + UBSan) into build-fuzz/, or in DIR with
 # --build-dir DIR (a tree configured with -DATTNBENCH_FUZZ=ON, as scripts/sanitize_test.sh's
 # build-asan/ is when clang links libFuzzer), then runs each target for SECONDS (default 60)
@@ -19,14 +20,14 @@ fi
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(spec npy npz)
+[[ ${#targets[@]} -gt 0 ]] || targets=(spec npy npz mask results)
 if ! [[ $seconds =~ ^[1-9][0-9]*$ ]]; then
   echo "fuzz.sh: SECONDS must be a positive integer, got '$seconds'" >&2
   exit 2
 fi
 for t in "${targets[@]}"; do
   if [[ ! -f tests/fuzz/fuzz_$t.cpp ]]; then
-    echo "fuzz.sh: no fuzz target '$t'; targets: spec, npy, npz" >&2
+    echo "fuzz.sh: no fuzz target '$t'; targets: spec, npy, npz, mask, results" >&2
     exit 2
   fi
 done

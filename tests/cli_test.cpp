@@ -581,12 +581,9 @@ TEST(Results, ResumeAfterATornLastLine) {
   EXPECT_TRUE(again.done(sample_row(128)));
 }
 
-// Without resume, both results.csv and benchmark.json are replaced at once, even when no new
-// row brings benchmark runs.
-TEST(Results, WithoutResumeOldFilesAreReplaced) {
-  // "without [resume], existing result files are replaced": a new sweep into an old
-  // directory must not leave the old sweep's benchmark.json behind, even if none of its own
-  // rows produced benchmark runs (all skipped, say).
+// With --force, both results.csv and benchmark.json start anew (the old ones moved aside, never
+// deleted), even when no new row brings benchmark runs.
+TEST(Results, WithForceOldFilesAreMovedAside) {
   TempDir dir;
   const std::string out = dir.file("r");
   {
@@ -597,7 +594,7 @@ TEST(Results, WithoutResumeOldFilesAreReplaced) {
   }
   ASSERT_NE(test::read_text(out + "/benchmark.json").find("old_run"), std::string::npos);
   {
-    ResultsDir rd(out, false);
+    ResultsDir rd(out, false, /*force=*/true);
     rd.append(sample_row(64, "skipped"), nlohmann::json());
   }
   Csv csv = read_csv(out + "/results.csv");
@@ -605,6 +602,12 @@ TEST(Results, WithoutResumeOldFilesAreReplaced) {
   EXPECT_EQ(csv.rows[0].at("n"), "64");
   EXPECT_FALSE(test::read_text(out + "/benchmark.json").find("old_run") != std::string::npos)
       << "benchmark.json still holds the previous sweep's runs";
+  bool aside = false;
+  for (const auto& e : fs::directory_iterator(out))
+    if (e.path().filename().string().rfind("earlier-", 0) == 0)
+      aside = test::read_text((e.path() / "benchmark.json").string()).find("old_run") !=
+              std::string::npos;
+  EXPECT_TRUE(aside) << "the previous benchmark.json was not kept aside";
 }
 
 // A complete line that cannot be a finished row is reported, set aside (never deleted) and

@@ -464,8 +464,9 @@ TEST_F(ShardedSweep, MergeRefusals) {
   EXPECT_EQ(read_csv(out + "/results.csv").rows.size(), 16 - n1);
   // a configuration with two different rows; the same row twice merges
   const std::string twin = copy_of(shards_[0], "twin", tmp);
-  const auto same =
-      run_cli("merge" + shard_args({shards_[0], twin, shards_[1]}) + " --out " + q(out), tmp);
+  // (--force: `out` holds the merge above, moved aside)
+  const auto same = run_cli(
+      "merge" + shard_args({shards_[0], twin, shards_[1]}) + " --force --out " + q(out), tmp);
   EXPECT_EQ(same.code, 0) << same.err;
   EXPECT_EQ(read_csv(out + "/results.csv").rows.size(), 16u);
   auto lines = test::read_lines(twin + "/results.csv");
@@ -493,7 +494,7 @@ TEST_F(ShardedSweep, MergeRefusals) {
   meta["cpu_model"] = "Imaginary CPU 9000";
   write_json(other_cpu + "/meta.json", meta);
   const auto warned =
-      run_cli("merge" + shard_args({shards_[0], other_cpu}) + " --out " + q(out), tmp);
+      run_cli("merge" + shard_args({shards_[0], other_cpu}) + " --force --out " + q(out), tmp);
   EXPECT_EQ(warned.code, 0) << warned.err;
   EXPECT_NE(warned.err.find("Imaginary CPU 9000"), std::string::npos) << warned.err;
   refused("merge" + shard_args({shards_[0], other_cpu}) + " --strict --out " + q(out),
