@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/npy.h"
 #include "common/registry.h"
+#include "harness/output_dir.h"
 #include "harness/patterns.h"
 #include "harness/results.h"
 #include "test_util.h"
@@ -204,13 +205,17 @@ TEST(SweepPatterns, ResumeNeitherLosesNorDuplicates) {
   EXPECT_EQ(npy_files(out), files);
   EXPECT_EQ(test::read_text(first), bytes);
 
-  // without resume, the earlier sweep's patterns go with its rows
+  // without resume (after --force moved the earlier results aside, as a sweep does), the
+  // earlier sweep's patterns are kept aside with its rows and a new index starts
+  const std::string aside = set_aside(out);
   sweep(out, false, longer);
   auto fresh = read_index(out);
   ASSERT_EQ(fresh.size(), 2u);
   for (const auto& row : fresh) EXPECT_EQ(row.at("n"), "1024");
   EXPECT_EQ(npy_files(out).size(), 2u);
   EXPECT_EQ(npy_files(out).count(*files.begin()), 0u);
+  EXPECT_EQ(npy_files(aside), files);
+  EXPECT_EQ(test::read_text(aside + "/patterns/" + *files.begin()), bytes);
 }
 
 TEST(SweepPatterns, AFailedPatternIsReportedNotThrown) {
