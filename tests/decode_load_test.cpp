@@ -8,7 +8,7 @@
 // The test times every step of the last kSteps positions of a problem of the CLI's default
 // shape (B = 1, H = 8, n = 1024, d = 64), first alone (the better of one and two threads),
 // then on two threads beside a forked child spinning until it is killed, and requires the
-// time per step beside the child (the median over groups of 10 steps of their mean) within 3x
+// time per step beside the child (the median over groups of steps of their mean) within 3x
 // of the time alone.
 // The other processes of a shared machine make single measurements noisy, so a spec gets up
 // to three attempts; a step that waits for a preempted thread misses every one by far.
@@ -37,7 +37,11 @@ namespace {
 
 using test::row_view;
 
-constexpr int64_t kSteps = 200, kGroup = 10;
+constexpr int64_t kSteps = 200;
+/// A group lasts about this long (at least 1 step, at most 10): long enough that a stall of a
+/// scheduler slice shows in the group's mean, short enough that the slices the other processes
+/// of a loaded machine take from the one thread of a serial step miss most groups.
+constexpr double kGroupSeconds = 500e-6;
 /// A phase stops after this long even with steps left (a stalling step can take 20 ms).
 constexpr double kPhaseSeconds = 0.5;
 constexpr double kMaxRatio = 3.0;
@@ -68,24 +72,30 @@ class BusyProcess {
 };
 
 /// Seconds per step of the last kSteps positions of p, from a fresh prefill: the median over
-/// groups of kGroup consecutive steps of the group's mean. A step that waits for a preempted
-/// thread does so now and then, not every time, so the median of single steps would miss it;
-/// the mean of a group counts it, as the harness's time per token does, and the median over
-/// the groups drops the few the rest of the machine disturbed.
+/// groups of consecutive steps (about kGroupSeconds each) of the group's mean. A step that waits
+/// for a preempted thread does so now and then, not every time, so the median of single steps would
+/// miss it; the mean of a group counts it, as the harness's time per token does, and the median
+/// over the groups drops the few the rest of the machine disturbed.
 double step_time(Variant& variant, const Problem& p, const Inputs& in) {
   using clock = std::chrono::steady_clock;
   const int64_t t0 = p.n - kSteps;
   std::unique_ptr<DecodeState> state = variant.decoder()->prefill(p, in.k.view(), in.v.view(), t0);
   Tensor out(p.q_shape());
   std::vector<double> groups;
+  // the group size from one step
+  const auto a0 = clock::now();
+  state->step(row_view(in.q.view(), t0), row_view(in.k.view(), t0), row_view(in.v.view(), t0),
+              row_view(out.view(), t0));
+  const double first = std::chrono::duration<double>(clock::now() - a0).count();
+  const int64_t group = std::clamp<int64_t>(int64_t(kGroupSeconds / first), 1, 10);
   const auto start = clock::now();
-  for (int64_t t = t0; t + kGroup <= p.n; t += kGroup) {
+  for (int64_t t = t0 + 1; t + group <= p.n; t += group) {
     const auto a = clock::now();
-    for (int64_t s = t; s < t + kGroup; ++s)
+    for (int64_t s = t; s < t + group; ++s)
       state->step(row_view(in.q.view(), s), row_view(in.k.view(), s), row_view(in.v.view(), s),
                   row_view(out.view(), s));
     const auto b = clock::now();
-    groups.push_back(std::chrono::duration<double>(b - a).count() / double(kGroup));
+    groups.push_back(std::chrono::duration<double>(b - a).count() / double(group));
     if (std::chrono::duration<double>(b - start).count() > kPhaseSeconds && groups.size() >= 5)
       break;
   }
