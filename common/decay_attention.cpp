@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
+#include "common/parallel.h"
 #include "common/random.h"
 #include "common/simd.h"
 #include "common/threads.h"
@@ -526,9 +527,6 @@ double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk) {
 
 namespace {
 
-// Floats of state a decode step must update before it runs on more than one thread.
-constexpr int64_t kParallelStepWork = 1 << 16;
-
 class DecayState final : public DecodeState {
  public:
   DecayState(const Problem& p, const Decay& decay)
@@ -552,9 +550,11 @@ class DecayState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const SerialIfSmall small(step_flops());
     const int64_t d = p_.dim;
-    // a parallel region only when the step's work (d^2 per state) outweighs opening one
-    const bool parallel = p_.batch * states_ * d * d >= kParallelStepWork;
+    // a parallel region only when the step's work outweighs opening one (common/threads.h)
+    const bool parallel = parallel_worth(step_flops(), p_.batch * states_);
     for_each_state(
         p_.batch, states_,
         [&](int64_t b, int64_t s) {

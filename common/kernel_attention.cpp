@@ -15,6 +15,7 @@
 
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/parallel.h"
 #include "common/random.h"
 #include "common/simd.h"
 #include "common/softmax.h"
@@ -585,16 +586,19 @@ double attend_bytes(const Problem& p, int64_t features) {
 
 namespace {
 
-/// Threads a loop over `heads` (batch, head) pairs runs on, as attend(): every thread of the
-/// team when there are at least as many pairs, else 1 (BLAS multi-threaded).
-int head_threads(int64_t heads) { return heads >= team_threads() ? team_threads() : 1; }
+/// Threads a loop over `heads` (batch, head) pairs of `flops` work in all runs on, as
+/// attend(): every thread of the team when there are at least as many pairs and the work is
+/// worth a parallel region (common/threads.h), else 1.
+int head_threads(int64_t heads, double flops) {
+  return heads >= team_threads() && parallel_worth(flops, heads) ? team_threads() : 1;
+}
 
 /// body(bh, work) for every (batch, head) index bh < heads, OpenMP over them on
-/// head_threads(heads) threads (BLAS single-threaded inside a region); work: the running
-/// thread's `stride` floats of `pool` (head_threads(heads) stride floats).
+/// head_threads(heads, flops) threads (BLAS single-threaded inside a region); work: the
+/// running thread's `stride` floats of `pool` (head_threads(heads, flops) stride floats).
 template <class Body>
-void for_each_head(int64_t heads, float* pool, int64_t stride, const Body& body) {
-  const bool per_head = head_threads(heads) > 1;
+void for_each_head(int64_t heads, double flops, float* pool, int64_t stride, const Body& body) {
+  const bool per_head = head_threads(heads, flops) > 1;
   OmpGuard guard;
 #pragma omp parallel for if (per_head) schedule(dynamic, 1)
   for (int64_t bh = 0; bh < heads; ++bh)
@@ -631,9 +635,12 @@ class KernelDecodeState final : public DecodeState {
   void prefill(ConstTensorView k, ConstTensorView v, int64_t t0) {
     const int64_t block = Schedule::for_features(f_).block, stride = round_up(block * f_, 16);
     const int64_t heads = batch_ * heads_;
+    double flops = 0;
+    for (int64_t h = 0; h < heads_; ++h)
+      flops += double(batch_) * double(t0) * (map(h).key_flops() + 2.0 * double(f_ * d_));
     // phi(K) of one key block per thread, freed when the prefill ends
-    Aligned work(stride * head_threads(heads));
-    for_each_head(heads, work.get(), stride, [&](int64_t bh, float* phk) {
+    Aligned work(stride * head_threads(heads, flops));
+    for_each_head(heads, flops, work.get(), stride, [&](int64_t bh, float* phk) {
       const int64_t b = bh / heads_, h = bh % heads_;
       KeyState st(map(h), k.head(b, h), k.stride_row, v.head(b, h), v.stride_row, d_, s(bh), z(bh));
       while (st.kdone < t0) {
@@ -651,9 +658,13 @@ class KernelDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(length_, capacity_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const SerialIfSmall small(step_flops());
     const int64_t f = f_, d = d_, fpad = round_up(f, 16), heads = batch_ * heads_;
+    // a step is one key and one query per head: most often too little for a parallel region
+    const double flops = step_flops();
     // phi(k) and phi(q) per thread, kept between steps so that a step allocates nothing
-    const int64_t need = 2 * fpad * head_threads(heads);
+    const int64_t need = 2 * fpad * head_threads(heads, flops);
     if (work_floats_ < need) {
       work_.reset();
       work_ = std::make_unique<Aligned>(need);
@@ -661,7 +672,7 @@ class KernelDecodeState final : public DecodeState {
     }
     // the key count of the step's row: every key so far and its own
     const float weight = float(length_ + 1);
-    for_each_head(heads, work_->get(), 2 * fpad, [&](int64_t bh, float* w) {
+    for_each_head(heads, flops, work_->get(), 2 * fpad, [&](int64_t bh, float* w) {
       const int64_t b = bh / heads_, h = bh % heads_;
       const FeatureMap& fm = map(h);
       float *phk = w, *phq = w + fpad, *o = out.head(b, h);

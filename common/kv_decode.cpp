@@ -11,6 +11,7 @@
 #include "common/checked.h"
 #include "common/decode_kernels.h"
 #include "common/error.h"
+#include "common/parallel.h"
 #include "common/softmax.h"
 #include "common/threads.h"
 
@@ -63,6 +64,8 @@ class KvDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const SerialIfSmall small(step_flops(), 4.0 * double(parallel_floats_));
     decode::check_step_group(k.group, group_, kv_heads_);
     // the visible positions in order: the sinks 0 .. ns - 1 left of the band, then lo .. t;
     // chunks cut this list (index u: position u below ns, lo + u - ns from there)

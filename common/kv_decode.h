@@ -33,6 +33,7 @@
 #include <memory>
 
 #include "common/decode.h"
+#include "common/parallel.h"
 #include "common/problem.h"
 #include "common/tensor.h"
 
@@ -55,8 +56,10 @@ struct KvDecodeOptions {
   int64_t min_chunk = 256, max_chunk = 2048;
   /// A step whose cached key floats (visible keys x d over every (batch, head)) are fewer runs
   /// on the calling thread alone: a few microseconds of work would otherwise wait for the
-  /// team (and, on a loaded machine, for a descheduled thread). The chunks are the same.
-  int64_t parallel_floats = int64_t(1) << 15;
+  /// team (and, on a loaded machine, for a descheduled thread). The default is the shared
+  /// threshold of common/threads.h (4 flops per key float: kParallelMinFlops / 4); the tests
+  /// set 0 to exercise the parallel path on short sequences.
+  int64_t parallel_floats = int64_t(kParallelMinFlops) / 4;
 };
 
 /// The KV-cache state of p (causal self-attention, n = m, the scaled_dot score) after rows

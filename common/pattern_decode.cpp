@@ -13,6 +13,7 @@
 #include "common/checked.h"
 #include "common/decode_kernels.h"
 #include "common/error.h"
+#include "common/parallel.h"
 #include "common/threads.h"
 
 namespace attnbench {
@@ -111,6 +112,10 @@ class PatternDecodeState final : public DecodeState {
       std::memcpy(value_row(bg, t), v.row(b, h, 0), row_bytes);
     }
     plan(t);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h); its
+    // flops as step_flops() counts them
+    const SerialIfSmall small(double(keys_read_) * 4.0 * double(d_),
+                              4.0 * double(parallel_floats_));
     ++len_;
 
     const int threads = team_threads();

@@ -31,6 +31,7 @@
 
 #include "common/block_sparse.h"
 #include "common/decode.h"
+#include "common/parallel.h"
 #include "common/pattern.h"
 #include "common/problem.h"
 #include "common/tensor.h"
@@ -40,8 +41,9 @@ namespace attnbench {
 /// How a pattern decode state runs its steps.
 struct PatternDecodeOptions {
   /// A step reading fewer key floats (keys read x d over every (batch, head)) runs on the
-  /// calling thread alone.
-  int64_t parallel_floats = int64_t(1) << 15;
+  /// calling thread alone: by default the shared threshold of common/threads.h (4 flops per
+  /// key float: kParallelMinFlops / 4); the tests set 0 to exercise the parallel path.
+  int64_t parallel_floats = int64_t(kParallelMinFlops) / 4;
 };
 
 /// The pattern decode state of p (causal self-attention, n = m, the scaled_dot score) with

@@ -65,6 +65,7 @@
 #include "common/decode_kernels.h"
 #include "common/error.h"
 #include "common/oracle.h"
+#include "common/parallel.h"
 #include "common/random.h"
 #include "common/threads.h"
 
@@ -265,6 +266,9 @@ class CompressedDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const double flops = step_flops();
+    const SerialIfSmall small(flops);
     for (int64_t b = 0; b < batch_; ++b)
       for (int64_t g = 0; g < kv_heads_; ++g)
         append(b, g, pending_, k.row(b, g * group_, 0), v.row(b, g * group_, 0));
@@ -274,8 +278,9 @@ class CompressedDecodeState final : public DecodeState {
     const int threads = team_threads();
     const int64_t bh_count = batch_ * heads_;
     if (int64_t(scores_.size()) < threads * cap_rows_) scores_.resize(size_t(threads * cap_rows_));
-    const int64_t work = bh_count * (done_ + 1) * d_ * (conv_ && completes ? d_ : 1);
-    const bool parallel = threads > 1 && bh_count > 1 && work >= (int64_t(1) << 15);
+    // the step's flops (step_flops() before the row was appended) against the shared
+    // threshold of common/threads.h
+    const bool parallel = parallel_worth(flops, bh_count);
 #pragma omp parallel if (parallel)
     {
       if (completes) {

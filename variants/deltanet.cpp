@@ -56,6 +56,7 @@
 #include "common/error.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
+#include "common/parallel.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/threads.h"
@@ -453,6 +454,8 @@ class DeltaState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const SerialIfSmall small(step_flops());
     const int64_t G = p_.kv_head_count();
 #pragma omp parallel for schedule(static) if (p_.batch * G >= 2 * team_threads())
     for (int64_t bg = 0; bg < p_.batch * G; ++bg) {

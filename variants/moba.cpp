@@ -49,6 +49,7 @@
 #include "common/decode_kernels.h"
 #include "common/error.h"
 #include "common/omp_guard.h"
+#include "common/parallel.h"
 #include "common/pattern.h"
 #include "common/registry.h"
 #include "common/threads.h"
@@ -202,6 +203,9 @@ class MobaDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const double flops = step_flops();
+    const SerialIfSmall small(flops);
     decode::check_step_group(k.group, group_, kv_heads_);
     const int64_t t = len_;
     for (int64_t bg = 0; bg < batch_ * kv_heads_; ++bg) {
@@ -211,7 +215,7 @@ class MobaDecodeState final : public DecodeState {
     ++len_;
     const int64_t own = t / chunk_;
     const int64_t bhs = batch_ * heads_;
-    const bool parallel = bhs > 1 && bhs * (topk_ * chunk_ + own) * d_ >= (int64_t(1) << 15);
+    const bool parallel = parallel_worth(flops, bhs);
     OmpGuard guard;
 #pragma omp parallel if (parallel)
     {

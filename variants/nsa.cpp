@@ -70,6 +70,7 @@
 #include "common/decode.h"
 #include "common/error.h"
 #include "common/oracle.h"
+#include "common/parallel.h"
 #include "common/random.h"
 #include "common/registry.h"
 #include "common/row_pattern.h"
@@ -586,6 +587,8 @@ class NsaState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{p_.batch, p_.heads, 1, d_}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const SerialIfSmall small(step_flops());
     const int64_t t = len_, nc = c_.pooled(t + 1), tasks = p_.batch * G_;
     if (ws_.size() < size_t(team_threads())) ws_.resize(size_t(team_threads()));
 #pragma omp parallel if (tasks > 1)

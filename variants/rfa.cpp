@@ -84,6 +84,7 @@
 #include "common/kernel_attention.h"
 #include "common/omp_guard.h"
 #include "common/oracle.h"
+#include "common/parallel.h"
 #include "common/prepared.h"
 #include "common/random.h"
 #include "common/registry.h"
@@ -536,6 +537,8 @@ class GatedDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(length_, capacity_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    const SerialIfSmall small(step_flops());
     const size_t need = size_t(2 * f_ * threads());
     if (work_.size() < need) work_.resize(need);
     for_each_head(work_.data(), 2 * f_, [&](int64_t bh, float* w) {
