@@ -15,6 +15,7 @@
 #include "common/attention_kernels.h"
 #include "common/bf16.h"
 #include "common/error.h"
+#include "common/mask_bias.h"
 #include "common/omp_guard.h"
 #include "common/softmax.h"
 #include "common/threads.h"
@@ -55,10 +56,13 @@ void write_lse(const LseView* lse, int64_t b, int64_t h, int64_t i0, int64_t row
   for (int64_t r = 0; r < rows; ++r) {
     const float lr = l[r], m = mx[r];
     float& dst = lse->at(b, h, i0 + r);
+    const bool split = lse->max != nullptr;  // max and log-sum apart (LseView::max)
+    if (split) lse->max_at(b, h, i0 + r) = lr > 0 && !std::isnan(m) ? m : 0.0f;
     if (std::isnan(m) || std::isnan(lr))
       dst = NAN;
     else
-      dst = lr > 0 ? float(double(m) * scale + std::log(double(lr) / pscale)) : -INFINITY;
+      dst = lr > 0 ? float((split ? 0.0 : double(m) * scale) + std::log(double(lr) / pscale))
+                   : -INFINITY;
   }
 }
 
@@ -141,7 +145,7 @@ class KeyWalk {
           const float x = am_->at(b, h, i0 + r, j0 + c);
           const bool keep = mask_[r * cols + c] && x != -INFINITY;
           mask_[r * cols + c] = uint8_t(keep);
-          bias_[r * cols + c] = keep ? x * root_ : 0.0f;
+          bias_[r * cols + c] = keep ? mask_bias_raw(x, root_) : 0.0f;
           any |= keep;
         }
       if (!any) return false;
@@ -609,6 +613,7 @@ struct PairArgs {
   const float *lse, *dsum;  // the tile's rows' L_i and D_i
   float* dq0;               // the tile's dQ accumulator rows (null: no dQ), stride lddq
   int64_t lddq;
+  const float* mx = nullptr;  // the rows' max if L_i is relative to it (LseView::max)
 };
 
 /// One (query tile, key block) pair: rows query rows, cols keys, d features. Row r sees the
@@ -627,13 +632,15 @@ inline void pair_grads(Tiles& w, const PairArgs& a, int64_t rows, int64_t cols, 
     float* sr = w.s.data() + r * lds;
     float* gr = w.ds.data() + r * ldg;
     const float L = a.lse[r], D = a.dsum[r];
+    // P = exp((s - M) scale - L): M = 0 when L is the whole log-sum-exp
+    const float M = a.mx ? a.mx[r] : 0.0f;
     // a row that attended no key (L = -inf) contributes nothing
     const int64_t vis = L == -INFINITY ? 0 : std::clamp<int64_t>(causal_first + r, 0, cols);
     if (mask) {
       const uint8_t* mr = mask + r * cols;
       const float* br = bias ? bias + r * cols : nullptr;
       for (int64_t c = 0; c < vis; ++c) {
-        const float x = (sr[c] + (br ? br[c] : 0.0f)) * scale - L;
+        const float x = (sr[c] + (br ? br[c] : 0.0f) - M) * scale - L;
         const float pr = mr[c] ? fast_exp(x) : 0.0f;
         sr[c] = pr;
         gr[c] = pr * (gr[c] - D) * scale;
@@ -641,9 +648,11 @@ inline void pair_grads(Tiles& w, const PairArgs& a, int64_t rows, int64_t cols, 
     } else {
       int64_t c = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-      const __m256 sv = _mm256_set1_ps(scale), lv = _mm256_set1_ps(L), dv = _mm256_set1_ps(D);
+      const __m256 sv = _mm256_set1_ps(scale), lv = _mm256_set1_ps(L), dv = _mm256_set1_ps(D),
+                   mv = _mm256_set1_ps(M);
       for (; c + 8 <= vis; c += 8) {
-        const __m256 pr = simd::avx2::exp_ps(_mm256_fmsub_ps(_mm256_loadu_ps(sr + c), sv, lv));
+        const __m256 pr =
+            simd::avx2::exp_ps(_mm256_fmsub_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + c), mv), sv, lv));
         _mm256_storeu_ps(sr + c, pr);
         _mm256_storeu_ps(
             gr + c,
@@ -651,7 +660,7 @@ inline void pair_grads(Tiles& w, const PairArgs& a, int64_t rows, int64_t cols, 
       }
 #endif
       for (; c < vis; ++c) {
-        const float pr = fast_exp(sr[c] * scale - L);
+        const float pr = fast_exp((sr[c] - M) * scale - L);
         sr[c] = pr;
         gr[c] = pr * (gr[c] - D) * scale;
       }
@@ -740,10 +749,11 @@ void run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView
           const uint8_t* mk;
           const float* bias;
           if (!walk->pair(b, h, i0, rows, kend, j0, partial, cols, mk, bias)) return;
-          const PairArgs a{
+          PairArgs a{
               q.row(b, h, i0),   dout.row(b, h, i0),        k.row(b, h, j0),   v.row(b, h, j0),
               q.stride_row,      dout.stride_row,           k.stride_row,      v.stride_row,
               &lse.at(b, h, i0), dsum.data() + bh * n + i0, dqt.row(b, h, i0), dqt.stride_row};
+          if (lse.max) a.mx = &lse.max_at(b, h, i0);
           pair_grads(tl, a, rows, cols, d, scale, kernels::causal_first(p, i0, j0), mk, bias, true);
         };
         if constexpr (kDense) {
@@ -925,10 +935,11 @@ class PatternSaved final : public SavedState {
  public:
   std::unique_ptr<SparsePattern> pattern;
   std::vector<float> lse;
+  std::vector<float> max;  // with an attention mask, the rows' max (LseView::max)
 };
 
-LseView lse_view(const Problem& p, std::vector<float>& lse) {
-  return LseView{lse.data(), p.heads * p.n, p.n, 1};
+LseView lse_view(const Problem& p, std::vector<float>& lse, std::vector<float>& max) {
+  return LseView{lse.data(), p.heads * p.n, p.n, 1, max.empty() ? nullptr : max.data()};
 }
 
 }  // namespace
@@ -942,7 +953,8 @@ std::unique_ptr<SavedState> PatternVariant::forward_train(const Problem& p, Cons
   auto saved = std::make_unique<PatternSaved>();
   saved->pattern = make_pattern(p, q, k);
   saved->lse.resize(size_t(p.batch * p.heads * p.n));
-  const LseView lse = lse_view(p, saved->lse);
+  if (p.attn_mask) saved->max.resize(saved->lse.size());
+  const LseView lse = lse_view(p, saved->lse, saved->max);
   block_sparse_attention(p, q, k, v, out, *saved->pattern, &lse);
   return saved;
 }
@@ -955,7 +967,8 @@ void PatternVariant::backward(const Problem& p, ConstTensorView q, ConstTensorVi
   if (!st || !st->pattern || st->lse.size() != size_t(p.batch * p.heads * p.n))
     throw UsageError(info().name +
                      ": the saved state is not from its forward_train on this problem");
-  const LseView lse = lse_view(p, const_cast<std::vector<float>&>(st->lse));
+  auto& mutable_st = const_cast<PatternSaved&>(*st);
+  const LseView lse = lse_view(p, mutable_st.lse, mutable_st.max);
   block_sparse_attention_backward(p, q, k, v, out, dout, lse, *st->pattern, dq, dk, dv);
 }
 
@@ -966,7 +979,9 @@ double PatternVariant::backward_flops(const Problem& p) const {
 }
 
 double PatternVariant::saved_estimate(const Problem& p) const {
-  return double(p.batch * p.heads * p.n) * sizeof(float) + pattern_counts(p).bytes;
+  // the rows' log-sum-exps, and with an attention mask their max too
+  return double(p.batch * p.heads * p.n) * sizeof(float) * (p.attn_mask ? 2 : 1) +
+         pattern_counts(p).bytes;
 }
 
 double PatternVariant::backward_memory_estimate(const Problem& p) const {

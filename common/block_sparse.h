@@ -59,8 +59,17 @@ namespace attnbench {
 struct LseView {
   float* data = nullptr;
   int64_t stride_b = 0, stride_h = 0, stride_row = 1;
+  /// If not null, every row's max in raw score units (the same strides), and data holds the
+  /// log-sum-exp relative to it: lse = max * scale + data. A float lse cannot hold both when
+  /// the max is huge (a row masked wholly by -FLT_MAX sits at -FLT_MAX / 4 raw: its log of
+  /// the sum, log m, is far below one ulp); the engine's backward then recomputes P from
+  /// the two. Only the engine's forward (which writes it) and backward read this form.
+  float* max = nullptr;
   float& at(int64_t b, int64_t h, int64_t i) const {
     return data[b * stride_b + h * stride_h + i * stride_row];
+  }
+  float& max_at(int64_t b, int64_t h, int64_t i) const {
+    return max[b * stride_b + h * stride_h + i * stride_row];
   }
 };
 
@@ -68,10 +77,17 @@ struct LseView {
 /// needs), for variants whose training forward keeps nothing else.
 class LseSaved final : public SavedState {
  public:
-  explicit LseSaved(const Problem& p) : lse(size_t(p.batch * p.heads * p.n)) {}
+  /// `split`: with an attention mask, also the rows' max (LseView::max), for a forward and
+  /// backward that are the engine's own (flash); the variants that merge log-sum-exps of
+  /// their parts keep the plain form.
+  explicit LseSaved(const Problem& p, bool split = false)
+      : lse(size_t(p.batch * p.heads * p.n)),
+        max(split && p.attn_mask ? size_t(p.batch * p.heads * p.n) : 0) {}
   std::vector<float> lse;
+  std::vector<float> max;  ///< the rows' max (raw score units), or empty
   LseView view(const Problem& p) const {
-    return LseView{const_cast<float*>(lse.data()), p.heads * p.n, p.n, 1};
+    return LseView{const_cast<float*>(lse.data()), p.heads * p.n, p.n, 1,
+                   max.empty() ? nullptr : const_cast<float*>(max.data())};
   }
   /// The LseSaved `saved` is for p; UsageError naming `variant` if it is another state.
   static const LseSaved& of(const SavedState& saved, const Problem& p, const std::string& variant) {
@@ -80,7 +96,9 @@ class LseSaved final : public SavedState {
       throw UsageError(variant + ": the saved state is not from its forward_train on this problem");
     return *st;
   }
-  static double bytes(const Problem& p) { return double(p.batch * p.heads * p.n) * sizeof(float); }
+  static double bytes(const Problem& p, bool split = false) {
+    return double(p.batch * p.heads * p.n) * sizeof(float) * (split && p.attn_mask ? 2 : 1);
+  }
 };
 
 /// out = attention of q over k, v restricted to `pat` and the causal mask. Rows that attend

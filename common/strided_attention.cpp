@@ -80,7 +80,10 @@ void run_class(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTens
                const ResidueClass& c) {
   TensorView o = every_sth_row(out, c.first_query, s, c.rows);
   LseView l;
-  if (lse) l = {&lse->at(0, 0, c.first_query), lse->stride_b, lse->stride_h, lse->stride_row * s};
+  if (lse) {
+    l = {&lse->at(0, 0, c.first_query), lse->stride_b, lse->stride_h, lse->stride_row * s};
+    if (lse->max) l.max = &lse->max_at(0, 0, c.first_query);
+  }
   if (c.keys == 0) {  // the class's queries see no key
     for (int64_t b = 0; b < p.batch; ++b)
       for (int64_t h = 0; h < p.heads; ++h)
@@ -116,12 +119,16 @@ void backward_class(const Problem& p, ConstTensorView q, ConstTensorView k, Cons
   }
   const Problem sub = class_problem(p, s, c);
   // the engine's backward reads each tile's log-sum-exps as consecutive floats: the class's own
-  std::vector<float> ls(size_t(p.batch * p.heads * c.rows));
+  // (and their max, when the forward kept it apart: LseView::max)
+  std::vector<float> ls(size_t(p.batch * p.heads * c.rows)), mx(lse.max ? ls.size() : 0);
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h)
-      for (int64_t u = 0; u < c.rows; ++u)
+      for (int64_t u = 0; u < c.rows; ++u) {
         ls[size_t((b * p.heads + h) * c.rows + u)] = lse.at(b, h, c.first_query + u * s);
-  const LseView l{ls.data(), p.heads * c.rows, c.rows, 1};
+        if (lse.max)
+          mx[size_t((b * p.heads + h) * c.rows + u)] = lse.max_at(b, h, c.first_query + u * s);
+      }
+  const LseView l{ls.data(), p.heads * c.rows, c.rows, 1, lse.max ? mx.data() : nullptr};
   const ConstTensorView qs = every_sth_row(q, c.first_query, s, c.rows);
   const ConstTensorView os = every_sth_row(out, c.first_query, s, c.rows);
   const ConstTensorView gs = every_sth_row(dout, c.first_query, s, c.rows);

@@ -19,8 +19,11 @@ int resolve_threads(int threads);
 int apply_threads(int threads);
 
 /// The team every call into a variant runs with: sets the OpenMP team size and OpenBLAS's
-/// thread count for a scope and restores both when it ends. Variants, engines and kernels
-/// take the team they are given (common/threads.h); run_one is where the count is decided.
+/// thread count for a scope and restores both when it ends. OpenBLAS's count is process-wide:
+/// with teams open at once in several threads it is the largest of theirs, and the count from
+/// before the first is put back when the last ends (whatever order they end in). Variants, engines
+/// and kernels take the team they are given (common/threads.h); run_one is where the count is
+/// decided.
 class ThreadTeam {
  public:
   /// `threads` >= 1 (resolve_threads gives one).
@@ -30,7 +33,8 @@ class ThreadTeam {
   ThreadTeam& operator=(const ThreadTeam&) = delete;
 
  private:
-  int omp_before_, blas_before_;
+  int omp_before_;
+  int threads_;  // the count this team asked for
 };
 
 }  // namespace attnbench

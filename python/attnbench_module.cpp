@@ -31,6 +31,8 @@
 
 namespace py = pybind11;
 
+extern "C" int openblas_get_num_threads(void);
+
 namespace attnbench {
 namespace {
 
@@ -140,27 +142,45 @@ Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o)
   return p;
 }
 
-// The problem keywords (python/attnbench/__init__.py passes every one of them).
+// value.cast<T>() for the keyword `key`, or UsageError naming it and what it accepts (a
+// failed cast is pybind11's cast_error, which Python would see as a RuntimeError).
+template <typename T>
+T keyword(const py::handle& value, const std::string& key, const char* accepted) {
+  try {
+    return value.cast<T>();
+  } catch (const py::cast_error&) {
+    throw UsageError(key + "=" + std::string(py::repr(value)) + " (" +
+                     std::string(Py_TYPE(value.ptr())->tp_name) + "); accepted: " + accepted);
+  }
+}
+
+// The problem keywords (python/attnbench/__init__.py passes every one of them, checked).
 Options options(const py::kwargs& kw) {
   Options o;
   for (const auto& [key, value] : kw) {
     const std::string k = py::str(key);
     if (k == "causal") {
-      o.causal = value.cast<bool>();
+      o.causal = keyword<bool>(value, k, "True or False");
     } else if (k == "score") {
-      o.score = value.cast<std::string>();
+      o.score = keyword<std::string>(value, k, "a score name (str)");
     } else if (k == "key_padding") {
-      o.key_padding = value.cast<std::vector<int64_t>>();
+      o.key_padding =
+          keyword<std::vector<int64_t>>(value, k, "a list of key lengths (ints in 0 .. m)");
     } else if (k == "attn_mask") {
-      if (!value.is_none()) o.attn_mask = value.cast<py::array>();
+      if (!value.is_none()) o.attn_mask = keyword<py::array>(value, k, "a NumPy array or None");
     } else if (k == "kv_heads") {
-      o.kv_heads = value.cast<int64_t>();
+      o.kv_heads = keyword<int64_t>(value, k, "an int (0: from k's shape)");
     } else if (k == "seed") {
-      o.seed = value.cast<uint64_t>();
+      o.seed = keyword<uint64_t>(value, k, "an int in 0 .. 2**64 - 1");
     } else if (k == "threads") {
-      o.threads = value.cast<int>();
+      const int64_t t = keyword<int64_t>(value, k, "an int (0: every core)");
+      if (t < 0 || t > max_threads())
+        throw UsageError("threads: " + std::to_string(t) +
+                         " is out of range; accepted: 0 (every core) to " +
+                         std::to_string(max_threads()));
+      o.threads = int(t);
     } else if (k == "dtype") {
-      o.dtype = value.cast<std::string>();
+      o.dtype = keyword<std::string>(value, k, "\"f32\" or \"bf16\"");
     } else {
       throw UsageError("unknown keyword '" + k +
                        "'; accepted: causal, score, key_padding, attn_mask, kv_heads, seed, "
@@ -299,6 +319,13 @@ PYBIND11_MODULE(_attnbench, m) {
   m.def(
       "variants_json", [] { return variants_json().dump(); },
       "The catalogue of `attnbench list --json`, as JSON text");
+
+  m.def(
+      "_blas_threads", [] { return openblas_get_num_threads(); },
+      "OpenBLAS's process-wide thread count now (tests of the thread teams)");
+
+  m.def("max_threads", &max_threads,
+        "The largest threads= accepted: 8 per core this process may use");
 
   m.def(
       "_last_pointers",

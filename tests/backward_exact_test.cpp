@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "test_util.h"
+#include "tests/extreme_mask.h"
 
 namespace attnbench {
 namespace {
@@ -177,6 +178,18 @@ TEST(BackwardExact, AttentionMask) {
   c.attn_mask = test::random_mask(c, 1, 3, false, 0);
   c.key_lengths = {40, 45};
   EXPECT_GE(check_all(c, "attention mask causal padded"), 8);
+}
+
+TEST(BackwardExact, HugeFiniteMaskValues) {
+  // -FLT_MAX (torch.finfo(torch.float32).min) and -1e30 on whole rows, beside -inf and
+  // ordinary values (tests/extreme_mask.h): the float64 reference's gradients, no NaN
+  Problem p = small(37, 53, false);
+  p.attn_mask = test::extreme_mask(p, 2, 1);
+  EXPECT_GE(check_all(p, "extreme mask"), 8);
+  Problem c = small(45, 0, true);
+  c.attn_mask = test::extreme_mask(c, 1, 3);
+  c.key_lengths = {40, 45};
+  EXPECT_GE(check_all(c, "extreme mask causal padded"), 8);
 }
 
 TEST(BackwardExact, DotAndBilinearScores) {

@@ -23,6 +23,7 @@
 #include "common/registry.h"
 #include "harness/results.h"
 #include "test_util.h"
+#include "tests/extreme_mask.h"
 
 namespace attnbench {
 namespace {
@@ -105,6 +106,10 @@ std::vector<Case> ragged_cases() {
   Problem masked = problem(2, 2, 45, 70, 32, false, 8);
   masked.attn_mask = test::random_mask(masked, 2, 1, /*is_bool=*/false, /*empty_row=*/3);
   cases.push_back({"attn_mask", masked});
+  // -FLT_MAX and -1e30 rows beside -inf and ordinary values (tests/extreme_mask.h)
+  Problem extreme = problem(1, 2, 45, 70, 32, false, 9);
+  extreme.attn_mask = test::extreme_mask(extreme, 1, 2);
+  cases.push_back({"extreme_mask", extreme});
   return cases;
 }
 

@@ -3,7 +3,7 @@
 
 For full and flash, on self- and cross-attention, causal and not: a bool mask (true = masked
 out, torch.nn.MultiheadAttention's convention) and a float additive mask (with -inf entries),
-each with key padding, saved as .npy / .npz, run through `attnbench run --inputs --attn-mask
+and one holding -FLT_MAX and -1e30 on whole rows, each with key padding, saved as .npy / .npz, run through `attnbench run --inputs --attn-mask
 --key-padding --output`, and compared with torch.nn.functional.scaled_dot_product_attention in
 float64 (whose bool mask means the opposite: true = attend; a torch without it, such as
 1.13, gets the same function composed of torch ops). Rows with no visible key give 0 in
@@ -53,6 +53,15 @@ def run_case(exe, tmp, variant, n, m, causal, kind, rng):
         bias = rng.uniform(-2, 2, (b, 1, n, m)).astype(np.float32)
         bias[rng.random(bias.shape) < 0.25] = -np.inf
         bias[1, 0, n // 2, :] = -np.inf
+        if kind == "extreme":
+            # the finite values masks are written with: torch.finfo(torch.float32).min (=
+            # -FLT_MAX, Hugging Face's) and -1e30, on whole rows (the uniform average of the
+            # row's visible values) and beside ordinary values (weight 0)
+            lowest = np.finfo(np.float32).min
+            bias[0, 0, 1, :] = lowest
+            bias[1, 0, 2, :] = -1e30
+            bias[:, 0, 3, ::2] = lowest
+            bias[0, 0, 4, :] = np.where(np.arange(m) % 3 == 0, -np.inf, lowest)
         path = os.path.join(tmp, "mask.npz")
         np.savez(path, attn_mask=bias)
         bias = bias.astype(np.float64)
@@ -98,7 +107,7 @@ def main():
         for variant in ("full", "flash"):
             for n, m in ((97, 97), (64, 150)):
                 for causal in (False, True):
-                    for kind in ("bool", "float"):
+                    for kind in ("bool", "float", "extreme"):
                         run_case(exe, tmp, variant, n, m, causal, kind, rng)
     print("ok")
 

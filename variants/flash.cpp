@@ -73,7 +73,8 @@ class Flash final : public Variant, public Backward, public Decoder {
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
-    auto saved = std::make_unique<LseSaved>(p);  // each row's log-sum-exp [B, H, n]
+    // each row's log-sum-exp [B, H, n] (and max, with an attention mask)
+    auto saved = std::make_unique<LseSaved>(p, /*split=*/true);
     const LseView lse = saved->view(p);
     dense_attention(p, q, k, v, out, bq_, bk_, &lse);
     return saved;
@@ -90,7 +91,7 @@ class Flash final : public Variant, public Backward, public Decoder {
     // per score S and dP (the forward's two products), then dV, dK and dQ
     return 2.5 * flops(p);
   }
-  double saved_estimate(const Problem& p) const override { return LseSaved::bytes(p); }
+  double saved_estimate(const Problem& p) const override { return LseSaved::bytes(p, true); }
   double backward_memory_estimate(const Problem& p) const override {
     return dense_attention_backward_memory(p, bwd_q(), bwd_k());
   }

@@ -24,6 +24,7 @@
 #include "common/additive_score.h"
 #include "common/error.h"
 #include "common/kv_decode.h"
+#include "common/mask_bias.h"
 #include "common/omp_guard.h"
 #include "common/registry.h"
 #include "common/softmax.h"
@@ -189,7 +190,7 @@ class Full final : public Variant, public Backward, public Decoder {
         bool kept = false;
         for (int64_t j = 0; j < visible; ++j) {
           const float bias = mask->at(b, h, i, j);
-          row[j] = bias == -INFINITY ? -INFINITY : row[j] + bias * root;
+          row[j] = bias == -INFINITY ? -INFINITY : row[j] + mask_bias_raw(bias, root);
           kept |= bias != -INFINITY;
         }
         if (!kept) visible = 0;

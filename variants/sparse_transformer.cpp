@@ -220,8 +220,10 @@ class SparseTransformer final : public FixedPatternVariant {
   // a residue class mod l holds fewer than 4 queries (n < 4 l), where the classes' dense
   // problems are too small to pay for their dispatch and the union's tiles are nearly all
   // visited anyway (B = 1, H = 8, d = 64, l = 128 on 2 cores: at n = 256 the union took 2.5 ms
-  // and the two parts 3.1; at n = 512 the union 9.5 ms and the parts 6.9).
-  bool on_engine(const Problem& p) const { return fixed_ || p.n < 4 * l_; }
+  // and the two parts 3.1; at n = 512 the union 9.5 ms and the parts 6.9). And with an
+  // attention mask: merging the parts' float log-sum-exps loses log of each part's sum beside
+  // a huge row max (a row masked wholly by -FLT_MAX), where the engine keeps the max apart.
+  bool on_engine(const Problem& p) const { return fixed_ || p.n < 4 * l_ || p.attn_mask; }
 
   // Strided mode's two parts: the band without the own key into out, with its rows'
   // log-sum-exps in lse, the stride part (own key included) into a buffer with its own, then

@@ -62,7 +62,7 @@ class Strided final : public FixedPatternVariant {
   // log-sum-exps, and each class runs the engine's backward on its strided views.
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
-    auto saved = std::make_unique<LseSaved>(p);
+    auto saved = std::make_unique<LseSaved>(p, /*split=*/true);  // max apart under a mask
     const LseView lse = saved->view(p);
     strided_attention(p, q, k, v, out, stride_, limit(), block_, &lse);
     return saved;
@@ -74,7 +74,7 @@ class Strided final : public FixedPatternVariant {
                                dk, dv, stride_, limit(), block_);
   }
   double backward_flops(const Problem& p) const override { return 2.5 * flops(p); }
-  double saved_estimate(const Problem& p) const override { return LseSaved::bytes(p); }
+  double saved_estimate(const Problem& p) const override { return LseSaved::bytes(p, true); }
   double backward_memory_estimate(const Problem& p) const override {
     return strided_attention_backward_memory(p, stride_, limit(), block_);
   }

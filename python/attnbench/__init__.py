@@ -15,8 +15,10 @@ Problem keywords (attention, reference, Variant.forward, Variant.forward_train):
   score        "scaled_dot" (default), "dot", "bilinear" or "additive"; the bilinear and
                additive weights are drawn from `seed` (as the command line draws them)
   key_padding  valid key lengths: one int for every batch element, or one per element
-  attn_mask    [n, m] or [B|1, H|1, n, m]: float (added to the logits, -inf masks out) or bool
-               / uint8 (True = masked out, torch.nn.MultiheadAttention's convention)
+  attn_mask    [n, m] or [B|1, H|1, n, m]: float (added to the logits, -inf masks out; any
+               finite value down to -FLT_MAX = torch.finfo(torch.float32).min, a row of
+               such values only being the uniform average of its values, as in torch) or
+               bool / uint8 (True = masked out, torch.nn.MultiheadAttention's convention)
   kv_heads     if given, must equal k.shape[1]
   seed         the variant's random draws (features, projections, hashes)
   threads      threads of the call (0: every core)
@@ -25,12 +27,15 @@ Problem keywords (attention, reference, Variant.forward, Variant.forward_train):
                softmax in float32 (the forward of variants whose capabilities say bf16; the
                output stays float32). Variant.notes then names the bf16 kernel that ran.
 
-Errors carry the C++ messages: a bad spec, value, shape or dtype raises ValueError; a
+Errors carry the C++ messages: a bad spec, value, shape or dtype raises ValueError; a keyword
+of the wrong type (key_padding=3.7, seed="7") raises TypeError, one out of range (seed=-1,
+threads=2**40) ValueError, both naming the keyword and what it accepts; a
 problem the variant cannot run (causal, masks, a backward or decode step it lacks) raises
 NotImplementedError. The GIL is released while a variant runs.
 """
 
 import json as _json
+import operator as _operator
 
 import numpy as _np
 
@@ -39,33 +44,94 @@ from . import _attnbench
 __all__ = ["variants", "Variant", "Decoder", "attention", "reference"]
 
 
+def _host(x):
+    """A torch tensor as a NumPy array (detached, on the CPU; bfloat16, which NumPy lacks, as
+    float32); anything else as it is."""
+    if type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if x.is_floating_point() and x.element_size() == 2 and str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return x
+
+
 def _as_f32(x, what):
     """x itself if it is a C-contiguous float32 ndarray, else its one float32 copy."""
     if isinstance(x, _np.ndarray) and x.dtype == _np.float32 and x.flags.c_contiguous:
         return x
-    a = _np.asarray(x)
+    a = _np.asarray(_host(x))
     if a.dtype.kind not in "fiub":
         raise ValueError(f"{what}: dtype {a.dtype} of shape {list(a.shape)}; accepted: float32 "
                          "(used in place when C-contiguous) or a real dtype convertible to it")
     return _np.ascontiguousarray(a, dtype=_np.float32)
 
 
+def _int(x, what, lo, hi, accepted):
+    """x as a Python int in [lo, hi]: TypeError unless it is an integer (an int, a NumPy
+    integer or anything with __index__; not a bool, a float or a string), ValueError out of
+    range. Both name `what` and `accepted`."""
+    if isinstance(x, (bool, _np.bool_)) or not hasattr(type(x), "__index__"):
+        raise TypeError(f"{what}={x!r} ({type(x).__name__}); accepted: {accepted}")
+    x = _operator.index(x)
+    if not lo <= x <= hi:
+        raise ValueError(f"{what}={x} is out of range; accepted: {accepted}")
+    return x
+
+
+def _bool(x, what):
+    """x as a bool: True, False (or NumPy's), or the ints 0 and 1; TypeError otherwise."""
+    if isinstance(x, (bool, _np.bool_)):
+        return bool(x)
+    if hasattr(type(x), "__index__") and _operator.index(x) in (0, 1):
+        return bool(_operator.index(x))
+    raise TypeError(f"{what}={x!r} ({type(x).__name__}); accepted: True or False")
+
+
+def _str(x, what, accepted):
+    if not isinstance(x, str):
+        raise TypeError(f"{what}={x!r} ({type(x).__name__}); accepted: {accepted}")
+    return x
+
+
+_INT64_MAX = 2**63 - 1
+_SEEDS = "an int in 0 .. 2**64 - 1"
+
+
+def _threads(threads):
+    top = _attnbench.max_threads()
+    return _int(threads, "threads", 0, top, f"an int in 0 (every core) .. {top}")
+
+
 def _problem_kwargs(causal=False, score="scaled_dot", key_padding=None, attn_mask=None,
                     kv_heads=None, seed=0, threads=0, dtype="f32"):
+    accepted = "None, an int or a sequence of ints (key lengths in 0 .. m)"
     if key_padding is None:
         lengths = []
-    elif _np.isscalar(key_padding):
-        lengths = [int(key_padding)]
+    elif isinstance(key_padding, (str, bytes)):
+        raise TypeError(f"key_padding={key_padding!r} (str); accepted: {accepted}")
+    elif _np.ndim(key_padding) == 0:
+        lengths = [_int(key_padding, "key_padding", 0, _INT64_MAX, accepted)]
     else:
-        lengths = [int(x) for x in key_padding]
+        lengths = [_int(x, "key_padding", 0, _INT64_MAX, accepted)
+                   for x in _np.asarray(key_padding, dtype=object).reshape(-1).tolist()]
     if attn_mask is not None:
-        mask = _np.asarray(attn_mask)
+        mask = _np.asarray(_host(attn_mask))
         if mask.dtype.kind == "f" and mask.dtype != _np.float32:
+            if mask.dtype.itemsize > 4:
+                # a finite value stays finite (a float64 -1e300 is -FLT_MAX, not -inf)
+                big = _np.finfo(_np.float32).max
+                mask = _np.where(_np.isfinite(mask), _np.clip(mask, -big, big), mask)
             mask = mask.astype(_np.float32)
         attn_mask = _np.ascontiguousarray(mask)
-    return dict(causal=bool(causal), score=str(score), key_padding=lengths, attn_mask=attn_mask,
-                kv_heads=0 if kv_heads is None else int(kv_heads), seed=int(seed),
-                threads=int(threads), dtype=str(dtype))
+    return dict(causal=_bool(causal, "causal"),
+                score=_str(score, "score", '"scaled_dot", "dot", "bilinear" or "additive"'),
+                key_padding=lengths, attn_mask=attn_mask,
+                kv_heads=0 if kv_heads is None else _int(
+                    kv_heads, "kv_heads", 0, _INT64_MAX,
+                    "None (or 0): from k's shape, or k.shape[1] (an int)"),
+                seed=_int(seed, "seed", 0, 2**64 - 1, _SEEDS),
+                threads=_threads(threads),
+                dtype=_str(dtype, "dtype", '"f32" or "bf16"'))
 
 
 def variants():
@@ -128,7 +194,7 @@ class Variant:
     """A variant built from a spec string "name:key=value,..." (ValueError if it is bad)."""
 
     def __init__(self, spec):
-        self._core = _attnbench.Variant(str(spec))
+        self._core = _attnbench.Variant(_str(spec, "spec", 'a spec string "name:key=value,..."'))
 
     spec = property(lambda self: self._core.spec, doc="canonical spec, every parameter")
     name = property(lambda self: self._core.name)
@@ -164,10 +230,12 @@ class Variant:
         causal self-attention of up to `capacity` tokens with `heads` query heads (default
         G). Call step(q, k, v) for positions t0, t0 + 1, ... (each [.., 1, d]): its outputs
         equal the rows of the causal forward pass on the whole sequence."""
-        return Decoder(self._core.decoder(_as_f32(k, "k"), _as_f32(v, "v"),
-                                          capacity=int(capacity),
-                                          heads=0 if heads is None else int(heads),
-                                          seed=int(seed), threads=int(threads)))
+        return Decoder(self._core.decoder(
+            _as_f32(k, "k"), _as_f32(v, "v"),
+            capacity=_int(capacity, "capacity", 1, _INT64_MAX, "an int >= 1 (tokens)"),
+            heads=0 if heads is None else _int(heads, "heads", 1, _INT64_MAX,
+                                               "None or an int >= 1 (a multiple of G)"),
+            seed=_int(seed, "seed", 0, 2**64 - 1, _SEEDS), threads=_threads(threads)))
 
 
 def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=None,

@@ -17,7 +17,7 @@ check.
 
 import torch as _torch
 
-from . import Variant, _as_f32
+from . import Variant, _as_f32, _problem_kwargs
 
 
 def _array(x, what):
@@ -31,30 +31,102 @@ def _array(x, what):
     return x.numpy()
 
 
+def _mask_array(m):
+    """A torch mask as the NumPy array attnbench.attention takes (its graph left alone)."""
+    m = m.detach().cpu()
+    if m.is_floating_point() and m.dtype not in (_torch.float32, _torch.float64, _torch.float16):
+        m = m.to(_torch.float32)  # bfloat16 has no NumPy dtype; it converts exactly
+    return m.numpy()
+
+
+# the variants whose probabilities are the softmax of every logit (no pattern, no approximation)
+_DENSE_EXACT = ("full", "flash")
+
+
+def _mask_grad_refusal(variant, problem):
+    """Why the gradient of a float attn_mask cannot be given for this call, or None."""
+    if variant.name not in _DENSE_EXACT:
+        return (f"attn_mask requires grad, but {variant.name} is not a dense exact variant: "
+                "the gradient of the mask is given for full and flash, whose softmax "
+                "probabilities are those of every masked logit; detach the mask (or "
+                "requires_grad_(False)) to run it as a constant")
+    if problem["score"] not in ("scaled_dot", "dot"):
+        return (f"attn_mask requires grad with score={problem['score']!r}: its gradient is "
+                "given for the scaled_dot and dot scores; detach the mask to run it as a "
+                "constant")
+    return None
+
+
+def _mask_grad(q, k, v, out, dout, mask, problem):
+    """The gradient of L = sum(dout * out) in the float mask (shape of `mask`): dS = P o (dP -
+    D), the gradient of the logits (dP = dout Vᵀ, D = rowsum(dout o out)), summed over the
+    dims the mask broadcasts over. P is recomputed densely, [B, H, n, m] in float32."""
+    b, h, n, d = q.shape
+    m = k.shape[2]
+    rep = h // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = d ** -0.5 if problem["score"] == "scaled_dot" else 1.0
+    logits = (q @ k.transpose(-1, -2)) * scale + mask.to(_torch.float32)
+    hidden = _torch.zeros(b, 1, n, m, dtype=_torch.bool)
+    if problem["causal"]:
+        i = _torch.arange(n)[:, None]
+        j = _torch.arange(m)[None, :]
+        hidden |= j > i + (m - n)
+    lengths = problem["key_padding"]
+    if lengths:
+        if len(lengths) == 1:
+            lengths = lengths * b
+        hidden |= _torch.arange(m)[None, None, None, :] >= \
+            _torch.tensor(lengths).reshape(b, 1, 1, 1)
+    logits = logits.masked_fill(hidden, float("-inf"))
+    p = _torch.nan_to_num(_torch.softmax(logits, dim=-1), nan=0.0)  # a row of no key: 0
+    dp = dout @ v.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    return ds.sum_to_size(mask.shape).to(mask.dtype)
+
+
 class _Attention(_torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, variant, problem):
+    def forward(ctx, q, k, v, mask, variant, problem):
         arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
         ctx.variant = variant
+        ctx.problem = problem
         ctx.no_backward = None
+        ctx.core_saved = None
+        out = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             try:
                 out, ctx.core_saved = variant.forward_train(*arrays, **problem)
-                ctx.save_for_backward(q, k, v)  # only for torch's in-place (version) check
-                return _torch.from_numpy(out)
             except NotImplementedError as e:
                 # no backward for this problem: the forward runs, backward() raises why
                 ctx.no_backward = str(e)
-        return _torch.from_numpy(variant.forward(*arrays, **problem))
+        if out is None:
+            out = variant.forward(*arrays, **problem)
+        out = _torch.from_numpy(out)
+        # q, k, v for torch's in-place (version) check; with the mask and out, what the
+        # mask's gradient is recomputed from
+        if ctx.needs_input_grad[3]:
+            ctx.save_for_backward(q, k, v, mask, out)
+        else:
+            ctx.save_for_backward(q, k, v)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.no_backward is not None:
-            raise NotImplementedError(ctx.no_backward)
-        ctx.saved_tensors  # raises if q, k or v changed in place since the forward
-        dq, dk, dv = ctx.variant.backward(ctx.core_saved, _array(dout, "dout"))
-        return _torch.from_numpy(dq), _torch.from_numpy(dk), _torch.from_numpy(dv), None, None
+        saved = ctx.saved_tensors  # raises if q, k or v changed in place since the forward
+        dq = dk = dv = dmask = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if ctx.no_backward is not None:
+                raise NotImplementedError(ctx.no_backward)
+            dq, dk, dv = (_torch.from_numpy(x) for x in
+                          ctx.variant.backward(ctx.core_saved, _array(dout, "dout")))
+        if ctx.needs_input_grad[3]:
+            q, k, v, mask, out = saved
+            with _torch.no_grad():
+                dmask = _mask_grad(*(x.detach().to(_torch.float32) for x in (q, k, v)), out,
+                                   dout.to(_torch.float32), mask.detach(), ctx.problem)
+        return dq, dk, dv, dmask, None, None
 
 
 def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=None,
@@ -62,11 +134,19 @@ def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=No
     """attnbench.attention on torch tensors, differentiable through the variant's backward.
     `spec` is a spec string or an attnbench.Variant."""
     variant = spec if isinstance(spec, Variant) else Variant(spec)
+    mask = None  # the mask as an input of the graph, when it requires grad
     if isinstance(attn_mask, _torch.Tensor):
-        attn_mask = attn_mask.detach().cpu().numpy()
-    problem = dict(causal=causal, score=score, key_padding=key_padding, attn_mask=attn_mask,
-                   kv_heads=kv_heads, seed=seed, threads=threads)
-    return _Attention.apply(q, k, v, variant, problem)
+        if attn_mask.requires_grad and _torch.is_grad_enabled():
+            mask = attn_mask
+        attn_mask = _mask_array(attn_mask)
+    problem = _problem_kwargs(causal=causal, score=score, key_padding=key_padding,
+                              attn_mask=attn_mask, kv_heads=kv_heads, seed=seed,
+                              threads=threads)
+    if mask is not None:
+        refusal = _mask_grad_refusal(variant, problem)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
+    return _Attention.apply(q, k, v, mask, variant, problem)
 
 
 class MultiheadAttention(_torch.nn.Module):
@@ -143,7 +223,7 @@ class MultiheadAttention(_torch.nn.Module):
     def _mask(self, key_padding_mask, attn_mask, batch, length, keys):
         """One float mask [B|1, H|1, L, S] (-inf where masked), or None."""
         def as_float(m, what):
-            m = m.detach()
+            # a float mask keeps its graph: one that requires grad gets its gradient
             if m.dtype == _torch.bool:
                 return _torch.zeros(m.shape).masked_fill_(m, float("-inf"))
             if not m.is_floating_point():
@@ -203,7 +283,7 @@ class MultiheadAttention(_torch.nn.Module):
         v = heads(value, w_v, b_v, keys)
         mask = self._mask(key_padding_mask, attn_mask, b, length, keys)
         out = attention(self.variant, q, k, v, causal=is_causal,
-                        attn_mask=None if mask is None else mask.numpy(), seed=self.seed,
+                        attn_mask=mask, seed=self.seed,
                         threads=self.threads)
         out = self.out_proj(out.transpose(1, 2).reshape(b, length, e))
         weights = None
