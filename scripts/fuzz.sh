@@ -73,11 +73,11 @@ for t in "${targets[@]}"; do
   ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} \
     "$build/tests/fuzz/fuzz_$t" "${args[@]}" "$run/corpus" >"$run/log" 2>&1 || status=$?
   # the last status line (executions, cov: edges, ft: features, corpus) and the final stats
-  grep -E '^#[0-9]+' "$run/log" | tail -n 1 || true
-  grep -E '^stat::' "$run/log" || true
+  grep -aE '^#[0-9]+' "$run/log" | tail -n 1 || true
+  grep -aE '^stat::' "$run/log" || true
   if [[ $status -ne 0 ]]; then
     echo "fuzz_$t: CRASH (exit $status); input: $(ls "$run/artifacts"/* 2>/dev/null | head -n 1)"
-    grep -E 'ERROR: |SUMMARY: |runtime error|deadly signal|Test unit written' "$run/log" | head -n 20
+    grep -aE 'ERROR: |SUMMARY: |runtime error|deadly signal|Test unit written' "$run/log" | head -n 20
     failed+=("$t")
   fi
 done
