@@ -43,8 +43,9 @@ bool write_all(int fd, std::string_view bytes) {
   return true;
 }
 
-// The file names a results directory holds (besides plots and reports the scripts make).
-const char* const kSideFiles[] = {"meta.json", "plan.json", "results.malformed.csv"};
+// The files and folders of a sweep's results (besides the plots and reports the scripts make).
+const char* const kResultFiles[] = {"results.csv", "benchmark.json", "meta.json",
+                                    "plan.json",   "patterns",       "results.malformed.csv"};
 
 bool csv_has_rows(const fs::path& path) {
   std::ifstream in(path);
@@ -177,36 +178,28 @@ DirLock::~DirLock() {
 }
 
 std::vector<std::string> held_results(const std::string& dir) {
-  std::vector<std::string> held;
   const fs::path d(dir);
   std::error_code ec;
-  if (!fs::is_directory(d, ec)) return held;
-  if (fs::is_regular_file(d / "results.csv", ec) && csv_has_rows(d / "results.csv"))
-    held.push_back("results.csv");
-  if (fs::is_regular_file(d / "benchmark.json", ec) && json_has_runs(d / "benchmark.json"))
-    held.push_back("benchmark.json");
-  if (fs::is_directory(d / "patterns", ec))
-    for (const auto& e : fs::directory_iterator(d / "patterns", ec))
-      if (e.path().extension() == ".npy") {
-        held.push_back("patterns");
-        break;
-      }
+  if (!fs::is_directory(d, ec)) return {};
+  // what was measured: rows, Google Benchmark runs, stored patterns, a set-aside benchmark.json
+  std::vector<std::string> unreadable;
   for (const auto& e : fs::directory_iterator(d, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind("benchmark.json.unreadable", 0) == 0) held.push_back(name);
+    if (name.rfind("benchmark.json.unreadable", 0) == 0) unreadable.push_back(name);
   }
-  if (held.empty()) return held;
-  for (const char* name : kSideFiles)
+  bool patterns = false;
+  for (const auto& e : fs::directory_iterator(d / "patterns", ec))
+    patterns |= e.path().extension() == ".npy";
+  const bool measured =
+      patterns || !unreadable.empty() ||
+      (fs::is_regular_file(d / "results.csv", ec) && csv_has_rows(d / "results.csv")) ||
+      (fs::is_regular_file(d / "benchmark.json", ec) && json_has_runs(d / "benchmark.json"));
+  if (!measured) return {};
+  // then every result file goes with them
+  std::vector<std::string> held;
+  for (const char* name : kResultFiles)
     if (fs::exists(d / name, ec)) held.push_back(name);
-  if (std::find(held.begin(), held.end(), "results.csv") == held.end() &&
-      fs::is_regular_file(d / "results.csv", ec))
-    held.push_back("results.csv");
-  if (std::find(held.begin(), held.end(), "benchmark.json") == held.end() &&
-      fs::is_regular_file(d / "benchmark.json", ec))
-    held.push_back("benchmark.json");
-  if (std::find(held.begin(), held.end(), "patterns") == held.end() &&
-      fs::is_directory(d / "patterns", ec))
-    held.push_back("patterns");
+  held.insert(held.end(), unreadable.begin(), unreadable.end());
   return held;
 }
 

@@ -300,7 +300,6 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume, bool force)
     }
     if (!text.empty() && text.back() != '\n') {
       const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
-      const std::string torn = text.substr(keep);
       std::error_code ec;
       fs::resize_file(csv_path, keep, ec);
       if (ec)
