@@ -4,7 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/registry.h"
+#include "common/core/registry.h"
 
 namespace attnbench {
 

@@ -24,14 +24,14 @@
 #include <utility>
 
 #include "build_info.h"
-#include "common/bf16.h"
-#include "common/error.h"
-#include "common/inputs.h"
-#include "common/npy.h"
-#include "common/pattern.h"
-#include "common/plugin.h"
-#include "common/registry.h"
-#include "common/trained.h"
+#include "common/core/error.h"
+#include "common/core/registry.h"
+#include "common/io/inputs.h"
+#include "common/io/npy.h"
+#include "common/io/plugin.h"
+#include "common/io/trained.h"
+#include "common/kernels/bf16.h"
+#include "common/patterns/pattern.h"
 #include "harness/catalog.h"
 #include "harness/layer.h"
 #include "harness/machine.h"
@@ -509,7 +509,7 @@ std::optional<Inputs> load_given_inputs(const std::string& path,
 
 nlohmann::json json_number(double x) { return std::isfinite(x) ? nlohmann::json(x) : nullptr; }
 
-/// The bf16 kernels of the tiled attention engine on this machine (common/bf16.h): the
+/// The bf16 kernels of the tiled attention engine on this machine (common/kernels/bf16.h): the
 /// ATTNBENCH_BF16_KERNEL request, whether amx can run (and why not), whether the CPU has
 /// AVX512-BF16, and the kernel bf16 rows take by default (each row's notes name the one that
 /// ran: key blocks amx cannot start at take f32).

@@ -1,4 +1,4 @@
-// The attnbench command line: list, run, sweep, machine.
+// The attnbench command line: list, run, sweep, merge, layer, pattern, machine.
 #pragma once
 
 #include <cstdint>

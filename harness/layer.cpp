@@ -11,11 +11,11 @@
 #include <filesystem>
 #include <optional>
 
-#include "common/checked.h"
-#include "common/error.h"
-#include "common/pattern.h"
-#include "common/random.h"
-#include "common/reference.h"
+#include "common/core/checked.h"
+#include "common/core/error.h"
+#include "common/core/random.h"
+#include "common/patterns/pattern.h"
+#include "common/reference/reference.h"
 
 namespace attnbench {
 

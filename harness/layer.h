@@ -30,11 +30,11 @@
 #include <string>
 #include <vector>
 
-#include "common/npy.h"
-#include "common/problem.h"
-#include "common/registry.h"
-#include "common/tensor.h"
-#include "common/workload.h"
+#include "common/core/problem.h"
+#include "common/core/registry.h"
+#include "common/core/tensor.h"
+#include "common/core/workload.h"
+#include "common/io/npy.h"
 #include "harness/metrics.h"
 #include "harness/runner.h"
 
@@ -47,7 +47,7 @@ struct LayerProblem {
   int64_t heads = 8;    ///< H; E % H == 0
   int64_t n = 1024;     ///< query length L
   int64_t m = 0;        ///< key length S; 0 = self-attention (S = L, key = value = query)
-  /// Bottom-right aligned causal mask of the attention core (common/problem.h).
+  /// Bottom-right aligned causal mask of the attention core (common/core/problem.h).
   bool causal = false;
   uint64_t seed = 0;
   /// Key padding of the core (Problem::key_lengths): keys j >= key_lengths[b] of batch item b
@@ -151,8 +151,8 @@ class Layer {
 
 /// The layer in float64 on the given query rows of batch item b: rows.size() x E, row-major.
 /// Projections and out-projection in float64; the core is the float64 reference
-/// (common/reference.h) on the projected q, k, v rounded once to float (its inputs: a relative
-/// change of at most 2^-24 each, far below any tolerance here). Exact attention over every
+/// (common/reference/reference.h) on the projected q, k, v rounded once to float (its inputs: a
+/// relative change of at most 2^-24 each, far below any tolerance here). Exact attention over every
 /// key, as measure_error's reference.
 std::vector<double> reference_layer_rows(const LayerProblem& lp, const LayerData& data, int64_t b,
                                          const std::vector<int64_t>& rows);

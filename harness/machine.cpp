@@ -22,10 +22,10 @@
 #include <string>
 #include <type_traits>
 
-#include "common/bf16.h"
-#include "common/error.h"
-#include "common/random.h"
-#include "common/tensor.h"
+#include "common/core/error.h"
+#include "common/core/random.h"
+#include "common/core/tensor.h"
+#include "common/kernels/bf16.h"
 
 namespace attnbench {
 

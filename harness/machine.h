@@ -31,8 +31,9 @@ struct MachineFigures {
 double peak_gflops(const MachineFigures& m, bool bf16);
 
 /// Measures GEMM (OpenBLAS and Eigen, square sizes 1024, 2048 and 4096 as time allows, best
-/// of several), the bf16 instructions' peaks (common/bf16.h) and triad bandwidth with `threads`
-/// threads, in a few seconds. `quick` uses fewer and smaller products (about a second in all).
+/// of several), the bf16 instructions' peaks (common/kernels/bf16.h) and triad bandwidth with
+/// `threads` threads, in a few seconds. `quick` uses fewer and smaller products (about a second in
+/// all).
 MachineFigures measure_machine(int threads, bool quick = false);
 
 /// The figures of `threads` threads through a file shared by the processes of one sweep (the

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
+#include "common/core/error.h"
 #include "harness/output_dir.h"
 #include "harness/patterns.h"
 #include "harness/results.h"

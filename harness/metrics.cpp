@@ -12,9 +12,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "common/error.h"
-#include "common/random.h"
-#include "common/reference.h"
+#include "common/core/error.h"
+#include "common/core/random.h"
+#include "common/reference/reference.h"
 
 namespace attnbench {
 

@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/pattern.h"
-#include "common/problem.h"
-#include "common/tensor.h"
+#include "common/core/problem.h"
+#include "common/core/tensor.h"
+#include "common/patterns/pattern.h"
 
 namespace attnbench {
 

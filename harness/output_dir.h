@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/error.h"
+#include "common/core/error.h"
 
 namespace attnbench {
 

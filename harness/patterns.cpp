@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "common/error.h"
+#include "common/core/error.h"
 #include "harness/output_dir.h"
 #include "harness/results.h"
 #include "harness/shard.h"

@@ -17,12 +17,12 @@
 #include <string>
 #include <vector>
 
-#include "common/inputs.h"
-#include "common/npy.h"
-#include "common/pattern.h"
-#include "common/problem.h"
-#include "common/registry.h"
-#include "common/workload.h"
+#include "common/core/problem.h"
+#include "common/core/registry.h"
+#include "common/core/workload.h"
+#include "common/io/inputs.h"
+#include "common/io/npy.h"
+#include "common/patterns/pattern.h"
 
 namespace attnbench {
 

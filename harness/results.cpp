@@ -18,7 +18,7 @@
 #include <string_view>
 #include <utility>
 
-#include "common/error.h"
+#include "common/core/error.h"
 
 namespace fs = std::filesystem;
 

@@ -15,13 +15,13 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "common/bf16.h"
-#include "common/checked.h"
-#include "common/error.h"
-#include "common/inputs.h"
-#include "common/pattern.h"
-#include "common/phase.h"
-#include "common/trained.h"
+#include "common/core/checked.h"
+#include "common/core/error.h"
+#include "common/core/phase.h"
+#include "common/io/inputs.h"
+#include "common/io/trained.h"
+#include "common/kernels/bf16.h"
+#include "common/patterns/pattern.h"
 #include "harness/memory.h"
 
 namespace attnbench {

@@ -9,10 +9,10 @@
 #include <optional>
 #include <string>
 
-#include "common/inputs.h"
-#include "common/problem.h"
-#include "common/registry.h"
-#include "common/workload.h"
+#include "common/core/problem.h"
+#include "common/core/registry.h"
+#include "common/core/workload.h"
+#include "common/io/inputs.h"
 #include "harness/machine.h"
 #include "harness/metrics.h"
 #include "harness/team.h"
@@ -57,7 +57,7 @@ struct Row {
   /// "trained@<first 12 hex of the checkpoint>"; set by run_one, "" = derived from the
   /// workload's input (trained inputs then show as "trained").
   std::string input_source;
-  /// Seconds per timed pass in each phase the variant marks (common/phase.h), summed over
+  /// Seconds per timed pass in each phase the variant marks (common/core/phase.h), summed over
   /// the threads that ran it; the mean over every timed pass. Empty if it marks none.
   std::map<std::string, double> phases;
   /// A multi-head layer row (harness/layer.h): its embedding size E (d = E / H); 0 for a row
@@ -120,7 +120,7 @@ double available_memory();
 /// Benchmark JSON of the runs is stored in *bench_json when given. Never throws for a
 /// variant's failure: the row's status says what happened.
 ///
-/// Training passes (w.pass bwd or fwdbwd; see common/backward.h): the checked pass is
+/// Training passes (w.pass bwd or fwdbwd; see common/core/backward.h): the checked pass is
 /// Variant::run_train (its output measured as above, and the bytes its saved state holds),
 /// then Variant::run_backward on dO (given->dout if the inputs carry one, else generate_dout),
 /// whose gradients are compared with exact attention's (measure_grad_error) and moved into

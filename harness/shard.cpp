@@ -9,7 +9,7 @@
 #include <numeric>
 #include <set>
 
-#include "common/error.h"
+#include "common/core/error.h"
 #include "harness/results.h"
 #include "harness/runner.h"
 

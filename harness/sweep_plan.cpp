@@ -10,10 +10,10 @@
 #include <set>
 #include <tuple>
 
-#include "common/error.h"
-#include "common/inputs.h"
-#include "common/random.h"
-#include "common/trained.h"
+#include "common/core/error.h"
+#include "common/core/random.h"
+#include "common/io/inputs.h"
+#include "common/io/trained.h"
 #include "harness/results.h"
 
 namespace attnbench {

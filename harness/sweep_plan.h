@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "common/problem.h"
-#include "common/registry.h"
-#include "common/workload.h"
+#include "common/core/problem.h"
+#include "common/core/registry.h"
+#include "common/core/workload.h"
 #include "harness/layer.h"
 
 namespace attnbench {

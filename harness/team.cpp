@@ -7,7 +7,7 @@
 #include <mutex>
 #include <set>
 
-#include "common/error.h"
+#include "common/core/error.h"
 
 extern "C" void openblas_set_num_threads(int);
 extern "C" int openblas_get_num_threads(void);

@@ -22,7 +22,7 @@ int apply_threads(int threads);
 /// thread count for a scope and restores both when it ends. OpenBLAS's count is process-wide:
 /// with teams open at once in several threads it is the largest of theirs, and the count from
 /// before the first is put back when the last ends (whatever order they end in). Variants, engines
-/// and kernels take the team they are given (common/threads.h); run_one is where the count is
+/// and kernels take the team they are given (common/core/threads.h); run_one is where the count is
 /// decided.
 class ThreadTeam {
  public:

@@ -8,7 +8,7 @@
 // slice to end: every region costs a scheduler slice, not microseconds. A passive wait (the
 // waiting thread sleeps on a futex at once) lets its core go idle, where the scheduler runs
 // the preempted thread at once; a region then costs a futex wake-up (microseconds) more than
-// with spinning, nothing on regions of the size the team is used for (common/parallel.h,
+// with spinning, nothing on regions of the size the team is used for (common/core/parallel.h,
 // kParallelMinFlops), and small ones run on one thread.
 //
 // libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, in a constructor of libgomp.so that

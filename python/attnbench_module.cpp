@@ -20,12 +20,12 @@
 #include <string>
 #include <vector>
 
-#include "common/bf16.h"
-#include "common/error.h"
-#include "common/inputs.h"
-#include "common/npy.h"
-#include "common/reference.h"
-#include "common/registry.h"
+#include "common/core/error.h"
+#include "common/core/registry.h"
+#include "common/io/inputs.h"
+#include "common/io/npy.h"
+#include "common/kernels/bf16.h"
+#include "common/reference/reference.h"
 #include "harness/catalog.h"
 #include "harness/team.h"
 

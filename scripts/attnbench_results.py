@@ -379,7 +379,7 @@ def load_meta(directory):
 
 def cache_root():
     """The attnbench cache: $ATTNBENCH_CACHE, else $XDG_CACHE_HOME/attnbench, else
-    ~/.cache/attnbench (the rule of the binary's `--input trained`, common/trained.h)."""
+    ~/.cache/attnbench (the rule of the binary's `--input trained`, common/io/trained.h)."""
     if os.environ.get("ATTNBENCH_CACHE"):
         return os.environ["ATTNBENCH_CACHE"]
     if os.environ.get("XDG_CACHE_HOME"):

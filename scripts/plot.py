@@ -67,7 +67,7 @@ not describe every variant in it (one written by an earlier attnbench): `attnben
 import argparse
 import os
 
-from attnbench_plots import report
+from attnbench_plots import report, style
 from attnbench_plots.style import PROG, warn
 from attnbench_results import load_meta, load_results, results_lock, run_main
 from attnbench_variants import complete_variants, default_binary
@@ -77,6 +77,7 @@ def describe_variants(args, df, meta):
     """Completes meta["variants"] (parameters and defaults, for the legends' short labels) for
     every variant in the results, from the binary with the plugins meta.json records; a missing
     plugin or binary is a warning naming it, and only costs the short labels."""
+    style.BINARY = args.attnbench or default_binary()
     if isinstance(meta, dict):
         names = list(dict.fromkeys(str(s).partition(":")[0] for s in df["spec"]))
         complete_variants(meta, names, args.attnbench or default_binary(), warn,

@@ -8,11 +8,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/decode.h"
-#include "common/error.h"
-#include "common/problem.h"
-#include "common/registry.h"
-#include "common/tensor.h"
+#include "common/core/decode.h"
+#include "common/core/error.h"
+#include "common/core/problem.h"
+#include "common/core/registry.h"
+#include "common/core/tensor.h"
 #include "test_util.h"
 
 namespace attnbench::test {

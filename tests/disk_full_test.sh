@@ -6,7 +6,7 @@
 # The disk is a small tmpfs mounted for the test: as root (as CI runs), else inside a user and
 # mount namespace (unshare -Urm) where the system allows one; where neither can mount, the test
 # is skipped (exit 77). The write-failure paths themselves are also unit-tested with a file-size
-# limit (tests/hostile_output_dir_test.cpp).
+# limit (tests/harness/hostile_output_dir_test.cpp).
 #   tests/disk_full_test.sh path/to/attnbench
 set -euo pipefail
 bin=$(realpath "$1")

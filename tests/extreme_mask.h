@@ -9,7 +9,7 @@
 #include <limits>
 #include <memory>
 
-#include "common/problem.h"
+#include "common/core/problem.h"
 #include "tests/test_util.h"
 
 namespace attnbench::test {

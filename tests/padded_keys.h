@@ -10,8 +10,8 @@
 #include <cstring>
 #include <string>
 
-#include "common/inputs.h"
-#include "common/problem.h"
+#include "common/core/problem.h"
+#include "common/io/inputs.h"
 #include "tests/test_util.h"
 
 namespace attnbench::test {

@@ -222,7 +222,7 @@ refused "$tmp/copy/topk_attention.so" "'topk' is already registered" "from plugi
   "$bin" --plugin "$topk" --plugin "$tmp/copy/topk_attention.so" list
 refused "$broken/clash_full.so" "'full' is already registered (built in)" -- \
   "$bin" --plugin "$broken/clash_full.so" run --variant full --seq 16 --heads 1 --dim 8
-abi=$(sed -n 's/^#define ATTNBENCH_ABI_VERSION \([0-9]*\)$/\1/p' "$src/common/abi.h")
+abi=$(sed -n 's/^#define ATTNBENCH_ABI_VERSION \([0-9]*\)$/\1/p' "$src/common/core/abi.h")
 refused "$broken/other_abi.so" "built against attnbench ABI $((abi + 1)), this attnbench is ABI $abi" -- \
   "$bin" --plugin "$broken/other_abi.so" list
 refused "$broken/wrong_entry.so" "cannot load" "undefined symbol" "register_variant_abi$((abi + 1))" -- \

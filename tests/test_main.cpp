@@ -12,7 +12,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "common/plugin.h"
+#include "common/io/plugin.h"
 
 int main(int argc, char** argv) {
   if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {

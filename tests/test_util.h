@@ -24,15 +24,15 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/inputs.h"
-#include "common/npy.h"
-#include "common/oracle.h"
-#include "common/pattern.h"
-#include "common/random.h"
-#include "common/reference.h"
-#include "common/registry.h"
-#include "common/tensor.h"
+#include "common/core/error.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/tensor.h"
+#include "common/io/inputs.h"
+#include "common/io/npy.h"
+#include "common/patterns/pattern.h"
+#include "common/reference/oracle.h"
+#include "common/reference/reference.h"
 #include "harness/results.h"
 
 // The sanitizer build (ATTNBENCH_SANITIZE=ON defines ATTNBENCH_SANITIZE for the tests) cannot
@@ -145,7 +145,7 @@ inline std::shared_ptr<const AttnMask> random_mask(const Problem& p, int64_t mb,
   return a;
 }
 
-/// A workload drawing inputs from the named distribution (common/inputs.h), q scaled by
+/// A workload drawing inputs from the named distribution (common/io/inputs.h), q scaled by
 /// `scale`.
 inline Workload workload(const std::string& input, double scale = 1.0) {
   Workload w;
@@ -250,7 +250,7 @@ inline double row_diff(const Problem& p, const Tensor& a, const Tensor& b, int64
 }
 /// What a variant must give on these inputs and how close: its oracle (VariantInfo::oracle;
 /// for an exact variant, softmax attention restricted to its pattern) and the tolerance of its
-/// error model (VariantInfo::tolerance, or the default of common/oracle.h).
+/// error model (VariantInfo::tolerance, or the default of common/reference/oracle.h).
 struct Expected {
   std::vector<double> out;
   double tolerance = 0;

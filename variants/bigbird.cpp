@@ -16,8 +16,8 @@
 // Self-attention only: m != n is refused (caps.cross = false).
 // Time O(n (W + G + r) b d + G b n d); memory O(threads block (block + d)) plus the random
 // table (8 H nb r bytes).
-// Decode (generation): the pattern cache of common/pattern_decode.h. The last global blocks and
-// the random draws are those of the problem's n (the decode capacity), so the steps equal the
+// Decode (generation): the pattern cache of common/decode/pattern_decode.h. The last global blocks
+// and the random draws are those of the problem's n (the decode capacity), so the steps equal the
 // causal forward on those n tokens.
 // Paper: Zaheer et al., "Big Bird: Transformers for Longer Sequences" (NeurIPS 2020); block
 // size 64 and r = 3 as in the HF implementation.
@@ -27,9 +27,9 @@
 #include <utility>
 #include <vector>
 
-#include "common/block_sparse.h"
-#include "common/pattern_decode.h"
-#include "common/random.h"
+#include "common/core/random.h"
+#include "common/decode/pattern_decode.h"
+#include "common/engines/block_sparse.h"
 
 namespace attnbench {
 namespace {
@@ -207,6 +207,10 @@ ATTNBENCH_REGISTER_VARIANT(
                    "blocks per (head, query block)",
         .complexity = "time O(n (window_blocks + global_blocks + random_blocks) block d), "
                       "memory O(threads block (block + d) + H (n / block) random_blocks)",
+        .family = "pattern",
+        .display = "BigBird",
+        .paper = "Zaheer et al. 2020 (arXiv:2007.14062)",
+        .look = {.color = "#637939", .marker = "X"},
         .params =
             {block_param(),
              ParamSpec::Int("window_blocks", 3, 0, int64_t(1) << 20,

@@ -73,14 +73,14 @@
 #include <memory>
 #include <utility>
 
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/row_pattern.h"
-#include "common/softmax.h"
-#include "common/threads.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/kernels/softmax.h"
+#include "common/patterns/row_pattern.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace clustered {
@@ -996,6 +996,10 @@ ATTNBENCH_REGISTER_VARIANT(
                    "(Vyas et al. 2020)",
         .complexity = "time O(iterations n c + c m d + n topk d), memory O(B H (n + c d) + "
                       "threads min(c, 128) m)",
+        .family = "clustering",
+        .display = "Clustered attention",
+        .paper = "Vyas et al. 2020 (arXiv:2007.04825)",
+        .look = {.color = "#ad494a", .marker = "h"},
         .params = {ParamSpec::Int("clusters", 100, 1, int64_t(1) << 24,
                                   "number of query clusters c (capped at n)"),
                    ParamSpec::Int("iterations", 10, 0, 1000,

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/problem.h"
-#include "common/tensor.h"
+#include "common/core/problem.h"
+#include "common/core/tensor.h"
 
 namespace attnbench::clustered {
 

@@ -43,13 +43,13 @@
 // attention); conv's is per query head, as its weights are.
 // Oracle: pooling and softmax over the complete groups in double, with the same conv weights
 // (conv_weights, which forward() calls too).
-// Tolerance (the float32 error model of common/oracle.h): softmax attention over the pooled
-// keys, whose logits also carry the pooling's rounding (a sum of r rows for mean, r d products
-// for conv), on top of the dot product's d.
-// Time O(B H n (m / r) d) plus pooling O(B H m d) (mean) or O(B H m d^2) (conv);
-// memory O(B H (m / r) d + threads 64 (64 + d)) plus the conv weights (2 H r d^2 floats).
-// Paper: Liu, Saleh, Pot, Goodrich, Sepassi, Kaiser, Shazeer, "Generating Wikipedia by
-// Summarizing Long Sequences" (ICLR 2018), memory-compressed attention (r = 3 there).
+// Tolerance (the float32 error model of common/reference/oracle.h): softmax attention over the
+// pooled keys, whose logits also carry the pooling's rounding (a sum of r rows for mean, r d
+// products for conv), on top of the dot product's d. Time O(B H n (m / r) d) plus pooling O(B H m
+// d) (mean) or O(B H m d^2) (conv); memory O(B H (m / r) d + threads 64 (64 + d)) plus the conv
+// weights (2 H r d^2 floats). Paper: Liu, Saleh, Pot, Goodrich, Sepassi, Kaiser, Shazeer,
+// "Generating Wikipedia by Summarizing Long Sequences" (ICLR 2018), memory-compressed attention (r
+// = 3 there).
 #include <cblas.h>
 #include <omp.h>
 
@@ -59,15 +59,15 @@
 #include <utility>
 #include <vector>
 
-#include "common/attention_kernels.h"
-#include "common/block_sparse.h"
-#include "common/checked.h"
-#include "common/decode_kernels.h"
-#include "common/error.h"
-#include "common/oracle.h"
-#include "common/parallel.h"
-#include "common/random.h"
-#include "common/threads.h"
+#include "common/core/checked.h"
+#include "common/core/error.h"
+#include "common/core/parallel.h"
+#include "common/core/random.h"
+#include "common/core/threads.h"
+#include "common/decode/decode_kernels.h"
+#include "common/engines/block_sparse.h"
+#include "common/kernels/attention_kernels.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace {
@@ -195,7 +195,7 @@ void conv_unpool(const float* dy, int64_t len, int64_t d, int64_t r, const float
   }
 }
 
-/// The decode state (common/decode.h) of compressed: a pooled cache plus the group being
+/// The decode state (common/core/decode.h) of compressed: a pooled cache plus the group being
 /// filled.
 ///
 /// Pooled cache: the rows K'_t, V'_t of the groups pooled so far, room for ceil(n / r) of
@@ -266,7 +266,7 @@ class CompressedDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
     const double flops = step_flops();
     const SerialIfSmall small(flops);
     for (int64_t b = 0; b < batch_; ++b)
@@ -279,7 +279,7 @@ class CompressedDecodeState final : public DecodeState {
     const int64_t bh_count = batch_ * heads_;
     if (int64_t(scores_.size()) < threads * cap_rows_) scores_.resize(size_t(threads * cap_rows_));
     // the step's flops (step_flops() before the row was appended) against the shared
-    // threshold of common/threads.h
+    // threshold of common/core/threads.h
     const bool parallel = parallel_worth(flops, bh_count);
 #pragma omp parallel if (parallel)
     {
@@ -637,6 +637,10 @@ ATTNBENCH_REGISTER_VARIANT(
                    "strided conv), then exact softmax; causal rows without a complete group are 0",
         .complexity = "time O(n (m / ratio) d + m d (conv: m d^2)), "
                       "memory O((m / ratio) d + threads 64 (64 + d))",
+        .family = "lowrank",
+        .display = "Memory-compressed attention",
+        .paper = "Liu et al. 2018 (arXiv:1801.10198)",
+        .look = {.color = "#8c6d31", .marker = "X"},
         .params = {ParamSpec::Int("ratio", 3, 1, int64_t(1) << 20,
                                   "pooling factor r: groups of r consecutive keys become one"),
                    ParamSpec::Choice("pool", "mean", {"mean", "conv"},

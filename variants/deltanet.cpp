@@ -51,15 +51,15 @@
 #include <string>
 #include <vector>
 
-#include "common/backward.h"
-#include "common/decode.h"
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/parallel.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/threads.h"
+#include "common/core/backward.h"
+#include "common/core/decode.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/parallel.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace {
@@ -454,7 +454,7 @@ class DeltaState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
     const SerialIfSmall small(step_flops());
     const int64_t G = p_.kv_head_count();
 #pragma omp parallel for schedule(static) if (p_.batch * G >= 2 * team_threads())
@@ -676,6 +676,14 @@ ATTNBENCH_REGISTER_VARIANT(
             "q, k (Yang et al. 2024; gated: Gated DeltaNet); beta, alpha: seeded "
             "projections of k standing in for x; causal only; not softmax",
         .complexity = "time O(n d (d + C)), memory O(threads C (C + d) + d^2)",
+        .family = "decay",
+        .display = "DeltaNet",
+        .paper = "Schlag et al. 2021 (arXiv:2102.11174); "
+                 "chunkwise: Yang et al. 2024 (arXiv:2406.06484); "
+                 "gated: Yang et al. 2024 (arXiv:2412.06464)",
+        .look = {.color = "#d6616b", .marker = "^"},
+        .long_context = true,
+        .sweep_specs = {"deltanet:gated=true", "deltanet:form=recurrent"},
         .params = {ParamSpec::Bool("gated", false,
                                    "Gated DeltaNet: decay alpha_t = exp(-softplus(k.w_a - 2.5))"),
                    ParamSpec::Choice("form", "chunkwise", {"chunkwise", "recurrent"},

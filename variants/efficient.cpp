@@ -37,11 +37,11 @@
 #include <utility>
 #include <vector>
 
-#include "common/key_split.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/registry.h"
-#include "common/softmax.h"
+#include "common/core/omp_guard.h"
+#include "common/core/registry.h"
+#include "common/kernels/softmax.h"
+#include "common/patterns/key_split.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace {
@@ -343,6 +343,10 @@ ATTNBENCH_REGISTER_VARIANT(
                 .summary = "softmax_row(Q) (softmax_col(K)^T V), no query-key logits "
                            "(Shen et al. efficient attention)",
                 .complexity = "time O((n + m) d^2), memory O(B H d^2 + threads 512 d)",
+                .family = "lowrank",
+                .display = "Efficient attention",
+                .paper = "Shen et al. 2018 (arXiv:1812.01243)",
+                .look = {.color = "#bcbd22", .marker = "D"},
                 .params = {},
                 .caps = {.causal = false, .cross = true, .exact = false, .key_padding = true},
                 .make = [](const ParamValues&) { return std::make_unique<Efficient>(); },

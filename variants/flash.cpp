@@ -10,38 +10,38 @@
 //   l = l exp((mx - mx') / sqrt(d)) + rowsum P;  acc = acc exp((mx - mx') / sqrt(d)) + P V_blk
 // and finally out = acc / l (rows with no visible key give 0). The max is subtracted before
 // scaling, so no exponential overflows at any logit size; a tile whose acc overflowed (v near
-// FLT_MAX) is run again with scaled weights (see common/attention_kernels.h).
+// FLT_MAX) is run again with scaled weights (see common/kernels/attention_kernels.h).
 //
 // Time O(B H n m d); memory O(threads block_q (block_k + d)).
 // Dao et al. 2022, "FlashAttention"; Milakov & Gimelshein 2018 for the online softmax.
 //
 // flash is the dense case of the tiled attention engine (dense_attention in
-// common/block_sparse.h): the engine's task loop over every key block of every query tile,
+// common/engines/block_sparse.h): the engine's task loop over every key block of every query tile,
 // with no pattern, block list or element mask, scheduled dynamically with the heaviest causal
 // tiles first. Key blocks wholly past the causal diagonal are never visited. The tile passes
-// are those of common/attention_kernels.h: AVX-512 register-blocked kernels on transposed
+// are those of common/kernels/attention_kernels.h: AVX-512 register-blocked kernels on transposed
 // score tiles when the compiler targets it, Eigen tile products and a scalar exp otherwise.
-// The additive score runs through the engine's score-tile hook (common/additive_score.h): h
+// The additive score runs through the engine's score-tile hook (common/kernels/additive_score.h): h
 // tanh evaluations per score instead of a d-term dot product, still tiled.
-// At B=1 H=8 n=4096 d=64 on 2 Zen 4 cores the AVX-512 passes run at about 205 GFLOP/s, as
-// fast as OpenBLAS sgemm on the same cores (the Eigen passes: about 75).
+// The AVX-512 passes are meant to run at the rate of the machine's sgemm; the sweep's
+// gemm_fraction column says how close they come (the Eigen passes are far slower).
 //
 // Backward (training): forward_train keeps each row's log-sum-exp L_i (B H n floats), and the
 // backward is the engine's dense backward (dense_attention_backward), which recomputes
 // P = exp(S - L) tile by tile: dV = P^T dO, dS = P ∘ (dO V^T - D), dQ = dS K / sqrt(d),
 // dK = dS^T Q / sqrt(d), n x m never stored (Dao et al. 2022, algorithm 4).
 //
-// Decode (generation): a KV cache of every position (common/kv_decode.h), each step one query
-// against the cached rows, split over the threads by key chunks (flash-decoding).
+// Decode (generation): a KV cache of every position (common/decode/kv_decode.h), each step one
+// query against the cached rows, split over the threads by key chunks (flash-decoding).
 #include <algorithm>
 #include <memory>
 #include <vector>
 
-#include "common/additive_score.h"
-#include "common/block_sparse.h"
-#include "common/error.h"
-#include "common/kv_decode.h"
-#include "common/registry.h"
+#include "common/core/error.h"
+#include "common/core/registry.h"
+#include "common/decode/kv_decode.h"
+#include "common/engines/block_sparse.h"
+#include "common/kernels/additive_score.h"
 
 namespace attnbench {
 namespace {
@@ -122,6 +122,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "flash",
         .summary = "exact softmax attention, tiled with an online softmax, n x m never stored",
         .complexity = "time O(n m d), memory O(threads block_q (block_k + d))",
+        .family = "exact",
+        .display = "FlashAttention",
+        .paper = "Dao et al. 2022 (arXiv:2205.14135)",
+        .look = {.color = "#7f7f7f", .marker = "s"},
         .params = {ParamSpec::Int("block_q", 64, 1, 4096,
                                   "query rows per tile (multiples of 64 use the full kernels)"),
                    ParamSpec::Int("block_k", 256, 1, 65536, "keys per tile")},

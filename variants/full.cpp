@@ -4,14 +4,14 @@
 //
 //   out = softmax(Q K^T / sqrt(d) + mask) V
 //
-// The additive score (common/additive_score.h) fills the same n x m matrix with its logits.
+// The additive score (common/kernels/additive_score.h) fills the same n x m matrix with its logits.
 //
 // Backward (training): forward_train keeps P [B, H, n, m], as autograd does, and backward runs
 // four GEMMs per head (dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q) around the
 // elementwise dS = P ∘ (dP - D) / sqrt(d), with an n x m buffer for dS.
 //
-// Decode (generation): a KV cache of every position (common/kv_decode.h), each step one query
-// against the cached rows, split over the threads by key chunks (flash-decoding).
+// Decode (generation): a KV cache of every position (common/decode/kv_decode.h), each step one
+// query against the cached rows, split over the threads by key chunks (flash-decoding).
 //
 // Time O(B H n m d) through BLAS GEMM; memory O(B H n m) for the scores.
 #include <cblas.h>
@@ -21,14 +21,14 @@
 #include <cstring>
 #include <memory>
 
-#include "common/additive_score.h"
-#include "common/error.h"
-#include "common/kv_decode.h"
-#include "common/mask_bias.h"
-#include "common/omp_guard.h"
-#include "common/registry.h"
-#include "common/softmax.h"
-#include "common/threads.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/decode/kv_decode.h"
+#include "common/kernels/additive_score.h"
+#include "common/kernels/softmax.h"
+#include "common/patterns/mask_bias.h"
 
 namespace attnbench {
 namespace {
@@ -214,6 +214,10 @@ ATTNBENCH_REGISTER_VARIANT(
     VariantInfo{.name = "full",
                 .summary = "exact softmax attention, n x m scores materialised (PyTorch style)",
                 .complexity = "time O(n m d), memory O(B H n m)",
+                .family = "exact",
+                .display = "Softmax attention",
+                .paper = "Vaswani et al. 2017 (arXiv:1706.03762)",
+                .look = {.color = "#000000", .marker = "o"},
                 .params = {},
                 .caps = {.causal = true,
                          .cross = true,

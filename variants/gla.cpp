@@ -16,7 +16,7 @@
 // Grouped-query heads: the decay comes from k, so the state is per key/value head and serves
 // the group's query heads.
 // Parameters: form (chunkwise | recurrent), chunk (64 rows), rank (16), tau (16).
-// Chunkwise (common/decay_attention.h): cumulative log-decays relative to the chunk start,
+// Chunkwise (common/engines/decay_attention.h): cumulative log-decays relative to the chunk start,
 // sub-chunks of 16 rows so that no exp overflows, GEMMs for the products: O(n (C d + d^2 +
 // d rank)) time, O(C^2 + C d + d^2) memory per thread. Recurrent: about 4 d^2 flops per token
 // per head, the state in L1. Not softmax attention: its oracle is the recurrence in float64.
@@ -25,8 +25,8 @@
 // Decode: S per (batch, key/value head); a step is O(d^2 + d rank).
 #include <memory>
 
-#include "common/decay_attention.h"
-#include "common/registry.h"
+#include "common/core/registry.h"
+#include "common/engines/decay_attention.h"
 
 namespace attnbench {
 namespace {
@@ -64,6 +64,12 @@ ATTNBENCH_REGISTER_VARIANT(
                            "k_t v_t^T, a_t = sigmoid(k_t W1 W2)^(1/16); not softmax",
                 .complexity = "time O(n d (C + d + rank)), memory O(threads (C^2 + C d + d^2)), "
                               "C = chunk",
+                .family = "decay",
+                .display = "Gated linear attention",
+                .paper = "Yang et al. 2023 (arXiv:2312.06635)",
+                .look = {.color = "#636363", .marker = "s"},
+                .long_context = true,
+                .sweep_specs = {"gla:form=recurrent"},
                 .params = gla_params(),
                 .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
                 .make = [](const ParamValues& pv) { return std::make_unique<Gla>(pv); },

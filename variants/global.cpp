@@ -13,10 +13,10 @@
 // Time O(n |G| d + |G| m d) scored pairs (tiles of `block` around each global position);
 // memory O(threads block (block + d)) plus the run list of G (16 bytes per run of
 // consecutive positions).
-// Decode (generation): the pattern cache of common/pattern_decode.h (the blocks of global keys,
-// and every block while global queries lie ahead).
-// Paper: Beltagy, Peters, Cohan, "Longformer" (2020), global attention; Zaheer et al.,
-// "Big Bird" (2020), global tokens (ITC); Ainslie et al., "ETC" (2020).
+// Decode (generation): the pattern cache of common/decode/pattern_decode.h (the blocks of global
+// keys, and every block while global queries lie ahead). Paper: Beltagy, Peters, Cohan,
+// "Longformer" (2020), global attention; Zaheer et al., "Big Bird" (2020), global tokens (ITC);
+// Ainslie et al., "ETC" (2020).
 #include <algorithm>
 #include <iterator>
 #include <limits>
@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/block_sparse.h"
-#include "common/pattern_decode.h"
+#include "common/decode/pattern_decode.h"
+#include "common/engines/block_sparse.h"
 
 namespace attnbench {
 namespace {
@@ -141,6 +141,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .summary = "global tokens only: global queries see every key, every query sees the "
                    "global keys",
         .complexity = "time O((n g + g m) d), memory O(threads block (block + d))",
+        .family = "pattern",
+        .display = "Global tokens",
+        .paper = "Ainslie et al. 2020 (arXiv:2004.08483)",
+        .look = {.color = "#393b79", .marker = "D"},
         .params = {ParamSpec::Int("global", 64, 0, int64_t(1) << 30,
                                   "number of global tokens: the first g positions"),
                    ParamSpec::IntList("positions", "none", 0, int64_t(1) << 30,

@@ -36,8 +36,8 @@
 // valid keys does (columns past the longest L_b are not drawn). L_b = 0 leaves nothing to
 // attend: its rows output 0.
 // Oracle: the formula in double with the same E and F (projection_columns).
-// Tolerance (the float32 error model of common/oracle.h): E K and F V are reductions over the
-// m keys, and their rows have norm sqrt(m / k) times a key's, so the logits q.(EK)_r / sqrt(d)
+// Tolerance (the float32 error model of common/reference/oracle.h): E K and F V are reductions over
+// the m keys, and their rows have norm sqrt(m / k) times a key's, so the logits q.(EK)_r / sqrt(d)
 // are sqrt(m / k) times larger than softmax attention's and carry the rounding of both the
 // projection (m terms) and the dot product (d terms); then the softmax over k and the reduction
 // over k rows of F V.
@@ -66,14 +66,14 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/prepared.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/softmax.h"
-#include "common/threads.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/prepared.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/kernels/softmax.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace linformer {
@@ -137,7 +137,7 @@ inline void normal_pair(uint64_t b, float& zc, float& zs) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 constexpr int64_t kLanes = 16;
 
-// mix64 (common/random.h) on 8 lanes.
+// mix64 (common/core/random.h) on 8 lanes.
 inline __m512i mix64_x8(__m512i x) {
   x = _mm512_add_epi64(x, _mm512_set1_epi64(int64_t(0x9e3779b97f4a7c15ULL)));
   x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 30)),
@@ -213,7 +213,7 @@ inline __m256i mullo64_x4(__m256i a, __m256i b, __m256i b_hi) {
   return _mm256_add_epi64(_mm256_mul_epu32(a, b), _mm256_slli_epi64(cross, 32));
 }
 
-// mix64 (common/random.h) on 4 lanes.
+// mix64 (common/core/random.h) on 4 lanes.
 inline __m256i mix64_x4(__m256i x) {
   constexpr uint64_t kM1 = 0xbf58476d1ce4e5b9ULL, kM2 = 0x94d049bb133111ebULL;
   x = _mm256_add_epi64(x, _mm256_set1_epi64x(int64_t(0x9e3779b97f4a7c15ULL)));
@@ -733,6 +733,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "linformer",
         .summary = "softmax(s Q (EK)^T) (FV) with random k x m projections E, F (Linformer)",
         .complexity = "time O((n + m) k d), memory O(B H k d + threads k 256)",
+        .family = "lowrank",
+        .display = "Linformer",
+        .paper = "Wang et al. 2020 (arXiv:2006.04768)",
+        .look = {.color = "#d62728", .marker = "o"},
         .params = {ParamSpec::Int("proj", 256, 1, int64_t(1) << 20,
                                   "projection size k: keys and values are projected to k rows"),
                    ParamSpec::Bool("share_kv", false,

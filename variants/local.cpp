@@ -15,7 +15,7 @@
 // band and after the sinks);
 // memory O(threads block (block + d)), the pattern itself holds nothing.
 // Decode (generation): a ring of the last window + 1 keys and values per (batch, head)
-// (common/kv_decode.h), the causal band max(0, t - window) .. t of each step's query t, plus
+// (common/decode/kv_decode.h), the causal band max(0, t - window) .. t of each step's query t, plus
 // the sink rows 0 .. S - 1 kept apart (those left of the band).
 // Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer" (2020), sliding
 // window; also Child et al. 2019 and Parmar et al. 2018 (local attention). Sinks: Xiao, Tian,
@@ -24,8 +24,8 @@
 #include <cstdlib>
 #include <memory>
 
-#include "common/block_sparse.h"
-#include "common/kv_decode.h"
+#include "common/decode/kv_decode.h"
+#include "common/engines/block_sparse.h"
 
 namespace attnbench {
 namespace {
@@ -110,6 +110,12 @@ ATTNBENCH_REGISTER_VARIANT(
         .summary = "sliding window: query i sees keys with |a(i) - j| <= window (one side), "
                    "plus the first `sinks` keys (StreamingLLM attention sinks; 0 = none)",
         .complexity = "time O(n (2 window + 1) d), memory O(threads block (block + d))",
+        .family = "pattern",
+        .display = "Sliding window",
+        .paper = "Beltagy et al. 2020 (arXiv:2004.05150); "
+                 "sinks: Xiao et al. 2023 (arXiv:2309.17453)",
+        .look = {.color = "#1f77b4", .marker = "^"},
+        .sweep_specs = {"local:sinks=4"},
         .params = {ParamSpec::Int(
                        "window", 256, 0, int64_t(1) << 30,
                        "keys on EACH side of the query (one side; both sides = 2 window + 1)"),

@@ -13,15 +13,15 @@
 // paper dilates 2 heads of the upper layers). Causal masking is applied by the engine.
 // Time O(n (2 window + 1 + g) d + g m d); memory O(threads block (block + d)); the pattern
 // holds nothing.
-// Decode (generation): the pattern cache of common/pattern_decode.h, the global keys and the
+// Decode (generation): the pattern cache of common/decode/pattern_decode.h, the global keys and the
 // window's blocks around the query (older blocks are freed).
 // Paper: Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer" (2020).
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
 
-#include "common/block_sparse.h"
-#include "common/pattern_decode.h"
+#include "common/decode/pattern_decode.h"
+#include "common/engines/block_sparse.h"
 
 namespace attnbench {
 namespace {
@@ -132,6 +132,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .name = "longformer",
         .summary = "sliding window (dilated per head) + the first g tokens global both ways",
         .complexity = "time O(n (2 window + 1 + g) d + g m d), memory O(threads block (block + d))",
+        .family = "pattern",
+        .display = "Longformer",
+        .paper = "Beltagy et al. 2020 (arXiv:2004.05150)",
+        .look = {.color = "#2ca02c", .marker = "P"},
         .params =
             {ParamSpec::Int("window", 256, 0, int64_t(1) << 30,
                             "keys on EACH side of the query (one side; both sides = 2 window + 1)"),

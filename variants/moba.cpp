@@ -24,7 +24,7 @@
 // Forward: the chunk means once per key/value head (sums in key order, divided by the chunk's
 // length), the gate scores of every query (a row of dots over the earlier chunks), a partial
 // top-k per query; then chunk by chunk, the queries that chose the chunk are gathered in tiles
-// and attend its keys (the flash tile passes, common/tile_attention.h), each (query, chosen
+// and attend its keys (the flash tile passes, common/kernels/tile_attention.h), each (query, chosen
 // chunk) a partial output with its log-sum-exp; the partials of a query merge by their
 // log-sum-exps. Time O(n (n / chunk) d + n topk chunk d), memory O(n topk d) per head (the
 // partials) plus the selection B H n topk.
@@ -43,17 +43,17 @@
 #include <memory>
 #include <vector>
 
-#include "common/attention_kernels.h"
-#include "common/block_sparse.h"
-#include "common/decode.h"
-#include "common/decode_kernels.h"
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/parallel.h"
-#include "common/pattern.h"
-#include "common/registry.h"
-#include "common/threads.h"
-#include "common/tile_attention.h"
+#include "common/core/decode.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/parallel.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/decode/decode_kernels.h"
+#include "common/engines/block_sparse.h"
+#include "common/kernels/attention_kernels.h"
+#include "common/kernels/tile_attention.h"
+#include "common/patterns/pattern.h"
 
 namespace attnbench {
 namespace {
@@ -203,7 +203,7 @@ class MobaDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
     const double flops = step_flops();
     const SerialIfSmall small(flops);
     decode::check_step_group(k.group, group_, kv_heads_);
@@ -556,6 +556,12 @@ ATTNBENCH_REGISTER_VARIANT(
                    "earlier complete chunks; short-context setting chunk=128,topk=3",
         .complexity = "time O(n (n / chunk) d + n topk chunk d), memory O(n topk d + (n / chunk) "
                       "d) per head",
+        .family = "pattern",
+        .display = "MoBA",
+        .paper = "Lu et al. 2025 (arXiv:2502.13189)",
+        .look = {.color = "#e6550d", .marker = "X"},
+        .long_context = true,
+        .sweep_specs = {"moba:chunk=128"},
         .params = {ParamSpec::Int("chunk", 512, 1, int64_t(1) << 30,
                                   "keys per chunk (MoBA's block size; paper 512)"),
                    ParamSpec::Int("topk", 3, 1, int64_t(1) << 20,

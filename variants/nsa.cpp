@@ -42,7 +42,7 @@
 //      group (256 x n/s floats, never the whole n x n/s matrix);
 //   2. block scores (piece sums) and the top-n per position;
 //   3. selection: the chosen (position, head) rows are gathered per block, so a block chosen
-//      by many rows is one tile of the flash tile kernels (common/tile_attention.h); each
+//      by many rows is one tile of the flash tile kernels (common/kernels/tile_attention.h); each
 //      row's per-block results are merged by log-sum-exp;
 //   4. window: tiles of 64 positions walking their band of keys through the same tile
 //      kernels, masked at its edges;
@@ -67,15 +67,15 @@
 #include <string>
 #include <vector>
 
-#include "common/decode.h"
-#include "common/error.h"
-#include "common/oracle.h"
-#include "common/parallel.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/row_pattern.h"
-#include "common/threads.h"
-#include "common/tile_attention.h"
+#include "common/core/decode.h"
+#include "common/core/error.h"
+#include "common/core/parallel.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/kernels/tile_attention.h"
+#include "common/patterns/row_pattern.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace {
@@ -587,7 +587,7 @@ class NsaState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(len_, cap_, Shape4{p_.batch, p_.heads, 1, d_}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
     const SerialIfSmall small(step_flops());
     const int64_t t = len_, nc = c_.pooled(t + 1), tasks = p_.batch * G_;
     if (ws_.size() < size_t(team_threads())) ws_.resize(size_t(team_threads()));
@@ -757,8 +757,8 @@ std::vector<double> nsa_oracle(const Variant& var, const Problem& p, ConstTensor
   });
 }
 
-// Tolerance (the float32 error model of common/oracle.h): the pooling (a reduction over l),
-// then three softmax attentions whose reductions run over at most the pooled rows, n l' and w
+// Tolerance (the float32 error model of common/reference/oracle.h): the pooling (a reduction over
+// l), then three softmax attentions whose reductions run over at most the pooled rows, n l' and w
 // keys, a log-sum-exp merge per selected block (n merges), the gates (a reduction over d and
 // an exp) and the sum of three terms.
 double nsa_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
@@ -775,6 +775,11 @@ ATTNBENCH_REGISTER_VARIANT(
                    "(Yuan et al.; seeded gates, mean pooling)",
         .complexity = "time O(n d (n / cmp_stride + sel_top sel_block + window)), memory "
                       "O(G m d / cmp_stride + threads 128 (m / cmp_stride + H/G d))",
+        .family = "pattern",
+        .display = "Native Sparse Attention",
+        .paper = "Yuan et al. 2025 (arXiv:2502.11089)",
+        .look = {.color = "#3182bd", .marker = "D"},
+        .long_context = true,
         .params = {ParamSpec::Int("cmp_block", 32, 1, 1 << 16,
                                   "keys per compressed (mean-pooled) block, l"),
                    ParamSpec::Int("cmp_stride", 16, 1, 1 << 16,

@@ -62,7 +62,7 @@
 // element computes exactly what the unpadded problem of its valid keys does.
 // Oracle: the formula in double with the same segments and the same number of iterations
 // (nystrom_oracle below).
-// Tolerance (the float32 error model of common/oracle.h, then the iteration): the three
+// Tolerance (the float32 error model of common/reference/oracle.h, then the iteration): the three
 // softmax matrices and B carry softmax attention's float32 error (logits over d, reductions
 // over m, landmark means over up to ceil(max(n, m) / L) rows). The iteration passes a
 // relative perturbation of A on to Z by at most the condition number of the directions it
@@ -94,12 +94,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/error.h"
-#include "common/key_split.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/registry.h"
-#include "common/softmax.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/registry.h"
+#include "common/kernels/softmax.h"
+#include "common/patterns/key_split.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace {
@@ -859,6 +859,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .summary = "Nystrom approximation of softmax through L segment-mean landmarks and an "
                    "iterative pseudo-inverse (Nystromformer)",
         .complexity = "time O((n + m) L d + L^3 iterations), memory O(B H L d + threads L^2)",
+        .family = "lowrank",
+        .display = "Nyströmformer",
+        .paper = "Xiong et al. 2021 (arXiv:2102.03902)",
+        .look = {.color = "#ff7f0e", .marker = "s"},
         .params = {ParamSpec::Int("landmarks", 64, 1, int64_t(1) << 16,
                                   "number of landmarks L (segment means; capped at n and m)"),
                    ParamSpec::Int("pinv_iterations", 6, 0, 100,

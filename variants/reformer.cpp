@@ -18,7 +18,8 @@
 //           of the logits the row attended. A key found in several rounds counts once per
 //           round (no de-duplication, as in the HF code).
 // The sorted Q, K, V of a round are gathered contiguously and each chunk runs the flash tile
-// passes (common/tile_attention.h) on two key blocks with an element mask from the positions.
+// passes (common/kernels/tile_attention.h) on two key blocks with an element mask from the
+// positions.
 //
 // Defaults: chunk 64 (HF), hashes 4 (the paper uses 1-8; HF's default is 1), buckets from
 // reformer::auto_buckets (HF's rule: about 2 n / chunk, factorised once large).
@@ -75,17 +76,17 @@
 #include <numeric>
 #include <optional>
 
-#include "common/backward.h"
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/phase.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/row_pattern.h"
-#include "common/tensor.h"
-#include "common/threads.h"
-#include "common/tile_attention.h"
+#include "common/core/backward.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/phase.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/tensor.h"
+#include "common/core/threads.h"
+#include "common/kernels/tile_attention.h"
+#include "common/patterns/row_pattern.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace reformer {
@@ -594,7 +595,7 @@ class Reformer final : public Variant, public Backward {
            ReformerSaved* keep) {
     const Plan full = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
-    // phases (common/phase.h): "hash" is hashing and sorting (projections, buckets, counting
+    // phases (common/core/phase.h): "hash" is hashing and sorting (projections, buckets, counting
     // sort, gathering the sorted rows), "attend" the rest of a head's work
     OmpGuard guard;
 #pragma omp parallel if (by_head(p, team_threads()))
@@ -1051,6 +1052,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .summary = "LSH attention, shared QK: hash rounds, sort, chunk + previous chunk, "
                    "rounds combined by log-sum-exp (Reformer)",
         .complexity = "time O(hashes n (chunk + C) d + hashes n), memory O(n (d + hashes C))",
+        .family = "clustering",
+        .display = "Reformer (LSH)",
+        .paper = "Kitaev et al. 2020 (arXiv:2001.04451)",
+        .look = {.color = "#6b6ecf", .marker = "h"},
         .params = {ParamSpec::IntList(
                        "buckets", "none", 1, int64_t(1) << 24,
                        "buckets per round, or factors 'B1+B2' hashed separately "

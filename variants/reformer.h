@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/problem.h"
-#include "common/tensor.h"
+#include "common/core/problem.h"
+#include "common/core/tensor.h"
 
 namespace attnbench::reformer {
 

@@ -11,7 +11,7 @@
 // (H = 4: 0.96875 .. 0.99609; H = 16 reaches 1 - 2^-20). Grouped-query heads: k and v of the
 // head's key/value head, the state per query head (gamma is per query head).
 // Parameters: form (chunkwise | recurrent), chunk (64 rows).
-// Chunkwise (common/decay_attention.h): per chunk of C rows the masked C x C product, the
+// Chunkwise (common/engines/decay_attention.h): per chunk of C rows the masked C x C product, the
 // state's part Q S and the state update K^T V, all GEMMs: O(n (C d + d^2)) time per head,
 // O(C^2 + C d + d^2) memory per thread. Recurrent: 4 d^2 flops per token per head, the d x d
 // state in L1. Not softmax attention: its oracle is the recurrence in float64.
@@ -20,8 +20,8 @@
 #include <cmath>
 #include <memory>
 
-#include "common/decay_attention.h"
-#include "common/registry.h"
+#include "common/core/registry.h"
+#include "common/engines/decay_attention.h"
 
 namespace attnbench {
 namespace {
@@ -46,6 +46,12 @@ ATTNBENCH_REGISTER_VARIANT(
                 .summary = "retention (RetNet, Sun et al. 2023): (s Q K^T o gamma^(i-j)) V, "
                            "gamma_h = 1 - 2^(-5-h); not softmax",
                 .complexity = "time O(n d (C + d)), memory O(threads (C^2 + C d + d^2)), C = chunk",
+                .family = "decay",
+                .display = "Retention (RetNet)",
+                .paper = "Sun et al. 2023 (arXiv:2307.08621)",
+                .look = {.color = "#756bb1", .marker = "o"},
+                .long_context = true,
+                .sweep_specs = {"retention:form=recurrent"},
                 .params = da::decay_params(),
                 .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
                 .make = [](const ParamValues& pv) { return std::make_unique<Retention>(pv); },

@@ -49,7 +49,7 @@
 // Oracle: the formulas above in double (rfa_oracle): the same W and gates (rfa_projection,
 // rfa_gate), explicit sums over the visible keys with each key's weight written out as a
 // product of gates (not the recurrence), and the same floor.
-// Tolerance (rfa_tolerance): the float32 error model of common/oracle.h for this chain, a
+// Tolerance (rfa_tolerance): the float32 error model of common/reference/oracle.h for this chain, a
 // norm and a projection over d whose results, of size up to A = sqrt(2 ln 2D) / sigma (the
 // largest of D Gaussians of deviation 1 / sigma) enter sin and cos as logits enter exp;
 // reductions over the 2 D features and the m keys; a few roundings (norm, sin/cos, scaling,
@@ -57,9 +57,9 @@
 // is at most M_i in size (|phi| = 1), so an error relative to M_i is amplified by at most
 // M_i / den_i <= exp(2 / sigma^2) / tau, which multiplies the model (about 30 at sigma = 1).
 //
-// Plain: the chunked engine of common/kernel_attention.h with 2 D features (its denominator
-// floor hook). Time O((n + m) D d + n 16 (D + d)), memory O(H D d + threads D (4 R + 2 d)),
-// R = min(1024, 32768 / D). Gated: a recurrence over the keys of each (batch, head), features
+// Plain: the chunked engine of common/engines/feature_map_attention.h with 2 D features (its
+// denominator floor hook). Time O((n + m) D d + n 16 (D + d)), memory O(H D d + threads D (4 R + 2
+// d)), R = min(1024, 32768 / D). Gated: a recurrence over the keys of each (batch, head), features
 // mapped in blocks of 256 rows. Time O((n + m) D d), memory O(H D d + threads D (1024 + 2 d)).
 // Backward, plain: attend_backward with the derivative of the map through sin, cos and the
 // normalisation x / |x|; rows raised to the floor divide by a constant (their key count).
@@ -67,7 +67,7 @@
 // chunk from checkpoints every 64 keys (never one state per position kept); the gates are
 // differentiated (through w_g . k_j), and a row raised to the floor through its weight sum
 // M_i = 1 - prod g, which depends on the gates. W, w_g and b_g are constants.
-// Decode: plain, the engine's state (kernel_attention::prefill_state); gated, the recurrence's
+// Decode: plain, the engine's state (feature_map::prefill_state); gated, the recurrence's
 // S, z and weight sum, one key per step (GatedDecodeState); either H (2 D d + 2 D + 2) 4 bytes
 // per sequence whatever its length.
 #include <cblas.h>
@@ -80,22 +80,22 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/kernel_attention.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/parallel.h"
-#include "common/prepared.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/simd.h"
-#include "common/softmax.h"
-#include "common/threads.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/parallel.h"
+#include "common/core/prepared.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/engines/feature_map_attention.h"
+#include "common/kernels/simd.h"
+#include "common/kernels/softmax.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace {
 
-namespace ka = kernel_attention;
+namespace fmap = feature_map;
 
 // Stream ids of the projection and the gate: "rfa_feat" mixed with the head index.
 constexpr uint64_t kRfaStream = 0x7266615f66656174ULL;
@@ -128,7 +128,7 @@ std::vector<float> rfa_gate(uint64_t seed, int64_t head, int64_t d) {
 double floor_per_weight(double sigma) { return kFloorFraction * std::exp(-2.0 / (sigma * sigma)); }
 
 /// phi(x) = D^-1/2 [sin(W x^), cos(W x^)] over rows; 2 D features.
-class RfaFeatureMap final : public ka::FeatureMap {
+class RfaFeatureMap final : public fmap::FeatureMap {
  public:
   RfaFeatureMap(std::vector<float> w, int64_t freqs, int64_t d, float floor)
       : w_(std::move(w)), freqs_(freqs), d_(d), floor_(floor) {}
@@ -199,7 +199,7 @@ class RfaFeatureMap final : public ka::FeatureMap {
       float* y = out + r * ldo;
       int64_t f = 0;
       // 16 (AVX-512), then 8 (AVX2) frequencies at a time through the polynomial sincos of
-      // common/simd.h (within a few ulp of libm's; both widths give the same bits); a group
+      // common/kernels/simd.h (within a few ulp of libm's; both widths give the same bits); a group
       // with an angle past its exact range goes the libm way
 #ifdef __AVX512F__
       const __m512 winv = _mm512_set1_ps(inv), wratio = _mm512_set1_ps(ratio),
@@ -266,7 +266,7 @@ inline void gated_fold(float* s, float* z, float& mass, const float* pk, const f
 }
 
 /// A query read from the gated state: o = phi(q)^T S / phi(q)^T z (pq: phi(q)) by the engine's
-/// row rule (kernel_attention::finish_row) with the key weight `mass`, so the floor is
+/// row rule (feature_map::finish_row) with the key weight `mass`, so the floor is
 /// floor * mass. Returns whether the denominator was raised to the floor.
 inline bool gated_read(const float* pq, const float* s, const float* z, float mass, float floor,
                        float* o, int64_t f, int64_t d) {
@@ -278,7 +278,7 @@ inline bool gated_read(const float* pq, const float* s, const float* z, float ma
     for (int64_t x = 0; x < d; ++x) o[x] += a * srow[x];
     den += a * z[e];
   }
-  return ka::finish_row(o, d, den, floor, mass) < 0;
+  return fmap::finish_row(o, d, den, floor, mass) < 0;
 }
 
 int64_t gated_workspace_floats(int64_t features, int64_t d) {
@@ -367,7 +367,7 @@ int64_t gated_backward_floats(int64_t features, int64_t d, int64_t m) {
 /// that see no key get 0. Time about three times the forward's; memory
 /// gated_backward_floats.
 void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate, const Problem& p,
-                         int64_t b, const ka::HeadGrads& io, float* work) {
+                         int64_t b, const fmap::HeadGrads& io, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), off = m - n;
   const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
   const float floor = fm.denominator_floor();
@@ -492,7 +492,7 @@ struct RfaHead {
   std::vector<float> gate;
 };
 
-/// The decode state of gated RFA (common/decode.h): per (batch, head) the recurrence's S
+/// The decode state of gated RFA (common/core/decode.h): per (batch, head) the recurrence's S
 /// (F x d), z (F) and weight sum after every key so far, advanced one key per step with
 /// gated_head's own update (gated_fold) and read (gated_read), so a step gives the gated
 /// causal forward's row. The heads' draws are shared with the variant.
@@ -537,7 +537,7 @@ class GatedDecodeState final : public DecodeState {
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
     check_step(length_, capacity_, Shape4{batch_, heads_, 1, d_}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/threads.h)
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
     const SerialIfSmall small(step_flops());
     const size_t need = size_t(2 * f_ * threads());
     if (work_.size() < need) work_.resize(need);
@@ -617,8 +617,8 @@ class Rfa final : public Variant, public Backward, public Decoder {
     rows_ = p.batch * p.heads * p.n;
     if (!gate_) {
       clamped_ =
-          ka::attend(p, q, k, v, out, 0.0f, 2 * freqs_,
-                     [&](int64_t h) -> const ka::FeatureMap& { return drawn[size_t(h)]->map; });
+          fmap::attend(p, q, k, v, out, 0.0f, 2 * freqs_,
+                       [&](int64_t h) -> const fmap::FeatureMap& { return drawn[size_t(h)]->map; });
       return;
     }
     const int64_t heads = p.batch * p.heads, f = 2 * freqs_;
@@ -660,14 +660,14 @@ class Rfa final : public Variant, public Backward, public Decoder {
       forward(p, q, k, v, out);
       return std::make_unique<NothingSaved>();
     }
-    auto saved = std::make_unique<ka::RowDenominators>(p);
+    auto saved = std::make_unique<fmap::RowDenominators>(p);
     Heads::Heads fresh;
     const Heads::Heads& drawn = heads_.get(
         p, [&](int64_t h) { return make_head(p, h); }, fresh);
     rows_ = p.batch * p.heads * p.n;
-    clamped_ = ka::attend(
+    clamped_ = fmap::attend(
         p, q, k, v, out, 0.0f, 2 * freqs_,
-        [&](int64_t h) -> const ka::FeatureMap& { return drawn[size_t(h)]->map; },
+        [&](int64_t h) -> const fmap::FeatureMap& { return drawn[size_t(h)]->map; },
         saved->den.data());
     return saved;
   }
@@ -692,11 +692,11 @@ class Rfa final : public Variant, public Backward, public Decoder {
         for (int64_t bh = 0; bh < heads; ++bh)
           guard.run([&] {
             const int64_t b = bh / p.heads, h = bh % p.heads;
-            const ka::HeadGrads io{q.head(b, h),    k.head(b, h),   v.head(b, h),    out.head(b, h),
-                                   dout.head(b, h), nullptr,        q.stride_row,    k.stride_row,
-                                   v.stride_row,    out.stride_row, dout.stride_row, dq.head(b, h),
-                                   dk.head(b, h),   dv.head(b, h),  dq.stride_row,   dk.stride_row,
-                                   dv.stride_row};
+            const fmap::HeadGrads io{
+                q.head(b, h),    k.head(b, h),  v.head(b, h),  out.head(b, h), dout.head(b, h),
+                nullptr,         q.stride_row,  k.stride_row,  v.stride_row,   out.stride_row,
+                dout.stride_row, dq.head(b, h), dk.head(b, h), dv.head(b, h),  dq.stride_row,
+                dk.stride_row,   dv.stride_row};
             gated_head_backward(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, io,
                                 work.data());
           });
@@ -704,11 +704,12 @@ class Rfa final : public Variant, public Backward, public Decoder {
       guard.rethrow();
       return;
     }
-    const float* den = ka::RowDenominators::of(saved, p).den.data();
+    const float* den = fmap::RowDenominators::of(saved, p).den.data();
     const Heads::Heads& drawn = heads_.get(
         p, [&](int64_t h) { return make_head(p, h); }, fresh);
-    ka::attend_backward(p, q, k, v, out, dout, den, dq, dk, dv, 2 * freqs_,
-                        [&](int64_t h) -> const ka::FeatureMap& { return drawn[size_t(h)]->map; });
+    fmap::attend_backward(
+        p, q, k, v, out, dout, den, dq, dk, dv, 2 * freqs_,
+        [&](int64_t h) -> const fmap::FeatureMap& { return drawn[size_t(h)]->map; });
   }
 
   double backward_flops(const Problem& p) const override {
@@ -725,18 +726,18 @@ class Rfa final : public Variant, public Backward, public Decoder {
       const double reads = double(std::min(p.n, p.keys()));
       return double(p.batch * p.heads) * (double(p.keys()) * per_key + reads * per_read);
     }
-    return ka::attend_backward_flops(p, fm.features(), fm.query_flops(), fm.key_flops(),
-                                     fm.query_backward_flops(), fm.key_backward_flops());
+    return fmap::attend_backward_flops(p, fm.features(), fm.query_flops(), fm.key_flops(),
+                                       fm.query_backward_flops(), fm.key_backward_flops());
   }
   double saved_estimate(const Problem& p) const override {
-    return gate_ ? double(sizeof(NothingSaved)) : ka::RowDenominators::bytes(p);
+    return gate_ ? double(sizeof(NothingSaved)) : fmap::RowDenominators::bytes(p);
   }
   // the projections (and gates) only when they are drawn for this call (not prepared)
   double backward_memory_estimate(const Problem& p) const override {
     const double drawn = heads_.ready(p) ? 0.0
                                          : double(p.heads) * double(freqs_ * p.dim) * 4.0 +
                                                (gate_ ? double(p.heads * (p.dim + 1)) * 4.0 : 0.0);
-    if (!gate_) return drawn + ka::attend_backward_bytes(p, 2 * freqs_);
+    if (!gate_) return drawn + fmap::attend_backward_bytes(p, 2 * freqs_);
     const int threads = std::min<int64_t>(team_threads(), p.batch * p.heads);
     return drawn +
            double(threads) * double(gated_backward_floats(2 * freqs_, p.dim, p.keys())) * 4.0;
@@ -758,16 +759,16 @@ class Rfa final : public Variant, public Backward, public Decoder {
       state->prefill(k, v, t0);
       return state;
     }
-    std::vector<std::shared_ptr<const ka::FeatureMap>> maps;
+    std::vector<std::shared_ptr<const fmap::FeatureMap>> maps;
     for (const std::shared_ptr<Head>& hd : drawn)
       maps.emplace_back(hd, &hd->map);  // shares the head's ownership
-    return ka::prefill_state(p, k, v, t0, 0.0f, std::move(maps), double(freqs_ * p.dim) * 4.0);
+    return fmap::prefill_state(p, k, v, t0, 0.0f, std::move(maps), double(freqs_ * p.dim) * 4.0);
   }
 
   double prefill_flops(const Problem& p, int64_t t0) const override {
     const RfaFeatureMap fm({}, freqs_, p.dim, 0.0f);
     const double f = double(fm.features()), d = double(p.dim);
-    if (!gate_) return ka::prefill_flops(p, t0, fm.features(), fm.key_flops());
+    if (!gate_) return fmap::prefill_flops(p, t0, fm.features(), fm.key_flops());
     // per key as flops() counts it: its map, the gate, the state update
     return double(p.batch * p.heads) * double(t0) *
            (fm.key_flops() + 2.0 * d + 8.0 + 3.0 * f * (d + 1.0));
@@ -786,7 +787,7 @@ class Rfa final : public Variant, public Backward, public Decoder {
   double flops(const Problem& p) const override {
     const RfaFeatureMap fm({}, freqs_, p.dim, 0.0f);
     const double f = double(fm.features()), d = double(p.dim);
-    if (!gate_) return ka::attend_flops(p, fm.features(), fm.query_flops(), fm.key_flops());
+    if (!gate_) return fmap::attend_flops(p, fm.features(), fm.query_flops(), fm.key_flops());
     // per key: its map, the gate (2 d + 8), the state update (3 per element of S and z);
     // per query read: its map, phi(q)^T S and phi(q)^T z, the division
     const double per_key = fm.key_flops() + 2.0 * d + 8.0 + 3.0 * f * (d + 1.0);
@@ -797,7 +798,7 @@ class Rfa final : public Variant, public Backward, public Decoder {
 
   double memory_estimate(const Problem& p) const override {
     const double proj = double(p.heads) * double(freqs_ * p.dim) * 4.0;
-    if (!gate_) return proj + ka::attend_bytes(p, 2 * freqs_);
+    if (!gate_) return proj + fmap::attend_bytes(p, 2 * freqs_);
     const int threads = std::min<int64_t>(team_threads(), p.batch * p.heads);
     return proj + double(p.heads) * double(p.dim + 1) * 4.0 +
            double(threads) * double(gated_workspace_floats(2 * freqs_, p.dim)) * 4.0;
@@ -906,6 +907,10 @@ ATTNBENCH_REGISTER_VARIANT(
                    "(RFA, Peng et al. 2021); gate=true: gated recurrence, causal only",
         .complexity = "time O((n + m) D d), memory O(H D d + threads D (4 R + 2 d)), "
                       "R = min(1024, 32768 / D)",
+        .family = "lowrank",
+        .display = "Random feature attention",
+        .paper = "Peng et al. 2021 (arXiv:2103.02143)",
+        .look = {.color = "#843c39", .marker = "P"},
         .params = {ParamSpec::Int("features", 128, 1, int64_t(1) << 15,
                                   "random frequencies D (rows of W); phi has 2 D entries, sin "
                                   "and cos"),

@@ -56,17 +56,17 @@
 #include <optional>
 #include <vector>
 
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/oracle.h"
-#include "common/phase.h"
-#include "common/random.h"
-#include "common/registry.h"
-#include "common/row_pattern.h"
-#include "common/softmax.h"
-#include "common/tensor.h"
-#include "common/threads.h"
-#include "common/tile_attention.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/phase.h"
+#include "common/core/random.h"
+#include "common/core/registry.h"
+#include "common/core/tensor.h"
+#include "common/core/threads.h"
+#include "common/kernels/softmax.h"
+#include "common/kernels/tile_attention.h"
+#include "common/patterns/row_pattern.h"
+#include "common/reference/oracle.h"
 
 namespace attnbench {
 namespace routing {
@@ -505,7 +505,7 @@ class RoutingVariant final : public Variant, public Backward {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
     const int64_t heads = p.batch * p.heads;
     int64_t unrouted = 0;
-    // phases (common/phase.h): "route" is routing (Lloyd steps, centroid scores, top-w
+    // phases (common/core/phase.h): "route" is routing (Lloyd steps, centroid scores, top-w
     // selection), "attend" the attention within the clusters and the combination
     OmpGuard guard;
 #pragma omp parallel if (by_head(p, team_threads())) reduction(+ : unrouted)
@@ -794,6 +794,10 @@ ATTNBENCH_REGISTER_VARIANT(
         .summary = "k-means routing: each cluster's top-w queries attend its top-w keys "
                    "(Routing Transformer)",
         .complexity = "time O((n + m) c d + c w^2 d) = O(n^1.5 d), memory O((n + m) d + c w d)",
+        .family = "clustering",
+        .display = "Routing Transformer",
+        .paper = "Roy et al. 2020 (arXiv:2003.05997)",
+        .look = {.color = "#e7ba52", .marker = "h"},
         .params = {ParamSpec::Int("clusters", 0, 0, int64_t(1) << 20,
                                   "clusters c (0: ceil(n / window))"),
                    ParamSpec::Int("window", 0, 0, int64_t(1) << 24,

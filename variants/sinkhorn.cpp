@@ -52,10 +52,10 @@
 #include <utility>
 #include <vector>
 
-#include "common/block_sparse.h"
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/threads.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/threads.h"
+#include "common/engines/block_sparse.h"
 
 namespace attnbench {
 namespace {
@@ -409,6 +409,10 @@ ATTNBENCH_REGISTER_VARIANT(
                    "matched by a deterministic Sinkhorn sort of block means",
         .complexity = "time O(n block d + (n / block)^2 (d + iterations)), "
                       "memory O(threads (block (block + d) + (n / block)^2))",
+        .family = "pattern",
+        .display = "Sparse Sinkhorn",
+        .paper = "Tay et al. 2020 (arXiv:2002.11296)",
+        .look = {.color = "#7b4173", .marker = ">"},
         .params = {block_param(),
                    ParamSpec::Float("temperature", 0.75, 1e-3, 1e3,
                                     "divides log(R + 1e-6) before the Sinkhorn steps"),

@@ -13,7 +13,7 @@
 // Keys per row: about 2 l + m / l (strided), l + c m / l (fixed).
 // Strided mode runs its two parts apart and merges them into one softmax: the band without
 // the query's own key (|a(i) - j| < l, j != a(i)) on the block-sparse engine, and the stride
-// part with it (every multiple of l) as the reshape of common/strided_attention.h (a dense
+// part with it (every multiple of l) as the reshape of common/engines/strided_attention.h (a dense
 // problem per residue class mod l); the parts are disjoint, so each row is their two results
 // weighted by exp of their log-sum-exps (merge_attention); below n = 4 l (fewer than 4 queries
 // per residue class) the union runs on the engine as one pattern instead. Work about
@@ -23,7 +23,7 @@
 // column), otherwise about O(n (l + m (c + block) / l) d).
 // Memory O(threads block (block + d)); the pattern holds nothing. Training in strided mode runs
 // the two parts' backward passes from the union's log-sum-exps (see backward below).
-// Decode (generation): the pattern cache of common/pattern_decode.h over the union, in both
+// Decode (generation): the pattern cache of common/decode/pattern_decode.h over the union, in both
 // modes (fixed mode frees an l-block's plain keys once its queries have passed).
 // Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
 // Transformers" (2019); defaults l = 128, c = 32 as in OpenAI's blocksparse code.
@@ -33,11 +33,11 @@
 #include <string>
 #include <vector>
 
-#include "common/additive_score.h"
-#include "common/block_sparse.h"
-#include "common/pattern_decode.h"
-#include "common/strided_attention.h"
-#include "common/strided_pattern.h"
+#include "common/decode/pattern_decode.h"
+#include "common/engines/block_sparse.h"
+#include "common/engines/strided_attention.h"
+#include "common/kernels/additive_score.h"
+#include "common/patterns/strided_pattern.h"
 
 namespace attnbench {
 namespace {
@@ -270,6 +270,10 @@ ATTNBENCH_REGISTER_VARIANT(
                       "a dense problem per residue class), O(n (l + m (c + block) / l) d) fixed "
                       "(O(n m d) when l <= block and c > 0); memory O(threads block (block + d)), "
                       "strided O(B H n d) more",
+        .family = "pattern",
+        .display = "Sparse Transformer",
+        .paper = "Child et al. 2019 (arXiv:1904.10509)",
+        .look = {.color = "#9467bd", .marker = "<"},
         .params = {ParamSpec::Choice("mode", "strided", {"strided", "fixed"},
                                      "strided: |a(i)-j| < l or (a(i)-j) mod l == 0; fixed: same "
                                      "l-block or j mod l >= l - c"),

@@ -6,29 +6,29 @@
 //
 // with the mathematical mod (negative differences work: j after a(i) too). Causal masking
 // keeps j <= a(i). stride = 1 with span = 0 is full attention.
-// It runs as a reshape (common/strided_attention.h): the queries and keys of each residue
+// It runs as a reshape (common/engines/strided_attention.h): the queries and keys of each residue
 // class mod stride, read through strided views, form a dense problem (causal: lower
 // triangular; with a span: a band of span / stride keys each side) of about n / stride x
 // m / stride on the tiled engine, so the work is the pattern's own, about n m / stride
 // scores (2 span / stride + 1 per row with a span), at the dense kernel's rate. Scoring the
 // pattern tile by tile on the block-sparse engine instead would cost O(n m d) whenever
 // stride < 2 block, as every tile then holds an allowed pair. The exported pattern
-// (StridedPattern, common/strided_pattern.h) is the same set of pairs. The backward runs the
-// same way: the engine's backward per class, from the rows' log-sum-exps the training forward
+// (StridedPattern, common/patterns/strided_pattern.h) is the same set of pairs. The backward runs
+// the same way: the engine's backward per class, from the rows' log-sum-exps the training forward
 // keeps.
 // Memory O(threads block (block + d)), plus with an attention mask one class's share of it
 // per thread.
-// Decode (generation): the pattern cache of common/pattern_decode.h over the same pairs (with a
-// span, blocks behind it are freed).
-// Paper: Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse
-// Transformers" (2019), the stride head; dilated windows in Beltagy et al. 2020.
+// Decode (generation): the pattern cache of common/decode/pattern_decode.h over the same pairs
+// (with a span, blocks behind it are freed). Paper: Child, Gray, Radford, Sutskever, "Generating
+// Long Sequences with Sparse Transformers" (2019), the stride head; dilated windows in Beltagy et
+// al. 2020.
 #include <memory>
 
-#include "common/additive_score.h"
-#include "common/block_sparse.h"
-#include "common/pattern_decode.h"
-#include "common/strided_attention.h"
-#include "common/strided_pattern.h"
+#include "common/decode/pattern_decode.h"
+#include "common/engines/block_sparse.h"
+#include "common/engines/strided_attention.h"
+#include "common/kernels/additive_score.h"
+#include "common/patterns/strided_pattern.h"
 
 namespace attnbench {
 namespace {
@@ -93,6 +93,10 @@ ATTNBENCH_REGISTER_VARIANT(
                    "j| <= span",
         .complexity = "time O(n (m / stride) d) (O(n (2 span / stride + 1) d) with a span), as "
                       "a dense problem per residue class; memory O(threads block (block + d))",
+        .family = "pattern",
+        .display = "Strided",
+        .paper = "Child et al. 2019 (arXiv:1904.10509)",
+        .look = {.color = "#17becf", .marker = "v"},
         .params = {ParamSpec::Int("stride", 128, 1, int64_t(1) << 30,
                                   "distance between attended keys (Sparse Transformer's l)"),
                    ParamSpec::Int("span", 0, 0, int64_t(1) << 30,

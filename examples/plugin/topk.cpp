@@ -30,11 +30,11 @@
 #include <span>
 #include <vector>
 
-#include "common/error.h"
-#include "common/omp_guard.h"
-#include "common/pattern.h"
-#include "common/registry.h"
-#include "common/threads.h"
+#include "common/core/error.h"
+#include "common/core/omp_guard.h"
+#include "common/core/registry.h"
+#include "common/core/threads.h"
+#include "common/patterns/pattern.h"
 
 namespace topk {
 

@@ -19,30 +19,45 @@ import pandas as pd
 from attnbench_results import FORWARD, format_seconds
 
 from .anatomy import TRAINED_INPUT, fmt
-from .style import NOISY_FOOTNOTE, _split_spec, code, fmt_sci, md_table, times
+from .style import NOISY_FOOTNOTE, _split_spec, catalog, code, fmt_sci, md_table, times
 
 SECTION = "Long-context variants: sinks, MoBA, NSA, retention, GLA, DeltaNet"
-SPARSE = ("moba", "nsa")
-LINEAR = ("retention", "gla", "deltanet")
 FORM = "form"
 RECURRENT = "recurrent"
 MIN_N = 4096  # the table's lengths: the two largest of the run from here up
 
 
+def long_context(name):
+    """The variant's registration says it is a long-context design (`attnbench list --json`,
+    "long_context")."""
+    return bool(catalog().get(name, {}).get("long_context"))
+
+
+def is_linear(name):
+    """A long-context variant that is linear attention with a decay or a delta rule (family
+    "decay"): it has a chunkwise and a recurrent form."""
+    return long_context(name) and catalog().get(name, {}).get("family") == "decay"
+
+
+def is_sparse(name):
+    """A long-context variant with softmax inside the keys it picks (moba, nsa)."""
+    return long_context(name) and not is_linear(name)
+
+
 def is_modern(spec):
-    """Whether spec is one of this section's variants: moba, nsa, the linear ones, or local
-    with sinks > 0."""
+    """Whether spec is one of this section's variants: a long-context one (moba, nsa, the linear
+    ones), or local with sinks > 0."""
     name, params = _split_spec(spec)
     if name == "local":
         return any(k == "sinks" and v not in ("", "0") for k, v in params)
-    return name in SPARSE + LINEAR
+    return long_context(name)
 
 
 def recurrent_twin(spec, specs):
     """The spec of `specs` that runs the same linear variant with the same parameters but
     form=recurrent; None for a spec that is itself recurrent or has no such twin."""
     name, params = _split_spec(spec)
-    if name not in LINEAR or (FORM, RECURRENT) in params:
+    if not is_linear(name) or (FORM, RECURRENT) in params:
         return None
     want = {k: v for k, v in params if k != FORM}
     for other in specs:
@@ -57,7 +72,7 @@ def is_sparse_or_local(spec):
     """Whether spec is one of the section's block-sparse softmax variants (moba, nsa, local
     with sinks) or plain local, the baseline of the sinks."""
     name = _split_spec(spec)[0]
-    return name in SPARSE or name == "local"
+    return is_sparse(name) or name == "local"
 
 
 def trained_masses(df, label):

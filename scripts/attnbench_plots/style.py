@@ -4,6 +4,8 @@ helpers, the shared legend, and the markdown helpers of the report."""
 import math
 import os
 import sys
+import json
+import subprocess
 import textwrap
 import zlib
 
@@ -13,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from attnbench_results import atomic_write  # noqa: E402
+from attnbench_variants import default_binary  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,  # noqa: E402
                                NullLocator)
@@ -23,36 +26,38 @@ MIB = float(1 << 20)
 # its own figures it did not draw only once everything else is written (remove_unsaved).
 SAVED = set()
 
-# Colours for variants not in NAME_STYLE (plugins, new variants): picked by a hash of the name,
-# so a variant keeps its colour whatever else a run holds.
+# Colours for variants that name none in their registration (`attnbench list --json`, "color"
+# and "marker"): picked by a hash of the name, so a variant keeps its colour whatever else a
+# run holds.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf", "#000000", "#393b79", "#637939", "#8c6d31",
            "#843c39", "#7b4173"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h"]
 
-# One colour and marker per built-in variant name, the same in every figure of every run, and
-# the family that sets its line style.
-NAME_STYLE = {
-    # exact
-    "full": ("#000000", "o", "exact"), "flash": ("#7f7f7f", "s", "exact"),
-    # fixed or data-dependent sparsity patterns, exact softmax inside them
-    "local": ("#1f77b4", "^", "pattern"), "strided": ("#17becf", "v", "pattern"),
-    "global": ("#393b79", "D", "pattern"), "longformer": ("#2ca02c", "P", "pattern"),
-    "bigbird": ("#637939", "X", "pattern"), "sparse_transformer": ("#9467bd", "<", "pattern"),
-    "sinkhorn": ("#7b4173", ">", "pattern"), "moba": ("#e6550d", "X", "pattern"),
-    "nsa": ("#3182bd", "D", "pattern"),
-    # low-rank and kernel approximations
-    "linformer": ("#d62728", "o", "lowrank"), "nystrom": ("#ff7f0e", "s", "lowrank"),
-    "linear": ("#8c564b", "^", "lowrank"), "performer": ("#e377c2", "v", "lowrank"),
-    "efficient": ("#bcbd22", "D", "lowrank"), "rfa": ("#843c39", "P", "lowrank"),
-    "compressed": ("#8c6d31", "X", "lowrank"),
-    # clustering and hashing
-    "reformer": ("#6b6ecf", "h", "clustering"), "routing": ("#e7ba52", "h", "clustering"),
-    "clustered": ("#ad494a", "h", "clustering"),
-    # linear attention with decay or a delta rule (not softmax)
-    "retention": ("#756bb1", "o", "decay"), "gla": ("#636363", "s", "decay"),
-    "deltanet": ("#d6616b", "^", "decay"),
-}
+# The binary asked for the registration of variants a run's meta.json does not describe
+# (plot.py --attnbench sets it; None: the binary beside these scripts).
+BINARY = None
+_CATALOG = None
+
+
+def catalog():
+    """Every variant's description by name, as `attnbench list --json` gives it (asked once per
+    process); {} when no binary answers."""
+    global _CATALOG
+    if _CATALOG is None:
+        _CATALOG = {}
+        binary = BINARY or default_binary()
+        try:
+            run = subprocess.run([binary, "list", "--json"], capture_output=True, text=True,
+                                 timeout=120)
+            if run.returncode == 0:
+                _CATALOG = {v["name"]: v for v in json.loads(run.stdout)
+                            if isinstance(v, dict) and "name" in v}
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    return _CATALOG
+
+
 FAMILY_LINESTYLE = {"exact": "-", "pattern": "--", "lowrank": "-.", "clustering": ":",
                     "decay": (0, (6, 2)), "other": (0, (5, 1, 1, 1, 1, 1))}
 FAMILY_NAME = {"exact": "exact", "pattern": "sparse pattern", "lowrank": "low-rank / kernel",
@@ -122,22 +127,33 @@ class Styles:
     def __init__(self, specs, variants=None):
         self.order = list(specs)
         self.defaults = {}
+        self.described = {}
         for v in variants or []:
             if isinstance(v, dict) and "name" in v:
+                self.described[v["name"]] = v
                 self.defaults[v["name"]] = {p.get("name"): str(p.get("default"))
                                             for p in v.get("params", []) if isinstance(p, dict)}
 
+    def registration(self, name):
+        """The variant's family, colour and marker as it registers them: from the run's
+        description when it has them (meta.json written since variants declare them), else
+        from the binary's."""
+        v = self.described.get(name)
+        if not (isinstance(v, dict) and "family" in v):
+            v = catalog().get(name, {})
+        family = v.get("family")
+        return (v.get("color") or None, v.get("marker") or None,
+                family if family in FAMILY_LINESTYLE else "other")
+
     def family(self, spec):
-        name, _ = _split_spec(spec)
-        return NAME_STYLE[name][2] if name in NAME_STYLE else "other"
+        return self.registration(_split_spec(spec)[0])[2]
 
     def __call__(self, spec, line=True):
         name, params = _split_spec(spec)
-        if name in NAME_STYLE:
-            color, marker, family = NAME_STYLE[name]
-        else:
-            color, marker, family = (PALETTE[_hash(name) % len(PALETTE)],
-                                     MARKERS[_hash(name) // 7 % len(MARKERS)], "other")
+        color, marker, family = self.registration(name)
+        color = color or PALETTE[_hash(name) % len(PALETTE)]
+        if marker not in MARKERS:
+            marker = MARKERS[_hash(name) // 7 % len(MARKERS)]
         if self.changed(spec):
             # another parameter setting of the same variant: another marker, by the setting's
             # rank among this variant's non-default settings in the run (sorted, so the order
@@ -145,7 +161,7 @@ class Styles:
             settings = sorted(s for s in self.order
                               if _split_spec(s)[0] == name and self.changed(s))
             rank = settings.index(spec) if spec in settings else len(settings)
-            base = MARKERS.index(marker) if marker in MARKERS else 0
+            base = MARKERS.index(marker)
             marker = MARKERS[(base + 1 + rank) % len(MARKERS)]
         style = {"color": color, "marker": marker}
         if line:

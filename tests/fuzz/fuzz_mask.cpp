@@ -7,8 +7,8 @@
 #include <limits>
 #include <string>
 
-#include "common/error.h"
-#include "common/npy.h"
+#include "common/core/error.h"
+#include "common/io/npy.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 4) return 0;

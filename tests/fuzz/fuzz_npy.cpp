@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "common/error.h"
-#include "common/npy.h"
+#include "common/core/error.h"
+#include "common/io/npy.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(reinterpret_cast<const char*>(data), size);

@@ -11,7 +11,7 @@
 #include <fstream>
 #include <string>
 
-#include "common/error.h"
+#include "common/core/error.h"
 #include "harness/merge.h"
 #include "harness/results.h"
 

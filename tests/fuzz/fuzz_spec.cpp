@@ -6,8 +6,8 @@
 #include <string>
 #include <string_view>
 
-#include "common/error.h"
-#include "common/registry.h"
+#include "common/core/error.h"
+#include "common/core/registry.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view spec(reinterpret_cast<const char*>(data), size);

@@ -1,7 +1,7 @@
 // Registers clash_new (acceptable on its own) and full (built into attnbench).
 #include <memory>
 
-#include "common/registry.h"
+#include "common/core/registry.h"
 
 namespace {
 

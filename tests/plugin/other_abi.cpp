@@ -1,7 +1,7 @@
 // A plugin built against attnbench ABI BUILT_ABI that says it is ABI CLAIMED_ABI.
 #include <memory>
 
-#include "common/registry.h"
+#include "common/core/registry.h"
 
 extern "C" __attribute__((visibility("default"))) const int attnbench_plugin_abi_version =
     CLAIMED_ABI;
