@@ -165,10 +165,12 @@ def reference(variants):
                                   for key, _ in FLAGS) + " |"]
         params = v.get("params") or []
         if params:
-            out += ["", "| parameter | type | default | accepts | meaning |", "|---|---|---|---|---|"]
+            out += ["", "| parameter | type | default | accepts | meaning |",
+                    "|---|---|---|---|---|"]
             for p in params:
                 out.append(f"| `{p.get('name', '')}` | {p.get('type', '')} | "
-                           f"`{p.get('default', '')}` | {accepted(p)} | {text(p.get('help', ''))} |")
+                           f"`{p.get('default', '')}` | {accepted(p)} | "
+                           f"{text(p.get('help', ''))} |")
         else:
             out += ["", "No parameters."]
     return "\n".join(out)
@@ -193,7 +195,8 @@ def main():
     args = ap.parse_args()
     try:
         variants = catalogue(args.binary)
-        bodies = {"variants-table": readme_table(variants), "variants-reference": reference(variants)}
+        bodies = {"variants-table": readme_table(variants),
+                  "variants-reference": reference(variants)}
         stale = []
         for rel, region in REGIONS:
             path = os.path.join(ROOT, rel)
