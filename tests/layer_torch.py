@@ -112,8 +112,8 @@ def run_case(attnbench, tmp, case, seed):
     if attn is not None:
         extra["attn_mask"] = attn.numpy()
     path = os.path.join(tmp, f"layer_{seed}.npz")
-    # The snippet of the README: the layer's state_dict, its inputs and masks under PyTorch's
-    # names.
+    # The snippet of docs/cli.md ("Multi-head layer"): the layer's state_dict, its inputs and
+    # masks under PyTorch's names.
     np.savez(path, query=query.numpy(), key=key.numpy(), value=value.numpy(),
              **{k: t.numpy() for k, t in mha.state_dict().items()}, **extra)
 

@@ -91,7 +91,7 @@ NOISY_HANDLE = Line2D([], [], color="0.3", marker="o", markersize=6, markerfacec
 NOISY_FOOTNOTE = ("† noisy: the repetitions of this row spread by more than 1.5× (max/min), or "
                   "other processes kept more processors busy than its threads left free "
                   "(harness/runner.h, `noise_reason`); do not compare its time without "
-                  "measuring it again (README, \"Stable numbers\").")
+                  "measuring it again (docs/methodology.md, \"Stable numbers\").")
 
 
 def warn(msg):
