@@ -19,7 +19,7 @@ import pandas as pd
 from attnbench_results import FORWARD, format_seconds
 
 from .anatomy import TRAINED_INPUT, fmt
-from .style import NOISY_FOOTNOTE, _split_spec, catalog, code, fmt_sci, md_table, times
+from .style import NOISY_FOOTNOTE, _split_spec, code, fmt_sci, md_table, times, variant_info
 
 SECTION = "Long-context variants: sinks, MoBA, NSA, retention, GLA, DeltaNet"
 FORM = "form"
@@ -30,13 +30,13 @@ MIN_N = 4096  # the table's lengths: the two largest of the run from here up
 def long_context(name):
     """The variant's registration says it is a long-context design (`attnbench list --json`,
     "long_context")."""
-    return bool(catalog().get(name, {}).get("long_context"))
+    return bool(variant_info(name).get("long_context"))
 
 
 def is_linear(name):
     """A long-context variant that is linear attention with a decay or a delta rule (family
     "decay"): it has a chunkwise and a recurrent form."""
-    return long_context(name) and catalog().get(name, {}).get("family") == "decay"
+    return long_context(name) and variant_info(name).get("family") == "decay"
 
 
 def is_sparse(name):

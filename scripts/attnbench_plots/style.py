@@ -58,6 +58,20 @@ def catalog():
     return _CATALOG
 
 
+# The variants the results being drawn describe (meta.json's "variants", set by Styles).
+DESCRIBED = {}
+
+
+def variant_info(name):
+    """A variant's description: the run's own (meta.json) when it has the registration's
+    presentation (family, look, long_context: recorded since variants declare them), else the
+    binary's (`catalog`, asked only then), else {}."""
+    v = DESCRIBED.get(name)
+    if isinstance(v, dict) and "family" in v:
+        return v
+    return catalog().get(name, {})
+
+
 FAMILY_LINESTYLE = {"exact": "-", "pattern": "--", "lowrank": "-.", "clustering": ":",
                     "decay": (0, (6, 2)), "other": (0, (5, 1, 1, 1, 1, 1))}
 FAMILY_NAME = {"exact": "exact", "pattern": "sparse pattern", "lowrank": "low-rank / kernel",
@@ -127,20 +141,15 @@ class Styles:
     def __init__(self, specs, variants=None):
         self.order = list(specs)
         self.defaults = {}
-        self.described = {}
         for v in variants or []:
             if isinstance(v, dict) and "name" in v:
-                self.described[v["name"]] = v
+                DESCRIBED[v["name"]] = v
                 self.defaults[v["name"]] = {p.get("name"): str(p.get("default"))
                                             for p in v.get("params", []) if isinstance(p, dict)}
 
     def registration(self, name):
-        """The variant's family, colour and marker as it registers them: from the run's
-        description when it has them (meta.json written since variants declare them), else
-        from the binary's."""
-        v = self.described.get(name)
-        if not (isinstance(v, dict) and "family" in v):
-            v = catalog().get(name, {})
+        """The variant's family, colour and marker as it registers them (variant_info)."""
+        v = variant_info(name)
         family = v.get("family")
         return (v.get("color") or None, v.get("marker") or None,
                 family if family in FAMILY_LINESTYLE else "other")
