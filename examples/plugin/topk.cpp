@@ -238,6 +238,10 @@ ATTNBENCH_REGISTER_VARIANT(
               .summary = "exact top-k attention: softmax over the k largest visible logits of "
                          "each query (ties: lower key index)",
               .complexity = "time O(n m d + n k d), memory O(threads m)",
+              .family = "pattern",
+              .display = "Top-k attention",
+              .paper = "Gupta et al. 2021 (arXiv:2106.06899)",
+              .look = {.color = "#1b9e77", .marker = "h"},
               .params = {attnbench::ParamSpec::Int("k", 32, 1, int64_t(1) << 30,
                                                    "keys each query attends: its k largest "
                                                    "visible logits")},
