@@ -47,6 +47,16 @@ MachineFigures measure_machine(int threads, bool quick = false);
 /// as for measure_machine.
 MachineFigures machine_figures(const std::string& path, int threads, bool quick = false);
 
+/// The environment variable naming a directory where run, layer and sweep keep the machine
+/// figures they measure and read them back (one file per host, thread count and kind, quick or
+/// full: machine_figures on DIR/machine-HOST-Nt[-quick].json), instead of measuring the
+/// machine again in every process.
+inline constexpr const char* kMachineDirVariable = "ATTNBENCH_MACHINE_DIR";
+
+/// The figures a run, layer or sweep command measures its rows against: through the file of
+/// kMachineDirVariable when it is set and not empty, else measured here (measure_machine).
+MachineFigures kept_machine_figures(int threads, bool quick = false);
+
 nlohmann::json to_json(const MachineFigures& m);
 /// The figures to_json wrote; throws Error naming what is missing or malformed.
 MachineFigures machine_from_json(const nlohmann::json& j);
