@@ -23,13 +23,15 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# the sweep measures the machine once and keeps the figures outside the small disk
+# the machine figures are kept outside the small disk: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this warm-up sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$work}/threads-1.json
 "$bin" sweep --variant flash --seq 16 --heads 1 --dim 4 --reps 1 --min-time 0 --threads 1 \
-  --out "$work/warm" --machine-file "$work/machine.json" >/dev/null 2>&1
+  --out "$work/warm" --machine-file "$machine" >/dev/null 2>&1
 
 args=(sweep --variant flash --variant local:window=4 --variant linear --variant performer
       --seq 16,24,32,40,48,56,64,72 --heads 1 --dim 4 --reps 1 --min-time 0 --threads 1
-      --machine-file "$work/machine.json")
+      --machine-file "$machine")
 planned=32
 
 if ! mount -t tmpfs -o size=4m tmpfs "$mnt" 2>/dev/null; then

@@ -6,9 +6,13 @@ bin=$1
 compare=${2:-/usr/share/benchmark/compare.py}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 for run in a b; do
   "$bin" sweep --variant full --variant flash --seq 32,64 --heads 2 --dim 16 --reps 2 \
-    --min-time 0.01 --out "$tmp/$run" 2>/dev/null
+    --min-time 0.01 --out "$tmp/$run" --machine-file "$machine/threads-all.json" \
+    2>/dev/null
 done
 /usr/bin/python3 "$compare" benchmarks "$tmp/a/benchmark.json" "$tmp/b/benchmark.json" >"$tmp/out.txt"
 cat "$tmp/out.txt"

@@ -15,6 +15,9 @@ py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_anatomy_test: $*" >&2; exit 1; }
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 png() {
   [ "$(head -c 8 "$1" 2>/dev/null | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
     fail "$1 is missing or not a PNG file"
@@ -51,7 +54,8 @@ EOF
 
 # A short real sweep to draw the report of: its local row gets the trained inputs' rows.
 "$bin" sweep --out "$tmp/run" --variant flash --variant local:window=16 --seq 64 --causal on \
-  --reps 1 --min-time 0 --heads 2 --dim 16 --threads 1 2>/dev/null || fail "the sweep failed"
+  --reps 1 --min-time 0 --heads 2 --dim 16 --threads 1 --machine-file "$machine/threads-1.json" \
+  2>/dev/null || fail "the sweep failed"
 cp -r "$tmp/run" "$tmp/plain"
 
 anatomy() { "$py" "$root/scripts/anatomy.py" "$@"; }

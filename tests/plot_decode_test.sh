@@ -15,10 +15,14 @@ py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_decode_test: $*" >&2; exit 1; }
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant linear --variant local:window=16 \
   --variant routing --seq 64,256,1024 --causal both --pass fwd,decode --reps 1 --min-time 0 \
-  --heads 2 --dim 16 --threads 1 2>/dev/null || fail "the sweep failed"
+  --heads 2 --dim 16 --threads 1 --machine-file "$machine/threads-1.json" 2>/dev/null ||
+  fail "the sweep failed"
 
 # Known numbers of the ok decode rows, per (spec, n): flash's time per token 1, 4, 16 µs at
 # n = 64, 256, 1024; linear's 2, 1/2, 1/4 x flash's (faster from 256 on); local's 1/2 x

@@ -13,11 +13,15 @@ py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_modern_test: $*" >&2; exit 1; }
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant local:window=16 \
   --variant local:window=16,sinks=4 --variant moba:chunk=256 --variant retention \
   --variant retention:form=recurrent --variant gla --seq 2048,4096 --causal on --reps 1 \
-  --min-time 0 --heads 1 --dim 16 --threads 1 2>/dev/null || fail "the sweep failed"
+  --min-time 0 --heads 1 --dim 16 --threads 1 --machine-file "$machine/threads-1.json" \
+  2>/dev/null || fail "the sweep failed"
 
 # Known times: flash 1 s at n = 4096; the others a fixed fraction of it.
 "$py" - "$tmp/run/results.csv" <<'EOF'
@@ -99,7 +103,8 @@ EOF
 
 # Results without any of these variants: the section says so.
 "$bin" sweep --out "$tmp/plain" --variant flash --seq 256 --causal on --reps 1 --min-time 0 \
-  --heads 1 --dim 16 --threads 1 2>/dev/null || fail "the second sweep failed"
+  --heads 1 --dim 16 --threads 1 --machine-file "$machine/threads-1.json" 2>/dev/null ||
+  fail "the second sweep failed"
 "$py" "$root/scripts/plot.py" "$tmp/plain" 2>/dev/null || fail "plot.py failed on plain results"
 grep -q "No causal forward rows of these variants" "$tmp/plain/report.md" ||
   fail "the section does not say that the results hold none of its variants"

@@ -11,10 +11,13 @@ py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_precision_test: $*" >&2; exit 1; }
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant linear --seq 64,128 \
   --causal both --dtype f32,bf16 --reps 1 --min-time 0 --heads 1 --dim 16 --threads 1 \
-  2>/dev/null || fail "the sweep failed"
+  --machine-file "$machine/threads-1.json" 2>/dev/null || fail "the sweep failed"
 
 # Known figures: f32 rows 1 ms (n = 64) and 4 ms (n = 128); bf16 rows half as long (flash) with
 # error 3e-3, rounding alone 2e-3.

@@ -12,8 +12,12 @@ py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_test: $*" >&2; exit 1; }
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 
-common=(--seq 128,256,512 --causal both --heads 2 --dim 32 --reps 2 --min-time 0.002)
+common=(--seq 128,256,512 --causal both --heads 2 --dim 32 --reps 2 --min-time 0.002
+  --machine-file "$machine/threads-all.json")
 "$bin" sweep --out "$tmp/a" --variant full --variant flash --variant local:window=32 \
   --variant linear "${common[@]}" 2>/dev/null
 "$bin" sweep --out "$tmp/b" --variant full --variant flash "${common[@]}" 2>/dev/null
@@ -472,7 +476,8 @@ expect_error() {  # directory, text the message must hold
 # layer rows (sweep --embed) get their figure, their time and share tables, and the length at
 # which local makes the layer twice as fast as with full (or a plain "not in range")
 "$bin" sweep --out "$tmp/layer" --variant full --variant local:window=8,block=8 --embed 32 \
-  --heads 2 --seq 64,128,256 --reps 1 --min-time 0 --threads 1 2>/dev/null
+  --heads 2 --seq 64,128,256 --reps 1 --min-time 0 --threads 1 \
+  --machine-file "$machine/threads-1.json" 2>/dev/null
 plot "$tmp/layer" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on layer rows"; }
 layer_report="$tmp/layer/report.md"

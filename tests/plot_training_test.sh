@@ -13,12 +13,16 @@ py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "plot_training_test: $*" >&2; exit 1; }
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 
 # reformer's training rows are turned into those of a variant without a backward pass (status
 # unsupported, as the sweep writes them for one): they must be listed as rows not plotted
 "$bin" sweep --out "$tmp/run" --variant flash --variant full --variant local:window=16,block=16 \
   --variant linear --variant reformer --seq 64,128,256 --causal both --heads 2 --dim 16 \
-  --pass fwd,bwd,fwdbwd --reps 1 --min-time 0 --threads 1 2>/dev/null ||
+  --pass fwd,bwd,fwdbwd --reps 1 --min-time 0 --threads 1 \
+  --machine-file "$machine/threads-1.json" 2>/dev/null ||
   fail "the sweep failed"
 
 # Known numbers, per (spec, n, causal): fwdbwd = 10 x and bwd = 4 x the forward's time;

@@ -15,6 +15,9 @@ cmake=${3:-cmake}
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# the machine figures every sweep starts with: measured once per ctest run (the test
+# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
+machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
 
 fail() {
   echo "plugin_test: FAILED: $*" >&2
@@ -197,7 +200,8 @@ PY
 
 # --- a short sweep, with meta.json naming the plugin ---
 ATTNBENCH_PLUGINS="$topk" "$bin" sweep --variant topk:k=8 --variant full --seq 64,100 \
-  --heads 2 --dim 16 --causal both --reps 1 --min-time 0.01 --out "$tmp/sweep" 2>/dev/null
+  --heads 2 --dim 16 --causal both --reps 1 --min-time 0.01 --out "$tmp/sweep" \
+  --machine-file "$machine/threads-all.json" 2>/dev/null
 "$py" - "$tmp/sweep" "$topk_real" <<'PY'
 import csv, json, sys
 rows = list(csv.DictReader(open(sys.argv[1] + "/results.csv")))
@@ -277,7 +281,8 @@ cd "$tmp/work"
 grep -q "results directory" "$tmp/help" || fail "plot.py --help: $(cat "$tmp/help")"
 "$scripts/compare.py" --help >/dev/null || fail "the installed compare.py --help"
 ATTNBENCH_PLUGINS="$topk" bash "$scripts/sweep.sh" isweep --variant topk:k=8 --variant full \
-  --seq 64 --heads 2 --dim 16 --reps 1 --min-time 0.01 >"$tmp/sweep.out" 2>&1 ||
+  --seq 64 --heads 2 --dim 16 --reps 1 --min-time 0.01 --machine-file "$machine/threads-all.json" \
+  >"$tmp/sweep.out" 2>&1 ||
   { cat "$tmp/sweep.out" >&2; fail "the installed sweep.sh"; }
 [ ! -e "$tmp/work/build" ] || fail "the installed sweep.sh built something"
 for f in results.csv meta.json report.md plots/time_vs_n.png; do
