@@ -117,11 +117,10 @@ std::string name_of(const std::string& key, const std::map<std::string, std::str
   return it != names.end() ? it->second : key;
 }
 
-}  // namespace
-
-size_t merge_results(const MergeOptions& opt) {
-  if (opt.dirs.empty()) throw UsageError("merge: no results directory given; accepted: DIR...");
-  // ----- the inputs and the output -----
+// ----- the inputs and the output -----
+// Each directory given: not the output, given once, not being written, a sweep's results
+// directory; its meta.json read.
+std::vector<Shard> read_shards(const MergeOptions& opt) {
   std::error_code ec;
   const fs::path out = fs::weakly_canonical(fs::absolute(opt.out), ec);
   std::set<fs::path> seen;
@@ -152,7 +151,13 @@ size_t merge_results(const MergeOptions& opt) {
       s.index = s.meta["shard"]["index"].get<int>();
     shards.push_back(std::move(s));
   }
-  // ----- the shards belong to one sweep -----
+  return shards;
+}
+
+// ----- the shards belong to one sweep -----
+// The same git commit and sweep definition in every shard; different CPU models are refused
+// with --strict, else a warning. Then the shards in the order of their index.
+void check_one_sweep(std::vector<Shard>& shards, bool strict) {
   const Shard& first = shards.front();
   for (const char* field : {"git_commit", "sweep_definition"}) {
     if (!first.meta.contains(field))
@@ -181,114 +186,152 @@ size_t merge_results(const MergeOptions& opt) {
           "'{}' and '{}' ran on different CPU models ('{}' and '{}'): their times are not "
           "comparable",
           first.dir, s.dir, text_of(first.meta, "cpu_model"), text_of(s.meta, "cpu_model"));
-      if (opt.strict)
+      if (strict)
         throw UsageError(what + " (--strict refuses such shards; without it merge warns)");
       fmt::print(stderr, "attnbench: warning: {}\n", what);
     }
   std::stable_sort(shards.begin(), shards.end(), [](const Shard& a, const Shard& b) {
     return (a.index < 0 ? INT32_MAX : a.index) < (b.index < 0 ? INT32_MAX : b.index);
   });
-  // ----- the plan -----
+}
+
+// ----- the plan -----
+// The sweep's plan.json, from the first shard that has one: the planned keys in order and the
+// name of each configuration.
+struct Plan {
   std::vector<std::string> planned;
   std::map<std::string, std::string> names;
-  nlohmann::json plan_json;
+  nlohmann::json json;  // null when no shard has plan.json
+};
+
+Plan read_plan(const std::vector<Shard>& shards) {
+  const Shard& first = shards.front();
+  Plan plan;
   for (const Shard& s : shards) {
     const fs::path p = fs::path(s.dir) / "plan.json";
     if (!fs::is_regular_file(p)) continue;
-    plan_json = read_json(p);
-    if (!plan_json.is_object() || !plan_json.contains("configs") ||
-        !plan_json["configs"].is_array())
+    plan.json = read_json(p);
+    if (!plan.json.is_object() || !plan.json.contains("configs") ||
+        !plan.json["configs"].is_array())
       throw UsageError(fmt::format("'{}' has no \"configs\" array", p.string()));
-    if (plan_json.value("sweep_definition", "") != text_of(first.meta, "sweep_definition"))
+    if (plan.json.value("sweep_definition", "") != text_of(first.meta, "sweep_definition"))
       throw UsageError(fmt::format(
           "'{}' is of sweep definition {}, its meta.json of {}; the directory mixes two sweeps",
-          p.string(), plan_json.value("sweep_definition", ""),
+          p.string(), plan.json.value("sweep_definition", ""),
           text_of(first.meta, "sweep_definition")));
-    for (const auto& c : plan_json["configs"]) {
+    for (const auto& c : plan.json["configs"]) {
       const std::string key = c.value("key", "");
-      planned.push_back(key);
-      names[key] = c.value("name", key);
+      plan.planned.push_back(key);
+      plan.names[key] = c.value("name", key);
     }
     break;
   }
-  if (plan_json.is_null())
+  if (plan.json.is_null())
     fmt::print(stderr,
                "attnbench: warning: no shard has plan.json: missing configurations cannot be "
                "named and rows are kept in shard order\n");
-  // ----- the rows -----
-  const auto& columns = csv_columns();
+  return plan;
+}
+
+// ----- the rows -----
+// Every shard's rows by key: a configuration with different rows in two shards is refused, a
+// planned one without a row is refused unless --allow-missing; the merged order is the plan's,
+// then the rows not of the plan in shard order.
+struct Rows {
   struct Found {
     size_t shard;
     std::vector<std::string> fields;
   };
   std::map<std::string, Found> found;
+  std::vector<std::string> order;  // the keys of the merged results.csv
+  size_t missing = 0;              // planned configurations without a row
+};
+
+// The configurations of two shards with different rows, refused.
+void refuse_duplicates(const std::vector<std::string>& duplicates) {
+  if (duplicates.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < duplicates.size() && i < kMaxNamed; ++i) list += "\n  " + duplicates[i];
+  if (duplicates.size() > kMaxNamed)
+    list += fmt::format("\n  ... and {} more", duplicates.size() - kMaxNamed);
+  throw UsageError(fmt::format(
+      "{} configuration{} ha{} different rows in two shards (a shard run twice into two "
+      "directories, or shards of two splits); merge the directories of one split:{}",
+      duplicates.size(), duplicates.size() == 1 ? "" : "s", duplicates.size() == 1 ? "s" : "ve",
+      list));
+}
+
+Rows collect_rows(std::vector<Shard>& shards, const Plan& plan, bool allow_missing) {
+  const auto& columns = csv_columns();
+  const auto& planned = plan.planned;
+  Rows rows;
   std::vector<std::string> order;  // keys in the order the shards hold them
   std::vector<std::string> duplicates;
   for (size_t si = 0; si < shards.size(); ++si) {
     for (auto& f : read_rows(fs::path(shards[si].dir) / "results.csv", columns, true)) {
       const std::string key = key_of(f, columns);
-      auto [it, fresh] = found.try_emplace(key, Found{si, f});
+      auto [it, fresh] = rows.found.try_emplace(key, Rows::Found{si, f});
       if (fresh) {
         order.push_back(key);
       } else if (it->second.fields != f) {
-        duplicates.push_back(fmt::format("{} (in '{}' and in '{}')", name_of(key, names),
+        duplicates.push_back(fmt::format("{} (in '{}' and in '{}')", name_of(key, plan.names),
                                          shards[it->second.shard].dir, shards[si].dir));
       }
     }
     shards[si].rows.clear();
   }
-  if (!duplicates.empty()) {
-    std::string list;
-    for (size_t i = 0; i < duplicates.size() && i < kMaxNamed; ++i) list += "\n  " + duplicates[i];
-    if (duplicates.size() > kMaxNamed)
-      list += fmt::format("\n  ... and {} more", duplicates.size() - kMaxNamed);
-    throw UsageError(fmt::format(
-        "{} configuration{} ha{} different rows in two shards (a shard run twice into two "
-        "directories, or shards of two splits); merge the directories of one split:{}",
-        duplicates.size(), duplicates.size() == 1 ? "" : "s", duplicates.size() == 1 ? "s" : "ve",
-        list));
-  }
+  refuse_duplicates(duplicates);
   std::vector<std::string> missing;
   std::set<std::string> planned_set(planned.begin(), planned.end());
   for (const auto& key : planned)
-    if (!found.count(key)) missing.push_back(key);
+    if (!rows.found.count(key)) missing.push_back(key);
   if (!missing.empty()) {
     std::string list;
     for (size_t i = 0; i < missing.size() && i < kMaxNamed; ++i)
-      list += "\n  " + name_of(missing[i], names);
+      list += "\n  " + name_of(missing[i], plan.names);
     if (missing.size() > kMaxNamed)
       list += fmt::format("\n  ... and {} more", missing.size() - kMaxNamed);
     const std::string what = fmt::format(
         "{} of the sweep's {} configurations ha{} no row in any shard (a shard not run, or not "
         "finished: run it again with --resume):{}",
         missing.size(), planned.size(), missing.size() == 1 ? "s" : "ve", list);
-    if (!opt.allow_missing)
-      throw UsageError(what + "\n(--allow-missing merges the rows there are)");
+    if (!allow_missing) throw UsageError(what + "\n(--allow-missing merges the rows there are)");
     fmt::print(stderr, "attnbench: warning: {}\n", what);
   }
-  std::vector<std::string> rows_order;
+  rows.missing = missing.size();
   for (const auto& key : planned)
-    if (found.count(key)) rows_order.push_back(key);
+    if (rows.found.count(key)) rows.order.push_back(key);
   size_t extra = 0;
   for (const auto& key : order)
-    if (!planned_set.count(key)) rows_order.push_back(key), ++extra;
+    if (!planned_set.count(key)) rows.order.push_back(key), ++extra;
   if (extra > 0 && !planned.empty())
     fmt::print(stderr,
                "attnbench: warning: {} row{} not of the sweep's plan (kept from an earlier "
                "sweep resumed in a shard's directory) follow the planned rows\n",
                extra, extra == 1 ? " is" : "s are");
-  // ----- the patterns -----
+  return rows;
+}
+
+// ----- the patterns -----
+struct PatternEntry {
+  size_t position;
+  std::vector<std::string> fields;
+  fs::path source;  // the .npy to copy; empty for an entry without a file
+};
+
+// The column of the pattern file in patterns/index.csv.
+size_t pattern_file_column() { return PatternStore::index_columns().size() - 2; }
+
+// The shards' pattern index entries, one per (variant, causal) group, each with a whole
+// pattern file (or none), in the order of the plan.
+std::vector<PatternEntry> collect_patterns(const std::vector<Shard>& shards,
+                                           const std::vector<std::string>& planned) {
   std::map<std::string, size_t> position;
   for (size_t i = 0; i < planned.size(); ++i) position.emplace(planned[i], i);
   const auto& index_cols = PatternStore::index_columns();
   const size_t causal_col =
       size_t(std::find(index_cols.begin(), index_cols.end(), "causal") - index_cols.begin());
-  const size_t file_col = index_cols.size() - 2;
-  struct PatternEntry {
-    size_t position;
-    std::vector<std::string> fields;
-    fs::path source;  // the .npy to copy; empty for an entry without a file
-  };
+  const size_t file_col = pattern_file_column();
   std::vector<PatternEntry> patterns;
   std::set<std::string> groups;
   for (const Shard& s : shards) {
@@ -322,7 +365,14 @@ size_t merge_results(const MergeOptions& opt) {
   std::stable_sort(
       patterns.begin(), patterns.end(),
       [](const PatternEntry& a, const PatternEntry& b) { return a.position < b.position; });
-  // ----- the merged meta -----
+  return patterns;
+}
+
+// ----- the merged meta -----
+// The first shard's fields (but its own shard ones), the fields that differ named; a summary
+// of each shard, the hosts, the summed and spanned figures and the row counts.
+nlohmann::json merged_meta(const std::vector<Shard>& shards, const Plan& plan, const Rows& rows) {
+  const Shard& first = shards.front();
   nlohmann::json meta = nlohmann::json::object();
   std::vector<std::string> differing;
   const std::set<std::string> own = {"shard", "earlier_runs", "earlier_command_lines"};
@@ -354,6 +404,7 @@ size_t merge_results(const MergeOptions& opt) {
     if (s.meta.contains("shard")) sum["shard"] = s.meta["shard"];
     summaries.push_back(sum);
   }
+  const auto& columns = csv_columns();
   const size_t host_col =
       size_t(std::find(columns.begin(), columns.end(), "host") - columns.begin());
   for (const auto& s : shards)
@@ -373,30 +424,29 @@ size_t merge_results(const MergeOptions& opt) {
   meta["fields_differing"] = differing;
   meta["duration_s"] = longest;
   meta["duration_s_total"] = total;
-  meta["rows_planned"] = planned.empty() ? rows_order.size() : planned.size();
-  meta["rows"] = rows_order.size();
-  meta["rows_missing"] = missing.size();
-  if (!plan_json.is_null()) meta["plan_file"] = "plan.json";
-  // ----- write -----
-  if (!opt.force) {
-    const auto held = held_results(opt.out);
-    if (!held.empty()) {
-      std::string list;
-      for (const auto& h : held) list += (list.empty() ? "" : ", ") + h;
-      throw UsageError(fmt::format(
-          "--out '{}' already holds results ({}); merge writes a new directory: choose another "
-          "--out, or --force to move them aside into '{}/earlier-<time>/' first",
-          opt.out, list, opt.out));
-    }
-  }
-  const DirLock lock = claim_results_dir(opt.out, /*resume=*/false, opt.force, "merge",
-                                         /*resume_hint=*/false);
-  const fs::path pat_dir = fs::path(opt.out) / "patterns";
-  fs::create_directories(pat_dir, ec);
-  if (ec) throw UsageError(fmt::format("cannot create '{}': {}", pat_dir.string(), ec.message()));
-  std::string csv = join_line(columns) + '\n';
-  for (const auto& key : rows_order) csv += join_line(found.at(key).fields) + '\n';
-  write_text(fs::path(opt.out) / "results.csv", csv);
+  meta["rows_planned"] = plan.planned.empty() ? rows.order.size() : plan.planned.size();
+  meta["rows"] = rows.order.size();
+  meta["rows_missing"] = rows.missing;
+  if (!plan.json.is_null()) meta["plan_file"] = "plan.json";
+  return meta;
+}
+
+// ----- write -----
+// An --out that holds results is refused without --force.
+void refuse_held_results(const MergeOptions& opt) {
+  if (opt.force) return;
+  const auto held = held_results(opt.out);
+  if (held.empty()) return;
+  std::string list;
+  for (const auto& h : held) list += (list.empty() ? "" : ", ") + h;
+  throw UsageError(fmt::format(
+      "--out '{}' already holds results ({}); merge writes a new directory: choose another "
+      "--out, or --force to move them aside into '{}/earlier-<time>/' first",
+      opt.out, list, opt.out));
+}
+
+// The shards' Google Benchmark records in one benchmark.json: the first context, every run.
+nlohmann::json merged_benchmarks(const std::vector<Shard>& shards) {
   nlohmann::json bench = {{"context", nullptr}, {"benchmarks", nlohmann::json::array()}};
   for (const Shard& s : shards) {
     const fs::path p = fs::path(s.dir) / "benchmark.json";
@@ -420,17 +470,49 @@ size_t merge_results(const MergeOptions& opt) {
     if (b.contains("benchmarks") && b["benchmarks"].is_array())
       for (const auto& r : b["benchmarks"]) bench["benchmarks"].push_back(r);
   }
-  write_text(fs::path(opt.out) / "benchmark.json", bench.dump(2) + '\n');
-  std::string index = join_line(index_cols) + '\n';
+  return bench;
+}
+
+// The merged directory, claimed: results.csv, benchmark.json, the patterns and their index,
+// plan.json and meta.json.
+void write_merged(const MergeOptions& opt, const std::vector<Shard>& shards, const Plan& plan,
+                  const Rows& rows, const std::vector<PatternEntry>& patterns,
+                  const nlohmann::json& meta) {
+  refuse_held_results(opt);
+  const DirLock lock = claim_results_dir(opt.out, /*resume=*/false, opt.force, "merge",
+                                         /*resume_hint=*/false);
+  std::error_code ec;
+  const fs::path pat_dir = fs::path(opt.out) / "patterns";
+  fs::create_directories(pat_dir, ec);
+  if (ec) throw UsageError(fmt::format("cannot create '{}': {}", pat_dir.string(), ec.message()));
+  std::string csv = join_line(csv_columns()) + '\n';
+  for (const auto& key : rows.order) csv += join_line(rows.found.at(key).fields) + '\n';
+  write_text(fs::path(opt.out) / "results.csv", csv);
+  write_text(fs::path(opt.out) / "benchmark.json", merged_benchmarks(shards).dump(2) + '\n');
+  const size_t file_col = pattern_file_column();
+  std::string index = join_line(PatternStore::index_columns()) + '\n';
   for (const auto& e : patterns) {
     if (!e.source.empty())
       write_file_atomic((pat_dir / e.fields[file_col]).string(), read_bytes(e.source));
     index += join_line(e.fields) + '\n';
   }
   write_text(pat_dir / "index.csv", index);
-  if (!plan_json.is_null()) write_text(fs::path(opt.out) / "plan.json", plan_json.dump(1) + '\n');
+  if (!plan.json.is_null()) write_text(fs::path(opt.out) / "plan.json", plan.json.dump(1) + '\n');
   write_text(fs::path(opt.out) / "meta.json", meta.dump(2) + '\n');
-  return rows_order.size();
+}
+
+}  // namespace
+
+size_t merge_results(const MergeOptions& opt) {
+  if (opt.dirs.empty()) throw UsageError("merge: no results directory given; accepted: DIR...");
+  std::vector<Shard> shards = read_shards(opt);
+  check_one_sweep(shards, opt.strict);
+  const Plan plan = read_plan(shards);
+  const Rows rows = collect_rows(shards, plan, opt.allow_missing);
+  const std::vector<PatternEntry> patterns = collect_patterns(shards, plan.planned);
+  const nlohmann::json meta = merged_meta(shards, plan, rows);
+  write_merged(opt, shards, plan, rows, patterns, meta);
+  return rows.order.size();
 }
 
 }  // namespace attnbench

@@ -283,6 +283,56 @@ std::string ResultsDir::status(const Row& row) const {
   return it == done_.end() ? std::string() : it->second;
 }
 
+namespace {
+
+void drop_torn_line(const fs::path& csv_path) {
+  // A line without its newline was torn by an interrupted write: drop it so the next row
+  // starts on a line of its own (that configuration simply runs again).
+  std::string text;
+  {
+    std::ifstream in(csv_path, std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  if (!text.empty() && text.back() != '\n') {
+    const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+    std::error_code ec;
+    fs::resize_file(csv_path, keep, ec);
+    if (ec)
+      throw WriteError(fmt::format("cannot cut the torn last line off '{}': {}", csv_path.string(),
+                                   ec.message()));
+    fmt::print(stderr,
+               "attnbench: warning: {} ended in a torn line (an interrupted write); it is "
+               "dropped and its configuration runs again\n",
+               csv_path.string());
+  }
+}
+
+// The benchmark.json of a resumed sweep: its Google Benchmark records; one that is not Google
+// Benchmark JSON is moved aside and null returned (a new one is started).
+nlohmann::json resumed_benchmarks(const fs::path& json_path, const std::string& dir) {
+  std::ifstream j(json_path);
+  nlohmann::json bench = nlohmann::json::parse(j, nullptr, false);
+  const bool usable =
+      bench.is_object() && bench.contains("benchmarks") && bench["benchmarks"].is_array();
+  if (!usable) {
+    // Not Google Benchmark JSON: set it aside, never lose it, and start a new one.
+    fs::path aside = fs::path(dir) / "benchmark.json.unreadable";
+    for (int i = 2; fs::exists(aside); ++i)
+      aside = fs::path(dir) / fmt::format("benchmark.json.unreadable.{}", i);
+    fmt::print(stderr,
+               "attnbench: warning: {} is not Google Benchmark JSON (an object with "
+               "a \"benchmarks\" array); moved to {}, a new one is started\n",
+               json_path.string(), aside.string());
+    fs::rename(json_path, aside);
+    bench = nlohmann::json();
+  } else if (!bench.contains("context")) {
+    bench["context"] = nullptr;
+  }
+  return bench;
+}
+
+}  // namespace
+
 ResultsDir::ResultsDir(const std::string& dir, bool resume, bool force)
     : lock_(claim_results_dir(dir, resume, force, "sweep")), dir_(dir) {
   const fs::path csv_path = fs::path(dir) / "results.csv",
@@ -290,27 +340,7 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume, bool force)
   for (const char* name : {"results.csv", "benchmark.json", "meta.json", "benchmark.json.tmp"})
     require_regular_file(fs::path(dir) / name);
   bool have_header = false;
-  if (resume && fs::exists(csv_path)) {
-    // A line without its newline was torn by an interrupted write: drop it so the next row
-    // starts on a line of its own (that configuration simply runs again).
-    std::string text;
-    {
-      std::ifstream in(csv_path, std::ios::binary);
-      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
-    if (!text.empty() && text.back() != '\n') {
-      const size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
-      std::error_code ec;
-      fs::resize_file(csv_path, keep, ec);
-      if (ec)
-        throw WriteError(fmt::format("cannot cut the torn last line off '{}': {}",
-                                     csv_path.string(), ec.message()));
-      fmt::print(stderr,
-                 "attnbench: warning: {} ended in a torn line (an interrupted write); it is "
-                 "dropped and its configuration runs again\n",
-                 csv_path.string());
-    }
-  }
+  if (resume && fs::exists(csv_path)) drop_torn_line(csv_path);
   if (resume && fs::exists(csv_path) && fs::file_size(csv_path) > 0) {
     std::ifstream in(csv_path);
     std::string line;
@@ -376,26 +406,7 @@ ResultsDir::ResultsDir(const std::string& dir, bool resume, bool force)
       }
       write_file_atomic(csv_path.string(), kept);
     }
-    if (fs::exists(json_path)) {
-      std::ifstream j(json_path);
-      bench_ = nlohmann::json::parse(j, nullptr, false);
-      const bool usable =
-          bench_.is_object() && bench_.contains("benchmarks") && bench_["benchmarks"].is_array();
-      if (!usable) {
-        // Not Google Benchmark JSON: set it aside, never lose it, and start a new one.
-        fs::path aside = fs::path(dir) / "benchmark.json.unreadable";
-        for (int i = 2; fs::exists(aside); ++i)
-          aside = fs::path(dir) / fmt::format("benchmark.json.unreadable.{}", i);
-        fmt::print(stderr,
-                   "attnbench: warning: {} is not Google Benchmark JSON (an object with "
-                   "a \"benchmarks\" array); moved to {}, a new one is started\n",
-                   json_path.string(), aside.string());
-        fs::rename(json_path, aside);
-        bench_ = nlohmann::json();
-      } else if (!bench_.contains("context")) {
-        bench_["context"] = nullptr;
-      }
-    }
+    if (fs::exists(json_path)) bench_ = resumed_benchmarks(json_path, dir);
   }
   // Without rows to keep (claim_results_dir made sure of that, or moved them aside), the file
   // starts anew with its header.

@@ -69,48 +69,44 @@ std::vector<std::unique_ptr<Variant>> make_sweep_variants(const std::vector<std:
   return variants;
 }
 
-SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes) {
-  SweepPlan plan;
-  plan.axes = axes;
-  plan.variants = std::move(variants);
-  const std::vector<PaddingSetting> paddings =
-      axes.paddings.empty() ? std::vector<PaddingSetting>(1) : axes.paddings;
-  // Two specs that name the same canonical variant, or a value listed twice, would measure
-  // one configuration twice: keep the first.
-  std::set<std::string> seen;
-  // Layer rows take the place of the head dimensions: d = E / H.
-  const bool layer = !axes.embeds.empty();
-  if (layer) {
-    for (const auto& in : axes.inputs)
-      if (in != "gaussian")
-        throw UsageError(fmt::format(
-            "--input {}: layer rows (--embed) draw gaussian inputs and parameters; accepted "
-            "with --embed: gaussian",
-            in));
-    for (double scale : axes.scales)
-      if (scale != 1.0)
-        throw UsageError(fmt::format(
-            "--scale {}: layer rows (--embed) draw gaussian inputs and parameters unscaled; "
-            "accepted with --embed: 1",
-            scale));
-    for (Score s : axes.scores)
-      if (s != Score::scaled_dot)
-        throw UsageError(fmt::format(
-            "--score {}: layer rows (--embed) score as torch.nn.MultiheadAttention does; "
-            "accepted with --embed: scaled_dot",
-            score_name(s)));
-    for (const auto& ps : axes.passes)
-      if (ps != "fwd")
-        throw UsageError(fmt::format(
-            "--pass {}: layer rows (--embed) measure the forward pass only; accepted with "
-            "--embed: fwd",
-            ps));
-    for (DType t : axes.dtypes)
-      if (t != DType::f32)
-        throw UsageError(fmt::format(
-            "--dtype {}: layer rows (--embed) run in float32; accepted with --embed: f32",
-            dtype_name(t)));
-  }
+namespace {
+
+// Layer rows (--embed) draw gaussian, unscaled inputs and measure the forward pass of
+// torch.nn.MultiheadAttention in float32: any other input, scale, score, pass or dtype is refused.
+void check_layer_axes(const SweepAxes& axes) {
+  for (const auto& in : axes.inputs)
+    if (in != "gaussian")
+      throw UsageError(fmt::format(
+          "--input {}: layer rows (--embed) draw gaussian inputs and parameters; accepted "
+          "with --embed: gaussian",
+          in));
+  for (double scale : axes.scales)
+    if (scale != 1.0)
+      throw UsageError(fmt::format(
+          "--scale {}: layer rows (--embed) draw gaussian inputs and parameters unscaled; "
+          "accepted with --embed: 1",
+          scale));
+  for (Score s : axes.scores)
+    if (s != Score::scaled_dot)
+      throw UsageError(
+          fmt::format("--score {}: layer rows (--embed) score as torch.nn.MultiheadAttention does; "
+                      "accepted with --embed: scaled_dot",
+                      score_name(s)));
+  for (const auto& ps : axes.passes)
+    if (ps != "fwd")
+      throw UsageError(fmt::format(
+          "--pass {}: layer rows (--embed) measure the forward pass only; accepted with "
+          "--embed: fwd",
+          ps));
+  for (DType t : axes.dtypes)
+    if (t != DType::f32)
+      throw UsageError(
+          fmt::format("--dtype {}: layer rows (--embed) run in float32; accepted with --embed: f32",
+                      dtype_name(t)));
+}
+
+// Each --kv-heads G: 0 (G = H) or a positive divisor of some head count; with layer rows, 0.
+void check_kv_heads(const SweepAxes& axes, bool layer) {
   for (int64_t g : axes.kv_heads) {
     if (g < 0)
       throw UsageError(fmt::format(
@@ -127,6 +123,23 @@ SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const Sweep
           "key/value head per head; accepted with --embed: 0 (G = H)",
           g));
   }
+}
+
+}  // namespace
+
+SweepPlan plan_sweep(std::vector<std::unique_ptr<Variant>> variants, const SweepAxes& axes) {
+  SweepPlan plan;
+  plan.axes = axes;
+  plan.variants = std::move(variants);
+  const std::vector<PaddingSetting> paddings =
+      axes.paddings.empty() ? std::vector<PaddingSetting>(1) : axes.paddings;
+  // Two specs that name the same canonical variant, or a value listed twice, would measure
+  // one configuration twice: keep the first.
+  std::set<std::string> seen;
+  // Layer rows take the place of the head dimensions: d = E / H.
+  const bool layer = !axes.embeds.empty();
+  if (layer) check_layer_axes(axes);
+  check_kv_heads(axes, layer);
   const std::vector<int64_t>& sizes = layer ? axes.embeds : axes.dims;
   // the weights depend on the score, H, d and h only: one set per such shape
   std::map<std::tuple<Score, int64_t, int64_t>, std::shared_ptr<const ScoreWeights>> weights;

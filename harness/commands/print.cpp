@@ -1,0 +1,227 @@
+// The text output of the commands.
+#include "harness/commands/print.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <utility>
+
+#include "build_info.h"
+#include "common/core/error.h"
+#include "common/core/registry.h"
+#include "common/io/inputs.h"
+#include "common/io/npy.h"
+#include "common/io/plugin.h"
+#include "common/io/trained.h"
+#include "common/kernels/bf16.h"
+#include "common/patterns/pattern.h"
+#include "harness/catalog.h"
+#include "harness/commands/commands.h"
+#include "harness/commands/meta.h"
+#include "harness/commands/options.h"
+#include "harness/commands/print.h"
+#include "harness/layer.h"
+#include "harness/machine.h"
+#include "harness/merge.h"
+#include "harness/output_dir.h"
+#include "harness/patterns.h"
+#include "harness/results.h"
+#include "harness/runner.h"
+#include "harness/shard.h"
+#include "harness/sweep_plan.h"
+
+namespace attnbench::cli {
+
+std::string human_bytes(double b) {
+  if (!std::isfinite(b)) return "n/a";
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  return fmt::format("{:.1f} {}", b, units[u]);
+}
+
+std::string human_seconds(double s) {
+  if (!std::isfinite(s)) return "?";
+  int64_t t = int64_t(std::llround(s));
+  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
+                   : fmt::format("{:02}:{:02}", t / 60, t % 60);
+}
+
+// "[i/N] elapsed 01:02, ETA 03:04 | WHAT", cut to kProgressColumns with "..." at the end.
+constexpr size_t kProgressColumns = 100;
+std::string progress_line(size_t i, size_t n, double elapsed, double eta, const std::string& what) {
+  std::string line = fmt::format("[{}/{}] elapsed {}, ETA {} | {}", i, n, human_seconds(elapsed),
+                                 human_seconds(eta), what);
+  if (line.size() > kProgressColumns) line = line.substr(0, kProgressColumns - 3) + "...";
+  return line;
+}
+
+// The capability columns of `list`, one line each: header and flag.
+const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColumns = {
+    {"causal", &Capabilities::causal},       {"m!=n", &Capabilities::cross},
+    {"exact", &Capabilities::exact},         {"additive", &Capabilities::additive},
+    {"padding", &Capabilities::key_padding}, {"mask", &Capabilities::attn_mask},
+    {"bf16", &Capabilities::bf16},
+};
+
+void print_list() {
+  size_t w = 7;
+  for (const VariantInfo* v : Registry::instance().all()) w = std::max(w, v->name.size());
+  // each capability column as wide as its header and a space, at least 6
+  auto width = [](const std::string& h) { return std::max<size_t>(h.size() + 1, 6); };
+  size_t indent = w;
+  std::string head = fmt::format("{:<{}}", "variant", w);
+  for (const auto& [h, flag] : kCapabilityColumns) {
+    head += fmt::format(" {:<{}}", h, width(h));
+    indent += 1 + width(h);
+  }
+  // the backward and decode columns come from the variant itself (has_backward, has_decode),
+  // not from a flag
+  const std::string bwd = "backward", dec = "decode";
+  for (const std::string& h : {bwd, dec}) {
+    head += fmt::format(" {:<{}}", h, width(h));
+    indent += 1 + width(h);
+  }
+  fmt::print("{} {}\n", head, "summary / parameters");
+  for (const VariantInfo* v : Registry::instance().all()) {
+    std::string line = fmt::format("{:<{}}", v->name, w);
+    for (const auto& [h, flag] : kCapabilityColumns) {
+      // a variant that refuses non-causal problems says "only" in the causal column
+      const bool only = flag == &Capabilities::causal && v->caps.causal_only;
+      line += fmt::format(" {:<{}}", only ? "only" : v->caps.*flag ? "yes" : "no", width(h));
+    }
+    line += fmt::format(" {:<{}}", has_backward(*v) ? "yes" : "no", width(bwd));
+    line += fmt::format(" {:<{}}", has_decode(*v) ? "yes" : "no", width(dec));
+    fmt::print("{} {}\n", line, v->summary);
+    fmt::print("{:<{}} {}\n", "", indent, v->complexity);
+    if (!v->plugin.empty()) fmt::print("{:<{}} from plugin {}\n", "", indent, v->plugin);
+    for (const auto& p : v->params)
+      fmt::print("{:<{}} {}={} ({}; {}): {}\n", "", indent, p.name, p.default_value,
+                 to_string(p.type), p.accepted(), p.help);
+  }
+}
+
+void print_row(const Row& r) {
+  fmt::print("variant      {}\n", r.spec);
+  fmt::print("problem      {}\n", describe(r.problem, r.workload));
+  if (r.embed > 0)
+    fmt::print("layer        E={}: {} heads of d={}, in- and out-projection around the variant\n",
+               r.embed, r.problem.heads, r.problem.dim);
+  fmt::print("status       {}{}\n", r.status, r.message.empty() ? "" : ": " + r.message);
+  if (r.status != "ok") return;
+  fmt::print(
+      "time         {:.4f} ms median, {:.4f} ms min, {:.4f} ms max over {} reps of {} "
+      "iterations\n",
+      r.time_median * 1e3, r.time_min * 1e3, r.time_max * 1e3, r.reps, r.iterations);
+  fmt::print("speed        {:.1f} GFLOP/s ({:.0f}% of the machine's {})\n", r.gflops,
+             r.gemm_fraction * 100, r.problem.dtype == DType::bf16 ? "bf16 peak" : "GEMM rate");
+  const std::string& pass = r.workload.pass;
+  fmt::print("memory       {} peak {} (estimate {})\n", human_bytes(r.peak_bytes),
+             pass == "bwd"      ? "of the backward beyond inputs, output, saved state and gradients"
+             : pass == "fwdbwd" ? "beyond inputs, output and gradients (the saved state included)"
+             : pass == "decode" ? "of a prefill and its timed steps (the state included)"
+                                : "beyond inputs and output",
+             human_bytes(r.estimated_bytes));
+  fmt::print(
+      "error        rel. Frobenius {:.3e}, max abs {:.3e}, mean cosine {:.6f} ({} of {} "
+      "rows)\n",
+      r.error.rel_fro, r.error.max_abs, r.error.mean_cos, r.error.rows_used, r.error.rows_total);
+  if (!std::isnan(r.rounded_input_error))
+    fmt::print(
+        "rounding     rel. Frobenius {:.3e} of the float32 path on the same bf16-rounded "
+        "inputs: the rounding of q, k, v alone\n",
+        r.rounded_input_error);
+  if (!std::isnan(r.error.uniform_rel_fro))
+    fmt::print(
+        "baselines    rel. Frobenius {:.3e} for the uniform average of the visible values, 1 "
+        "for zeros\n",
+        r.error.uniform_rel_fro);
+  if (!std::isnan(r.error.mass_mean))
+    fmt::print(
+        "mass         {:.4f} mean, {:.4f} min: share of the exact softmax inside the "
+        "variant's pattern\n",
+        r.error.mass_mean, r.error.mass_min);
+  if (pass == "decode") {
+    fmt::print(
+        "decode       {:.2f} us per step ({:.0f} tokens/s for the batch), prefill of n tokens "
+        "{:.3f} ms\n",
+        r.time_per_token * 1e6, r.tokens_per_s, r.prefill_seconds * 1e3);
+    fmt::print("state        {} per sequence; a step reads {}{}\n", human_bytes(r.state_bytes),
+               human_bytes(r.bytes_read_per_step),
+               std::isnan(r.bandwidth_fraction)
+                   ? std::string()
+                   : fmt::format(" ({:.0f}% of the machine's memory bandwidth)",
+                                 100 * r.bandwidth_fraction));
+  }
+  if (pass == "bwd" || pass == "fwdbwd") {
+    fmt::print("saved        {} kept by the forward for the backward (estimate {})\n",
+               human_bytes(r.saved_bytes), human_bytes(r.saved_estimate_bytes));
+    if (r.grad_heads > 0)
+      fmt::print(
+          "grad error   rel. Frobenius dq {:.3e}, dk {:.3e}, dv {:.3e} against exact "
+          "attention's gradient ({} of {} heads)\n",
+          r.grad_err_q, r.grad_err_k, r.grad_err_v, r.grad_heads,
+          r.problem.batch * r.problem.heads);
+  }
+  if (r.embed > 0)
+    fmt::print("core share   {:.1f}% of the layer's time in the attention core (measured)\n",
+               100 * r.attention_share);
+  fmt::print(
+      "noise        spread {:.2f}x (max/min), load average {:.2f}, other processes {} "
+      "processors{}\n",
+      r.time_spread, r.load_avg,
+      std::isnan(r.other_load) ? std::string("not measured (run too short)")
+                               : fmt::format("{:.1f}", r.other_load),
+      r.noisy ? ": NOISY" : "");
+  if (!std::isnan(r.prepare_seconds))
+    fmt::print("prepare      {:.3f} ms once per problem, outside the timed passes\n",
+               1e3 * r.prepare_seconds);
+  if (!r.notes.empty()) fmt::print("notes        {}\n", r.notes);
+  if (!r.phases.empty()) {
+    double total = 0;
+    for (const auto& [name, s] : r.phases) total += s;
+    std::string text;
+    for (const auto& [name, s] : r.phases)
+      text += fmt::format("{}{} {:.4f} ms ({:.0f}%)", text.empty() ? "" : ", ", name, s * 1e3,
+                          total > 0 ? 100.0 * s / total : 0.0);
+    fmt::print("phases       {} per pass, summed over threads\n", text);
+  }
+}
+
+// Prints the row of `run` or `layer` (as JSON or text); false, with its status on stderr, when
+// it is not ok.
+bool print_result(const Row& row, bool json) {
+  if (json) {
+    Row with_host = row;
+    with_host.host = host_name();
+    fmt::print("{}\n", to_json(with_host).dump(2));
+  } else {
+    print_row(row);
+  }
+  if (row.noisy)
+    fmt::print(stderr, "attnbench: warning: noisy timing: {}; see the README, \"Stable numbers\"\n",
+               noise_reason(row));
+  if (row.status == "ok") return true;
+  fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
+  return false;
+}
+
+}  // namespace attnbench::cli
