@@ -287,10 +287,10 @@ MachineFigures kept_machine_figures(int threads, bool quick) {
   if (dir == nullptr || *dir == '\0') return measure_machine(threads, quick);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);  // a failure shows when the file is written
-  const std::string path = (std::filesystem::path(dir) /
-                            fmt::format("machine-{}-{}t{}.json", host_name(), threads,
-                                        quick ? "-quick" : ""))
-                               .string();
+  const std::string path =
+      (std::filesystem::path(dir) /
+       fmt::format("machine-{}-{}t{}.json", host_name(), threads, quick ? "-quick" : ""))
+          .string();
   return machine_figures(path, threads, quick);
 }
 
