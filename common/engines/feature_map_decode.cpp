@@ -1,5 +1,3 @@
-#include "common/engines/feature_map_attention.h"
-
 #include <cblas.h>
 #include <fmt/format.h>
 #include <omp.h>
@@ -14,11 +12,12 @@
 #include <optional>
 
 #include "common/core/error.h"
-#include "common/engines/feature_map_internal.h"
 #include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
 #include "common/core/random.h"
 #include "common/core/threads.h"
+#include "common/engines/feature_map_attention.h"
+#include "common/engines/feature_map_internal.h"
 #include "common/kernels/simd.h"
 #include "common/kernels/softmax.h"
 
