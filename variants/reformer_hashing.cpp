@@ -1,8 +1,8 @@
 // reformer: the hashing (rotations, buckets, plans) and the exact oracle on frozen buckets;
 // the attention itself, its backward and the registration are in reformer.cpp.
-#include "variants/reformer.h"
-
 #include <cblas.h>
+
+#include "variants/reformer.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -109,7 +109,6 @@ Plan plan(int64_t n, const std::vector<int64_t>& buckets, int64_t hashes, int64_
 Plan plan(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes, int64_t chunk) {
   return plan(p.n, buckets, hashes, chunk);
 }
-
 
 void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int64_t ld, int64_t n,
                int64_t d, int32_t* bucket) {

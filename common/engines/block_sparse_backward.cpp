@@ -1,5 +1,3 @@
-#include "common/engines/block_sparse.h"
-
 #include <cblas.h>
 #include <fmt/format.h>
 #include <omp.h>
@@ -14,12 +12,13 @@
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
 #include "common/core/threads.h"
+#include "common/engines/block_sparse.h"
+#include "common/engines/block_sparse_internal.h"
 #include "common/kernels/amx_kernels.h"
 #include "common/kernels/attention_kernels.h"
 #include "common/kernels/bf16.h"
 #include "common/kernels/softmax.h"
 #include "common/patterns/mask_bias.h"
-#include "common/engines/block_sparse_internal.h"
 
 namespace attnbench {
 namespace {

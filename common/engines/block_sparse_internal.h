@@ -1,8 +1,6 @@
 // Pieces the block-sparse engine's forward and backward files share: not installed.
 #pragma once
 
-#include "common/engines/block_sparse.h"
-
 #include <cblas.h>
 #include <fmt/format.h>
 #include <omp.h>
@@ -17,6 +15,7 @@
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
 #include "common/core/threads.h"
+#include "common/engines/block_sparse.h"
 #include "common/kernels/amx_kernels.h"
 #include "common/kernels/attention_kernels.h"
 #include "common/kernels/bf16.h"
@@ -30,14 +29,16 @@ constexpr int64_t kAmxKeyAlign = 32;
 
 /// Key blocks a thread's block list can hold without growing: a query block lists each key
 /// block at most once.
-inline int64_t max_key_blocks(const Problem& p, int64_t block) { return (p.keys() + block - 1) / block; }
+inline int64_t max_key_blocks(const Problem& p, int64_t block) {
+  return (p.keys() + block - 1) / block;
+}
 
 using kernels::ScoreHook;
 
 /// The additive score's projections, formed once per call (the score-tile hook reads them);
 /// none for the dot-product scores.
 inline std::optional<AdditiveProjections> additive_projections(const Problem& p, ConstTensorView q,
-                                                        ConstTensorView k) {
+                                                               ConstTensorView k) {
   if (p.score != Score::additive) return std::nullopt;
   return std::optional<AdditiveProjections>(std::in_place, p, q, k);
 }
