@@ -10,6 +10,8 @@
 
 namespace attnbench::reformer {
 
+constexpr int64_t kHashRows = 256;  // rows projected per GEMM when hashing
+
 /// Bucket counts used for n tokens and chunk length `chunk` when none are given (the HF rule):
 /// the largest power of two <= 2 floor(n / chunk) (at least 2), split into two factors
 /// 2^floor(p/2) x 2^ceil(p/2) once it exceeds 2 max(floor(sqrt(n / chunk)), chunk).
