@@ -217,8 +217,10 @@ bool print_result(const Row& row, bool json) {
     print_row(row);
   }
   if (row.noisy)
-    fmt::print(stderr, "attnbench: warning: noisy timing: {}; see the README, \"Stable numbers\"\n",
-               noise_reason(row));
+    fmt::print(
+        stderr,
+        "attnbench: warning: noisy timing: {}; see docs/methodology.md, \"Stable numbers\"\n",
+        noise_reason(row));
   if (row.status == "ok") return true;
   fmt::print(stderr, "attnbench: {}: {}\n", row.status, row.message);
   return false;

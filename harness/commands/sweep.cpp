@@ -400,7 +400,8 @@ struct SweepCommand {
     if (counts["noisy"] > 0)
       fmt::print(stderr,
                  "attnbench: warning: {} row(s) have noisy timings (the `noisy` column; "
-                 "README, \"Stable numbers\"); --resume after removing them, or --retry-noisy "
+                 "docs/methodology.md, \"Stable numbers\"); --resume after removing them, or "
+                 "--retry-noisy "
                  "N, measures them again\n",
                  counts["noisy"]);
     meta["duration_s"] =
