@@ -585,7 +585,9 @@ void Registry::check_presentation(const VariantInfo& info) {
           fmt::format("variant '{}' lists the sweep setting '{}'; accepted: '{}:' "
                       "followed by parameters of '{}'",
                       info.name, spec, info.name, info.name));
-    for (const auto& [key, value] : kv) {
+    for (const auto& setting : kv) {
+      const std::string& key = setting.first;
+      const std::string& value = setting.second;
       auto it = std::find_if(info.params.begin(), info.params.end(),
                              [&](const ParamSpec& ps) { return ps.name == key; });
       if (it == info.params.end())
