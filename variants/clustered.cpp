@@ -544,7 +544,6 @@ class Clustered final : public Variant, public Backward {
   // The backward: the clusters and the top keys are constants (recomputed as the forward
   // makes them); the centroid means, both softmaxes, mhat and the residual are differentiated
   // (backward_head).
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {

@@ -423,11 +423,9 @@ class Compressed final : public Variant, public Backward, public Decoder {
   // The backward: the engine's block-sparse backward over the pooled keys (their gradients
   // dK', dV'), then back through the pooling: mean, dK_j = dK'_t / |group t|; conv,
   // dK_{t r + s} = dK'_t Wk_s (dV alike with Wv). The conv weights are constants.
-  Backward* backward() override { return this; }
 
   // Decode: a pooled cache and the pending group (CompressedDecodeState). The prefill pools
   // the complete groups of its t0 tokens with the forward's pooling code.
-  Decoder* decoder() override { return this; }
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override {
     check_prefill(p, k, v, t0);

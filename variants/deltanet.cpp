@@ -56,6 +56,7 @@
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
+#include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "common/core/registry.h"
 #include "common/core/threads.h"
@@ -488,7 +489,7 @@ class DeltaState final : public DecodeState {
 
 // ---- the variant ----
 
-class DeltaNet final : public Variant, public Backward, public Decoder {
+class DeltaNet final : public Variant, public RecomputeBackward<DeltaNet>, public Decoder {
  public:
   explicit DeltaNet(const ParamValues& pv)
       : gated_(pv.get_bool("gated")),
@@ -537,42 +538,31 @@ class DeltaNet final : public Variant, public Backward, public Decoder {
   }
 
   // ---- Backward ----
-  Backward* backward() override { return this; }
 
-  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                            ConstTensorView v, TensorView out) override {
-    forward(p, q, k, v, out);
-    return std::make_unique<NothingSaved>();
-  }
-
-  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                ConstTensorView /*out*/, ConstTensorView dout, const SavedState& saved,
-                TensorView dq, TensorView dk, TensorView dv) override {
-    NothingSaved::expect(saved, "deltanet");
+  // Nothing saved (RecomputeBackward): the backward runs the recurrence again.
+  void recompute_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                          ConstTensorView /*out*/, ConstTensorView dout, TensorView dq,
+                          TensorView dk, TensorView dv) {
     const Weights w = deltanet_weights(p);
     const int64_t G = p.kv_head_count(), grp = p.kv_group(), C = std::min(chunk_, p.n);
-    OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t bg = 0; bg < p.batch * G; ++bg)
-      guard.run([&] {
-        const int64_t b = bg / G, g = bg % G;
-        const HeadIo io = head_io(p, k, v, b, g, &q, nullptr);
-        std::vector<const float*> douts;
-        std::vector<float*> dqs;
-        for (int64_t r = 0; r < grp; ++r) {
-          douts.push_back(dout.head(b, g * grp + r));
-          dqs.push_back(dq.head(b, g * grp + r));
+    parallel_for(p.batch * G, [&](int64_t bg) {
+      const int64_t b = bg / G, g = bg % G;
+      const HeadIo io = head_io(p, k, v, b, g, &q, nullptr);
+      std::vector<const float*> douts;
+      std::vector<float*> dqs;
+      for (int64_t r = 0; r < grp; ++r) {
+        douts.push_back(dout.head(b, g * grp + r));
+        dqs.push_back(dq.head(b, g * grp + r));
+      }
+      backward_head(p, io, douts, dout.stride_row, dqs, dq.stride_row, dk.head(b, g * grp),
+                    dk.stride_row, dv.head(b, g * grp), dv.stride_row, C, w, gated_);
+      // the group's other query heads: their share is in the first one's rows
+      for (int64_t r = 1; r < grp; ++r)
+        for (int64_t t = 0; t < p.n; ++t) {
+          std::fill(dk.row(b, g * grp + r, t), dk.row(b, g * grp + r, t) + p.dim, 0.0f);
+          std::fill(dv.row(b, g * grp + r, t), dv.row(b, g * grp + r, t) + p.dim, 0.0f);
         }
-        backward_head(p, io, douts, dout.stride_row, dqs, dq.stride_row, dk.head(b, g * grp),
-                      dk.stride_row, dv.head(b, g * grp), dv.stride_row, C, w, gated_);
-        // the group's other query heads: their share is in the first one's rows
-        for (int64_t r = 1; r < grp; ++r)
-          for (int64_t t = 0; t < p.n; ++t) {
-            std::fill(dk.row(b, g * grp + r, t), dk.row(b, g * grp + r, t) + p.dim, 0.0f);
-            std::fill(dv.row(b, g * grp + r, t), dv.row(b, g * grp + r, t) + p.dim, 0.0f);
-          }
-      });
-    guard.rethrow();
+    });
   }
 
   double backward_flops(const Problem& p) const override {
@@ -582,7 +572,6 @@ class DeltaNet final : public Variant, public Backward, public Decoder {
     // per query head and row: dq' and dS (4 d^2)
     return G * n * 20.0 * d * d + H * n * 4.0 * d * d;
   }
-  double saved_estimate(const Problem&) const override { return 0; }
   double backward_memory_estimate(const Problem& p) const override {
     const int64_t d = p.dim, dp = padded(d), C = std::min(chunk_, p.n);
     const double per_head = double((p.n + C - 1) / C + C + 2) * double(d * dp) + 12.0 * double(dp);
@@ -590,7 +579,6 @@ class DeltaNet final : public Variant, public Backward, public Decoder {
   }
 
   // ---- Decoder ----
-  Decoder* decoder() override { return this; }
 
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override {
@@ -598,18 +586,12 @@ class DeltaNet final : public Variant, public Backward, public Decoder {
     const Weights w = deltanet_weights(p);
     auto state = std::make_unique<DeltaState>(p, w, gated_);
     const int64_t G = p.kv_head_count(), C = std::min<int64_t>(chunk_, std::max<int64_t>(t0, 1));
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      ChunkWork cw(C, p.dim);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bg = 0; bg < p.batch * G; ++bg)
-        guard.run([&] {
+    parallel_for(
+        p.batch * G, [&] { return ChunkWork(C, p.dim); },
+        [&](int64_t bg, ChunkWork& cw) {
           const HeadIo io = head_io(p, k, v, bg / G, bg % G, nullptr, nullptr);
           chunkwise_head(io, t0, p.dim, C, w, gated_, state->state(bg / G, bg % G), cw);
         });
-    }
-    guard.rethrow();
     state->len() = t0;
     return state;
   }

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/registry.h"
 #include "common/kernels/softmax.h"
 #include "common/patterns/key_split.h"
@@ -49,7 +50,7 @@ namespace {
 constexpr int64_t kChunkK = 512;  // keys per G update
 constexpr int64_t kBlockQ = 512;  // query rows per task in step 2
 
-class Efficient final : public Variant, public Backward {
+class Efficient final : public Variant, public RecomputeBackward<Efficient> {
  public:
   static KeySplit plan(const Problem& p) { return KeySplit(p, kChunkK); }
 
@@ -167,37 +168,25 @@ class Efficient final : public Variant, public Backward {
     guard.rethrow();
   }
 
-  Backward* backward() override { return this; }
-
-  // Nothing saved: the backward recomputes the column statistics of K and G (one m d^2 GEMM
-  // more than keeping G, d^2 + 2 d floats per head, would cost).
-  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                            ConstTensorView v, TensorView out) override {
-    forward(p, q, k, v, out);
-    return std::make_unique<NothingSaved>();
-  }
-
-  // With Sq = softmax_row(Q), Pk = softmax_col(K) over the L_b valid keys, G = Pk^T V,
-  // out = Sq G:
+  // Nothing saved (RecomputeBackward): the backward recomputes the column statistics of K and G
+  // (one m d^2 GEMM more than keeping G, d^2 + 2 d floats per head, would cost). With Sq =
+  // softmax_row(Q), Pk = softmax_col(K) over the L_b valid keys, G = Pk^T V, out = Sq G:
   //   dSq = dO G^T,  dq_i = Sq_i o (dSq_i - Sq_i . dSq_i),  dG = Sq^T dO,
   //   dV = Pk dG,    dPk = V dG^T,  dK[:, c] = Pk[:, c] o (dPk[:, c] - s_c)
   // with s_c = sum_j Pk[j, c] dPk[j, c] = G[c, :] . dG[c, :]. Padded keys get 0.
   // Per (batch, head): the keys (max, sums, G), the queries in blocks (dq, dG), the keys
   // again (dk, dv).
-  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
-                TensorView dk, TensorView dv) override {
-    NothingSaved::expect(saved, "efficient");
+  void recompute_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                          ConstTensorView, ConstTensorView dout, TensorView dq, TensorView dk,
+                          TensorView dv) {
     const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, BH = p.batch * p.heads;
     const int64_t dd = d * d, rows_max = std::max(std::min(kChunkK, m), std::min(kBlockQ, n));
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::unique_ptr<float[]> buf;
-      guard.run([&] { buf.reset(new float[size_t(2 * rows_max * d + 2 * dd + 3 * d)]); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < BH; ++bh)
-        guard.run([&] {
+    parallel_for(
+        BH,
+        [&] {
+          return std::make_unique_for_overwrite<float[]>(size_t(2 * rows_max * d + 2 * dd + 3 * d));
+        },
+        [&](int64_t bh, std::unique_ptr<float[]>& buf) {
           const int64_t b = bh / H, h = bh % H;
           const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
           float *x = buf.get(), *y = x + rows_max * d, *g = y + rows_max * d, *dg = g + dd,
@@ -278,8 +267,6 @@ class Efficient final : public Variant, public Backward {
             }
           }
         });
-    }
-    guard.rethrow();
   }
 
   double backward_flops(const Problem& p) const override {
@@ -290,7 +277,6 @@ class Efficient final : public Variant, public Backward {
     // again: Pk dG and V dG^T (4 m d^2), dk (2 per entry)
     return bh * (6.0 * m * d * d + 12.0 * m * d + 4.0 * n * d * d + 8.0 * n * d + 2.0 * d * d);
   }
-  double saved_estimate(const Problem&) const override { return double(sizeof(SavedState)); }
   double backward_memory_estimate(const Problem& p) const override {
     const double d = double(p.dim), f = sizeof(float);
     const double rows = double(std::max(std::min(kChunkK, p.keys()), std::min(kBlockQ, p.n)));

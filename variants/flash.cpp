@@ -46,7 +46,9 @@
 namespace attnbench {
 namespace {
 
-class Flash final : public Variant, public Backward, public Decoder {
+// Decode: the KV cache of every position (KvCacheDecoder); block_q and block_k do not apply (one
+// query row; the keys are split by chunk).
+class Flash final : public Variant, public Backward, public KvCacheDecoder {
  public:
   Flash(int64_t bq, int64_t bk) : bq_(bq), bk_(bk) {}
 
@@ -69,7 +71,6 @@ class Flash final : public Variant, public Backward, public Decoder {
 
   // The backward: the forward with the rows' log-sum-exps, and the engine's dense backward,
   // which recomputes P tile by tile from them.
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
@@ -95,15 +96,6 @@ class Flash final : public Variant, public Backward, public Decoder {
   double backward_memory_estimate(const Problem& p) const override {
     return dense_attention_backward_memory(p, bwd_q(), bwd_k());
   }
-
-  // Decode: the KV cache of every position; the prefill copies rows and computes nothing.
-  // block_q and block_k do not apply (one query row; the keys are split by chunk).
-  Decoder* decoder() override { return this; }
-  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
-                                       int64_t t0) override {
-    return kv_decode_prefill(p, k, v, t0);
-  }
-  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
 
  private:
   // The backward's tiles: the key block is at most kBwdKeys keys, so that a task's dK and dV

@@ -22,7 +22,7 @@
 #include <memory>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/registry.h"
 #include "common/core/threads.h"
 #include "common/decode/kv_decode.h"
@@ -40,7 +40,8 @@ class FullSaved final : public SavedState {
   size_t size = 0;
 };
 
-class Full final : public Variant, public Backward, public Decoder {
+// Decode: the KV cache of every position (KvCacheDecoder).
+class Full final : public Variant, public Backward, public KvCacheDecoder {
  public:
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
@@ -65,7 +66,6 @@ class Full final : public Variant, public Backward, public Decoder {
   //   dV = P^T dO,  dP = dO V^T,  dS = P ∘ (dP - D) / sqrt(d) with D_i = sum_c dO_ic O_ic,
   //   dQ = dS K,  dK = dS^T Q
   // with four GEMMs per head over an n x m buffer for dS. Hidden keys have P = 0, so dS = 0.
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
@@ -119,15 +119,9 @@ class Full final : public Variant, public Backward, public Decoder {
       for (int64_t bh = 0; bh < heads; ++bh) head(bh, ds.get(), true);
       return;
     }
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::unique_ptr<float[]> ds;
-      guard.run([&] { ds.reset(new float[size_t(n * m)]); });
-#pragma omp for schedule(dynamic)
-      for (int64_t bh = 0; bh < heads; ++bh) guard.run([&] { head(bh, ds.get(), false); });
-    }
-    guard.rethrow();
+    parallel_for(
+        heads, [&] { return std::make_unique_for_overwrite<float[]>(size_t(n * m)); },
+        [&](int64_t bh, std::unique_ptr<float[]>& ds) { head(bh, ds.get(), false); });
   }
 
   double backward_flops(const Problem& p) const override {
@@ -142,14 +136,6 @@ class Full final : public Variant, public Backward, public Decoder {
     const double copies = p.batch * p.heads >= team_threads() ? team_threads() : 1;
     return copies * double(p.n) * double(p.keys()) * sizeof(float);
   }
-
-  // Decode: the KV cache of every position; the prefill copies rows and computes nothing.
-  Decoder* decoder() override { return this; }
-  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
-                                       int64_t t0) override {
-    return kv_decode_prefill(p, k, v, t0);
-  }
-  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
 
  private:
   /// The forward into `scores` [B, H, n, m], which ends holding the probabilities P.

@@ -47,8 +47,6 @@ class Linear final : public Variant, public Backward, public Decoder {
                  [&](int64_t) -> const fmap::FeatureMap& { return fm; });
   }
 
-  Backward* backward() override { return this; }
-
   // Saved: each row's denominator (4 B H n bytes); the backward maps phi(Q), phi(K) again.
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
@@ -77,8 +75,6 @@ class Linear final : public Variant, public Backward, public Decoder {
   double backward_memory_estimate(const Problem& p) const override {
     return fmap::attend_backward_bytes(p, p.dim);
   }
-
-  Decoder* decoder() override { return this; }
 
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override {

@@ -68,6 +68,7 @@
 
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/prepared.h"
 #include "common/core/random.h"
 #include "common/core/registry.h"
@@ -386,7 +387,6 @@ class Linformer final : public Variant, public Backward {
   }
 
   // The backward: the saved EK and FV, and per query block the softmax recomputed from them.
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {
@@ -593,14 +593,10 @@ class Linformer final : public Variant, public Backward {
     const int64_t per_bh = 2 * kp * d;
     const float scale = p.softmax_scale();
     const int64_t qblocks = (n + kBlockQ - 1) / kBlockQ, tasks = B * H * qblocks;
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::unique_ptr<float[]> scores;
-      guard.run([&] { scores.reset(new float[size_t(std::min(kBlockQ, n) * kp)]); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t)
-        guard.run([&] {
+    parallel_for(
+        tasks,
+        [&] { return std::make_unique_for_overwrite<float[]>(size_t(std::min(kBlockQ, n) * kp)); },
+        [&](int64_t t, std::unique_ptr<float[]>& scores) {
           const int64_t bh = t / qblocks, i0 = (t % qblocks) * kBlockQ;
           const int64_t b = bh / H, h = bh % H, rows = std::min(kBlockQ, n - i0);
           if (!p.key_lengths.empty() && p.key_lengths[size_t(b)] == 0) {
@@ -616,8 +612,6 @@ class Linformer final : public Variant, public Backward {
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(kp), 1.0f,
                       s, int(kp), fv, int(d), 0.0f, out.row(b, h, i0), int(out.stride_row));
         });
-    }
-    guard.rethrow();
   }
 
   // E and F of every head (columns 0 .. m - 1), when they fit in kPrepareBudget.
@@ -627,19 +621,15 @@ class Linformer final : public Variant, public Backward {
     if (prepared_bytes(p) > kPrepareBudget) return false;
     const int64_t m = p.keys(), kp = k_;
     std::vector<Projections> kept(size_t(p.heads));
-    OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t h = 0; h < p.heads; ++h)
-      guard.run([&] {
-        Projections& pr = kept[size_t(h)];
-        pr.e.resize(size_t(m * kp));
-        linformer::projection_columns(p.seed, h, false, kp, 0, m, pr.e.data());
-        if (!share_) {
-          pr.f.resize(size_t(m * kp));
-          linformer::projection_columns(p.seed, h, true, kp, 0, m, pr.f.data());
-        }
-      });
-    guard.rethrow();
+    parallel_for(p.heads, [&](int64_t h) {
+      Projections& pr = kept[size_t(h)];
+      pr.e.resize(size_t(m * kp));
+      linformer::projection_columns(p.seed, h, false, kp, 0, m, pr.e.data());
+      if (!share_) {
+        pr.f.resize(size_t(m * kp));
+        linformer::projection_columns(p.seed, h, true, kp, 0, m, pr.f.data());
+      }
+    });
     kept_ = std::move(kept);
     kept_seed_ = p.seed, kept_cols_ = m;
     return true;

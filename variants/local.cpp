@@ -79,7 +79,7 @@ ParamSpec sinks_param() {
   return ps;
 }
 
-class Local final : public PatternVariant, public Decoder {
+class Local final : public PatternVariant, public KvCacheDecoder {
  public:
   Local(int64_t window, int64_t sinks, int64_t block)
       : window_(window), sinks_(sinks), block_(block) {}
@@ -87,12 +87,7 @@ class Local final : public PatternVariant, public Decoder {
   // Decode: under the causal mask with n = m, query t sees keys |t - j| <= window, j <= t,
   // that is max(0, t - window) .. t: a ring of window + 1 rows holds them all, and the sink
   // rows 0 .. sinks - 1 are kept apart. The prefill copies rows and computes nothing.
-  Decoder* decoder() override { return this; }
-  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
-                                       int64_t t0) override {
-    return kv_decode_prefill(p, k, v, t0, {.window = window_, .sinks = sinks_});
-  }
-  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
+  KvDecodeOptions cache_options() const override { return {.window = window_, .sinks = sinks_}; }
 
   std::unique_ptr<SparsePattern> make_pattern(const Problem& p, ConstTensorView,
                                               ConstTensorView) const override {

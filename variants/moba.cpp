@@ -47,6 +47,7 @@
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
+#include "common/core/parallel_for.h"
 #include "common/core/registry.h"
 #include "common/core/threads.h"
 #include "common/decode/decode_kernels.h"
@@ -315,14 +316,9 @@ class Moba final : public PatternVariant, public Decoder {
         const int64_t b = bg / G, h = bg % G * p.kv_group();
         chunk_means(k.head(b, h), k.stride_row, n, d, chunk_, c, c + 1, means.data() + bg * nc * d);
       }
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::vector<float> sc;
-      guard.run([&] { sc.resize(size_t(nc)); });
-#pragma omp for schedule(dynamic)
-      for (int64_t task = 0; task < p.batch * p.heads * tiles; ++task)
-        guard.run([&] {
+    parallel_for(
+        p.batch * p.heads * tiles, [&] { return std::vector<float>(size_t(nc)); },
+        [&](int64_t task, std::vector<float>& sc) {
           const int64_t bh = task / tiles, i0 = task % tiles * kRows;
           const int64_t b = bh / p.heads, h = bh % p.heads;
           const float* mh = means.data() + (b * G + p.kv_head(h)) * nc * d;
@@ -335,8 +331,6 @@ class Moba final : public PatternVariant, public Decoder {
                                                  pat->sel(bh, i)));
           }
         });
-    }
-    guard.rethrow();
     return pat;
   }
 
@@ -452,7 +446,6 @@ class Moba final : public PatternVariant, public Decoder {
   }
 
   // Decode: the KV cache of the whole capacity with running chunk sums (MobaDecodeState).
-  Decoder* decoder() override { return this; }
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override {
     check_prefill(p, k, v, t0);

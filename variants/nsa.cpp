@@ -541,7 +541,6 @@ class Nsa final : public Variant, public Decoder {
     return std::make_unique<NsaPattern>(p, c_, std::move(chosen));
   }
 
-  Decoder* decoder() override { return this; }
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override;
   double prefill_flops(const Problem& p, int64_t t0) const override {

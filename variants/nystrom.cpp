@@ -292,7 +292,6 @@ class Nystrom final : public Variant, public Backward {
 
   // The backward recomputes the method per head and differentiates every step the forward
   // runs (backward_head); the forward keeps nothing.
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {

@@ -90,8 +90,6 @@ class Performer final : public Variant, public Backward, public Decoder {
 
   std::string notes() const override { return maps_.note(); }
 
-  Backward* backward() override { return this; }
-
   // Saved: each row's denominator (4 B H n bytes); the backward maps phi(Q), phi(K) again with
   // the same W (prepared, or drawn again).
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
@@ -130,8 +128,6 @@ class Performer final : public Variant, public Backward, public Decoder {
     return (maps_.ready(p) ? 0.0 : double(p.heads) * double(features_) * double(p.dim) * 4.0) +
            fmap::attend_backward_bytes(p, features_);
   }
-
-  Decoder* decoder() override { return this; }
 
   // The state shares the forward's maps: prepared ones, or drawn now.
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,

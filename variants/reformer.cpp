@@ -79,6 +79,7 @@
 #include "common/core/backward.h"
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/phase.h"
 #include "common/core/random.h"
 #include "common/core/registry.h"
@@ -267,7 +268,6 @@ class Reformer final : public Variant, public Backward {
   }
 
   // The backward (see the top of the file): the forward's buckets are constants of it.
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView,
                                             ConstTensorView v, TensorView out) override {
@@ -353,15 +353,9 @@ class Reformer final : public Variant, public Backward {
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads;
     // phases (common/core/phase.h): "hash" is hashing and sorting (projections, buckets, counting
     // sort, gathering the sorted rows), "attend" the rest of a head's work
-    OmpGuard guard;
-#pragma omp parallel if (by_head(p, team_threads()))
-    {
-      std::optional<HeadBuffers> buffers;
-      guard.run([&] { buffers.emplace(full, n, d); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh)
-        guard.run([&] {
-          HeadBuffers& hb = *buffers;
+    parallel_for(
+        heads, [&] { return HeadBuffers(full, n, d); },
+        [&](int64_t bh, HeadBuffers& hb) {
           const int64_t b = bh / p.heads, h = bh % p.heads, L = reformer::valid_tokens(p, b);
           if (L == 0) {  // no keys: zero rows
             for (int64_t i = 0; i < n; ++i) std::fill_n(out.row(b, h, i), d, 0.0f);
@@ -405,9 +399,8 @@ class Reformer final : public Variant, public Backward {
             const float inv = 1.0f / hb.z[size_t(i)];
             for (int64_t x = 0; x < d; ++x) o[x] *= inv;
           }
-        });
-    }
-    guard.rethrow();
+        },
+        {.parallel = by_head(p, team_threads())});
   }
 
   /// (query, key) scores of one round of one head of n tokens.
@@ -704,15 +697,9 @@ class Reformer final : public Variant, public Backward {
   void backward_round(const Problem& p, const Plan& pl, int64_t L, const float* lse, int64_t b,
                       HeadBuffers& hb, GradBuffers& gb) const {
     const int64_t n = p.n, d = p.dim, ch = pl.chunk, nch = pl.chunks;
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::optional<TaskBuffers> tb;
-      guard.run([&] { tb.emplace(ch, d); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t c = 0; c < nch; ++c)
-        guard.run([&] {
-          TaskBuffers& t = *tb;
+    parallel_for(
+        nch, [&] { return TaskBuffers(ch, d); },
+        [&](int64_t c, TaskBuffers& t) {
           const int64_t own0 = c * ch, cols_c = std::min(ch, L - own0);
           const int64_t prev = nch > 1 ? (c + nch - 1) % nch : -1;
           const int64_t cols_p = prev >= 0 ? std::min(ch, L - prev * ch) : 0, cw = cols_p + cols_c;
@@ -793,8 +780,6 @@ class Reformer final : public Variant, public Backward {
             std::copy_n(t.dvw.data(), cols_p * d, gb.dv_prev.data() + prev * ch * d);
           }
         });
-    }
-    guard.rethrow();
   }
 
   std::vector<int64_t> buckets_;

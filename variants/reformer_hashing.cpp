@@ -20,7 +20,7 @@
 
 #include "common/core/backward.h"
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/phase.h"
 #include "common/core/random.h"
 #include "common/core/registry.h"
@@ -123,14 +123,10 @@ void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int6
     for (int64_t x = 0; x < d; ++x)
       std::copy_n(part.begin() + x * pl.cols, pl.cols, rot.begin() + x * c + r * pl.cols);
   }
-  OmpGuard guard;
-#pragma omp parallel
-  {
-    std::vector<float> proj;
-    guard.run([&] { proj.resize(size_t(kHashRows * c)); });
-#pragma omp for schedule(static)
-    for (int64_t i0 = 0; i0 < n; i0 += kHashRows)
-      guard.run([&] {
+  parallel_for(
+      (n + kHashRows - 1) / kHashRows, [&] { return std::vector<float>(size_t(kHashRows * c)); },
+      [&](int64_t blk, std::vector<float>& proj) {
+        const int64_t i0 = blk * kHashRows;
         const int64_t rows = std::min(kHashRows, n - i0);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(c), int(d), 1.0f,
                     q + i0 * ld, int(ld), rot.data(), int(c), 0.0f, proj.data(), int(c));
@@ -139,8 +135,6 @@ void hash_rows(const Plan& pl, uint64_t seed, int64_t head, const float* q, int6
             bucket[r * n + i0 + t] =
                 int32_t(bucket_of(proj.data() + t * c + r * pl.cols, pl.factors));
       });
-  }
-  guard.rethrow();
 }
 
 std::vector<int32_t> hash_all(const Problem& p, const std::vector<int64_t>& buckets, int64_t hashes,

@@ -646,7 +646,6 @@ class Rfa final : public Variant, public Backward, public Decoder {
     return true;
   }
 
-  Backward* backward() override { return this; }
   void check_backward(const Problem& p) const override {
     Backward::check_backward(p);
     check_gated(p);
@@ -742,8 +741,6 @@ class Rfa final : public Variant, public Backward, public Decoder {
     return drawn +
            double(threads) * double(gated_backward_floats(2 * freqs_, p.dim, p.keys())) * 4.0;
   }
-
-  Decoder* decoder() override { return this; }
 
   // Plain: the engine's state with the forward's maps; gated: the recurrence's
   // (GatedDecodeState). Either way with the prepared draws, or drawn now.

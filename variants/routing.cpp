@@ -444,7 +444,6 @@ class RoutingVariant final : public Variant, public Backward {
   // The backward: the routes (clusters, their top-w queries and keys) are the forward's and
   // constants of it; each cluster's softmax attention is differentiated as exact attention's,
   // with the upstream gradient of query i divided among the clusters its output averages.
-  Backward* backward() override { return this; }
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override {

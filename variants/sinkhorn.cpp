@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/threads.h"
 #include "common/engines/block_sparse.h"
 
@@ -330,19 +330,13 @@ class Sinkhorn final : public PatternVariant {
     const int64_t nb = blocks(p), bh = p.batch * p.heads;
     auto pat = std::make_unique<SinkhornPattern>(block_, p.heads, nb);
     pat->resize(p.batch);
-    OmpGuard guard;
-#pragma omp parallel if (bh > 1)
-    {
-      std::optional<MatchWork> w;
-      guard.run([&] { w.emplace(nb, p.dim); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < bh; ++t)
-        guard.run([&] {
-          match_head(p, q, k, t / p.heads, t % p.heads, block_, temperature_, iterations_, *w,
+    parallel_for(
+        bh, [&] { return MatchWork(nb, p.dim); },
+        [&](int64_t t, MatchWork& w) {
+          match_head(p, q, k, t / p.heads, t % p.heads, block_, temperature_, iterations_, w,
                      pat->head(t / p.heads, t % p.heads));
-        });
-    }
-    guard.rethrow();
+        },
+        {.parallel = bh > 1});
     return pat;
   }
 

@@ -77,4 +77,31 @@ class Backward {
   virtual void check_backward(const Problem& p) const;
 };
 
+/// A backward that keeps nothing, for a variant to derive from: forward_train is the variant's
+/// forward, and backward recomputes what it needs from q, k and v. `Self` is the variant (it
+/// derives from Variant and from RecomputeBackward<Self>) and defines, public,
+///   void recompute_backward(const Problem&, ConstTensorView q, ConstTensorView k,
+///                           ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+///                           TensorView dq, TensorView dk, TensorView dv);
+/// with backward()'s contract.
+template <class Self>
+class RecomputeBackward : public Backward {
+ public:
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) final {
+    self().forward(p, q, k, v, out);
+    return std::make_unique<NothingSaved>();
+  }
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
+                TensorView dk, TensorView dv) final {
+    NothingSaved::expect(saved, self().info().name.c_str());
+    self().recompute_backward(p, q, k, v, out, dout, dq, dk, dv);
+  }
+  double saved_estimate(const Problem&) const final { return double(sizeof(NothingSaved)); }
+
+ private:
+  Self& self() { return static_cast<Self&>(*this); }
+};
+
 }  // namespace attnbench

@@ -197,14 +197,15 @@ class Variant {
   /// the results' prepare_s column; a variant whose forward() reuses prepared draws says so
   /// in notes(). forward() without prepare() draws everything itself on every call.
   virtual bool prepare(const Problem& /*p*/) { return false; }
-  /// The training pass (common/core/backward.h) if this variant implements one, else nullptr: a
-  /// variant with a backward derives from Backward too and returns this. `list` and the
+  /// The training pass (common/core/backward.h) if this variant implements one, else nullptr:
+  /// a variant with a backward derives from Backward too, and this finds it. `list` and the
+  /// harness read the capability from here; a variant whose backward depends on its
+  /// parameters overrides it.
+  virtual Backward* backward() { return dynamic_cast<Backward*>(this); }
+  /// The generation pass (common/core/decode.h) if this variant implements one, else nullptr:
+  /// a variant that decodes derives from Decoder too, and this finds it. `list` and the
   /// harness read the capability from here.
-  virtual Backward* backward() { return nullptr; }
-  /// The generation pass (common/core/decode.h) if this variant implements one, else nullptr: a
-  /// variant that decodes derives from Decoder too and returns this. `list` and the harness
-  /// read the capability from here.
-  virtual Decoder* decoder() { return nullptr; }
+  virtual Decoder* decoder() { return dynamic_cast<Decoder*>(this); }
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }

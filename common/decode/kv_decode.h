@@ -69,4 +69,19 @@ std::unique_ptr<DecodeState> kv_decode_prefill(const Problem& p, ConstTensorView
                                                ConstTensorView v, int64_t t0,
                                                const KvDecodeOptions& opt = {});
 
+/// The decoder of exact softmax attention over a KV cache, for a variant to derive from: the
+/// prefill copies rows of k and v into the cache and computes nothing.
+class KvCacheDecoder : public Decoder {
+ public:
+  std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                       int64_t t0) override {
+    return kv_decode_prefill(p, k, v, t0, cache_options());
+  }
+  double prefill_flops(const Problem&, int64_t) const override { return 0.0; }
+
+ protected:
+  /// The cache's window and sinks: the whole cache unless the variant sees less.
+  virtual KvDecodeOptions cache_options() const { return {}; }
+};
+
 }  // namespace attnbench

@@ -61,7 +61,6 @@ std::unique_ptr<DecodeState> pattern_decode_prefill(const Problem& p,
 /// prefill computes nothing (it copies rows and reads the pattern's block lists).
 class FixedPatternVariant : public PatternVariant, public Decoder {
  public:
-  Decoder* decoder() override { return this; }
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override;
   double prefill_flops(const Problem&, int64_t) const override { return 0.0; }

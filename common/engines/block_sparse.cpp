@@ -13,6 +13,7 @@
 
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/threads.h"
 #include "common/engines/block_sparse_internal.h"
 #include "common/kernels/amx_kernels.h"
@@ -89,18 +90,14 @@ class AmxKernel {
     uint16_t* kp = packed_k();
     uint16_t* vp = packed_v();
     const int64_t m = p.keys();
-    OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t bg = 0; bg < p.batch * kv_heads_; ++bg)
-      guard.run([&] {
-        // the first query head of the group reads key/value head g
-        const int64_t b = bg / kv_heads_, h = bg % kv_heads_ * p.kv_group();
-        amx::pack_keys(k.row(b, h, 0), k.stride_row, m, p.dim, tl_.dk, keys_,
-                       kp + bg * keys_ * tl_.dk);
-        amx::pack_values(v.row(b, h, 0), v.stride_row, m, p.dim, tl_.dv, keys_,
-                         vp + bg * keys_ * tl_.dv);
-      });
-    guard.rethrow();
+    parallel_for(p.batch * kv_heads_, [&](int64_t bg) {
+      // the first query head of the group reads key/value head g
+      const int64_t b = bg / kv_heads_, h = bg % kv_heads_ * p.kv_group();
+      amx::pack_keys(k.row(b, h, 0), k.stride_row, m, p.dim, tl_.dk, keys_,
+                     kp + bg * keys_ * tl_.dk);
+      amx::pack_values(v.row(b, h, 0), v.stride_row, m, p.dim, tl_.dv, keys_,
+                       vp + bg * keys_ * tl_.dv);
+    });
   }
   /// Bytes of the packed K and V (bf16) of every key/value head.
   static int64_t packed_bytes(const Problem& p) {

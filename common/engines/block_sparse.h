@@ -188,7 +188,6 @@ class PatternVariant : public Variant, public Backward {
   double flops(const Problem& p) const override;
   double memory_estimate(const Problem& p) const override;
 
-  Backward* backward() override { return this; }
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override;
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,

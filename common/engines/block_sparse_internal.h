@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
 #include "common/core/threads.h"
 #include "common/engines/block_sparse.h"
 #include "common/kernels/amx_kernels.h"

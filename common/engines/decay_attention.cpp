@@ -9,8 +9,8 @@
 #include <cmath>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
+#include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "common/core/threads.h"
 #include "common/kernels/simd.h"
@@ -93,10 +93,8 @@ Seq make_seq(const Problem& p, const Decay& decay, int64_t b, int64_t s, ConstTe
 template <class Body>
 void for_each_state(int64_t batch, int64_t states, const Body& body, bool parallel = true) {
   const int64_t count = batch * states;
-  OmpGuard guard;
-#pragma omp parallel for if (parallel && count >= team_threads()) schedule(dynamic, 1)
-  for (int64_t i = 0; i < count; ++i) guard.run([&] { body(i / states, i % states); });
-  guard.rethrow();
+  parallel_for(count, [&](int64_t i) { body(i / states, i % states); },
+               {.parallel = parallel && count >= team_threads()});
 }
 
 // Value columns per register block of the fused step.

@@ -101,7 +101,6 @@ class DecayVariant : public Variant, public Backward, public Decoder {
   double flops(const Problem& p) const override;
   double memory_estimate(const Problem& p) const override;
 
-  Backward* backward() override { return this; }
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override;
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
@@ -111,7 +110,6 @@ class DecayVariant : public Variant, public Backward, public Decoder {
   double saved_estimate(const Problem&) const override { return 0; }
   double backward_memory_estimate(const Problem& p) const override;
 
-  Decoder* decoder() override { return this; }
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override;
   double prefill_flops(const Problem& p, int64_t t0) const override;

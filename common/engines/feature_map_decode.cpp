@@ -12,8 +12,8 @@
 #include <optional>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
+#include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "common/core/threads.h"
 #include "common/engines/feature_map_attention.h"
@@ -42,11 +42,8 @@ int head_threads(int64_t heads, double flops) {
 template <class Body>
 void for_each_head(int64_t heads, double flops, float* pool, int64_t stride, const Body& body) {
   const bool per_head = head_threads(heads, flops) > 1;
-  OmpGuard guard;
-#pragma omp parallel for if (per_head) schedule(dynamic, 1)
-  for (int64_t bh = 0; bh < heads; ++bh)
-    guard.run([&] { body(bh, pool + int64_t(omp_get_thread_num()) * stride); });
-  guard.rethrow();
+  parallel_for(heads, [&](int64_t bh) { body(bh, pool + int64_t(omp_get_thread_num()) * stride); },
+               {.parallel = per_head});
 }
 
 class KernelDecodeState final : public DecodeState {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/threads.h"
 #include "common/kernels/additive_score.h"
 #include "common/patterns/strided_pattern.h"
@@ -153,14 +153,10 @@ void for_each_class(const Problem& p, int64_t stride, F&& f) {
   const int64_t classes = query_classes(p, stride);
   const int threads = team_threads();
   if (threads > 1 && classes >= 4 * int64_t(threads)) {
-    OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t u = 0; u < classes; ++u)
-      guard.run([&] {
-        omp_set_num_threads(1);  // the engine's regions inside this class: this thread alone
-        f(query_class(p, stride, u));
-      });
-    guard.rethrow();
+    parallel_for(classes, [&](int64_t u) {
+      omp_set_num_threads(1);  // the engine's regions inside this class: this thread alone
+      f(query_class(p, stride, u));
+    });
   } else {
     for (int64_t u = 0; u < classes; ++u) f(query_class(p, stride, u));
   }

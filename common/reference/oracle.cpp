@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 
 namespace attnbench {
 
@@ -118,14 +118,10 @@ Matrix feature_map_attention(const Matrix& fq, const Matrix& fk, const Matrix& v
 std::vector<double> per_head(const Problem& p, const std::function<Matrix(int64_t, int64_t)>& f) {
   const int64_t bh = p.batch * p.heads, per = p.n * p.dim;
   std::vector<double> out(size_t(bh * per));
-  OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t t = 0; t < bh; ++t)
-    guard.run([&] {
-      const Matrix o = f(t / p.heads, t % p.heads);
-      std::copy(o.a.begin(), o.a.end(), out.begin() + t * per);
-    });
-  guard.rethrow();
+  parallel_for(bh, [&](int64_t t) {
+    const Matrix o = f(t / p.heads, t % p.heads);
+    std::copy(o.a.begin(), o.a.end(), out.begin() + t * per);
+  });
   return out;
 }
 

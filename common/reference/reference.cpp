@@ -7,6 +7,7 @@
 
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 
 namespace attnbench {
 
@@ -114,21 +115,19 @@ void weighted_rows(const Problem& p, ConstTensorView q, ConstTensorView k, Const
                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
                    const SparsePattern* pattern, bool uniform, double* lse) {
   const int64_t d = p.dim;
-  OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r)
-    guard.run([&] {
-      const int64_t i = rows[r];
-      std::vector<double> prob =
-          probabilities(p, q, k, b, h, i, pattern, uniform, lse ? lse + r : nullptr);
-      double* o = out + int64_t(r) * d;
-      std::fill(o, o + d, 0.0);
-      for (int64_t j = 0; j < p.visible(b, i); ++j) {
-        const float* vj = v.row(b, h, j);
-        for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
-      }
-    });
-  guard.rethrow();
+  parallel_for(int64_t(rows.size()),
+               [&](int64_t r) {
+                 const int64_t i = rows[r];
+                 std::vector<double> prob =
+                     probabilities(p, q, k, b, h, i, pattern, uniform, lse ? lse + r : nullptr);
+                 double* o = out + int64_t(r) * d;
+                 std::fill(o, o + d, 0.0);
+                 for (int64_t j = 0; j < p.visible(b, i); ++j) {
+                   const float* vj = v.row(b, h, j);
+                   for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
+                 }
+               },
+               {.chunk = 4});
 }
 
 }  // namespace
@@ -226,21 +225,22 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
                                  const SparsePattern& pattern, int64_t b, int64_t h,
                                  std::span<const int64_t> rows) {
   std::vector<double> mass(rows.size());
-  OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r)
-    guard.run([&] {
-      const int64_t i = rows[r];
-      std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
-      std::vector<uint8_t> allowed(size_t(p.keys()));
-      pattern_row(p, pattern, b, h, i, allowed.data());
-      double in = 0;
-      for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
-      // a row with no visible key (causal, padding or the mask) has nothing to lose: mass 1
-      const bool empty = std::all_of(prob.begin(), prob.end(), [](double x) { return x == 0; });
-      mass[r] = empty ? 1.0 : in;
-    });
-  guard.rethrow();
+  parallel_for(int64_t(rows.size()),
+               [&](int64_t r) {
+                 const int64_t i = rows[r];
+                 std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
+                 std::vector<uint8_t> allowed(size_t(p.keys()));
+                 pattern_row(p, pattern, b, h, i, allowed.data());
+                 double in = 0;
+                 for (int64_t j = 0; j < p.keys(); ++j)
+                   in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
+                 // a row with no visible key (causal, padding or the mask) has nothing to lose:
+                 // mass 1
+                 const bool empty =
+                     std::all_of(prob.begin(), prob.end(), [](double x) { return x == 0; });
+                 mass[r] = empty ? 1.0 : in;
+               },
+               {.chunk = 4});
   return mass;
 }
 
@@ -249,28 +249,27 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
                                  std::span<const int64_t> rows, std::span<const double> lse) {
   std::vector<double> mass(rows.size());
   const AttnMask* mask = p.attn_mask.get();
-  OmpGuard guard;
-#pragma omp parallel for schedule(dynamic, 4)
-  for (size_t r = 0; r < rows.size(); ++r)
-    guard.run([&] {
-      const int64_t i = rows[r];
-      // a row with no visible key (causal, padding or the mask) has nothing to lose: mass 1
-      if (lse[r] == -INFINITY) {
-        mass[r] = 1.0;
-        return;
-      }
-      std::vector<uint8_t> allowed(size_t(p.keys()));
-      pattern_row(p, pattern, b, h, i, allowed.data());
-      const Logits logit(p, q.row(b, h, i), h);
-      double in = 0;
-      for (int64_t j = 0; j < p.visible(b, i); ++j) {
-        if (!allowed[size_t(j)]) continue;
-        const double bias = mask ? double(mask->at(b, h, i, j)) : 0.0;
-        if (bias != -INFINITY) in += std::exp(logit(k.row(b, h, j)) + bias - lse[r]);
-      }
-      mass[r] = in;
-    });
-  guard.rethrow();
+  parallel_for(int64_t(rows.size()),
+               [&](int64_t r) {
+                 const int64_t i = rows[r];
+                 // a row with no visible key (causal, padding or the mask) has nothing to lose:
+                 // mass 1
+                 if (lse[r] == -INFINITY) {
+                   mass[r] = 1.0;
+                   return;
+                 }
+                 std::vector<uint8_t> allowed(size_t(p.keys()));
+                 pattern_row(p, pattern, b, h, i, allowed.data());
+                 const Logits logit(p, q.row(b, h, i), h);
+                 double in = 0;
+                 for (int64_t j = 0; j < p.visible(b, i); ++j) {
+                   if (!allowed[size_t(j)]) continue;
+                   const double bias = mask ? double(mask->at(b, h, i, j)) : 0.0;
+                   if (bias != -INFINITY) in += std::exp(logit(k.row(b, h, j)) + bias - lse[r]);
+                 }
+                 mass[r] = in;
+               },
+               {.chunk = 4});
   return mass;
 }
 

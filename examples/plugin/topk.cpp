@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/registry.h"
 #include "common/core/threads.h"
 #include "common/patterns/pattern.h"
@@ -90,21 +90,15 @@ class TopkPattern final : public attnbench::SparsePattern {
     const int64_t rows = p.batch * p.heads * p.n;
     start_.assign(size_t(rows) + 1, 0);
     std::vector<std::vector<int32_t>> per_row(static_cast<size_t>(rows));
-    // an exception must not leave an OpenMP region: the guard carries it out
-    attnbench::OmpGuard guard;
-#pragma omp parallel
-    {
-      std::optional<Scratch> scratch;
-      guard.run([&] { scratch.emplace(m_); });
-#pragma omp for schedule(dynamic, 16)
-      for (int64_t r = 0; r < rows; ++r)
-        guard.run([&] {
+    // one Scratch per thread; an exception in any row is rethrown here, after the loop
+    attnbench::parallel_for(
+        rows, [&] { return Scratch(m_); },
+        [&](int64_t r, Scratch& scratch) {
           const int64_t bh = r / n_, i = r % n_;
-          const int64_t count = select_keys(p, q, k, bh / heads_, bh % heads_, i, top_k, *scratch);
-          per_row[size_t(r)].assign(scratch->keys.begin(), scratch->keys.begin() + count);
-        });
-    }
-    guard.rethrow();
+          const int64_t count = select_keys(p, q, k, bh / heads_, bh % heads_, i, top_k, scratch);
+          per_row[size_t(r)].assign(scratch.keys.begin(), scratch.keys.begin() + count);
+        },
+        {.chunk = 16});
     for (int64_t r = 0; r < rows; ++r)
       start_[size_t(r) + 1] = start_[size_t(r)] + int64_t(per_row[size_t(r)].size());
     keys_.reserve(size_t(start_.back()));
@@ -163,15 +157,9 @@ class TopkAttention final : public attnbench::Variant {
       throw attnbench::UnsupportedError("topk indexes keys with 32-bit integers (m < 2^31)");
     const int64_t rows = p.batch * p.heads * p.n, d = p.dim;
     const float scale = p.softmax_scale();
-    attnbench::OmpGuard guard;
-#pragma omp parallel
-    {
-      std::optional<Scratch> scratch;
-      guard.run([&] { scratch.emplace(p.keys()); });
-#pragma omp for schedule(dynamic, 16)
-      for (int64_t r = 0; r < rows; ++r)
-        guard.run([&] {
-          Scratch& s = *scratch;
+    attnbench::parallel_for(
+        rows, [&] { return Scratch(p.keys()); },
+        [&](int64_t r, Scratch& s) {
           const int64_t bh = r / p.n, i = r % p.n, b = bh / p.heads, h = bh % p.heads;
           // passes 1 and 2: logits and the selected keys
           const int64_t count = select_keys(p, q, k, b, h, i, top_k_, s);
@@ -198,9 +186,8 @@ class TopkAttention final : public attnbench::Variant {
             const int32_t j = s.keys[size_t(t)];
             o += (s.logits[size_t(j)] * inv) * Eigen::Map<const Eigen::VectorXf>(v.row(b, h, j), d);
           }
-        });
-    }
-    guard.rethrow();
+        },
+        {.chunk = 16});
   }
 
   double flops(const Problem& p) const override {
