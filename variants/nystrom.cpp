@@ -619,6 +619,189 @@ class Nystrom final : public Variant, public Backward {
   // (iters L^2), B, dB (L x d each), the iteration's work (3 L^2).
   int64_t backward_doubles(int64_t L, int64_t d) const { return (13 + iters_) * L * L + 2 * L * d; }
 
+  /// The backward of head (b, h), which has Lb >= 1 landmarks: its inputs, the forward's
+  /// quantities it recomputes and their gradients in buffers carved from backward_floats()
+  /// floats (fb) and backward_doubles() doubles (db), and the steps of backward_head.
+  struct HeadBackward {
+    const Nystrom& self;
+    const Problem& p;
+    const int64_t b, h, n, m, d, L, len, Lb;
+    const float scale;
+    ConstTensorView q, k, v, dout;
+    float *qt, *kt, *dqt, *dkt, *w, *dw, *mx, *sum, *st, *gt;
+    float *zf, *workf, *iteratesf;  // float32 iteration
+    double *a, *z, *da, *dz, *work, *iterates, *bb, *dbb, *pwork;
+
+    HeadBackward(const Nystrom& self, const Problem& p, const Plan& pl, int64_t b, int64_t h,
+                 ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView dout,
+                 float* fb, double* db)
+        : self(self),
+          p(p),
+          b(b),
+          h(h),
+          n(p.n),
+          m(p.keys()),
+          d(p.dim),
+          L(pl.L),
+          len(valid_keys(p, b)),
+          Lb(self.landmarks(p, pl, b)),
+          scale(p.softmax_scale()),
+          q(q),
+          k(k),
+          v(v),
+          dout(dout) {
+      qt = fb, kt = qt + L * d, dqt = kt + L * d, dkt = dqt + L * d, w = dkt + L * d;
+      dw = w + L * d, mx = dw + L * d, sum = mx + L, st = sum + L;
+      const int64_t tile = std::max({std::min(kBlockQ, n), std::min(kChunkK, m), L});
+      gt = st + tile * L;
+      zf = gt + tile * L, workf = zf + L * L, iteratesf = workf + 3 * L * L;
+      a = db, z = a + L * L, da = z + L * L, dz = da + L * L, work = dz + L * L;
+      iterates = work + 6 * L * L, bb = iterates + self.iters_ * L * L, dbb = bb + L * d;
+      pwork = dbb + L * d;  // 3 L^2
+    }
+
+    // Q~, K~ (the landmarks) and zero dQ~, dK~
+    void landmarks() {
+      std::vector<double> acc(static_cast<size_t>(d));
+      segment_means(q.head(b, h), q.stride_row, n, d, Lb, qt, acc.data());
+      segment_means(k.head(b, h), k.stride_row, len, d, Lb, kt, acc.data());
+      std::fill(dqt, dqt + Lb * d, 0.0f);
+      std::fill(dkt, dkt + Lb * d, 0.0f);
+    }
+
+    // Pb's scores of the keys [j0, j0 + cols) into st (Lb x cols)
+    void pb_scores(int64_t j0, int64_t cols) const {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, qt,
+                  int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, st, int(cols));
+    }
+
+    // 1. B = Pb V: the row maxima, then the sums and P V
+    void values() {
+      std::fill(mx, mx + Lb, -INFINITY);
+      for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
+        const int64_t cols = std::min(kChunkK, len - j0);
+        pb_scores(j0, cols);
+        for (int64_t r = 0; r < Lb; ++r) mx[r] = std::max(mx[r], row_max(st + r * cols, cols));
+      }
+      std::fill(sum, sum + Lb, 0.0f);
+      std::fill(w, w + Lb * d, 0.0f);  // w holds P V until B is formed
+      for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
+        const int64_t cols = std::min(kChunkK, len - j0);
+        pb_scores(j0, cols);
+        for (int64_t r = 0; r < Lb; ++r) sum[r] += exp_sum(st + r * cols, cols, scale, mx[r]);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, st,
+                    int(cols), v.row(b, h, j0), int(v.stride_row), 1.0f, w, int(d));
+      }
+      for (int64_t r = 0; r < Lb; ++r)
+        for (int64_t x = 0; x < d; ++x) bb[r * d + x] = double(w[r * d + x]) / double(sum[r]);
+    }
+
+    // 2. A, Z (keeping the iterates), W = Z B
+    void solve() {
+      const int64_t iters = self.iters_;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0f, qt,
+                  int(d), kt, int(d), 0.0f, st, int(Lb));
+      for (int64_t r = 0; r < Lb; ++r) softmax_row(st + r * Lb, Lb, scale);
+      for (int64_t i = 0; i < Lb * Lb; ++i) a[i] = double(st[i]);
+      if (self.pinv_double_) {
+        iterative_pinv(Lb, a, iters, z, pwork, iterates);
+      } else {
+        // the forward's float iteration; its iterates and result, in double, are where the
+        // iteration is differentiated
+        iterative_pinv(Lb, st, iters, zf, workf, iteratesf);
+        std::copy(zf, zf + Lb * Lb, z);
+        std::copy(iteratesf, iteratesf + iters * Lb * Lb, iterates);
+      }
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0, z,
+                  int(Lb), bb, int(d), 0.0, dbb, int(d));
+      for (int64_t i = 0; i < Lb * d; ++i) w[i] = float(dbb[i]);
+    }
+
+    // 3. out = F W per block of query rows: dQ (through F's scores), dK~, dW
+    void rows(TensorView dq) {
+      std::fill(dw, dw + Lb * d, 0.0f);
+      for (int64_t i0 = 0; i0 < n; i0 += kBlockQ) {
+        const int64_t rows = std::min(kBlockQ, n - i0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
+                    q.row(b, h, i0), int(q.stride_row), kt, int(d), 0.0f, st, int(Lb));
+        for (int64_t r = 0; r < rows; ++r) softmax_row(st + r * Lb, Lb, scale);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
+                    dout.row(b, h, i0), int(dout.stride_row), w, int(d), 0.0f, gt, int(Lb));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, st,
+                    int(Lb), dout.row(b, h, i0), int(dout.stride_row), 1.0f, dw, int(d));
+        softmax_backward_rows(st, gt, rows, Lb, scale);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(Lb), 1.0f, gt,
+                    int(Lb), kt, int(d), 0.0f, dq.row(b, h, i0), int(dq.stride_row));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, gt,
+                    int(Lb), q.row(b, h, i0), int(q.stride_row), 1.0f, dkt, int(d));
+      }
+    }
+
+    // 4. W = Z B: dZ = dW B^T, dB = Z^T dW; then dA through the iteration
+    // 5. A = softmax(s Q~ K~^T): dQ~ += dS K~, dK~ += dS^T Q~
+    void solve_backward() {
+      std::vector<double> dwd(size_t(Lb * d));
+      for (int64_t i = 0; i < Lb * d; ++i) dwd[size_t(i)] = double(dw[i]);
+      cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0,
+                  dwd.data(), int(d), bb, int(d), 0.0, dz, int(Lb));
+      cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0, z,
+                  int(Lb), dwd.data(), int(d), 0.0, dbb, int(d));
+      iterative_pinv_backward(Lb, a, self.iters_, iterates, dz, da, work);
+      for (int64_t i = 0; i < Lb * Lb; ++i) st[i] = float(a[i]), gt[i] = float(da[i]);
+      softmax_backward_rows(st, gt, Lb, Lb, scale);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
+                  int(Lb), kt, int(d), 1.0f, dqt, int(d));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
+                  int(Lb), qt, int(d), 1.0f, dkt, int(d));
+    }
+
+    // 6. B = Pb V over chunks of keys: dV = Pb^T dB, dS = Pb o (dB V^T - rowsum(dB o B)) s,
+    // dQ~ += dS K, dK = dS^T Q~ (dw holds dB in float, the rows' D in sum)
+    void values_backward(TensorView dk, TensorView dv) {
+      for (int64_t r = 0; r < Lb; ++r) {
+        double D = 0;
+        for (int64_t x = 0; x < d; ++x) {
+          dw[r * d + x] = float(dbb[r * d + x]);
+          D += dbb[r * d + x] * bb[r * d + x];
+        }
+        gt[r] = float(D);
+      }
+      std::vector<float> dsum(gt, gt + Lb);
+      for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
+        const int64_t cols = std::min(kChunkK, len - j0);
+        pb_scores(j0, cols);
+        for (int64_t r = 0; r < Lb; ++r) {
+          exp_sum(st + r * cols, cols, scale, mx[r]);
+          const float inv = 1.0f / sum[r];
+          for (int64_t c = 0; c < cols; ++c) st[r * cols + c] *= inv;
+        }
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, st,
+                    int(cols), dw, int(d), 0.0f, dv.row(b, h, j0), int(dv.stride_row));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, dw,
+                    int(d), v.row(b, h, j0), int(v.stride_row), 0.0f, gt, int(cols));
+        for (int64_t r = 0; r < Lb; ++r)
+          softmax_backward_row(st + r * cols, gt + r * cols, cols, dsum[size_t(r)], scale);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, gt,
+                    int(cols), k.row(b, h, j0), int(k.stride_row), 1.0f, dqt, int(d));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, gt,
+                    int(cols), qt, int(d), 0.0f, dk.row(b, h, j0), int(dk.stride_row));
+      }
+    }
+
+    // 7. the landmark means: each of the `rows` rows of a segment gets its landmark's gradient
+    // g / its size
+    void spread(const float* g, int64_t rows, TensorView dx) const {
+      for (int64_t r = 0; r < Lb; ++r) {
+        const int64_t lo = r * rows / Lb, hi = (r + 1) * rows / Lb;
+        const float inv = 1.0f / float(hi - lo);
+        for (int64_t i = lo; i < hi; ++i) {
+          float* o = dx.row(b, h, i);
+          for (int64_t x = 0; x < d; ++x) o[x] += g[r * d + x] * inv;
+        }
+      }
+    }
+  };
+
   /// The gradients of head (b, h), every step of the forward differentiated in reverse:
   ///   out = F W, F = softmax(s Q K~^T), W = Z B, Z = pinv(A), A = softmax(s Q~ K~^T),
   ///   B = Pb V, Pb = softmax(s Q~ K^T) over the valid keys, Q~, K~ segment means;
@@ -628,145 +811,24 @@ class Nystrom final : public Variant, public Backward {
   void backward_head(const Problem& p, const Plan& pl, int64_t b, int64_t h, ConstTensorView q,
                      ConstTensorView k, ConstTensorView v, ConstTensorView dout, TensorView dq,
                      TensorView dk, TensorView dv, float* fb, double* db) const {
-    const int64_t n = p.n, m = p.keys(), d = p.dim, L = pl.L;
-    const int64_t len = valid_keys(p, b), Lb = landmarks(p, pl, b);
-    const float scale = p.softmax_scale();
+    const int64_t n = p.n, m = p.keys(), d = p.dim;
     for (int64_t j = 0; j < m; ++j) {
       std::fill_n(dk.row(b, h, j), d, 0.0f);
       std::fill_n(dv.row(b, h, j), d, 0.0f);
     }
-    if (Lb == 0) {  // no valid key: the rows are 0
+    if (landmarks(p, pl, b) == 0) {  // no valid key: the rows are 0
       for (int64_t i = 0; i < n; ++i) std::fill_n(dq.row(b, h, i), d, 0.0f);
       return;
     }
-    float *qt = fb, *kt = qt + L * d, *dqt = kt + L * d, *dkt = dqt + L * d, *w = dkt + L * d;
-    float *dw = w + L * d, *mx = dw + L * d, *sum = mx + L, *st = sum + L;
-    const int64_t tile = std::max({std::min(kBlockQ, n), std::min(kChunkK, m), L});
-    float* gt = st + tile * L;
-    float *zf = gt + tile * L, *workf = zf + L * L, *iteratesf = workf + 3 * L * L;  // float32
-    double *a = db, *z = a + L * L, *da = z + L * L, *dz = da + L * L, *work = dz + L * L;
-    double *iterates = work + 6 * L * L, *bb = iterates + iters_ * L * L, *dbb = bb + L * d;
-    double* pwork = dbb + L * d;  // 3 L^2
-    std::vector<double> acc(static_cast<size_t>(d));
-    segment_means(q.head(b, h), q.stride_row, n, d, Lb, qt, acc.data());
-    segment_means(k.head(b, h), k.stride_row, len, d, Lb, kt, acc.data());
-    std::fill(dqt, dqt + Lb * d, 0.0f);
-    std::fill(dkt, dkt + Lb * d, 0.0f);
-    // Pb's scores of the keys [j0, j0 + cols) into st (Lb x cols)
-    auto pb_scores = [&](int64_t j0, int64_t cols) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, qt,
-                  int(d), k.row(b, h, j0), int(k.stride_row), 0.0f, st, int(cols));
-    };
-    // 1. B = Pb V: the row maxima, then the sums and P V
-    std::fill(mx, mx + Lb, -INFINITY);
-    for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
-      const int64_t cols = std::min(kChunkK, len - j0);
-      pb_scores(j0, cols);
-      for (int64_t r = 0; r < Lb; ++r) mx[r] = std::max(mx[r], row_max(st + r * cols, cols));
-    }
-    std::fill(sum, sum + Lb, 0.0f);
-    std::fill(w, w + Lb * d, 0.0f);  // w holds P V until B is formed
-    for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
-      const int64_t cols = std::min(kChunkK, len - j0);
-      pb_scores(j0, cols);
-      for (int64_t r = 0; r < Lb; ++r) sum[r] += exp_sum(st + r * cols, cols, scale, mx[r]);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, st,
-                  int(cols), v.row(b, h, j0), int(v.stride_row), 1.0f, w, int(d));
-    }
-    for (int64_t r = 0; r < Lb; ++r)
-      for (int64_t x = 0; x < d; ++x) bb[r * d + x] = double(w[r * d + x]) / double(sum[r]);
-    // 2. A, Z (keeping the iterates), W = Z B
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0f, qt, int(d),
-                kt, int(d), 0.0f, st, int(Lb));
-    for (int64_t r = 0; r < Lb; ++r) softmax_row(st + r * Lb, Lb, scale);
-    for (int64_t i = 0; i < Lb * Lb; ++i) a[i] = double(st[i]);
-    if (pinv_double_) {
-      iterative_pinv(Lb, a, iters_, z, pwork, iterates);
-    } else {
-      // the forward's float iteration; its iterates and result, in double, are where the
-      // iteration is differentiated
-      iterative_pinv(Lb, st, iters_, zf, workf, iteratesf);
-      std::copy(zf, zf + Lb * Lb, z);
-      std::copy(iteratesf, iteratesf + iters_ * Lb * Lb, iterates);
-    }
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0, z,
-                int(Lb), bb, int(d), 0.0, dbb, int(d));
-    for (int64_t i = 0; i < Lb * d; ++i) w[i] = float(dbb[i]);
-    // 3. out = F W per block of query rows: dQ (through F's scores), dK~, dW
-    std::fill(dw, dw + Lb * d, 0.0f);
-    for (int64_t i0 = 0; i0 < n; i0 += kBlockQ) {
-      const int64_t rows = std::min(kBlockQ, n - i0);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
-                  q.row(b, h, i0), int(q.stride_row), kt, int(d), 0.0f, st, int(Lb));
-      for (int64_t r = 0; r < rows; ++r) softmax_row(st + r * Lb, Lb, scale);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(Lb), int(d), 1.0f,
-                  dout.row(b, h, i0), int(dout.stride_row), w, int(d), 0.0f, gt, int(Lb));
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, st,
-                  int(Lb), dout.row(b, h, i0), int(dout.stride_row), 1.0f, dw, int(d));
-      softmax_backward_rows(st, gt, rows, Lb, scale);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d), int(Lb), 1.0f, gt,
-                  int(Lb), kt, int(d), 0.0f, dq.row(b, h, i0), int(dq.stride_row));
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(rows), 1.0f, gt,
-                  int(Lb), q.row(b, h, i0), int(q.stride_row), 1.0f, dkt, int(d));
-    }
-    // 4. W = Z B: dZ = dW B^T, dB = Z^T dW; then dA through the iteration
-    std::vector<double> dwd(size_t(Lb * d));
-    for (int64_t i = 0; i < Lb * d; ++i) dwd[size_t(i)] = double(dw[i]);
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(Lb), int(d), 1.0, dwd.data(),
-                int(d), bb, int(d), 0.0, dz, int(Lb));
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0, z, int(Lb),
-                dwd.data(), int(d), 0.0, dbb, int(d));
-    iterative_pinv_backward(Lb, a, iters_, iterates, dz, da, work);
-    // 5. A = softmax(s Q~ K~^T): dQ~ += dS K~, dK~ += dS^T Q~
-    for (int64_t i = 0; i < Lb * Lb; ++i) st[i] = float(a[i]), gt[i] = float(da[i]);
-    softmax_backward_rows(st, gt, Lb, Lb, scale);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
-                int(Lb), kt, int(d), 1.0f, dqt, int(d));
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(Lb), int(d), int(Lb), 1.0f, gt,
-                int(Lb), qt, int(d), 1.0f, dkt, int(d));
-    // 6. B = Pb V over chunks of keys: dV = Pb^T dB, dS = Pb o (dB V^T - rowsum(dB o B)) s,
-    // dQ~ += dS K, dK = dS^T Q~ (dw holds dB in float, the rows' D in sum)
-    for (int64_t r = 0; r < Lb; ++r) {
-      double D = 0;
-      for (int64_t x = 0; x < d; ++x) {
-        dw[r * d + x] = float(dbb[r * d + x]);
-        D += dbb[r * d + x] * bb[r * d + x];
-      }
-      gt[r] = float(D);
-    }
-    std::vector<float> dsum(gt, gt + Lb);
-    for (int64_t j0 = 0; j0 < len; j0 += kChunkK) {
-      const int64_t cols = std::min(kChunkK, len - j0);
-      pb_scores(j0, cols);
-      for (int64_t r = 0; r < Lb; ++r) {
-        exp_sum(st + r * cols, cols, scale, mx[r]);
-        const float inv = 1.0f / sum[r];
-        for (int64_t c = 0; c < cols; ++c) st[r * cols + c] *= inv;
-      }
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, st,
-                  int(cols), dw, int(d), 0.0f, dv.row(b, h, j0), int(dv.stride_row));
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lb), int(cols), int(d), 1.0f, dw,
-                  int(d), v.row(b, h, j0), int(v.stride_row), 0.0f, gt, int(cols));
-      for (int64_t r = 0; r < Lb; ++r)
-        softmax_backward_row(st + r * cols, gt + r * cols, cols, dsum[size_t(r)], scale);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lb), int(d), int(cols), 1.0f, gt,
-                  int(cols), k.row(b, h, j0), int(k.stride_row), 1.0f, dqt, int(d));
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(d), int(Lb), 1.0f, gt,
-                  int(cols), qt, int(d), 0.0f, dk.row(b, h, j0), int(dk.stride_row));
-    }
-    // 7. the landmark means: each row of a segment gets its landmark's gradient / its size
-    auto spread = [&](const float* g, int64_t rows, TensorView dx) {
-      for (int64_t r = 0; r < Lb; ++r) {
-        const int64_t lo = r * rows / Lb, hi = (r + 1) * rows / Lb;
-        const float inv = 1.0f / float(hi - lo);
-        for (int64_t i = lo; i < hi; ++i) {
-          float* o = dx.row(b, h, i);
-          for (int64_t x = 0; x < d; ++x) o[x] += g[r * d + x] * inv;
-        }
-      }
-    };
-    spread(dqt, n, dq);
-    spread(dkt, len, dk);
+    HeadBackward hb(*this, p, pl, b, h, q, k, v, dout, fb, db);
+    hb.landmarks();
+    hb.values();
+    hb.solve();
+    hb.rows(dq);
+    hb.solve_backward();
+    hb.values_backward(dk, dv);
+    hb.spread(hb.dqt, n, dq);
+    hb.spread(hb.dkt, hb.len, dk);
   }
 
   int64_t landmarks_, iters_;
