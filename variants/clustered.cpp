@@ -74,6 +74,7 @@
 
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/registry.h"
 #include "common/core/threads.h"
 #include "common/kernels/softmax.h"
@@ -147,7 +148,7 @@ Settings settings(const ParamValues& pv) {
                   .bits = int(pv.get_int("bits"))};
 }
 
-class Clustered final : public Variant, public Backward {
+class Clustered final : public Variant, public RecomputeBackward<Clustered> {
  public:
   Clustered(Settings s, int64_t topk) : s_(s), topk_(topk) {}
 
@@ -239,33 +240,18 @@ class Clustered final : public Variant, public Backward {
 
   // The backward: the clusters and the top keys are constants (recomputed as the forward
   // makes them); the centroid means, both softmaxes, mhat and the residual are differentiated
-  // (backward_head).
-
-  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
-                                            ConstTensorView v, TensorView out) override {
-    forward(p, q, k, v, out);
-    return std::make_unique<NothingSaved>();
-  }
-
-  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
-                ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
-                TensorView dk, TensorView dv) override {
-    NothingSaved::expect(saved, "clustered");
+  // (backward_head). The forward keeps nothing (RecomputeBackward).
+  void recompute_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                          ConstTensorView, ConstTensorView dout, TensorView dq, TensorView dk,
+                          TensorView dv) {
     std::vector<Groups> groups(size_t(p.batch * p.heads));
     cluster_all(p, q, groups);
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::vector<float> buf;
-      guard.run([&] { buf.resize(size_t(backward_floats(p))); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
-        guard.run([&] {
+    parallel_for(
+        p.batch * p.heads, [&] { return std::vector<float>(size_t(backward_floats(p))); },
+        [&](int64_t bh, std::vector<float>& buf) {
           backward_head(p, bh / p.heads, bh % p.heads, groups[size_t(bh)], q, k, v, dout, dq, dk,
                         dv, buf.data());
         });
-    }
-    guard.rethrow();
   }
 
   double backward_flops(const Problem& p) const override {
@@ -279,7 +265,6 @@ class Clustered final : public Variant, public Backward {
     const double members = kk > 0 ? n * (12.0 * kk * d + 8.0 * kk) : 0.0;
     return flops(p) + bh * (attention + members);
   }
-  double saved_estimate(const Problem&) const override { return double(sizeof(NothingSaved)); }
   // The forward's groups and clustering (memory_estimate), then per thread the buffers of
   // backward_head and group_top_keys' scores, heap and lists.
   double backward_memory_estimate(const Problem& p) const override {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "variants/clustered.h"
 
@@ -186,20 +187,17 @@ void lloyd_hamming(const float* q, int64_t ld, int64_t n, int64_t d, const Setti
   std::vector<float> planes(size_t(s.bits) * size_t(d + 1));
   hash_planes(seed, head, d, s.bits, planes.data(), planes.data() + d * s.bits);
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  OmpGuard guard;
-#pragma omp parallel if (parallel)
-  {
-    std::unique_ptr<float[]> proj;
-    guard.run([&] { proj.reset(new float[size_t(std::min(kBlockRows, n) * s.bits)]); });
-#pragma omp for schedule(static)
-    for (int64_t bl = 0; bl < blocks; ++bl)
-      guard.run([&] {
+  parallel_for(
+      blocks,
+      [&] {
+        return std::make_unique_for_overwrite<float[]>(size_t(std::min(kBlockRows, n) * s.bits));
+      },
+      [&](int64_t bl, std::unique_ptr<float[]>& proj) {
         const int64_t i0 = bl * kBlockRows, rows = std::min(kBlockRows, n - i0);
         hash_block(q + i0 * ld, ld, rows, d, s.bits, planes.data(), planes.data() + d * s.bits,
                    proj.get(), codes + i0);
-      });
-  }
-  guard.rethrow();
+      },
+      {.parallel = parallel});
   // pass 2: initial centroids, Lloyd rounds, final assignment
   Code* centres = codes + n;
   const std::vector<int64_t> init = initial_rows(seed, head, n, c);

@@ -83,6 +83,7 @@
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
+#include "common/core/parallel_for.h"
 #include "common/core/prepared.h"
 #include "common/core/registry.h"
 #include "common/core/threads.h"
@@ -456,11 +457,9 @@ class GatedDecodeState final : public DecodeState {
   template <class Body>
   void for_each_head(float* pool, int64_t floats, const Body& body) const {
     const int64_t heads = batch_ * heads_;
-    OmpGuard guard;
-#pragma omp parallel for if (threads() > 1) schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < heads; ++bh)
-      guard.run([&] { body(bh, pool + int64_t(omp_get_thread_num()) * floats); });
-    guard.rethrow();
+    parallel_for(heads,
+                 [&](int64_t bh) { body(bh, pool + int64_t(omp_get_thread_num()) * floats); },
+                 {.parallel = threads() > 1});
   }
 
   int64_t batch_, heads_, capacity_, d_, f_ = 0, stride_ = 0, length_ = 0;
@@ -549,14 +548,12 @@ class Rfa final : public Variant, public Backward, public Decoder {
       const Heads::Heads& drawn = heads_.get(
           p, [&](int64_t h) { return make_head(p, h); }, fresh);
       const int64_t heads = p.batch * p.heads;
-      OmpGuard guard;
-#pragma omp parallel
-      {
-        std::vector<float> work;
-        guard.run([&] { work.resize(size_t(gated_backward_floats(2 * freqs_, p.dim, p.keys()))); });
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < heads; ++bh)
-          guard.run([&] {
+      parallel_for(
+          heads,
+          [&] {
+            return std::vector<float>(size_t(gated_backward_floats(2 * freqs_, p.dim, p.keys())));
+          },
+          [&](int64_t bh, std::vector<float>& work) {
             const int64_t b = bh / p.heads, h = bh % p.heads;
             const fmap::HeadGrads io{
                 q.head(b, h),    k.head(b, h),  v.head(b, h),  out.head(b, h), dout.head(b, h),
@@ -566,8 +563,6 @@ class Rfa final : public Variant, public Backward, public Decoder {
             gated_head_backward(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, io,
                                 work.data());
           });
-      }
-      guard.rethrow();
       return;
     }
     const float* den = fmap::RowDenominators::of(saved, p).den.data();

@@ -46,7 +46,7 @@ void parallel_for(int64_t tasks, Body&& body, ParallelFor how = {}) {
 /// body(t, scratch) for every t in [0, tasks), where scratch is the value make() returned on
 /// the thread that runs t (make runs once per thread, before its first task).
 template <class Make, class Body>
-  requires std::is_invocable_v<Make>
+requires std::is_invocable_v<Make>
 void parallel_for(int64_t tasks, Make&& make, Body&& body, ParallelFor how = {}) {
   OmpGuard guard;
   const int team = how.threads > 0 ? how.threads : omp_get_max_threads();
