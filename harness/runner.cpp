@@ -376,6 +376,195 @@ bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const Mach
   return true;
 }
 
+/// What a workload's pass asks of the variant and the harness.
+struct PassKind {
+  bool decode;  // --pass decode
+  bool train;   // --pass bwd or fwdbwd
+  bool bf16;    // --dtype bf16
+};
+
+/// FLOPs of what is timed: the forward, the backward alone, or both.
+double pass_flops(Variant& variant, const Problem& p, const Workload& w, Backward* bw,
+                  const PassKind& kind) {
+  if (!kind.train) return variant.flops(p);
+  return (w.pass == "bwd" ? 0.0 : variant.flops(p)) + bw->backward_flops(p);
+}
+
+/// The row's FLOPs and memory estimates of what is timed (the backward's peak excludes the
+/// saved state, allocated before its timed passes; both together hold it throughout).
+void fill_estimates(Variant& variant, const Problem& p, const Workload& w, Backward* bw,
+                    const PassKind& kind, Row& row) {
+  // decode: the state's figure, once built
+  row.flops = kind.decode ? NAN : pass_flops(variant, p, w, bw, kind);
+  row.saved_estimate_bytes = kind.train ? bw->saved_estimate(p) : NAN;
+  if (kind.decode)  // no estimate of a state's working memory; the memory check bounds the state
+    row.estimated_bytes = NAN;
+  else if (!kind.train)
+    row.estimated_bytes = variant.memory_estimate(p);
+  else if (w.pass == "bwd")
+    row.estimated_bytes = bw->backward_memory_estimate(p);
+  else
+    row.estimated_bytes = row.saved_estimate_bytes +
+                          std::max(variant.memory_estimate(p), bw->backward_memory_estimate(p));
+}
+
+/// Bytes the row needs: the variant's estimate (or a decode state's bound), the inputs and
+/// output unless given, the training buffers, the bf16 copies and the error measure's.
+double memory_need(const Problem& p, const Row& row, bool given, const PassKind& kind,
+                   const RunOptions& opt) {
+  const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4;
+  // training: dO, dQ, dK, dV, the saved state, and the float64 gradients of one head
+  const double train_bytes =
+      kind.train
+          ? double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4 +
+                // grouped key/value heads: the per-head gradients of k and v, summed by group
+                (p.kv_group() > 1 ? double(p.kv_shape().numel() * 2) * 4 : 0.0) +
+                row.saved_estimate_bytes + grad_error_memory_estimate(p)
+          : 0.0;
+  // decode: a state as large as a KV cache of every timed position, at most
+  const double decode_bytes =
+      kind.decode
+          ? 8.0 * double(p.batch * p.heads) * double(p.n + decode_timed_steps(p.n)) * double(p.dim)
+          : 0.0;
+  // bf16: the rounded copies of q, k and v, and the float32 path's output on them
+  const double bf16_bytes =
+      kind.bf16 ? double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4 : 0.0;
+  return (kind.decode ? decode_bytes : row.estimated_bytes) + (given ? 0 : io_bytes) + train_bytes +
+         bf16_bytes + error_memory_estimate(p, opt.exact_limit);
+}
+
+/// A row's inputs: `exact` the given or generated ones, `in` what the variant computes on.
+/// bf16: `in` holds q, k and v rounded to bfloat16; the error is measured against the float64
+/// reference on the unrounded inputs (`exact`), the float32 problem.
+struct RowInputs {
+  RowInputs(const Inputs* given, const Problem& p, const Workload& w, bool bf16) {
+    if (!given) generated = generate_inputs(p, w);
+    exact = given ? given : &generated;
+    if (bf16) {
+      rounded.q = rounded_bf16(exact->q);
+      rounded.k = rounded_bf16(exact->k);
+      rounded.v = rounded_bf16(exact->v);
+    }
+    in = bf16 ? &rounded : exact;
+  }
+  RowInputs(const RowInputs&) = delete;
+  RowInputs& operator=(const RowInputs&) = delete;
+
+  Inputs generated, rounded;
+  const Inputs* exact = nullptr;
+  const Inputs* in = nullptr;
+};
+
+/// The checked forward pass of a fwd, bwd or fwdbwd row: its output (out) is what the error
+/// is measured on; a training row's forward keeps its state in `saved`. Returns false when the
+/// row ended in an error.
+bool checked_forward(Variant& variant, const Problem& p, const RowInputs& inputs,
+                     const RunOptions& opt, const PassKind& kind, Tensor& out,
+                     std::unique_ptr<SavedState>& saved, Row& row) {
+  const Inputs& exact_in = *inputs.exact;
+  const Inputs& in = *inputs.in;
+  Problem p32 = p;
+  p32.dtype = DType::f32;
+  if (!kind.train) {
+    variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  } else {
+    // twice: the first call may leave allocations of its own behind (thread teams, BLAS
+    // buffers); what the second holds after it returns is the saved state
+    variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view()).reset();
+    const int64_t before = heap_current_bytes();
+    saved = variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+    if (heap_counting()) row.saved_bytes = double(heap_current_bytes() - before);
+  }
+  if (int64_t bad = first_non_finite(out); bad >= 0) {
+    row.status = "error";
+    row.message =
+        fmt::format("output holds a non-finite value ({}) at flat index {}", out.data()[bad], bad);
+    return false;
+  }
+  auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
+  const double e0 = omp_get_wtime();
+  row.error = measure_error(p32, exact_in.q.view(), exact_in.k.view(), exact_in.v.view(),
+                            out.view(), opt.exact_limit, pattern.get());
+  row.error_seconds = omp_get_wtime() - e0;
+  pattern.reset();
+  if (kind.bf16) {
+    // the variant's float32 path on the same rounded inputs: the error of the rounding
+    // alone (checked before the bf16 row's timed passes, so they run after it)
+    Tensor out32(p.q_shape());
+    variant.run(p32, in.q.view(), in.k.view(), in.v.view(), out32.view());
+    row.rounded_input_error = measure_error(p32, exact_in.q.view(), exact_in.k.view(),
+                                            exact_in.v.view(), out32.view(), opt.exact_limit)
+                                  .rel_fro;
+  }
+  return true;
+}
+
+/// The timed passes of a bwd or fwdbwd row after its checked forward: the checked backward
+/// (non-finite check, gradient error), then the timed passes. grad_note: why the gradient error
+/// was not measured, if it was not; grads, if given, receives dq, dk, dv. Returns false when
+/// the row ended in an error.
+bool train_row(Variant& variant, const Problem& p, const Workload& w, const Inputs& in,
+               const MachineFigures& mf, const RunOptions& opt, const std::string& name,
+               Tensor& out, std::unique_ptr<SavedState>& saved, Row& row,
+               nlohmann::json* bench_json, Gradients* grads, std::string& grad_note) {
+  Tensor generated_dout;
+  if (in.dout.numel() == 0) generated_dout = generate_dout(p);
+  const ConstTensorView dout =
+      in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
+  Tensor dq(p.q_shape()), dk = p.kv_tensor(), dv = p.kv_tensor();
+  variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
+                       dq.view(), dk.view(), dv.view());
+  for (const auto* t : {&dq, &dk, &dv})
+    if (int64_t bad = first_non_finite(*t); bad >= 0) {
+      row.status = "error";
+      row.message = fmt::format("{} holds a non-finite value ({}) at flat index {}",
+                                t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
+      return false;
+    }
+  const double g0 = omp_get_wtime();
+  const GradErrorStats ge = measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout,
+                                               dq.view(), dk.view(), dv.view(), opt.exact_limit);
+  row.error_seconds += omp_get_wtime() - g0;
+  row.grad_err_q = ge.q, row.grad_err_k = ge.k, row.grad_err_v = ge.v;
+  row.grad_heads = ge.heads;
+  std::function<void()> pass;
+  if (w.pass == "bwd")
+    pass = [&] {
+      variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
+                               dq.view(), dk.view(), dv.view());
+    };
+  else
+    pass = [&] {
+      saved.reset();  // each pass builds its own state
+      saved = variant.compute_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+      variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
+                               dq.view(), dk.view(), dv.view());
+    };
+  if (w.pass == "fwdbwd") saved.reset();
+  if (!time_passes(name, opt, mf, pass, row, bench_json)) return false;
+  if (ge.heads == 0)
+    grad_note = fmt::format(
+        "gradient error not measured: one head holds {} query-key pairs, above the {} "
+        "compared in float64",
+        double(p.n) * double(p.keys()), opt.exact_limit);
+  if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv)};
+  return true;
+}
+
+/// The row's notes: the variant's (of the last timed pass), masked rows without keys, the
+/// gradient note and the trained inputs' context.
+void add_notes(Row& row, const Variant& variant, const Problem& p, const Workload& w,
+               const std::string& grad_note) {
+  row.notes = variant.notes();
+  if (!p.unmasked())
+    if (const int64_t empty = p.rows_without_keys(); empty > 0)
+      row.notes += fmt::format("{}{} masked rows without keys (output 0)",
+                               row.notes.empty() ? "" : "; ", empty);
+  if (!grad_note.empty()) row.notes += (row.notes.empty() ? "" : "; ") + grad_note;
+  if (const std::string beyond = trained_context_note(p, w.input); !beyond.empty())
+    row.notes += (row.notes.empty() ? "" : "; ") + beyond;
+}
+
 }  // namespace
 
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
@@ -398,47 +587,14 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     p.validate();
     w.validate(p);
     variant.check_supported(p);
-    const bool decode = w.pass == "decode", train = w.pass == "bwd" || w.pass == "fwdbwd";
-    if (train) variant.check_backward(p);
-    if (decode) variant.check_decode(p);
-    Backward* bw = train ? variant.backward() : nullptr;
-    // FLOPs and bytes of what is timed: the forward, the backward alone, or both (the
-    // backward's peak excludes the saved state, allocated before its timed passes; both
-    // together hold it throughout)
-    auto pass_flops = [&] {
-      if (!train) return variant.flops(p);
-      return (w.pass == "bwd" ? 0.0 : variant.flops(p)) + bw->backward_flops(p);
-    };
-    row.flops = decode ? NAN : pass_flops();  // decode: the state's figure, once built
-    row.saved_estimate_bytes = train ? bw->saved_estimate(p) : NAN;
-    if (decode)  // no estimate of a state's working memory; the check below bounds the state
-      row.estimated_bytes = NAN;
-    else if (!train)
-      row.estimated_bytes = variant.memory_estimate(p);
-    else if (w.pass == "bwd")
-      row.estimated_bytes = bw->backward_memory_estimate(p);
-    else
-      row.estimated_bytes = row.saved_estimate_bytes +
-                            std::max(variant.memory_estimate(p), bw->backward_memory_estimate(p));
+    const PassKind kind{w.pass == "decode", w.pass == "bwd" || w.pass == "fwdbwd",
+                        p.dtype == DType::bf16};
+    if (kind.train) variant.check_backward(p);
+    if (kind.decode) variant.check_decode(p);
+    Backward* bw = kind.train ? variant.backward() : nullptr;
+    fill_estimates(variant, p, w, bw, kind, row);
     // Refuse what cannot fit rather than meet the OOM killer.
-    const double io_bytes = double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4;
-    // training: dO, dQ, dK, dV, the saved state, and the float64 gradients of one head
-    const double train_bytes =
-        train ? double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4 +
-                    // grouped key/value heads: the per-head gradients of k and v, summed by group
-                    (p.kv_group() > 1 ? double(p.kv_shape().numel() * 2) * 4 : 0.0) +
-                    row.saved_estimate_bytes + grad_error_memory_estimate(p)
-              : 0.0;
-    // decode: a state as large as a KV cache of every timed position, at most
-    const double decode_bytes = decode ? 8.0 * double(p.batch * p.heads) *
-                                             double(p.n + decode_timed_steps(p.n)) * double(p.dim)
-                                       : 0.0;
-    // bf16: the rounded copies of q, k and v, and the float32 path's output on them
-    const bool bf16 = p.dtype == DType::bf16;
-    const double bf16_bytes =
-        bf16 ? double(p.q_shape().numel() * 2 + p.kv_storage_shape().numel() * 2) * 4 : 0.0;
-    const double need = (decode ? decode_bytes : row.estimated_bytes) + (given ? 0 : io_bytes) +
-                        train_bytes + bf16_bytes + error_memory_estimate(p, opt.exact_limit);
+    const double need = memory_need(p, row, given != nullptr, kind, opt);
     if (std::string why = too_large(need, row.estimated_bytes, opt); !why.empty()) {
       row.status = "skipped";
       row.message = why;
@@ -446,122 +602,31 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     }
 
     // the per-pass work of a prepared variant leaves its draws out
-    if (prepare_variant(variant, p, row) && !decode) row.flops = pass_flops();
+    if (prepare_variant(variant, p, row) && !kind.decode)
+      row.flops = pass_flops(variant, p, w, bw, kind);
 
-    Inputs generated;
-    if (!given) generated = generate_inputs(p, w);
-    const Inputs& exact_in = given ? *given : generated;
-    // bf16: the variant computes on q, k and v rounded to bfloat16; the error is measured
-    // against the float64 reference on the unrounded inputs (exact_in), the float32 problem
-    Inputs rounded;
-    if (bf16) {
-      rounded.q = rounded_bf16(exact_in.q);
-      rounded.k = rounded_bf16(exact_in.k);
-      rounded.v = rounded_bf16(exact_in.v);
-    }
-    const Inputs& in = bf16 ? rounded : exact_in;
-    Problem p32 = p;
-    p32.dtype = DType::f32;
+    const RowInputs inputs(given, p, w, kind.bf16);
+    const Inputs& in = *inputs.in;
     Tensor out(p.q_shape());
     const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
     std::string grad_note;
-    if (decode) {
+    if (kind.decode) {
       if (!decode_row(variant, p, in, mf, opt, name, out, row, bench_json)) return row;
     } else {
-      // Checked pass: its output is what the error is measured on.
       std::unique_ptr<SavedState> saved;
-      if (!train) {
-        variant.run(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-      } else {
-        // twice: the first call may leave allocations of its own behind (thread teams, BLAS
-        // buffers); what the second holds after it returns is the saved state
-        variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view()).reset();
-        const int64_t before = heap_current_bytes();
-        saved = variant.run_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-        if (heap_counting()) row.saved_bytes = double(heap_current_bytes() - before);
-      }
-      if (int64_t bad = first_non_finite(out); bad >= 0) {
-        row.status = "error";
-        row.message = fmt::format("output holds a non-finite value ({}) at flat index {}",
-                                  out.data()[bad], bad);
-        return row;
-      }
-      auto pattern = variant.make_pattern(p, in.q.view(), in.k.view());
-      const double e0 = omp_get_wtime();
-      row.error = measure_error(p32, exact_in.q.view(), exact_in.k.view(), exact_in.v.view(),
-                                out.view(), opt.exact_limit, pattern.get());
-      row.error_seconds = omp_get_wtime() - e0;
-      pattern.reset();
-      if (bf16) {
-        // the variant's float32 path on the same rounded inputs: the error of the rounding
-        // alone (checked before the bf16 row's timed passes, so they run after it)
-        Tensor out32(p.q_shape());
-        variant.run(p32, in.q.view(), in.k.view(), in.v.view(), out32.view());
-        row.rounded_input_error = measure_error(p32, exact_in.q.view(), exact_in.k.view(),
-                                                exact_in.v.view(), out32.view(), opt.exact_limit)
-                                      .rel_fro;
-      }
-
-      if (!train) {
+      if (!checked_forward(variant, p, inputs, opt, kind, out, saved, row)) return row;
+      if (!kind.train) {
         if (!time_passes(
                 name, opt, mf,
                 [&] { variant.compute(p, in.q.view(), in.k.view(), in.v.view(), out.view()); }, row,
                 bench_json))
           return row;
-      } else {
-        Tensor generated_dout;
-        if (in.dout.numel() == 0) generated_dout = generate_dout(p);
-        const ConstTensorView dout =
-            in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
-        Tensor dq(p.q_shape()), dk = p.kv_tensor(), dv = p.kv_tensor();
-        variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
-                             dq.view(), dk.view(), dv.view());
-        for (const auto* t : {&dq, &dk, &dv})
-          if (int64_t bad = first_non_finite(*t); bad >= 0) {
-            row.status = "error";
-            row.message =
-                fmt::format("{} holds a non-finite value ({}) at flat index {}",
-                            t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
-            return row;
-          }
-        const double g0 = omp_get_wtime();
-        const GradErrorStats ge =
-            measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout, dq.view(), dk.view(),
-                               dv.view(), opt.exact_limit);
-        row.error_seconds += omp_get_wtime() - g0;
-        row.grad_err_q = ge.q, row.grad_err_k = ge.k, row.grad_err_v = ge.v;
-        row.grad_heads = ge.heads;
-        std::function<void()> pass;
-        if (w.pass == "bwd")
-          pass = [&] {
-            variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
-                                     *saved, dq.view(), dk.view(), dv.view());
-          };
-        else
-          pass = [&] {
-            saved.reset();  // each pass builds its own state
-            saved = variant.compute_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
-            variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout,
-                                     *saved, dq.view(), dk.view(), dv.view());
-          };
-        if (w.pass == "fwdbwd") saved.reset();
-        if (!time_passes(name, opt, mf, pass, row, bench_json)) return row;
-        if (ge.heads == 0)
-          grad_note = fmt::format(
-              "gradient error not measured: one head holds {} query-key pairs, above the {} "
-              "compared in float64",
-              double(p.n) * double(p.keys()), opt.exact_limit);
-        if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv)};
+      } else if (!train_row(variant, p, w, in, mf, opt, name, out, saved, row, bench_json, grads,
+                            grad_note)) {
+        return row;
       }
     }
-    row.notes = variant.notes();  // of the last timed pass
-    if (!p.unmasked())
-      if (const int64_t empty = p.rows_without_keys(); empty > 0)
-        row.notes += fmt::format("{}{} masked rows without keys (output 0)",
-                                 row.notes.empty() ? "" : "; ", empty);
-    if (!grad_note.empty()) row.notes += (row.notes.empty() ? "" : "; ") + grad_note;
-    if (const std::string beyond = trained_context_note(p, w.input); !beyond.empty())
-      row.notes += (row.notes.empty() ? "" : "; ") + beyond;
+    add_notes(row, variant, p, w, grad_note);
     if (output) *output = std::move(out);
   } catch (const std::exception& e) {
     record_failure(row, e);

@@ -3,8 +3,9 @@
 # suite there. Any undefined behaviour stops the process (compiled with
 # -fno-sanitize-recover=all, and halt_on_error below). Tests that cannot run under the
 # sanitizers skip themselves and say why (tests/test_util.h: the allocation-count tests and
-# the death tests that cap the address space). The Slurm test (label slurm, tests/slurm_test.sh)
-# is left out: it exercises the scheduler, not the code, and runs in the plain build's suite.
+# the death tests that cap the address space). The Slurm test (label slurm,
+# tests/scripts/slurm_test.sh) is left out: it exercises the scheduler, not the code, and runs
+# in the plain build's suite.
 #
 # The compiler is clang++ where it is installed (scripts/deps.sh --dev), else g++; CXX chooses
 # another. With clang, the same tree is also the clang build (warnings are errors, as with

@@ -220,102 +220,104 @@ inline void merge_row(float* o, float& lse, const float* o2, float lse2, int64_t
   lse = mx + std::log(a + b);
 }
 
-/// out of the group's positions i0 .. i0 + rows - 1 (all heads of the group).
-void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
-  const int64_t d = g.d, gs = g.gs, t_last = i0 + rows - 1;
+/// Pass 1 for the sub-tile of sr positions s0 .. s0 + sr - 1 of the task (absolute positions
+/// i0 + s0 ..), seeing C pooled rows: the compression branch of every head of the group into
+/// ws.ocmp, and the probabilities summed over the group into ws.psum (sr x C).
+void compression_pass(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, int64_t s0,
+                      int64_t sr, int64_t C, Workspace& ws) {
+  const int64_t d = g.d, gs = g.gs, si0 = i0 + s0;
   const float scale = float(1.0 / std::sqrt(double(d)));
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (C > 0) {
+    Eigen::Map<RowMat> S(ws.s.data(), sr, C), P(ws.psum.data(), sr, C);
+    for (int64_t hg = 0; hg < gs; ++hg) {
+      // S = Q K~^T (sr x C)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sr), int(C), int(d), 1.0f,
+                  g.q + hg * g.q_sh + s0 * g.q_sr, int(g.q_sr), g.kc, int(d), 0.0f, ws.s.data(),
+                  int(C));
+      for (int64_t r = 0; r < sr; ++r) {
+        const int64_t vc = std::min(C, c.visible(si0 + r));
+        auto row = S.row(r);
+        row.tail(C - vc).setZero();
+        if (vc == 0) continue;
+        auto x = row.head(vc).array();
+        const float mx = x.maxCoeff();
+        x = ((x - mx) * scale).exp();
+        x *= 1.0f / x.sum();
+      }
+      // O = P V~ (sr x d)
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sr), int(d), int(C), 1.0f,
+                  ws.s.data(), int(C), g.vc, int(d), 0.0f, ws.ocmp.data() + (hg * rows + s0) * d,
+                  int(d));
+      if (hg == 0)
+        P = S;
+      else
+        P += S;
+    }
+  } else {
+    for (int64_t hg = 0; hg < gs; ++hg)
+      std::fill_n(ws.ocmp.data() + (hg * rows + s0) * d, sr * d, 0.0f);
+  }
+}
 
-  // passes 1 and 2 in sub-tiles of kCmpRows positions (the probabilities of a sub-tile,
-  // kCmpRows x C floats, stay in cache)
+/// Pass 2 for the same sub-tile: block scores (overlap weights w(i, j), see the header) from
+/// ws.psum and the top-n per position into ws.chosen / ws.nchosen (and g.chosen if set).
+void choose_blocks(const Config& c, const GroupRows& g, int64_t i0, int64_t s0, int64_t sr,
+                   int64_t C, Workspace& ws) {
+  const int64_t si0 = i0 + s0;
   const int64_t a = c.lsel / c.s,
                 bw = c.l / c.s;  // a stride pieces per sel block, bw per cmp block
-  for (int64_t s0 = 0; s0 < rows; s0 += kCmpRows) {
-    const int64_t sr = std::min(kCmpRows, rows - s0), si0 = i0 + s0;
-    const int64_t C = std::min(g.nc, c.visible(si0 + sr - 1));
-
-    // pass 1: compression branch of every head; probabilities summed over the group in psum
-    if (C > 0) {
-      Eigen::Map<RowMat> S(ws.s.data(), sr, C), P(ws.psum.data(), sr, C);
-      for (int64_t hg = 0; hg < gs; ++hg) {
-        // S = Q K~^T (sr x C)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(sr), int(C), int(d), 1.0f,
-                    g.q + hg * g.q_sh + s0 * g.q_sr, int(g.q_sr), g.kc, int(d), 0.0f, ws.s.data(),
-                    int(C));
-        for (int64_t r = 0; r < sr; ++r) {
-          const int64_t vc = std::min(C, c.visible(si0 + r));
-          auto row = S.row(r);
-          row.tail(C - vc).setZero();
-          if (vc == 0) continue;
-          auto x = row.head(vc).array();
-          const float mx = x.maxCoeff();
-          x = ((x - mx) * scale).exp();
-          x *= 1.0f / x.sum();
-        }
-        // O = P V~ (sr x d)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(sr), int(d), int(C), 1.0f,
-                    ws.s.data(), int(C), g.vc, int(d), 0.0f, ws.ocmp.data() + (hg * rows + s0) * d,
-                    int(d));
-        if (hg == 0)
-          P = S;
-        else
-          P += S;
-      }
+  for (int64_t r = 0; r < sr; ++r) {
+    const int64_t t = si0 + r, cur = t / c.lsel;
+    int32_t* ch = ws.chosen.data() + (s0 + r) * c.top;
+    int64_t n = 0;
+    if (cur + 1 <= c.top) {
+      for (int64_t j = 0; j <= cur; ++j) ch[n++] = int32_t(j);
     } else {
-      for (int64_t hg = 0; hg < gs; ++hg)
-        std::fill_n(ws.ocmp.data() + (hg * rows + s0) * d, sr * d, 0.0f);
+      // stride piece u (keys [u s, (u + 1) s)) collects the probabilities of the compressed
+      // blocks covering it, i = u - bw + 1 .. u; block j's score is the sum of its a pieces,
+      // that is sum_i w(i, j) p_i with w the number of pieces of block i inside block j.
+      // Entries of p past the row's visible blocks are 0 (pass 1), so only i < C is bounded.
+      const float* p = ws.psum.data() + r * std::max<int64_t>(C, 1);
+      const int64_t U = (cur - 1) * a;  // pieces of blocks 0 .. cur - 2
+      float* pc = ws.pieces.data();
+      std::fill(pc, pc + U, 0.0f);
+      for (int64_t o = 0; o < bw; ++o)
+        for (int64_t u = o, u1 = std::min(U, C + o); u < u1; ++u) pc[u] += p[u - o];
+      float* sc = ws.scores.data();  // sc[j] = sum of block j's pieces, j = 0 .. cur - 2
+      std::fill(sc, sc + cur - 1, 0.0f);
+      for (int64_t x = 0; x < a; ++x)
+        for (int64_t j = 0; j < cur - 1; ++j) sc[j] += pc[j * a + x];
+      // the k = n - 3 best of blocks 1 .. cur - 2, kept sorted (score descending; a later
+      // block must score strictly more to enter, so ties go to the lower index)
+      const int64_t k = c.top - kForced;
+      float* best = ws.best.data();
+      int32_t* bj = ch + 1;
+      int64_t have = 0;
+      for (int64_t j = 1; j <= cur - 2 && k > 0; ++j) {
+        if (have == k && !(sc[j] > best[k - 1])) continue;
+        int64_t e = have < k ? have++ : k - 1;
+        for (; e > 0 && sc[j] > best[e - 1]; --e) best[e] = best[e - 1], bj[e] = bj[e - 1];
+        best[e] = sc[j], bj[e] = int32_t(j);
+      }
+      ch[0] = 0;
+      n = 1 + k;
+      ch[n++] = int32_t(cur - 1);
+      ch[n++] = int32_t(cur);
+      std::sort(ch, ch + n);
     }
-
-    // pass 2: block scores (overlap weights w(i, j), see the header) and the top-n per position
-    for (int64_t r = 0; r < sr; ++r) {
-      const int64_t t = si0 + r, cur = t / c.lsel;
-      int32_t* ch = ws.chosen.data() + (s0 + r) * c.top;
-      int64_t n = 0;
-      if (cur + 1 <= c.top) {
-        for (int64_t j = 0; j <= cur; ++j) ch[n++] = int32_t(j);
-      } else {
-        // stride piece u (keys [u s, (u + 1) s)) collects the probabilities of the compressed
-        // blocks covering it, i = u - bw + 1 .. u; block j's score is the sum of its a pieces,
-        // that is sum_i w(i, j) p_i with w the number of pieces of block i inside block j.
-        // Entries of p past the row's visible blocks are 0 (pass 1), so only i < C is bounded.
-        const float* p = ws.psum.data() + r * std::max<int64_t>(C, 1);
-        const int64_t U = (cur - 1) * a;  // pieces of blocks 0 .. cur - 2
-        float* pc = ws.pieces.data();
-        std::fill(pc, pc + U, 0.0f);
-        for (int64_t o = 0; o < bw; ++o)
-          for (int64_t u = o, u1 = std::min(U, C + o); u < u1; ++u) pc[u] += p[u - o];
-        float* sc = ws.scores.data();  // sc[j] = sum of block j's pieces, j = 0 .. cur - 2
-        std::fill(sc, sc + cur - 1, 0.0f);
-        for (int64_t x = 0; x < a; ++x)
-          for (int64_t j = 0; j < cur - 1; ++j) sc[j] += pc[j * a + x];
-        // the k = n - 3 best of blocks 1 .. cur - 2, kept sorted (score descending; a later
-        // block must score strictly more to enter, so ties go to the lower index)
-        const int64_t k = c.top - kForced;
-        float* best = ws.best.data();
-        int32_t* bj = ch + 1;
-        int64_t have = 0;
-        for (int64_t j = 1; j <= cur - 2 && k > 0; ++j) {
-          if (have == k && !(sc[j] > best[k - 1])) continue;
-          int64_t e = have < k ? have++ : k - 1;
-          for (; e > 0 && sc[j] > best[e - 1]; --e) best[e] = best[e - 1], bj[e] = bj[e - 1];
-          best[e] = sc[j], bj[e] = int32_t(j);
-        }
-        ch[0] = 0;
-        n = 1 + k;
-        ch[n++] = int32_t(cur - 1);
-        ch[n++] = int32_t(cur);
-        std::sort(ch, ch + n);
-      }
-      ws.nchosen[size_t(s0 + r)] = int32_t(n);
-      if (g.chosen) {
-        std::copy(ch, ch + n, g.chosen + (s0 + r) * c.top);
-        std::fill(g.chosen + (s0 + r) * c.top + n, g.chosen + (s0 + r + 1) * c.top, -1);
-      }
+    ws.nchosen[size_t(s0 + r)] = int32_t(n);
+    if (g.chosen) {
+      std::copy(ch, ch + n, g.chosen + (s0 + r) * c.top);
+      std::fill(g.chosen + (s0 + r) * c.top + n, g.chosen + (s0 + r + 1) * c.top, -1);
     }
   }
+}
 
-  // pass 3: selection branch. Rows (position, head) are gathered per chosen block; each
-  // block is one tile; the per-block results merge by log-sum-exp.
+/// Pass 3: selection branch into ws.osel (and ws.lse). Rows (position, head) are gathered per
+/// chosen block; each block is one tile; the per-block results merge by log-sum-exp.
+void selection_pass(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
+  const int64_t d = g.d, gs = g.gs, t_last = i0 + rows - 1;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t nb = t_last / c.lsel + 1;
   int32_t* off = ws.bstart.data();  // block j's positions: brows[off[j] .. off[j + 1])
   std::fill(off, off + nb + 1, 0);
@@ -360,9 +362,13 @@ void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
                 d);
     }
   }
+}
 
-  // pass 4: window branch, keys max(0, t - w + 1) .. t: tiles of kWinRows positions walking
-  // their band in blocks of kWinBlock keys, masked where a block leaves some row's band
+/// Pass 4: window branch into ws.owin, keys max(0, t - w + 1) .. t: tiles of kWinRows
+/// positions walking their band in blocks of kWinBlock keys, masked where a block leaves some
+/// row's band.
+void window_pass(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
+  const int64_t d = g.d, gs = g.gs;
   if (c.w > 0) {
     for (int64_t hg = 0; hg < gs; ++hg)
       for (int64_t r0 = 0; r0 < rows; r0 += kWinRows) {
@@ -386,8 +392,11 @@ void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
   } else {
     std::fill(ws.owin.begin(), ws.owin.begin() + gs * rows * d, 0.0f);
   }
+}
 
-  // pass 5: gates and the sum
+/// Pass 5: the gates and the gated sum of the three branches into g.out.
+void gate_and_sum(const GroupRows& g, int64_t rows, const Workspace& ws) {
+  const int64_t d = g.d, gs = g.gs;
   for (int64_t hg = 0; hg < gs; ++hg)
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = g.q + hg * g.q_sh + r * g.q_sr;
@@ -404,6 +413,21 @@ void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
       float* o = g.out + hg * g.o_sh + r * g.o_sr;
       for (int64_t e = 0; e < d; ++e) o[e] = gate[0] * oc[e] + gate[1] * os[e] + gate[2] * ow[e];
     }
+}
+
+/// out of the group's positions i0 .. i0 + rows - 1 (all heads of the group).
+void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
+  // passes 1 and 2 in sub-tiles of kCmpRows positions (the probabilities of a sub-tile,
+  // kCmpRows x C floats, stay in cache)
+  for (int64_t s0 = 0; s0 < rows; s0 += kCmpRows) {
+    const int64_t sr = std::min(kCmpRows, rows - s0);
+    const int64_t C = std::min(g.nc, c.visible(i0 + s0 + sr - 1));
+    compression_pass(c, g, i0, rows, s0, sr, C, ws);
+    choose_blocks(c, g, i0, s0, sr, C, ws);
+  }
+  selection_pass(c, g, i0, rows, ws);
+  window_pass(c, g, i0, rows, ws);
+  gate_and_sum(g, rows, ws);
 }
 
 /// The pooled K~ and V~ of every (batch, kv head): [B, G, nc, d] each.

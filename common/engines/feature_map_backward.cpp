@@ -68,21 +68,36 @@ int64_t backward_workspace_floats(const Schedule& s, int64_t features, int64_t d
   return BackwardLayout(s, features, d).total;
 }
 
-void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& sc,
-                          const HeadGrads& io, float* work) {
-  const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), R = sc.block, C = sc.chunk;
-  const BackwardLayout L(sc, f, d);
-  float *phq = work + L.phq, *dphq = work + L.dphq, *phk = work + L.phk, *dphk = work + L.dphk,
-        *g = work + L.g, *dd = work + L.dd, *a = work + L.a, *bm = work + L.bm, *s = work + L.s,
-        *z = work + L.z;
-  const float *q = io.q, *k = io.k, *v = io.v, *den = io.den;
-  const int64_t ldq = io.ldq, ldk = io.ldk, ldv = io.ldv;
-  const int64_t blocks = (n + R - 1) / R;
-  std::vector<float> shifts(size_t(blocks), -INFINITY);  // the key shift of each row block
+namespace {
 
-  // g = dO / |den| and dden = -(dO . out) / den of rows [i0, i0 + rows) into g and dd; rows that
-  // are 0 get 0, rows raised to the floor (den < 0) get dden = 0
-  auto grads = [&](int64_t i0, int64_t rows) {
+/// The backward of one (batch b, head) of attend_backward_head: the workspace parts, the
+/// head's operands and the state its two passes share.
+struct HeadBackward {
+  HeadBackward(const FeatureMap& fm_, const Problem& p_, int64_t b_, const Schedule& sc,
+               const HeadGrads& io_, float* work)
+      : fm(fm_),
+        p(p_),
+        io(io_),
+        b(b_),
+        f(fm_.features()),
+        d(p_.dim),
+        n(p_.n),
+        m(p_.keys()),
+        R(sc.block),
+        C(sc.chunk),
+        blocks((n + R - 1) / R),
+        shifts(size_t(blocks), -INFINITY) {
+    const BackwardLayout L(sc, f, d);
+    phq = work + L.phq, dphq = work + L.dphq, phk = work + L.phk, dphk = work + L.dphk;
+    g = work + L.g, dd = work + L.dd, a = work + L.a, bm = work + L.bm, s = work + L.s;
+    z = work + L.z;
+    q = io.q, k = io.k, v = io.v, den = io.den;
+    ldq = io.ldq, ldk = io.ldk, ldv = io.ldv;
+  }
+
+  /// g = dO / |den| and dden = -(dO . out) / den of rows [i0, i0 + rows) into g and dd; rows
+  /// that are 0 get 0, rows raised to the floor (den < 0) get dden = 0
+  void grads(int64_t i0, int64_t rows) {
     for (int64_t r = 0; r < rows; ++r) {
       const float dn = den[i0 + r];
       float* gr = g + r * d;
@@ -100,15 +115,17 @@ void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, con
       }
       dd[r] = dn > 0 ? -dot * inv : 0.0f;
     }
-  };
-  // writes 0 into `cnt` rows of a gradient
-  auto zero_rows = [&](float* x, int64_t ld, int64_t cnt) {
+  }
+
+  /// writes 0 into `cnt` rows of a gradient
+  void zero_rows(float* x, int64_t ld, int64_t cnt) const {
     for (int64_t r = 0; r < cnt; ++r) std::fill(x + r * ld, x + r * ld + d, 0.0f);
-  };
-  // B = G_c V_w^T + dden (c x w) and, if `with_a`, A = phi(Q_c) phi(K_w)^T, both with the
-  // keys row i0 + r does not see set to 0
-  auto diagonal = [&](int64_t i, int64_t c, const float* pq, const float* gc, const float* ddc,
-                      int64_t j0, int64_t w, const float* pk, bool with_a) {
+  }
+
+  /// B = G_c V_w^T + dden (c x w) and, if `with_a`, A = phi(Q_c) phi(K_w)^T, both with the
+  /// keys row i0 + r does not see set to 0
+  void diagonal(int64_t i, int64_t c, const float* pq, const float* gc, const float* ddc,
+                int64_t j0, int64_t w, const float* pk, bool with_a) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(c), int(w), int(d), 1.0f, gc, int(d),
                 v + j0 * ldv, int(ldv), 0.0f, bm, int(w));
     if (with_a)
@@ -121,10 +138,11 @@ void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, con
       std::fill(br + vis, br + w, 0.0f);
       if (with_a) std::fill(a + r * w + vis, a + r * w + w, 0.0f);
     }
-  };
+  }
 
-  // ---- pass 1: rows forwards with the prefix state S, z (as attend_head), dphi(Q), dq ----
-  {
+  /// Pass 1: rows forwards with the prefix state S, z (as attend_head), dphi(Q), dq; records
+  /// each row block's key shift in `shifts`.
+  void forward_rows() {
     KeyState st(fm, k, ldk, v, ldv, d, s, z);
     const float& shift = st.shift;
     int64_t& kdone = st.kdone;
@@ -173,18 +191,9 @@ void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, con
     }
   }
 
-  // ---- pass 2: rows backwards with the suffix state U, u (in s, z), dphi(K), dk, dv ----
-  float* u_mat = s;
-  float* u_vec = z;
-  std::fill(u_mat, u_mat + f * d, 0.0f);
-  std::fill(u_vec, u_vec + f, 0.0f);
-  float tau = -INFINITY;                            // the key shift U and u are at
-  int64_t kdone = n > 0 ? p.visible(b, n - 1) : 0;  // keys [kdone, m) are final
-  zero_rows(io.dk + kdone * io.lddk, io.lddk, m - kdone);
-  zero_rows(io.dv + kdone * io.lddv, io.lddv, m - kdone);
-  // dphi(K) = V U^T + 1 u^T and dV = phi(K) U of keys [j0, j0 + cnt) (features pk), added to
-  // what dpk and the dv rows hold (beta = 1) or overwriting them (beta = 0); then dk
-  auto finish_keys = [&](const float* pk, float* dpk, int64_t j0, int64_t cnt, float beta) {
+  /// dphi(K) = V U^T + 1 u^T and dV = phi(K) U of keys [j0, j0 + cnt) (features pk), added to
+  /// what dpk and the dv rows hold (beta = 1) or overwriting them (beta = 0); then dk
+  void finish_keys(const float* pk, float* dpk, int64_t j0, int64_t cnt, float beta) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(cnt), int(f), int(d), 1.0f,
                 v + j0 * ldv, int(ldv), u_mat, int(d), beta, dpk, int(f));
     for (int64_t r = 0; r < cnt; ++r)
@@ -192,9 +201,10 @@ void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, con
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(cnt), int(d), int(f), 1.0f, pk,
                 int(f), u_mat, int(d), beta, io.dv + j0 * io.lddv, int(io.lddv));
     fm.keys_backward(k + j0 * ldk, ldk, cnt, pk, f, dpk, f, io.dk + j0 * io.lddk, io.lddk);
-  };
-  // keys [x, kdone), seen only by rows already in U: final now, in blocks of R
-  auto finish_upto = [&](int64_t x) {
+  }
+
+  /// keys [x, kdone), seen only by rows already in U: final now, in blocks of R
+  void finish_upto(int64_t x) {
     while (kdone > x) {
       const int64_t cnt = std::min(R, kdone - x), j0 = kdone - cnt;
       float sh = tau;  // at U's scale (every key here was mapped by then, so none raises it)
@@ -202,54 +212,90 @@ void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, con
       finish_keys(phk, dphk, j0, cnt, 0.0f);
       kdone = j0;
     }
-  };
-  for (int64_t bi = blocks - 1; bi >= 0; --bi) {
-    const int64_t i0 = bi * R, rows = std::min(R, n - i0);
-    const int64_t kv = p.visible(b, i0), ke = p.visible(b, i0 + rows - 1);
-    finish_upto(ke);
-    if (ke == 0) continue;
-    // U and u to this block's key scale (shifts only grow along the rows)
-    const float tb = shifts[size_t(bi)];
-    if (tau > -INFINITY && tb < tau) {
-      const float c = std::exp(tb - tau);
-      for (int64_t i = 0; i < f * d; ++i) u_mat[i] *= c;
-      for (int64_t i = 0; i < f; ++i) u_vec[i] *= c;
-    }
-    tau = tb;
-    fm.queries(q + i0 * ldq, ldq, rows, phq, f);
-    grads(i0, rows);
-    if (ke > kv) {  // the block's diagonal keys, at its scale
-      float sh = tau;
-      fm.keys(k + kv * ldk, ldk, ke - kv, phk, f, sh);
-    }
-    // sub-chunks backwards; chunk [i, i + c) owns the keys [jlo, je) the rows before it do
-    // not see (its diagonal), and every key past je is final already
-    const int64_t step = ke > kv ? C : rows;
-    for (int64_t a0 = (rows - 1) / step * step; a0 >= 0; a0 -= step) {
-      const int64_t c = std::min(step, rows - a0), i = i0 + a0;
-      const float *pq = phq + a0 * f, *gc = g + a0 * d, *ddc = dd + a0;
-      const int64_t je = p.visible(b, i + c - 1), jlo = a0 == 0 ? kv : p.visible(b, i - 1);
-      if (je > jlo) {
-        const int64_t w = je - jlo;
-        const float* pk = phk + (jlo - kv) * f;
-        float* dpk = dphk + (jlo - kv) * f;
-        diagonal(i, c, pq, gc, ddc, jlo, w, pk, true);
-        // the chunk's rows: dphi(K_w) = B^T phi(Q_c), dV_w = A^T G_c; then the later rows
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(w), int(f), int(c), 1.0f, bm,
-                    int(w), pq, int(f), 0.0f, dpk, int(f));
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(w), int(d), int(c), 1.0f, a,
-                    int(w), gc, int(d), 0.0f, io.dv + jlo * io.lddv, int(io.lddv));
-        finish_keys(pk, dpk, jlo, w, 1.0f);
-        kdone = jlo;
-      }
-      // the chunk's rows join U and u
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(c), 1.0f, pq, int(f),
-                  gc, int(d), 1.0f, u_mat, int(d));
-      cblas_sgemv(CblasRowMajor, CblasTrans, int(c), int(f), 1.0f, pq, int(f), ddc, 1, 1.0f, u_vec,
-                  1);
-    }
   }
-  finish_upto(0);
+
+  /// Pass 2: rows backwards with the suffix state U, u (in s, z), dphi(K), dk, dv.
+  void backward_rows() {
+    u_mat = s;
+    u_vec = z;
+    std::fill(u_mat, u_mat + f * d, 0.0f);
+    std::fill(u_vec, u_vec + f, 0.0f);
+    tau = -INFINITY;
+    kdone = n > 0 ? p.visible(b, n - 1) : 0;
+    zero_rows(io.dk + kdone * io.lddk, io.lddk, m - kdone);
+    zero_rows(io.dv + kdone * io.lddv, io.lddv, m - kdone);
+    for (int64_t bi = blocks - 1; bi >= 0; --bi) {
+      const int64_t i0 = bi * R, rows = std::min(R, n - i0);
+      const int64_t kv = p.visible(b, i0), ke = p.visible(b, i0 + rows - 1);
+      finish_upto(ke);
+      if (ke == 0) continue;
+      // U and u to this block's key scale (shifts only grow along the rows)
+      const float tb = shifts[size_t(bi)];
+      if (tau > -INFINITY && tb < tau) {
+        const float c = std::exp(tb - tau);
+        for (int64_t i = 0; i < f * d; ++i) u_mat[i] *= c;
+        for (int64_t i = 0; i < f; ++i) u_vec[i] *= c;
+      }
+      tau = tb;
+      fm.queries(q + i0 * ldq, ldq, rows, phq, f);
+      grads(i0, rows);
+      if (ke > kv) {  // the block's diagonal keys, at its scale
+        float sh = tau;
+        fm.keys(k + kv * ldk, ldk, ke - kv, phk, f, sh);
+      }
+      // sub-chunks backwards; chunk [i, i + c) owns the keys [jlo, je) the rows before it do
+      // not see (its diagonal), and every key past je is final already
+      const int64_t step = ke > kv ? C : rows;
+      for (int64_t a0 = (rows - 1) / step * step; a0 >= 0; a0 -= step) {
+        const int64_t c = std::min(step, rows - a0), i = i0 + a0;
+        const float *pq = phq + a0 * f, *gc = g + a0 * d, *ddc = dd + a0;
+        const int64_t je = p.visible(b, i + c - 1), jlo = a0 == 0 ? kv : p.visible(b, i - 1);
+        if (je > jlo) {
+          const int64_t w = je - jlo;
+          const float* pk = phk + (jlo - kv) * f;
+          float* dpk = dphk + (jlo - kv) * f;
+          diagonal(i, c, pq, gc, ddc, jlo, w, pk, true);
+          // the chunk's rows: dphi(K_w) = B^T phi(Q_c), dV_w = A^T G_c; then the later rows
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(w), int(f), int(c), 1.0f, bm,
+                      int(w), pq, int(f), 0.0f, dpk, int(f));
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(w), int(d), int(c), 1.0f, a,
+                      int(w), gc, int(d), 0.0f, io.dv + jlo * io.lddv, int(io.lddv));
+          finish_keys(pk, dpk, jlo, w, 1.0f);
+          kdone = jlo;
+        }
+        // the chunk's rows join U and u
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(f), int(d), int(c), 1.0f, pq,
+                    int(f), gc, int(d), 1.0f, u_mat, int(d));
+        cblas_sgemv(CblasRowMajor, CblasTrans, int(c), int(f), 1.0f, pq, int(f), ddc, 1, 1.0f,
+                    u_vec, 1);
+      }
+    }
+    finish_upto(0);
+  }
+
+  const FeatureMap& fm;
+  const Problem& p;
+  const HeadGrads& io;
+  const int64_t b, f, d, n, m, R, C, blocks;
+  std::vector<float> shifts;  // the key shift of each row block
+  float *phq, *dphq, *phk, *dphk, *g, *dd, *a, *bm, *s, *z;
+  const float *q, *k, *v, *den;
+  int64_t ldq, ldk, ldv;
+  // pass 2's suffix state: U and u (in s and z), the key shift they are at, and the keys
+  // [kdone, m) already final
+  float* u_mat = nullptr;
+  float* u_vec = nullptr;
+  float tau = -INFINITY;
+  int64_t kdone = 0;
+};
+
+}  // namespace
+
+void attend_backward_head(const FeatureMap& fm, const Problem& p, int64_t b, const Schedule& sc,
+                          const HeadGrads& io, float* work) {
+  HeadBackward hb(fm, p, b, sc, io, work);
+  hb.forward_rows();
+  hb.backward_rows();
 }
 
 void attend_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,

@@ -1,7 +1,7 @@
 // The multi-head layer (harness/layer.h): PyTorch's initialisation, the float32 layer against a
 // plain float64 one written here, the float64 layer of the harness against the same, averaged
 // attention weights, the layer file's checks, run_layer's row and the CLI's refusals.
-// tests/layer_torch.py checks the same layer against torch.nn.MultiheadAttention.
+// tests/python/layer_torch.py checks the same layer against torch.nn.MultiheadAttention.
 #include "harness/layer.h"
 
 #include <gtest/gtest.h>

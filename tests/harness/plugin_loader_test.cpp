@@ -1,5 +1,5 @@
 // The plugin loader in process: a refused plugin leaves the registry exactly as it was.
-// (tests/plugin_test.sh covers loading real plugins through an installed attnbench.)
+// (tests/scripts/plugin_test.sh covers loading real plugins through an installed attnbench.)
 #include <fstream>
 
 #include "common/core/registry.h"

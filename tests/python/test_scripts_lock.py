@@ -1,6 +1,6 @@
 """The results-directory lock and the whole-or-nothing writes of scripts/attnbench_results.py,
-which plot.py, anatomy.py and swap_eval.py write through (tests/scripts_lock_test.sh runs them
-through plot.py itself). Needs no attnbench build."""
+which plot.py, anatomy.py and swap_eval.py write through (tests/scripts/scripts_lock_test.sh runs
+them through plot.py itself). Needs no attnbench build."""
 import errno
 import json
 import os

@@ -7,7 +7,7 @@
 # mount namespace (unshare -Urm) where the system allows one; where neither can mount, the test
 # is skipped (exit 77). The write-failure paths themselves are also unit-tested with a file-size
 # limit (tests/harness/hostile_output_dir_test.cpp).
-#   tests/disk_full_test.sh path/to/attnbench
+#   tests/scripts/disk_full_test.sh path/to/attnbench
 set -euo pipefail
 bin=$(realpath "$1")
 if [ "$(id -u)" != 0 ] && [ -z "${ATTNBENCH_DISK_FULL_NS:-}" ] && unshare -Urm true 2>/dev/null; then

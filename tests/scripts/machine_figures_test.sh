@@ -7,7 +7,7 @@
 # the figures are this run's), and checks that each file is read back rather than measured
 # again. The script tests read them through ATTNBENCH_TEST_MACHINE_DIR=DIR (without it, each
 # measures once for itself, into its temporary directory).
-#   tests/machine_figures_test.sh path/to/attnbench DIR
+#   tests/scripts/machine_figures_test.sh path/to/attnbench DIR
 set -euo pipefail
 bin=$1
 dir=$2

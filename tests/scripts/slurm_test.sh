@@ -11,11 +11,12 @@
 # It exits 77 (skipped; ctest shows why) when it cannot run a Slurm here: not root, no apt-get
 # to install the packages, the daemons do not start, or an attnbench without `sweep --shard`.
 #
-# usage: tests/slurm_test.sh ATTNBENCH   (SLURM_TEST_TIMEOUT: seconds to wait for the jobs, 1200;
+# usage: tests/scripts/slurm_test.sh ATTNBENCH
+#        (SLURM_TEST_TIMEOUT: seconds to wait for the jobs, 1200;
 #        SLURM_TEST_SWEEP: the sweep's options in place of the small one, as one string)
 set -euo pipefail
 bin=${1:?usage: slurm_test.sh ATTNBENCH}
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=/usr/bin/python3
 timeout_s=${SLURM_TEST_TIMEOUT:-1200}
 test_sweep=${SLURM_TEST_SWEEP:-}  # read before the SLURM_* variables are cleared below
@@ -132,7 +133,7 @@ task_plugin=task/affinity
   task_plugin=task/none
 export SLURM_CONF=$tmp/slurm.conf
 cat >"$SLURM_CONF" <<EOF
-# a one-machine Slurm for tests/slurm_test.sh: daemons on loopback, state under $tmp
+# a one-machine Slurm for tests/scripts/slurm_test.sh: daemons on loopback, state under $tmp
 ClusterName=attnbench-test
 SlurmctldHost=$node(127.0.0.1)
 SlurmctldPort=$ctld_port

@@ -10,7 +10,7 @@
 # malformed cache is a one-line error naming the path and the scripts that build it.
 set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -8,7 +8,7 @@
 # mass and error) check the trained-input mass table. Results without these variants say so.
 set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

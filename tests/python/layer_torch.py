@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """`attnbench layer` against torch.nn.MultiheadAttention on the same parameters and inputs.
 
-    tests/layer_torch.py ATTNBENCH
+    tests/python/layer_torch.py ATTNBENCH
 
 For each case it builds torch.nn.MultiheadAttention(E, H, batch_first=True) with seeded
 parameters (biases made non-zero, so they are checked too), saves the layer and its inputs with

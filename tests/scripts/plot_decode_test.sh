@@ -10,7 +10,7 @@
 # generation figure, remove those of an earlier run and say so on stderr.
 set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -14,7 +14,7 @@
 # when pytest is present.
 set -euo pipefail
 bin=${1:-}
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 holder_pid=

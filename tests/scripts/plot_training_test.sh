@@ -8,7 +8,7 @@
 # column, draw no training figure and remove those of an earlier run.
 set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
