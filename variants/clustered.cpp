@@ -484,21 +484,16 @@ class Clustered final : public Variant, public RecomputeBackward<Clustered> {
   void cluster_all(const Problem& p, ConstTensorView q, std::vector<Groups>& groups) const {
     const int64_t BH = p.batch * p.heads, H = p.heads;
     const bool per_head = BH >= team_threads();
-    OmpGuard guard;
-#pragma omp parallel if (per_head)
-    {
-      Clusters cl;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < BH; ++bh)
-        guard.run([&] {
+    parallel_for(
+        BH, [] { return Clusters(); },
+        [&](int64_t bh, Clusters& cl) {
           const int64_t b = bh / H, h = bh % H;
           clustered::cluster_queries(q.head(b, h), q.stride_row, p.n, p.dim, s_, p.seed, h,
                                      !per_head, cl);
           clustered::group_queries(q.head(b, h), q.stride_row, p.n, p.dim, cl.assign.data(), cl.c,
                                    groups[size_t(bh)]);
-        });
-    }
-    guard.rethrow();
+        },
+        {.parallel = per_head});
   }
 
   // The improved part for the `count` members of one group: out_i = resid +

@@ -10,6 +10,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <climits>
 #include <cmath>
@@ -17,7 +18,6 @@
 #include <memory>
 #include <vector>
 
-#include "common/core/omp_guard.h"
 #include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "variants/clustered.h"
@@ -238,23 +238,20 @@ void lloyd_euclid(const float* q, int64_t ld, int64_t n, int64_t d, const Settin
   int32_t* assign = out.assign.data();
   const int64_t blocks = (n + kBlockEuclid - 1) / kBlockEuclid;
   auto assign_all = [&] {
-    bool changed = false;
-    OmpGuard guard;
-#pragma omp parallel if (parallel) reduction(|| : changed)
-    {
-      std::unique_ptr<float[]> sbuf;
-      guard.run([&] { sbuf.reset(new float[size_t(std::min(kBlockEuclid, n) * c)]); });
-#pragma omp for schedule(static)
-      for (int64_t bl = 0; bl < blocks; ++bl)
-        guard.run([&] {
+    std::atomic<bool> changed{false};
+    parallel_for(
+        blocks,
+        [&] {
+          return std::make_unique_for_overwrite<float[]>(size_t(std::min(kBlockEuclid, n) * c));
+        },
+        [&](int64_t bl, std::unique_ptr<float[]>& sbuf) {
           const int64_t i0 = bl * kBlockEuclid, rows = std::min(kBlockEuclid, n - i0);
-          changed = assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
-                                  assign + i0) ||
-                    changed;
-        });
-    }
-    guard.rethrow();
-    return changed;
+          if (assign_euclid(q + i0 * ld, ld, rows, d, centres, norms.data(), c, sbuf.get(),
+                            assign + i0))
+            changed = true;
+        },
+        {.parallel = parallel});
+    return changed.load();
   };
   for (int64_t it = 0; it < s.iterations; ++it) {
     if (!assign_all()) return;

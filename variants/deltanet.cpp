@@ -54,7 +54,6 @@
 #include "common/core/backward.h"
 #include "common/core/decode.h"
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
 #include "common/core/parallel_for.h"
 #include "common/core/random.h"
@@ -500,25 +499,24 @@ class DeltaNet final : public Variant, public RecomputeBackward<DeltaNet>, publi
                TensorView out) override {
     const Weights w = deltanet_weights(p);
     const int64_t G = p.kv_head_count(), d = p.dim, C = std::min(chunk_, p.n);
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::unique_ptr<ChunkWork> cw;
-      std::vector<float> st(size_t(d * padded(d)));
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bg = 0; bg < p.batch * G; ++bg)
-        guard.run([&] {
+    struct Scratch {
+      std::vector<float> st;          // the state S^T of one head
+      std::unique_ptr<ChunkWork> cw;  // the chunkwise form's buffers
+    };
+    parallel_for(
+        p.batch * G,
+        [&] {
+          return Scratch{std::vector<float>(size_t(d * padded(d))),
+                         chunkwise_ ? std::make_unique<ChunkWork>(C, d) : nullptr};
+        },
+        [&](int64_t bg, Scratch& s) {
           const HeadIo io = head_io(p, k, v, bg / G, bg % G, &q, &out);
-          std::fill(st.begin(), st.end(), 0.0f);
-          if (chunkwise_) {
-            if (!cw) cw = std::make_unique<ChunkWork>(C, d);
-            chunkwise_head(io, p.n, d, C, w, gated_, st.data(), *cw);
-          } else {
-            recurrent_head(io, 0, p.n, d, w, gated_, st.data());
-          }
+          std::fill(s.st.begin(), s.st.end(), 0.0f);
+          if (chunkwise_)
+            chunkwise_head(io, p.n, d, C, w, gated_, s.st.data(), *s.cw);
+          else
+            recurrent_head(io, 0, p.n, d, w, gated_, s.st.data());
         });
-    }
-    guard.rethrow();
   }
 
   double flops(const Problem& p) const override {

@@ -75,13 +75,13 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
 #include "common/core/parallel_for.h"
 #include "common/core/prepared.h"
@@ -488,23 +488,16 @@ class Rfa final : public Variant, public Backward, public Decoder {
       return;
     }
     const int64_t heads = p.batch * p.heads, f = 2 * freqs_;
-    int64_t clamped = 0;
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::vector<float> work;
-      guard.run([&] { work.resize(size_t(gated_workspace_floats(f, p.dim))); });
-#pragma omp for schedule(dynamic, 1) reduction(+ : clamped)
-      for (int64_t bh = 0; bh < heads; ++bh)
-        guard.run([&] {
+    std::atomic<int64_t> clamped{0};
+    parallel_for(
+        heads, [&] { return std::vector<float>(size_t(gated_workspace_floats(f, p.dim))); },
+        [&](int64_t bh, std::vector<float>& work) {
           const int64_t b = bh / p.heads, h = bh % p.heads;
           clamped += gated_head(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, q.head(b, h),
                                 q.stride_row, k.head(b, h), k.stride_row, v.head(b, h),
                                 v.stride_row, out.head(b, h), out.stride_row, work.data());
         });
-    }
-    guard.rethrow();
-    clamped_ = clamped;
+    clamped_ = clamped.load();
   }
 
   bool prepare(const Problem& p) override {

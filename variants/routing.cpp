@@ -49,6 +49,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <memory>
@@ -58,6 +59,7 @@
 
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel_for.h"
 #include "common/core/phase.h"
 #include "common/core/random.h"
 #include "common/core/registry.h"
@@ -503,35 +505,35 @@ class RoutingVariant final : public Variant, public Backward {
                  TensorView out, std::vector<Routes>* keep) {
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
     const int64_t heads = p.batch * p.heads;
-    int64_t unrouted = 0;
+    std::atomic<int64_t> unrouted{0};
     // phases (common/core/phase.h): "route" is routing (Lloyd steps, centroid scores, top-w
     // selection), "attend" the attention within the clusters and the combination
-    OmpGuard guard;
-#pragma omp parallel if (by_head(p, team_threads())) reduction(+ : unrouted)
-    {
-      std::optional<HeadOutputs> ho;
+    struct Scratch {
+      HeadOutputs ho;
       routing::Workspace ws;
-      guard.run([&] { ho.emplace(p, pl); });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh)
-        guard.run([&] {
+    };
+    parallel_for(
+        heads,
+        [&] {
+          return Scratch{HeadOutputs(p, pl), {}};
+        },
+        [&](int64_t bh, Scratch& s) {
           const int64_t b = bh / p.heads, h = bh % p.heads;
           const Routes r = [&] {
             Phase ph("route");
-            return routing::route(p, pl, iterations_, q, k, b, h, ws);
+            return routing::route(p, pl, iterations_, q, k, b, h, s.ws);
           }();
           Phase ph("attend");
           if (r.wk == 0) {  // b has no valid key: its rows are 0
             for (int64_t i = 0; i < p.n; ++i) std::fill_n(out.row(b, h, i), p.dim, 0.0f);
             return;
           }
-          attend(p, pl, r, q, k, v, b, h, *ho);
-          unrouted += combine(p, pl, r, out, b, h, *ho);
+          attend(p, pl, r, q, k, v, b, h, s.ho);
+          unrouted += combine(p, pl, r, out, b, h, s.ho);
           if (keep) (*keep)[size_t(bh)] = r;
-        });
-    }
-    guard.rethrow();
-    unrouted_ = unrouted;
+        },
+        {.parallel = by_head(p, team_threads())});
+    unrouted_ = unrouted.load();
     rows_ = heads * p.n;
   }
 

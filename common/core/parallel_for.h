@@ -22,6 +22,16 @@
 
 namespace attnbench {
 
+namespace detail {
+/// Converts to make()'s result: optional::emplace constructs the scratch in place from it, so
+/// a scratch type need not be movable.
+template <class Make>
+struct FromMake {
+  Make& make;
+  operator std::invoke_result_t<Make>() const { return make(); }
+};
+}  // namespace detail
+
 /// How a parallel_for spreads its tasks.
 struct ParallelFor {
   /// false: every task on the calling thread (a region too small for the team, or one a caller
@@ -53,7 +63,7 @@ void parallel_for(int64_t tasks, Make&& make, Body&& body, ParallelFor how = {})
 #pragma omp parallel if (how.parallel) num_threads(team)
   {
     std::optional<std::invoke_result_t<Make>> scratch;
-    guard.run([&] { scratch.emplace(make()); });
+    guard.run([&] { scratch.emplace(detail::FromMake<Make>{make}); });
 #pragma omp for schedule(dynamic, how.chunk)
     for (int64_t t = 0; t < tasks; ++t) guard.run([&] { body(t, *scratch); });
   }

@@ -6,16 +6,16 @@
 
 #include <Eigen/Dense>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <new>
-#include <optional>
 
 #include "common/core/error.h"
-#include "common/core/omp_guard.h"
 #include "common/core/parallel.h"
+#include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "common/core/threads.h"
 #include "common/engines/feature_map_internal.h"
@@ -425,23 +425,17 @@ int64_t attend(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTens
   const int64_t heads = p.batch * p.heads, floats = workspace_floats(sc, features, p.dim);
   // With fewer heads than threads, let BLAS use the threads; otherwise one head per thread.
   const bool per_head = heads >= team_threads();
-  int64_t clamped = 0;
-  OmpGuard guard;
-#pragma omp parallel if (per_head)
-  {
-    std::optional<Aligned> work;
-    guard.run([&] { work.emplace(floats); });
-#pragma omp for schedule(dynamic, 1) reduction(+ : clamped)
-    for (int64_t bh = 0; bh < heads; ++bh)
-      guard.run([&] {
+  std::atomic<int64_t> clamped{0};
+  parallel_for(
+      heads, [&] { return Aligned(floats); },
+      [&](int64_t bh, Aligned& work) {
         const int64_t b = bh / p.heads, h = bh % p.heads;
         clamped += attend_head(map_for_head(h), p, b, sc, q.head(b, h), q.stride_row, k.head(b, h),
                                k.stride_row, v.head(b, h), v.stride_row, out.head(b, h),
-                               out.stride_row, eps, work->get(), den ? den + bh * p.n : nullptr);
-      });
-  }
-  guard.rethrow();
-  return clamped;
+                               out.stride_row, eps, work.get(), den ? den + bh * p.n : nullptr);
+      },
+      {.parallel = per_head});
+  return clamped.load();
 }
 
 double attend_flops(const Problem& p, int64_t features, double query_map_flops,
