@@ -217,37 +217,34 @@ class MobaDecodeState final : public DecodeState {
     const int64_t own = t / chunk_;
     const int64_t bhs = batch_ * heads_;
     const bool parallel = parallel_worth(flops, bhs);
-    OmpGuard guard;
-#pragma omp parallel if (parallel)
-    {
-      std::vector<float> sc, part;
-      std::vector<int32_t> sel;
-      std::vector<decode::Run> runs;
-      guard.run([&] {
-        sc.resize(size_t(std::max(own, topk_ * chunk_)));
-        part.resize(size_t(d_ + 2));
-        sel.resize(size_t(topk_));
-        runs.resize(size_t(topk_));
-      });
-#pragma omp for schedule(dynamic)
-      for (int64_t bh = 0; bh < bhs; ++bh)
-        guard.run([&] {
+    struct Scratch {
+      std::vector<float> sc, part;    // scores, the partial sums of the step
+      std::vector<int32_t> sel;       // the chosen chunks
+      std::vector<decode::Run> runs;  // their key ranges
+    };
+    parallel_for(
+        bhs,
+        [&] {
+          return Scratch{std::vector<float>(size_t(std::max(own, topk_ * chunk_))),
+                         std::vector<float>(size_t(d_ + 2)), std::vector<int32_t>(size_t(topk_)),
+                         std::vector<decode::Run>(size_t(topk_))};
+        },
+        [&](int64_t bh, Scratch& s) {
           const int64_t b = bh / heads_, h = bh % heads_, bg = b * kv_heads_ + h / group_;
           const float* qr = q.row(b, h, 0);
           const int64_t cnt = select_chunks(qr, means_.data() + bg * nc_ * d_, own, d_, topk_ - 1,
-                                            own, sc.data(), sel.data());
-          for (int64_t s = 0; s < cnt; ++s) {
-            const int64_t j0 = sel[size_t(s)] * chunk_;
-            runs[size_t(s)] = {j0, std::min(j0 + chunk_, t + 1) - j0};
+                                            own, s.sc.data(), s.sel.data());
+          for (int64_t c = 0; c < cnt; ++c) {
+            const int64_t j0 = s.sel[size_t(c)] * chunk_;
+            s.runs[size_t(c)] = {j0, std::min(j0 + chunk_, t + 1) - j0};
           }
           const float* kh = keys_.data() + bg * cap_ * d_;
           const float* vh = values_.data() + bg * cap_ * d_;
-          decode::runs_partial(qr, kh, vh, runs.data(), size_t(cnt), d_, scale_, sc.data(),
-                               part.data());
-          decode::merge_partials(part.data(), 1, d_, scale_, out.row(b, h, 0));
-        });
-    }
-    guard.rethrow();
+          decode::runs_partial(qr, kh, vh, s.runs.data(), size_t(cnt), d_, scale_, s.sc.data(),
+                               s.part.data());
+          decode::merge_partials(s.part.data(), 1, d_, scale_, out.row(b, h, 0));
+        },
+        {.parallel = parallel});
   }
 
   double state_bytes() const override {

@@ -288,18 +288,16 @@ class Reformer final : public Variant, public Backward {
       throw UsageError("reformer: the saved state is not from its forward_train on this problem");
     const Plan full = plan(p);
     const int64_t n = p.n, d = p.dim, heads = p.batch * p.heads, R = hashes_;
-    OmpGuard guard;
-#pragma omp parallel if (by_head(p, team_threads()))
-    {
-      std::optional<HeadBuffers> buffers;
-      std::optional<GradBuffers> grads;
-      guard.run([&] {
-        buffers.emplace(full, n, d);
-        grads.emplace(full, n, d);
-      });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < heads; ++bh)
-        guard.run([&] {
+    struct Scratch {
+      HeadBuffers buffers;
+      GradBuffers grads;
+    };
+    parallel_for(
+        heads,
+        [&] {
+          return Scratch{HeadBuffers(full, n, d), GradBuffers(full, n, d)};
+        },
+        [&](int64_t bh, Scratch& s) {
           const int64_t b = bh / p.heads, h = bh % p.heads, L = reformer::valid_tokens(p, b);
           // the keys are the normalised queries: the k input is unused and gets no gradient
           for (int64_t j = 0; j < n; ++j) std::fill_n(dk.row(b, h, j), d, 0.0f);
@@ -312,10 +310,9 @@ class Reformer final : public Variant, public Backward {
           }
           const Plan pl = L == n ? full : reformer::plan(L, buckets_, hashes_, chunk_);
           backward_head(p, pl, L, q, v, out, dout, st->bucket.data() + bh * R * n,
-                        st->lse.data() + bh * R * n, dq, dv, b, h, *buffers, *grads);
-        });
-    }
-    guard.rethrow();
+                        st->lse.data() + bh * R * n, dq, dv, b, h, s.buffers, s.grads);
+        },
+        {.parallel = by_head(p, team_threads())});
   }
 
   double backward_flops(const Problem& p) const override {

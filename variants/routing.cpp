@@ -55,6 +55,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "common/core/error.h"
@@ -463,23 +464,13 @@ class RoutingVariant final : public Variant, public Backward {
     if (!st || st->routes.size() != size_t(p.batch * p.heads))
       throw UsageError("routing: the saved state is not from its forward_train on this problem");
     const Sizes pl = routing::sizes(p, clusters_, window_, sample_);
-    OmpGuard guard;
-#pragma omp parallel
-    {
-      std::vector<float> buf;
-      std::vector<int32_t> used;
-      guard.run([&] {
-        buf.resize(size_t(cluster_floats(p, pl)));
-        used.resize(size_t(p.n));
-      });
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bh = 0; bh < p.batch * p.heads; ++bh)
-        guard.run([&] {
+    using Buffers = std::pair<std::vector<float>, std::vector<int32_t>>;
+    parallel_for(
+        p.batch * p.heads, [&] { return Buffers(size_t(cluster_floats(p, pl)), size_t(p.n)); },
+        [&](int64_t bh, Buffers& buf) {
           backward_head(p, pl, st->routes[size_t(bh)], q, k, v, dout, dq, dk, dv, bh / p.heads,
-                        bh % p.heads, buf.data(), used.data());
+                        bh % p.heads, buf.first.data(), buf.second.data());
         });
-    }
-    guard.rethrow();
   }
 
   double backward_flops(const Problem& p) const override {
