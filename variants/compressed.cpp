@@ -456,6 +456,7 @@ class Compressed final : public Variant, public Backward, public Decoder {
     return st;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   void backward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {

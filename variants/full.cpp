@@ -76,6 +76,7 @@ class Full final : public Variant, public Backward, public KvCacheDecoder {
     return saved;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {

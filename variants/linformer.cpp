@@ -397,6 +397,7 @@ class Linformer final : public Variant, public Backward {
     return saved;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   // With P = softmax(s Q EK^T) (rows recomputed from EK), D_i = dO_i . O_i,
   // dS = P o (dO FV^T - D):  dQ = s dS EK,  dEK = s dS^T Q,  dFV = P^T dO,
   // then dK = E^T dEK and dV = F^T dFV (E = F with share_kv: both through E), over the valid

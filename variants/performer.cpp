@@ -104,6 +104,7 @@ class Performer final : public Variant, public Backward, public Decoder {
     return saved;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   // The shifts (a query's own max, the keys' running max) are constants: they cancel in the
   // ratio, so the gradient through them is zero.
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,

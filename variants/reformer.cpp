@@ -279,6 +279,7 @@ class Reformer final : public Variant, public Backward {
     return st;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   void backward(const Problem& p, ConstTensorView q, ConstTensorView, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {

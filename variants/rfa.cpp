@@ -530,6 +530,7 @@ class Rfa final : public Variant, public Backward, public Decoder {
     return saved;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   // A row raised to the floor divides by a constant (the floor): no gradient through its
   // denominator.
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,

@@ -457,6 +457,7 @@ class RoutingVariant final : public Variant, public Backward {
     return st;
   }
 
+  using Variant::backward;  // the accessor stays visible beside the pass
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {

@@ -103,6 +103,7 @@ class DecayVariant : public Variant, public Backward, public Decoder {
 
   std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                             ConstTensorView v, TensorView out) override;
+  using Variant::backward;  // the accessor stays visible beside the pass
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override;
