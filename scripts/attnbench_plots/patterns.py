@@ -198,6 +198,9 @@ def figure(ctx, tiles, path):
                  f"keys{cell})", fontsize=10.5)
     save_figure(fig, path, bbox_inches="tight", facecolor="white")
     plt.close(fig)
+    ctx.record("patterns", factor=factor, tiles=[
+        {"spec": spec, "causal": causal, "n": n, "shape": list(mask.shape),
+         "attended": float(mask.mean())} for spec, causal, n, mask in tiles])
 
 
 def pool_share(mask, f):

@@ -8,20 +8,8 @@
 # written and to draw those numbers, the report (scripts/plot.py on a short real sweep) gains
 # the anatomy section with its tables, and results without trained/ get none. A missing or
 # malformed cache is a one-line error naming the path and the scripts that build it.
-set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "plot_anatomy_test: $*" >&2; exit 1; }
-# the machine figures every sweep starts with: measured once per ctest run (the test
-# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
-machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
-png() {
-  [ "$(head -c 8 "$1" 2>/dev/null | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
-    fail "$1 is missing or not a PNG file"
-}
+. "$(dirname "$0")/lib.sh" plot_anatomy_test
 
 # The cache: 2 layers, 3 heads, d = 8, context 128, 160 positions captured.
 "$py" - "$tmp/cache/trained/qkv" <<'EOF'

@@ -8,16 +8,8 @@
 # column or the wrong pass shows other numbers than the checks compute from results.csv.
 # Results without decode rows, and older results without the pass and decode columns, draw no
 # generation figure, remove those of an earlier run and say so on stderr.
-set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "plot_decode_test: $*" >&2; exit 1; }
-# the machine figures every sweep starts with: measured once per ctest run (the test
-# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
-machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
+. "$(dirname "$0")/lib.sh" plot_decode_test
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant linear --variant local:window=16 \
   --variant routing --seq 64,256,1024 --causal both --pass fwd,decode --reps 1 --min-time 0 \
@@ -76,13 +68,8 @@ EOF
 plot() { "$py" "$root/scripts/plot.py" "$@"; }
 plot "$tmp/run" --debug-json "$tmp/run.json" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on results with decode rows"; }
-for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover decode_latency_vs_n \
-  decode_state_vs_n; do
-  png="$tmp/run/plots/$name.png"
-  [ "$(head -c 8 "$png" 2>/dev/null | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
-    fail "$png is missing or not a PNG file"
-  grep -qF "](plots/$name.png)" "$tmp/run/report.md" || fail "report.md does not embed $name.png"
-done
+figures "$tmp/run" time_vs_n memory_vs_n error_vs_n speed_vs_error crossover decode_latency_vs_n \
+  decode_state_vs_n
 ! grep -q "decode" "$tmp/plot.err" || fail "plot.py said on stderr: $(grep decode "$tmp/plot.err")"
 
 "$py" - "$tmp/run/results.csv" "$tmp/run.json" "$tmp/run/report.md" <<'EOF' ||
@@ -213,42 +200,40 @@ check("pass=decode" in report, "rows not plotted do not name the decode pass")
 EOF
   fail "the figures or tables do not draw the decode rows as they should"
 
-# Results of the forward only (an earlier run's generation figures are removed), and older
-# results without the pass column nor the decode columns: no generation figures, the report
-# and stderr say so, every other figure drawn from the rows as they are.
-for variant in fwd old; do
-  dir="$tmp/$variant"
-  cp -r "$tmp/run" "$dir"
-  "$py" - "$dir/results.csv" "$variant" <<'EOF'
+# Older results, without the pass column nor the decode columns, in a directory that holds an
+# earlier run's generation figures: those are removed, no generation figures are drawn, the
+# report and stderr say so, and every other figure is drawn from the rows as they are. (A
+# forward-only sweep with the pass column is plot_test.sh's.)
+dir="$tmp/old"
+cp -r "$tmp/run" "$dir"
+"$py" - "$dir/results.csv" <<'EOF'
 import csv, sys
-path, variant = sys.argv[1:]
+path = sys.argv[1]
 rows = [r for r in csv.DictReader(open(path)) if r["pass"] == "fwd"]
 cols = list(rows[0])
 decode = ("prefill_s", "time_per_token_s", "tokens_per_s", "state_bytes", "bytes_read_per_step",
           "bandwidth_fraction")
-if variant == "old":
-    cols = [c for c in cols if c != "pass" and c not in decode]
+cols = [c for c in cols if c != "pass" and c not in decode]
 with open(path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
 EOF
-  plot "$dir" --debug-json "$dir.json" 2>"$dir.err" ||
-    { cat "$dir.err" >&2; fail "plot.py failed on $variant results"; }
-  ! grep -q "Traceback" "$dir.err" || fail "$variant results: a traceback on stderr"
-  for name in decode_latency_vs_n decode_state_vs_n; do
-    [ ! -e "$dir/plots/$name.png" ] || fail "$variant results: a stale $name.png was left"
-  done
-  grep -qF "No ok causal decode rows" "$dir/report.md" || fail "$variant results: no word on decode"
-  grep -q "decode: no ok causal decode rows" "$dir.err" ||
-    fail "$variant results: stderr does not say there are no decode rows"
-  "$py" - "$dir.json" <<'EOF' || fail "$variant results: the debug JSON has generation figures"
+plot "$dir" --debug-json "$dir.json" 2>"$dir.err" ||
+  { cat "$dir.err" >&2; fail "plot.py failed on older results"; }
+! grep -q "Traceback" "$dir.err" || fail "older results: a traceback on stderr"
+for name in decode_latency_vs_n decode_state_vs_n; do
+  [ ! -e "$dir/plots/$name.png" ] || fail "older results: a stale $name.png was left"
+done
+grep -qF "No ok causal decode rows" "$dir/report.md" || fail "older results: no word on decode"
+grep -q "decode: no ok causal decode rows" "$dir.err" ||
+  fail "older results: stderr does not say there are no decode rows"
+"$py" - "$dir.json" <<'EOF' || fail "older results: the debug JSON has generation figures"
 import json, sys
 d = json.load(open(sys.argv[1]))
 sys.exit(1 if set(d) & {"decode_latency_vs_n", "decode_state_vs_n"} else 0)
 EOF
-  cmp -s <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-    "$dir.json") <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-    "$tmp/run.json") || fail "$variant results: time_vs_n differs from the run's"
-done
+cmp -s <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
+  "$dir.json") <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
+  "$tmp/run.json") || fail "older results: time_vs_n differs from the run's"
 echo "plot_decode_test: ok"

@@ -6,16 +6,8 @@
 # (not flash, not local without sinks), at n >= 4096 only, and gives a recurrence speed-up only
 # where the run holds the twin with form=recurrent. Copies of some rows on trained inputs (known
 # mass and error) check the trained-input mass table. Results without these variants say so.
-set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "plot_modern_test: $*" >&2; exit 1; }
-# the machine figures every sweep starts with: measured once per ctest run (the test
-# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
-machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
+. "$(dirname "$0")/lib.sh" plot_modern_test
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant local:window=16 \
   --variant local:window=16,sinks=4 --variant moba:chunk=256 --variant retention \

@@ -4,16 +4,8 @@
 # speed-ups and error columns are checked against numbers set here; linear's bf16 rows
 # (unsupported) stay out of it and are listed among the rows not plotted, and the float32
 # figures and tables draw no bf16 row.
-set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "plot_precision_test: $*" >&2; exit 1; }
-# the machine figures every sweep starts with: measured once per ctest run (the test
-# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
-machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
+. "$(dirname "$0")/lib.sh" plot_precision_test
 
 "$bin" sweep --out "$tmp/run" --variant flash --variant linear --seq 64,128 \
   --causal both --dtype f32,bf16 --reps 1 --min-time 0 --heads 1 --dim 16 --threads 1 \

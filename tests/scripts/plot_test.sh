@@ -5,16 +5,8 @@
 # gallery from the stored files (and saying so when there are none); scripts/compare.py on both
 # must join, flag and list rows; and both scripts must refuse unusable results directories
 # with one line on stderr and exit code 2.
-set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "plot_test: $*" >&2; exit 1; }
-# the machine figures every sweep starts with: measured once per ctest run (the test
-# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
-machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
+. "$(dirname "$0")/lib.sh" plot_test
 
 common=(--seq 128,256,512 --causal both --heads 2 --dim 32 --reps 2 --min-time 0.002
   --machine-file "$machine/threads-all.json")
@@ -74,16 +66,14 @@ printf '#!/bin/sh\ntouch "%s/binary-was-run"\nexit 1\n' "$tmp" >"$repo/build/att
 chmod +x "$repo/build/attnbench"
 cp "$repo/build/attnbench" "$tmp/fakebin/attnbench"
 plot() { PATH="$tmp/fakebin:/usr/bin:/bin" "$py" "$repo/scripts/plot.py" "$@"; }
-plot "$tmp/a" 2>"$tmp/plot.err" ||
+plot "$tmp/a" --debug-json "$tmp/a.json" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on a real sweep"; }
 [ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
-for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover patterns; do
-  png="$tmp/a/plots/$name.png"
-  [ -s "$png" ] || fail "$png is missing or empty"
-  [ "$(head -c 8 "$png" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
-    fail "$png is not a PNG file"
-  grep -qF "](plots/$name.png)" "$tmp/a/report.md" || fail "report.md does not embed $name.png"
-done
+figures "$tmp/a" time_vs_n memory_vs_n error_vs_n speed_vs_error crossover patterns
+# a forward-only sweep: no training or generation figures, and the report says why
+[ "$(ls "$tmp/a/plots" | wc -l)" -eq 6 ] || fail "plot.py drew more than six figures: $(ls "$tmp/a/plots")"
+grep -qF "No training rows" "$tmp/a/report.md" || fail "report.md: no word on training rows"
+grep -qF "No ok causal decode rows" "$tmp/a/report.md" || fail "report.md: no word on decode rows"
 report="$tmp/a/report.md"
 for section in "## Run" "## Time against sequence length" "## Peak memory against sequence length" \
   "## Error against sequence length" "## Speed against error at n = 512" "## Crossover lengths" \
@@ -107,72 +97,64 @@ grep -q "no attention pattern.*local:window" "$report" "$tmp/plot.err" &&
   fail "local is said to have no attention pattern"
 grep -q "no attention pattern.*linear" "$tmp/plot.err" ||
   fail "plot.py did not say on stderr that linear has no attention pattern"
+"$py" - "$tmp/a.json" "$tmp/a/patterns" <<'EOF' || fail "the gallery does not draw local's files"
+import json, os, sys
+import numpy as np
+tiles = json.load(open(sys.argv[1]))["patterns"]["tiles"]
+stored = sorted(f for f in os.listdir(sys.argv[2]) if f.endswith(".npy"))
+means = sorted(float(np.load(os.path.join(sys.argv[2], f)).mean()) for f in stored)
+assert [t["spec"] for t in tiles] == ["local:window=32,block=64"] * 2, tiles
+assert sorted(t["causal"] for t in tiles) == [0, 1], tiles
+assert sorted(t["attended"] for t in tiles) == means and max(means) < 1, (tiles, means)
+EOF
 # the efficiency table: full is 1.00x of itself; lengths not measured are dashes
 grep -qE '^\| `full` \| — \| — \| — \| — \|' "$report" ||
   fail "the efficiency table does not show '—' for full at lengths that were not measured"
 
 # The checks below run on a copy holding only the rows at n=512 of full, local and linear
-# (fewer lines to draw; full keeps the crossover figure); flash's two entries in its index
-# name no row of it, which plot.py says.
+# (fewer lines to draw; full keeps the crossover figure); flash's two entries in its index name
+# no row of it, which plot.py says. The gallery is drawn from the stored files: local's causal
+# file becomes a mask of ones, drawn 100% attended; its non-causal file a float [3, 3] array,
+# named as unusable while the other is drawn. (With --attnbench, which plot.py runs only when
+# meta.json does not describe a variant of the results: here it describes them all, so a binary
+# that does not exist goes unmentioned.)
 p="$tmp/p"
 cp -r "$tmp/a" "$p"
-"$py" - "$p/results.csv" <<'EOF'
-import csv, sys
-rows = [r for r in csv.DictReader(open(sys.argv[1]))
+read -r ones_file bad_file < <("$py" - "$p" <<'EOF'
+import csv, os, sys
+import numpy as np
+d = sys.argv[1]
+rows = [r for r in csv.DictReader(open(os.path.join(d, "results.csv")))
         if r["n"] == "512" and r["spec"].split(":")[0] in ("full", "local", "linear")]
-with open(sys.argv[1], "w", newline="") as f:
+with open(os.path.join(d, "results.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
+local = {r["causal"]: r["file"] for r in csv.DictReader(open(os.path.join(d, "patterns", "index.csv")))
+         if r["spec"].startswith("local") and r["file"]}
+ones, bad = (os.path.join(d, "patterns", local[c]) for c in ("1", "0"))
+np.save(ones, np.ones_like(np.load(ones)))
+np.save(bad, np.ones((3, 3)))
+print(os.path.basename(ones), os.path.basename(bad))
 EOF
-plot "$p" 2>"$tmp/p.err" || fail "plot.py failed on a subset of the results"
+)
+[ -n "$bad_file" ] || fail "cannot find local's two pattern files in $index"
+plot "$p" --attnbench "$tmp/no_such_attnbench" --debug-json "$tmp/p.json" 2>"$tmp/p.err" ||
+  { cat "$tmp/p.err" >&2; fail "plot.py failed on a subset with changed pattern files"; }
 grep -q "index.csv lists 2 pattern(s) whose row is not an ok row of results.csv" "$tmp/p.err" ||
   fail "no stderr message about index entries without their row: $(cat "$tmp/p.err")"
-
-# The gallery is drawn from the stored files: another mask in one of them changes the figure.
-before=$(md5sum <"$p/plots/patterns.png")
-local_file=$(grep '^"local' "$index" | head -1 | awk -F, '{print $(NF-1)}')
-[ -s "$p/patterns/$local_file" ] || fail "cannot find local's pattern file in $index"
-cp "$p/patterns/$local_file" "$tmp/saved.npy"
-"$py" -c 'import numpy as np, sys; np.save(sys.argv[1], np.ones_like(np.load(sys.argv[1])))' \
-  "$p/patterns/$local_file"
-plot "$p" 2>/dev/null || fail "plot.py failed on a changed pattern file"
-[ "$(md5sum <"$p/plots/patterns.png")" != "$before" ] ||
-  fail "patterns.png did not change with the stored pattern"
-
-# A stored file that is not its row's uint8 [n, m] mask is named; the rest is drawn. (With
-# --attnbench, which plot.py runs only when meta.json does not describe a variant of the
-# results: here it describes them all, so a binary that does not exist goes unmentioned.)
-"$py" -c 'import numpy as np, sys; np.save(sys.argv[1], np.ones((3, 3)))' \
-  "$p/patterns/$local_file"
-plot "$p" --attnbench "$tmp/no_such_attnbench" 2>"$tmp/bad.err" ||
-  fail "plot.py failed on an unusable pattern file"
-! grep -q "no_such_attnbench" "$tmp/bad.err" ||
+! grep -q "no_such_attnbench" "$tmp/p.err" ||
   fail "plot.py looked for a binary although meta.json describes every variant"
-grep -q "stored pattern of local:window=32,block=64 .*is unusable.*$local_file" "$tmp/bad.err" ||
-  fail "no stderr message naming the unusable pattern file: $(cat "$tmp/bad.err")"
-[ -s "$p/plots/patterns.png" ] || fail "the other stored pattern was not drawn"
-cp "$tmp/saved.npy" "$p/patterns/$local_file"
-
-# --pattern-n picks among the stored lengths, and says which there are.
-plot "$p" --pattern-n 128 2>"$tmp/len.err" || fail "plot.py failed with --pattern-n 128"
-grep -q "no stored pattern has n=128 (stored lengths: 512)" "$tmp/len.err" ||
-  fail "no stderr message about --pattern-n 128: $(cat "$tmp/len.err")"
-[ ! -e "$p/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
-
-# Results without stored patterns (an older sweep): the gallery is missing, the report and
-# stderr say why, and every other figure is drawn.
-rm -r "$p/patterns"
-plot "$p" 2>"$tmp/nopat.err" || fail "plot.py failed on results without patterns"
-grep -q "patterns/index.csv does not exist" "$tmp/nopat.err" ||
-  fail "no stderr message about the missing patterns"
-grep -q "No pattern gallery: these results hold no stored patterns" "$p/report.md" ||
-  fail "report.md does not say the pattern gallery is missing"
-[ ! -e "$p/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
-for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover; do
-  [ -s "$p/plots/$name.png" ] || fail "$name.png is missing for results without patterns"
-done
-[ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
+grep -q "stored pattern of local:window=32,block=64 .*is unusable.*$bad_file" "$tmp/p.err" ||
+  fail "no stderr message naming the unusable pattern file: $(cat "$tmp/p.err")"
+"$py" - "$tmp/p.json" <<'EOF' || fail "the gallery does not draw the stored files"
+import json, sys
+tiles = json.load(open(sys.argv[1]))["patterns"]["tiles"]
+want = [{"spec": "local:window=32,block=64", "causal": 1, "n": 512, "shape": [512, 512],
+         "attended": 1.0}]
+assert tiles == want, tiles
+EOF
+png "$p/plots/patterns.png"
 
 # --- what the figures draw (plot.py --debug-json) -------------------------------------------
 # A copy of the first sweep with known timings, errors and memory: local noisy at n=128
@@ -303,18 +285,30 @@ check("≈ 181: faster from there on" in report,
 check("judged at n = 256, 512; noisy, not judged: 128 †" in report,
       "report.md: local's noisy length is judged")
 EOF
-# Results without the uniform_error column (an older sweep): the zero output only.
-"$py" - "$f/results.csv" <<'EOF'
+# Results without the uniform_error column (an older sweep) draw the zero output only; with
+# several scales of the timed input (the default sweep's sharpened gaussian rows) time, memory
+# and crossover show scale 1 only (or --scale), speed against error a panel per scale. On a
+# copy of the first sweep's non-causal rows (fewer panels to draw).
+g="$tmp/g"
+cp -r "$tmp/a" "$g"
+"$py" - "$g/results.csv" <<'EOF'
 import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["causal"] == "0"]
 cols = [c for c in rows[0] if c != "uniform_error"]
+extra = [dict(r, scale="4") for r in rows]
 with open(sys.argv[1], "w", newline="") as out:
     w = csv.DictWriter(out, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
-    w.writerows(rows)
+    w.writerows(rows + extra)
 EOF
-plot "$f" --debug-json "$tmp/f.json" 2>/dev/null || fail "plot.py failed without uniform_error"
-"$py" - "$tmp/f.json" <<'EOF' || fail "the error figures without uniform_error are wrong"
+# --pattern-n picks among the stored lengths, and says which there are (g holds a's figures,
+# patterns.png among them).
+plot "$g" --pattern-n 128 --debug-json "$tmp/g.json" 2>"$tmp/len.err" ||
+  fail "plot.py failed without uniform_error, with two scales and --pattern-n 128"
+grep -q "no stored pattern has n=128 (stored lengths: 512)" "$tmp/len.err" ||
+  fail "no stderr message about --pattern-n 128: $(cat "$tmp/len.err")"
+[ ! -e "$g/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
+"$py" - "$tmp/g.json" <<'EOF' || fail "the figures without uniform_error or of two scales are wrong"
 import json, sys
 d = json.load(open(sys.argv[1]))
 for p in d["error_vs_n"]["panels"]:
@@ -322,35 +316,32 @@ for p in d["error_vs_n"]["panels"]:
 assert "zero output (error 1)" in d["error_vs_n"]["legend"]
 assert all(p["uniform"] is None for p in d["speed_vs_error"]["panels"])
 assert any(p["front"] for p in d["speed_vs_error"]["panels"])
-EOF
-
-# Several scales of the timed input (the default sweep's sharpened gaussian rows): time, memory
-# and crossover show scale 1 only (or --scale), speed against error a panel per scale.
-"$py" - "$f/results.csv" <<'EOF'
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-extra = [dict(r, scale="4") for r in rows if r["input"] == "gaussian" and r["causal"] == "0"]
-with open(sys.argv[1], "w", newline="") as out:
-    w = csv.DictWriter(out, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows + extra)
-EOF
-plot "$f" --debug-json "$tmp/f.json" 2>/dev/null || fail "plot.py failed with two scales"
-"$py" - "$tmp/f.json" <<'EOF' || fail "the figures mix scales"
-import json, sys
-d = json.load(open(sys.argv[1]))
 for fig in ("time_vs_n", "memory_vs_n", "crossover"):
     titles = [p["title"] for p in d[fig]["panels"]]
     assert titles and all("scale=1" in t for t in titles), (fig, titles)
 titles = [p["title"] for p in d["speed_vs_error"]["panels"]]
 assert any("scale=4" in t for t in titles) and any("scale=1" in t for t in titles), titles
 EOF
-plot "$f" --scale 4 --debug-json "$tmp/f.json" 2>/dev/null || fail "plot.py --scale 4 failed"
+# Results without stored patterns (an older sweep): the gallery is missing, the report and
+# stderr say why, and every other figure is drawn (here at --scale 4).
+rm -r "$g/patterns"
+cp "$tmp/a/plots/patterns.png" "$g/plots/patterns.png"
+plot "$g" --scale 4 --debug-json "$tmp/g.json" 2>"$tmp/nopat.err" ||
+  fail "plot.py --scale 4 failed on results without patterns"
+grep -q "patterns/index.csv does not exist" "$tmp/nopat.err" ||
+  fail "no stderr message about the missing patterns"
+grep -q "No pattern gallery: these results hold no stored patterns" "$g/report.md" ||
+  fail "report.md does not say the pattern gallery is missing"
+[ ! -e "$g/plots/patterns.png" ] || fail "a stale patterns.png was left in place"
+for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover; do
+  [ -s "$g/plots/$name.png" ] || fail "$name.png is missing for results without patterns"
+done
+[ ! -e "$tmp/binary-was-run" ] || fail "plot.py ran an attnbench binary"
 "$py" -c 'import json, sys
 d = json.load(open(sys.argv[1]))
 t = [p["title"] for p in d["time_vs_n"]["panels"]]
-assert t and all("scale=4" in x for x in t), t' "$tmp/f.json" || fail "--scale 4 not drawn"
-if plot "$f" --scale 3 2>"$tmp/s.err"; then fail "plot.py --scale 3 succeeded"; fi
+assert t and all("scale=4" in x for x in t), t' "$tmp/g.json" || fail "--scale 4 not drawn"
+if plot "$g" --scale 3 2>"$tmp/s.err"; then fail "plot.py --scale 3 succeeded"; fi
 grep -q "present: 1, 4" "$tmp/s.err" || fail "--scale 3's error does not list the scales"
 
 # The crossover statements on their own: every case, noisy lengths left out.
@@ -457,20 +448,32 @@ with open(sys.argv[3], "w", newline="") as f:
     w.writeheader()
     w.writerows(dict(r, status="error", message="boom") for r in rows)
 EOF
-expect_error() {  # directory, text the message must hold
-  local dir=$1 text=$2 script rc
-  for script in plot.py compare.py; do
-    if [ "$script" = plot.py ]; then args=("$dir"); else args=("$tmp/a" "$dir"); fi
-    set +e
-    "$py" "$root/scripts/$script" "${args[@]}" >"$tmp/out.txt" 2>"$tmp/err.txt"
-    rc=$?
-    set -e
-    [ "$rc" -eq 2 ] || fail "$script on $dir exited $rc, expected 2"
-    grep -q "Traceback" "$tmp/err.txt" && fail "$script on $dir printed a traceback"
-    [ "$(wc -l <"$tmp/err.txt")" -eq 1 ] || fail "$script on $dir: expected one line on stderr"
-    grep -q "^$script: error: .*$text" "$tmp/err.txt" ||
-      fail "$script on $dir: message lacks '$text': $(cat "$tmp/err.txt")"
-  done
+# Every check of the shared loader (attnbench_results.load_results, which both scripts call
+# first) in one process: each message names what is wrong. Then each script on one of the
+# directories: exit code 2 and that one line on stderr, no traceback.
+PYTHONPATH="$root/scripts" "$py" - "$tmp" <<'EOF' || fail "an unusable directory is not refused"
+import sys
+from attnbench_results import ResultsError, load_results
+tmp = sys.argv[1]
+for name, text in (("missing", "is not a directory"), ("empty", "results.csv' does not exist"),
+                   ("header", "has a header but no rows"),
+                   ("nocol", "lacks the column(s) rel_fro_error"), ("nook", "no row with status ok")):
+    try:
+        load_results(f"{tmp}/{name}")
+    except ResultsError as e:
+        assert text in str(e), (name, str(e))
+    else:
+        sys.exit(f"plot_test: load_results accepted {tmp}/{name}")
+EOF
+refused() {  # script, text the message must hold, arguments
+  local script=$1 text=$2 rc=0
+  shift 2
+  "$py" "$root/scripts/$script" "$@" >"$tmp/out.txt" 2>"$tmp/err.txt" || rc=$?
+  [ "$rc" -eq 2 ] || fail "$script $* exited $rc, expected 2"
+  grep -q "Traceback" "$tmp/err.txt" && fail "$script $* printed a traceback"
+  [ "$(wc -l <"$tmp/err.txt")" -eq 1 ] || fail "$script $*: expected one line on stderr"
+  grep -q "^$script: error: .*$text" "$tmp/err.txt" ||
+    fail "$script $*: message lacks '$text': $(cat "$tmp/err.txt")"
 }
 # --- the multi-head layer section ---------------------------------------------------------------
 # layer rows (sweep --embed) get their figure, their time and share tables, and the length at
@@ -513,9 +516,6 @@ assert a.label("linear:eps=1e-06") == "linear"
 assert Styles(["x:a=1"]).label("x:a=1") == "x:a=1"
 EOF
 
-expect_error "$tmp/missing" "is not a directory"
-expect_error "$tmp/empty" "results.csv' does not exist"
-expect_error "$tmp/header" "has a header but no rows"
-expect_error "$tmp/nocol" "lacks the column(s) rel_fro_error"
-expect_error "$tmp/nook" "no row with status ok"
+refused plot.py "lacks the column(s) rel_fro_error" "$tmp/nocol"
+refused compare.py "no row with status ok" "$tmp/a" "$tmp/nook"
 echo "plot_test: ok"

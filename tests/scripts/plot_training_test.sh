@@ -6,16 +6,8 @@
 # that a figure drawing the wrong pass, or mixing passes, draws other numbers than the checks
 # compute from results.csv. Results without training rows, and older results without the pass
 # column, draw no training figure and remove those of an earlier run.
-set -euo pipefail
 bin=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-py=/usr/bin/python3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "plot_training_test: $*" >&2; exit 1; }
-# the machine figures every sweep starts with: measured once per ctest run (the test
-# machine_figures, ATTNBENCH_TEST_MACHINE_DIR), else by this script's first sweep
-machine=${ATTNBENCH_TEST_MACHINE_DIR:-$tmp}
+. "$(dirname "$0")/lib.sh" plot_training_test
 
 # reformer's training rows are turned into those of a variant without a backward pass (status
 # unsupported, as the sweep writes them for one): they must be listed as rows not plotted
@@ -77,13 +69,8 @@ EOF
 plot() { "$py" "$root/scripts/plot.py" "$@"; }
 plot "$tmp/run" --debug-json "$tmp/run.json" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on results with training rows"; }
-for name in time_vs_n memory_vs_n error_vs_n speed_vs_error crossover train_time_vs_n \
-  train_memory_vs_n grad_vs_fwd_error train_speed_vs_error; do
-  png="$tmp/run/plots/$name.png"
-  [ "$(head -c 8 "$png" 2>/dev/null | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
-    fail "$png is missing or not a PNG file"
-  grep -qF "](plots/$name.png)" "$tmp/run/report.md" || fail "report.md does not embed $name.png"
-done
+figures "$tmp/run" time_vs_n memory_vs_n error_vs_n speed_vs_error crossover train_time_vs_n \
+  train_memory_vs_n grad_vs_fwd_error train_speed_vs_error
 
 "$py" - "$tmp/run/results.csv" "$tmp/run.json" "$tmp/run/report.md" <<'EOF' ||
 import csv, json, math, sys
@@ -207,32 +194,30 @@ check("pass=bwd" in report and "pass=fwdbwd" in report,
 EOF
   fail "the figures do not draw the passes they should"
 
-# Results of the forward only (an earlier run's training figures are removed), and older
-# results without the pass column nor the training columns: no training figures, the report
-# says so, every other figure drawn from the rows as they are.
-for variant in fwd old; do
-  dir="$tmp/$variant"
-  cp -r "$tmp/run" "$dir"
-  "$py" - "$dir/results.csv" "$variant" <<'EOF'
+# Older results, without the pass column nor the training columns, in a directory that holds
+# an earlier run's training figures: those are removed, no training figures are drawn, the
+# report says so, and every other figure is drawn from the rows as they are. (A forward-only
+# sweep with the pass column is plot_test.sh's.)
+dir="$tmp/old"
+cp -r "$tmp/run" "$dir"
+"$py" - "$dir/results.csv" <<'EOF'
 import csv, sys
-path, variant = sys.argv[1:]
+path = sys.argv[1]
 rows = [r for r in csv.DictReader(open(path)) if r["pass"] == "fwd"]
 cols = list(rows[0])
-if variant == "old":
-    cols = [c for c in cols if c != "pass" and not c.startswith(("saved", "grad_"))]
+cols = [c for c in cols if c != "pass" and not c.startswith(("saved", "grad_"))]
 with open(path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
 EOF
-  plot "$dir" --debug-json "$dir.json" 2>"$dir.err" ||
-    { cat "$dir.err" >&2; fail "plot.py failed on $variant results"; }
-  for name in train_time_vs_n train_memory_vs_n grad_vs_fwd_error train_speed_vs_error; do
-    [ ! -e "$dir/plots/$name.png" ] || fail "$variant results: a stale $name.png was left"
-  done
-  grep -qF "No training rows" "$dir/report.md" || fail "$variant results: no word on training"
-  cmp -s <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-    "$dir.json") <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-    "$tmp/run.json") || fail "$variant results: time_vs_n differs from the run's"
+plot "$dir" --debug-json "$dir.json" 2>"$dir.err" ||
+  { cat "$dir.err" >&2; fail "plot.py failed on older results"; }
+for name in train_time_vs_n train_memory_vs_n grad_vs_fwd_error train_speed_vs_error; do
+  [ ! -e "$dir/plots/$name.png" ] || fail "older results: a stale $name.png was left"
 done
+grep -qF "No training rows" "$dir/report.md" || fail "older results: no word on training"
+cmp -s <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
+  "$dir.json") <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
+  "$tmp/run.json") || fail "older results: time_vs_n differs from the run's"
 echo "plot_training_test: ok"
