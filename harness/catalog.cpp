@@ -1,5 +1,7 @@
 #include "harness/catalog.h"
 
+#include <cmath>
+
 namespace attnbench {
 
 bool has_backward(const VariantInfo& v) {
@@ -9,6 +11,15 @@ bool has_backward(const VariantInfo& v) {
 bool has_decode(const VariantInfo& v) {
   return Registry::instance().make(v.name)->decoder() != nullptr;
 }
+
+namespace {
+
+// A bound of an input's range: null when infinite (JSON has no infinity).
+nlohmann::ordered_json bound(double x) {
+  return std::isfinite(x) ? nlohmann::ordered_json(x) : nlohmann::ordered_json();
+}
+
+}  // namespace
 
 nlohmann::ordered_json variants_json() {
   nlohmann::ordered_json all = nlohmann::ordered_json::array();
@@ -23,6 +34,16 @@ nlohmann::ordered_json variants_json() {
       j["help"] = p.help;
       params.push_back(j);
     }
+    nlohmann::ordered_json inputs = nlohmann::ordered_json::array();
+    for (const InputSpec& in : v->inputs)
+      inputs.push_back(
+          {{"name", in.name},
+           {"shape", in.shape()},
+           {"dims", in.dims},
+           {"help", in.help},
+           {"stand_in", in.stand_in},
+           {"range", {bound(in.min), bound(in.max)}},
+           {"when", in.when.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(in.when)}});
     all.push_back({{"name", v->name},
                    {"summary", v->summary},
                    {"complexity", v->complexity},
@@ -46,7 +67,8 @@ nlohmann::ordered_json variants_json() {
                    {"decode", has_decode(*v)},
                    {"plugin", v->plugin.empty() ? nlohmann::ordered_json()
                                                 : nlohmann::ordered_json(v->plugin)},
-                   {"params", params}});
+                   {"params", params},
+                   {"inputs", inputs}});
   }
   return all;
 }

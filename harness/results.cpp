@@ -74,7 +74,8 @@ const std::map<std::string, std::string> kAddedColumns = {{"embed", "0"},
                                                           {"bandwidth_fraction", ""},
                                                           {"input_layer", ""},
                                                           {"input_source", "@source"},
-                                                          {"host", ""}};
+                                                          {"host", ""},
+                                                          {"stand_ins", ""}};
 
 std::string join_key(const std::vector<std::string>& fields) {
   std::string k;

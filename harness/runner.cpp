@@ -3,6 +3,7 @@
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -563,6 +564,9 @@ void add_notes(Row& row, const Variant& variant, const Problem& p, const Workloa
   if (!grad_note.empty()) row.notes += (row.notes.empty() ? "" : "; ") + grad_note;
   if (const std::string beyond = trained_context_note(p, w.input); !beyond.empty())
     row.notes += (row.notes.empty() ? "" : "; ") + beyond;
+  if (!row.stand_ins.empty())
+    row.notes += (row.notes.empty() ? "" : "; ") +
+                 fmt::format("stand-ins for its learned inputs: {}", row.stand_ins);
 }
 
 }  // namespace
@@ -581,6 +585,7 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     row.spec = variant.spec();
     row.variant = variant.info().name;
     row.input_source = input_source(w.input);  // refused and skipped rows name it too
+    row.stand_ins = fmt::format("{}", fmt::join(variant.stand_ins(p), "+"));
     check_run_options(opt);
     row.workload.threads = resolve_threads(w.threads);
     team.emplace(row.workload.threads);
@@ -700,6 +705,7 @@ nlohmann::ordered_json to_json(const Row& r) {
            {"uniform_error", num(r.error.uniform_rel_fro)},
            {"rounded_input_error", num(r.rounded_input_error)},
            {"notes", r.notes},
+           {"stand_ins", r.stand_ins},
            {"phases", phases_text(r.phases)},
            {"attention_share", num(r.attention_share)},
            {"prepare_s", num(r.prepare_seconds)},

@@ -53,6 +53,9 @@ struct Row {
   /// arithmetic's share); NaN for f32 rows.
   double rounded_input_error = NAN;
   std::string notes;  ///< the variant's notes() after the last timed pass
+  /// The inputs beyond q, k and v the variant takes that the problem did not give (its
+  /// stand-ins computed instead), joined by '+': the stand_ins column; "" for none.
+  std::string stand_ins;
   /// Where the inputs came from (the input_source column): "generated", "file" or
   /// "trained@<first 12 hex of the checkpoint>"; set by run_one, "" = derived from the
   /// workload's input (trained inputs then show as "trained").

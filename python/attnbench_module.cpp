@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -84,6 +85,9 @@ struct Options {
   uint64_t seed = 0;
   std::string dtype = "f32";
   int threads = 0;
+  /// The variant's inputs beyond q, k and v (VariantInfo::inputs), by name; copied once into
+  /// the problem (Problem::extra_inputs).
+  std::map<std::string, py::array> inputs;
 };
 
 // The key/value heads G of k [B, G, m, d] for `heads` query heads; UsageError unless G
@@ -138,6 +142,20 @@ Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o)
   }
   if (p.score == Score::bilinear || p.score == Score::additive)
     p.score_weights = make_score_weights(p);
+  if (!o.inputs.empty()) {
+    auto extra = std::make_shared<ExtraInputs>();
+    for (const auto& [name, a] : o.inputs) {
+      if (!a.dtype().is(py::dtype::of<float>()) || !(a.flags() & py::array::c_style))
+        throw UsageError(name + ": expected a C-contiguous float32 array, got dtype " +
+                         std::string(py::str(a.dtype())));
+      ExtraInput t;
+      for (py::ssize_t i = 0; i < a.ndim(); ++i) t.shape.push_back(a.shape(i));
+      const float* data = static_cast<const float*>(a.data());
+      t.data.assign(data, data + a.size());
+      extra->emplace(name, std::move(t));
+    }
+    p.extra_inputs = std::move(extra);
+  }
   p.validate();
   return p;
 }
@@ -181,10 +199,13 @@ Options options(const py::kwargs& kw) {
       o.threads = int(t);
     } else if (k == "dtype") {
       o.dtype = keyword<std::string>(value, k, "\"f32\" or \"bf16\"");
+    } else if (k == "inputs") {
+      o.inputs = keyword<std::map<std::string, py::array>>(
+          value, k, "a dict of the variant's inputs by name (float32 arrays)");
     } else {
       throw UsageError("unknown keyword '" + k +
                        "'; accepted: causal, score, key_padding, attn_mask, kv_heads, seed, "
-                       "threads, dtype");
+                       "threads, dtype, inputs");
     }
   }
   return o;
@@ -340,6 +361,12 @@ PYBIND11_MODULE(_attnbench, m) {
       .def_property_readonly("summary", [](const PyVariant& s) { return s.v->info().summary; })
       .def_property_readonly("params", [](const PyVariant& s) { return params_dict(*s.v); })
       .def_property_readonly("capabilities", [](const PyVariant& s) { return capabilities(*s.v); })
+      .def_property_readonly("inputs",
+                             [](const PyVariant& s) {
+                               std::vector<std::string> names;
+                               for (const InputSpec* in : s.v->inputs()) names.push_back(in->name);
+                               return names;
+                             })
       .def_property_readonly("notes",
                              [](const PyVariant& s) {
                                const std::lock_guard<std::mutex> lock(*s.mu);

@@ -132,15 +132,24 @@ def readme_table(variants):
     rows = ["<!-- made by scripts/gen_docs.py from `attnbench list --json`: edit the variants' "
             "registrations, then regenerate -->",
             "",
-            "| variant | family | exact | causal | backward | decode | paper |",
-            "|---|---|---|---|---|---|---|"]
+            "| variant | family | exact | causal | backward | decode | learned inputs | paper |",
+            "|---|---|---|---|---|---|---|---|"]
     for v in variants:
         name = f"[`{v['name']}`](docs/variants.md#{v['name']})"
         if v.get("display"):
             name += f" ({text(v['display'])})"
         rows.append(f"| {name} | {family_label(v)} | {yes(v.get('exact'))} | {causal(v)} | "
-                    f"{yes(v.get('backward'))} | {yes(v.get('decode'))} | {paper(v)} |")
+                    f"{yes(v.get('backward'))} | {yes(v.get('decode'))} | {learned(v)} | "
+                    f"{paper(v)} |")
     return "\n".join(rows)
+
+
+def learned(v):
+    """The inputs beyond q, k and v, each with the setting that takes it: "`g`", "`beta`,
+    `g` (gated=true)"; "—" for none."""
+    names = [f"`{i['name']}`" + (f" ({i['when']})" if i.get("when") else "")
+             for i in v.get("inputs") or []]
+    return ", ".join(names) or "—"
 
 
 def reference(variants):
@@ -173,6 +182,18 @@ def reference(variants):
                            f"{text(p.get('help', ''))} |")
         else:
             out += ["", "No parameters."]
+        inputs = v.get("inputs") or []
+        if inputs:
+            out += ["", "| input | shape | values | meaning | without it (stand-in) |",
+                    "|---|---|---|---|---|"]
+            for i in inputs:
+                when = f" (with `{i['when']}`)" if i.get("when") else ""
+                lo, hi = i.get("range") or [None, None]
+                values = ("any" if lo is None and hi is None else
+                          f"≤ {number(hi)}" if lo is None else
+                          f"≥ {number(lo)}" if hi is None else f"{number(lo)} .. {number(hi)}")
+                out.append(f"| `{i.get('name', '')}`{when} | {i.get('shape', '')} | {values} | "
+                           f"{text(i.get('help', ''))} | {text(i.get('stand_in', ''))} |")
     return "\n".join(out)
 
 

@@ -207,11 +207,24 @@ void delta_step(float* st, int64_t d, int64_t dp, const float* kn, const float* 
 struct HeadIo {
   const float *k = nullptr, *v = nullptr;
   int64_t ldk = 0, ldv = 0;
+  /// The head's given beta and log decay rows (the inputs beta and g, n entries each), or
+  /// null: computed from k by the seeded stand-ins.
+  const float *beta = nullptr, *g = nullptr;
   int64_t nq = 0;
   std::vector<const float*> q;
   std::vector<float*> out;
   int64_t ldq = 0, ldo = 0;
 };
+
+/// key_features of row t of a head, with its given beta and log decay in place of the
+/// stand-ins'.
+KeyFeatures row_features(const HeadIo& io, int64_t t, int64_t d, const Weights& w, bool gated,
+                         float* kn) {
+  KeyFeatures f = key_features(io.k + t * io.ldk, d, w, gated, kn);
+  if (io.beta) f.beta = io.beta[t];
+  if (io.g) f.log_alpha = io.g[t];
+  return f;
+}
 
 HeadIo head_io(const Problem& p, ConstTensorView k, ConstTensorView v, int64_t b, int64_t g,
                const ConstTensorView* q, const TensorView* out) {
@@ -241,7 +254,7 @@ void recurrent_head(const HeadIo& io, int64_t t0, int64_t t1, int64_t d, const W
   std::vector<float*> outs(size_t(io.nq));
   for (int64_t h = 0; h < io.nq; ++h) qs[size_t(h)] = qf + h * dp;
   for (int64_t t = t0; t < t1; ++t) {
-    const KeyFeatures f = key_features(io.k + t * io.ldk, d, w, gated, kn);
+    const KeyFeatures f = row_features(io, t, d, w, gated, kn);
     for (int64_t h = 0; h < io.nq; ++h) {
       query_features(io.q[size_t(h)] + t * io.ldq, d, qf + h * dp);
       outs[size_t(h)] = io.out[size_t(h)] + t * io.ldo;
@@ -272,8 +285,7 @@ void chunkwise_head(const HeadIo& io, int64_t n, int64_t d, int64_t C, const Wei
     // pass 1: normalised keys, beta, cumulative log-decays within the chunk
     double g = 0;
     for (int64_t t = 0; t < c; ++t) {
-      const KeyFeatures f =
-          key_features(io.k + (c0 + t) * io.ldk, d, w, gated, cw.kn.row(t).data());
+      const KeyFeatures f = row_features(io, c0 + t, d, w, gated, cw.kn.row(t).data());
       cw.beta[size_t(t)] = f.beta;
       g += double(f.log_alpha);
       cw.lg[size_t(t)] = float(g);
@@ -510,13 +522,20 @@ class DeltaNet final : public Variant, public RecomputeBackward<DeltaNet>, publi
                          chunkwise_ ? std::make_unique<ChunkWork>(C, d) : nullptr};
         },
         [&](int64_t bg, Scratch& s) {
-          const HeadIo io = head_io(p, k, v, bg / G, bg % G, &q, &out);
+          HeadIo io = head_io(p, k, v, bg / G, bg % G, &q, &out);
+          given_rows(p, bg, io);
           std::fill(s.st.begin(), s.st.end(), 0.0f);
           if (chunkwise_)
             chunkwise_head(io, p.n, d, C, w, gated_, s.st.data(), *s.cw);
           else
             recurrent_head(io, 0, p.n, d, w, gated_, s.st.data());
         });
+  }
+
+  /// The given beta and g of (batch, key/value head) bg ([B, G, n] each) into io.
+  void given_rows(const Problem& p, int64_t bg, HeadIo& io) const {
+    if (const float* beta = input(p, "beta")) io.beta = beta + bg * p.n;
+    if (const float* g = gated_ ? input(p, "g") : nullptr) io.g = g + bg * p.n;
   }
 
   double flops(const Problem& p) const override {
@@ -611,7 +630,10 @@ std::vector<double> deltanet_oracle(const Variant& var, const Problem& p, ConstT
   const bool gated = is_gated(var);
   const Weights w = deltanet_weights(p);
   const int64_t d = p.dim;
+  const float* given_beta = var.input(p, "beta");
+  const float* given_g = gated ? var.input(p, "g") : nullptr;
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
+    const int64_t row0 = (b * p.kv_head_count() + p.kv_head(h)) * p.n;
     const oracle::Matrix Q = oracle::head(q, b, h), K = oracle::head(k, b, h),
                          V = oracle::head(v, b, h);
     oracle::Matrix S(d, d), O(p.n, d);  // S: rows over the value dimension
@@ -625,9 +647,11 @@ std::vector<double> deltanet_oracle(const Variant& var, const Problem& p, ConstT
       const double inv = ss > 0 ? 1.0 / std::sqrt(ss) : 0.0;
       const double qinv = qs > 0 ? 1.0 / (std::sqrt(qs) * std::sqrt(double(d))) : 0.0;
       for (int64_t j = 0; j < d; ++j) kn[size_t(j)] = K(t, j) * inv, qn[size_t(j)] = Q(t, j) * qinv;
-      const double beta = 1.0 / (1.0 + std::exp(-zb));
+      const double beta = given_beta ? double(given_beta[row0 + t]) : 1.0 / (1.0 + std::exp(-zb));
       const double alpha =
-          gated ? std::exp(-(std::max(za, 0.0) + std::log1p(std::exp(-std::abs(za))))) : 1.0;
+          !gated    ? 1.0
+          : given_g ? std::exp(double(given_g[row0 + t]))
+                    : std::exp(-(std::max(za, 0.0) + std::log1p(std::exp(-std::abs(za)))));
       for (int64_t l = 0; l < d; ++l) {
         double s = 0;
         for (int64_t j = 0; j < d; ++j) s += S(l, j) * kn[size_t(j)];
@@ -672,6 +696,18 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Int("chunk", 64, 1, 4096,
                                   "tokens per chunk (chunkwise form; the backward's checkpoint "
                                   "spacing)")},
+        .inputs = {{.name = "beta",
+                    .dims = {"B", "G", "n"},
+                    .help = "write strength beta_t per token and key/value head, in (0, 1)",
+                    .stand_in = "sigmoid(k_t . w_b), w_b seeded",
+                    .min = 0,
+                    .max = 1},
+                   {.name = "g",
+                    .dims = {"B", "G", "n"},
+                    .help = "log decay log alpha_t per token and key/value head (<= 0)",
+                    .stand_in = "-softplus(k_t . w_a - 2.5), w_a seeded",
+                    .max = 0,
+                    .when = "gated=true"}},
         .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
         .make = [](const ParamValues& pv) { return std::make_unique<DeltaNet>(pv); },
         .oracle = deltanet_oracle});

@@ -40,7 +40,8 @@ class Gla final : public da::DecayVariant {
 
   da::Decay decay(const Problem& p) const override {
     da::Decay dc;
-    dc.gate = std::make_shared<da::Gate>(p, rank_, tau_, 0.0);
+    dc.given = input(p, "g");  // the model's log decays, else the seeded gate stands in
+    if (!dc.given) dc.gate = std::make_shared<da::Gate>(p, rank_, tau_, 0.0);
     return dc;
   }
 
@@ -71,6 +72,12 @@ ATTNBENCH_REGISTER_VARIANT(
                 .long_context = true,
                 .sweep_specs = {"gla:form=recurrent"},
                 .params = gla_params(),
+                .inputs = {{.name = "g",
+                            .dims = {"B", "G", "n", "d"},
+                            .help = "log decay log a_t per token, key/value head and key "
+                                    "feature (<= 0; S_t = diag(exp g_t) S_(t-1) + k_t v_t^T)",
+                            .stand_in = "log sigmoid(k_t W1 W2) / tau, W1 and W2 seeded",
+                            .max = 0}},
                 .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
                 .make = [](const ParamValues& pv) { return std::make_unique<Gla>(pv); },
                 .oracle = da::decay_oracle,

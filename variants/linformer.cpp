@@ -411,7 +411,7 @@ class Linformer final : public Variant, public Backward {
     const int64_t per_bh = 2 * kp * d;
     if (!st || st->proj.size() != size_t(p.batch * H * per_bh))
       throw UsageError("linformer: the saved state is not from its forward_train on this problem");
-    used_ = ready(p);
+    resolve(p);
     const float scale = p.softmax_scale();
     const int64_t rows_max = std::min(kBlockQ, n), cols_max = std::min(kChunk, m);
     OmpGuard guard;
@@ -421,7 +421,7 @@ class Linformer final : public Variant, public Backward {
       guard.run([&] {
         ps.resize(size_t(rows_max * kp)), dps.resize(size_t(rows_max * kp));
         grad.resize(size_t(per_bh));
-        if (!used_) gen.resize(size_t((share_ ? 1 : 2) * cols_max * kp));
+        if (!src_) gen.resize(size_t((share_ ? 1 : 2) * cols_max * kp));
       });
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bh = 0; bh < p.batch * H; ++bh)
@@ -464,9 +464,9 @@ class Linformer final : public Variant, public Backward {
           for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
             const int64_t cols = std::min(kChunk, len - j0);
             const float *et, *ft;
-            if (used_) {
-              et = kept_[size_t(h)].e.data() + j0 * kp;
-              ft = share_ ? et : kept_[size_t(h)].f.data() + j0 * kp;
+            if (src_) {
+              et = (*src_)[size_t(h)].e.data() + j0 * kp;
+              ft = share_ ? et : (*src_)[size_t(h)].f.data() + j0 * kp;
             } else {
               linformer::projection_columns(p.seed, h, false, kp, j0, cols, gen.data());
               if (!share_)
@@ -514,7 +514,7 @@ class Linformer final : public Variant, public Backward {
     const int64_t longest =
         p.key_lengths.empty() ? m : *std::max_element(p.key_lengths.begin(), p.key_lengths.end());
     float* proj = proj_out;
-    used_ = ready(p);  // E and F from prepare()
+    resolve(p);  // E and F given, from prepare(), or drawn chunk by chunk below
 
     {
       // partial sums when a head is split over key ranges (none otherwise)
@@ -525,7 +525,7 @@ class Linformer final : public Variant, public Backward {
       {
         const int64_t gen_cols = std::min(kChunk, m);
         std::unique_ptr<float[]> gen;
-        if (!used_)
+        if (!src_)
           guard.run([&] { gen.reset(new float[size_t((share_ ? 1 : 2) * gen_cols * kp)]); });
         float* et = gen.get();
         float* ft = share_ || !et ? et : et + gen_cols * kp;
@@ -538,9 +538,9 @@ class Linformer final : public Variant, public Backward {
               const int64_t j0 = c * kChunk, cols = std::min(kChunk, m - j0);
               // the columns some batch element has valid keys for (all without key padding)
               const int64_t gen = std::clamp<int64_t>(longest - j0, 0, cols);
-              if (used_) {
-                et = kept_[size_t(h)].e.data() + j0 * kp;
-                ft = share_ ? et : kept_[size_t(h)].f.data() + j0 * kp;
+              if (src_) {
+                et = (*src_)[size_t(h)].e.data() + j0 * kp;
+                ft = share_ ? et : (*src_)[size_t(h)].f.data() + j0 * kp;
               } else {
                 linformer::projection_columns(p.seed, h, false, kp, j0, gen, et);
                 if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, gen, ft);
@@ -637,7 +637,7 @@ class Linformer final : public Variant, public Backward {
   }
 
   std::string notes() const override {
-    if (!used_) return {};
+    if (src_ != &kept_) return {};
     return fmt::format("{}; {:.1f} MiB of projections held", kPreparedNote,
                        double(kept_.size()) * double(kept_cols_ * k_) * (share_ ? 1 : 2) * 4.0 /
                            (1024.0 * 1024.0));
@@ -655,12 +655,14 @@ class Linformer final : public Variant, public Backward {
   double memory_estimate(const Problem& p) const override {
     const Plan pl = plan(p);
     const double f = sizeof(float), per_bh = 2.0 * double(k_ * p.dim);
-    const double proj = double(p.batch * p.heads) * per_bh * f;
+    // given E or F: every head's columns, transposed (resolve)
+    const bool given = input(p, "E") || (!share_ && input(p, "F"));
+    const double proj = double(p.batch * p.heads) * per_bh * f + (given ? prepared_bytes(p) : 0.0);
     // every thread of a parallel region allocates its buffers, whether it gets a task or not
     const double step1 = (pl.splits > 1 ? double(pl.tasks * p.batch) * per_bh * f : 0.0) +
-                         (ready(p) ? 0.0
-                                   : double(pl.threads) * (share_ ? 1 : 2) *
-                                         double(std::min(kChunk, p.keys()) * k_) * f);
+                         (given || ready(p) ? 0.0
+                                            : double(pl.threads) * (share_ ? 1 : 2) *
+                                                  double(std::min(kChunk, p.keys()) * k_) * f);
     const double step2 = double(pl.threads) * double(std::min(kBlockQ, p.n) * k_) * f;
     return proj + std::max(step1, step2);
   }
@@ -685,7 +687,35 @@ class Linformer final : public Variant, public Backward {
   std::vector<Projections> kept_;
   uint64_t kept_seed_ = 0;
   int64_t kept_cols_ = 0;
-  bool used_ = false;  // whether the last forward() read kept_
+  std::vector<Projections> given_;  // the given E and F of the last pass, as columns
+  // What the last pass read: &given_, &kept_ (prepared), or null (drawn chunk by chunk).
+  std::vector<Projections>* src_ = nullptr;
+
+  // The projections a pass on p reads (src_): the given E and F, transposed into columns (a
+  // given E without F, or F without E, has the other drawn), else the prepared ones when they
+  // serve p, else none (drawn chunk by chunk as the pass goes).
+  void resolve(const Problem& p) {
+    const float* e = input(p, "E");
+    const float* f = share_ ? nullptr : input(p, "F");
+    if (!e && !f) {
+      src_ = ready(p) ? &kept_ : nullptr;
+      return;
+    }
+    const int64_t m = p.keys(), kp = k_;
+    given_.assign(size_t(p.heads), {});
+    parallel_for(p.heads, [&](int64_t h) {
+      auto columns = [&](const float* x, bool is_f, std::vector<float>& out) {
+        out.resize(size_t(m * kp));
+        if (!x) return linformer::projection_columns(p.seed, h, is_f, kp, 0, m, out.data());
+        const float* xh = x + h * kp * m;  // [proj, m] of head h
+        for (int64_t r = 0; r < kp; ++r)
+          for (int64_t j = 0; j < m; ++j) out[size_t(j * kp + r)] = xh[r * m + j];
+      };
+      columns(e, false, given_[size_t(h)].e);
+      if (!share_) columns(f, true, given_[size_t(h)].f);
+    });
+    src_ = &given_;
+  }
 };
 
 std::vector<double> linformer_oracle(const Variant& var, const Problem& p, ConstTensorView q,
@@ -699,9 +729,14 @@ std::vector<double> linformer_oracle(const Variant& var, const Problem& p, Const
     auto valid = [&](ConstTensorView x) { return oracle::head(x, b, h, m); };
     // E (or F) of head h, k x m
     auto projection = [&](bool f) {
+      oracle::Matrix e(kp, m);
+      if (const float* x = var.input(p, f ? "F" : "E")) {  // given: [H, proj, keys]
+        for (int64_t r = 0; r < kp; ++r)
+          for (int64_t j = 0; j < m; ++j) e(r, j) = double(x[(h * kp + r) * p.keys() + j]);
+        return e;
+      }
       std::vector<float> t(size_t(kp * m));
       linformer::projection_columns(p.seed, h, f, kp, 0, m, t.data());
-      oracle::Matrix e(kp, m);
       for (int64_t j = 0; j < m; ++j)
         for (int64_t r = 0; r < kp; ++r) e(r, j) = double(t[size_t(j * kp + r)]);
       return e;
@@ -732,6 +767,15 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "projection size k: keys and values are projected to k rows"),
                    ParamSpec::Bool("share_kv", false,
                                    "use one projection for keys and values (F = E)")},
+        .inputs = {{.name = "E",
+                    .dims = {"H", "proj", "m"},
+                    .help = "projection of the keys per head: E K is proj x d",
+                    .stand_in = "entries N(0, 1/proj), seeded per head"},
+                   {.name = "F",
+                    .dims = {"H", "proj", "m"},
+                    .help = "projection of the values per head: F V is proj x d",
+                    .stand_in = "entries N(0, 1/proj), seeded per head",
+                    .when = "share_kv=false"}},
         .caps = {.causal = false, .cross = true, .exact = false, .key_padding = true},
         .make =
             [](const ParamValues& pv) {

@@ -60,6 +60,7 @@
 
 #include <Eigen/Dense>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -167,7 +168,14 @@ struct GroupRows {
   const float* gates;  // [gs][3][d]
   int64_t gs, d;
   int32_t* chosen = nullptr;  // optional: position r's blocks at chosen + r top, -1 padded
+  /// The given gates g_cmp, g_slc, g_swa of query head hg at position i0 + r, at
+  /// given[c][hg * given_sh + r]; null: sigmoid(q . u_c) stands in.
+  std::array<const float*, 3> given = {};
+  int64_t given_sh = 0;
 };
+
+/// The names of the gate inputs, in branch order.
+constexpr std::array<const char*, 3> kGateInputs = {"g_cmp", "g_slc", "g_swa"};
 
 /// Per-thread buffers of attend_rows for up to max_rows positions, max_nc pooled rows and
 /// max_keys keys.
@@ -402,6 +410,10 @@ void gate_and_sum(const GroupRows& g, int64_t rows, const Workspace& ws) {
       const float* qr = g.q + hg * g.q_sh + r * g.q_sr;
       float gate[3];
       for (int64_t b = 0; b < 3; ++b) {
+        if (g.given[size_t(b)]) {
+          gate[b] = g.given[size_t(b)][hg * g.given_sh + r];
+          continue;
+        }
         const float* u = g.gates + (hg * 3 + b) * d;
         float dot = 0.0f;
         for (int64_t e = 0; e < d; ++e) dot += qr[e] * u[e];
@@ -451,9 +463,18 @@ Pooled pool_all(const Config& c, const Problem& p, ConstTensorView k, ConstTenso
   return pl;
 }
 
+/// The gate inputs p gives the variant, in branch order (null where stood in).
+std::array<const float*, 3> given_gates(const Variant& var, const Problem& p) {
+  std::array<const float*, 3> given = {};
+  for (size_t x = 0; x < 3; ++x) given[x] = var.input(p, kGateInputs[x]);
+  return given;
+}
+
 /// The forward pass; with `chosen` ([B, G, n, top], -1 padded), also every position's blocks.
+/// `given`: the gate inputs [B, H, n] given, in branch order (null: stood in).
 void nsa_forward(const Config& c, const Problem& p, ConstTensorView q, ConstTensorView k,
-                 ConstTensorView v, TensorView out, int32_t* chosen = nullptr) {
+                 ConstTensorView v, TensorView out, int32_t* chosen = nullptr,
+                 std::array<const float*, 3> given = {}) {
   const int64_t G = p.kv_head_count(), gs = p.kv_group(), d = p.dim, n = p.n;
   const Pooled pl = pool_all(c, p, k, v);
   const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
@@ -484,6 +505,9 @@ void nsa_forward(const Config& c, const Problem& p, ConstTensorView q, ConstTens
                   gs,
                   d,
                   chosen ? chosen + (bg * n + i0) * c.top : nullptr};
+      for (size_t x = 0; x < 3; ++x)
+        if (given[x]) g.given[x] = given[x] + (b * p.heads + h0) * n + i0;
+      g.given_sh = n;
       attend_rows(c, g, i0, rows, ws);
     }
   }
@@ -530,7 +554,7 @@ class Nsa final : public Variant, public Decoder {
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
-    nsa_forward(c_, p, q, k, v, out);
+    nsa_forward(c_, p, q, k, v, out, nullptr, given_gates(*this, p));
   }
 
   double flops(const Problem& p) const override {
@@ -689,6 +713,7 @@ std::vector<double> nsa_oracle(const Variant& var, const Problem& p, ConstTensor
   const int64_t n = p.n, d = p.dim, gs = p.kv_group();
   const double scale = 1.0 / std::sqrt(double(d));
   const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
+  const std::array<const float*, 3> given = given_gates(var, p);
   return oracle::per_head(p, [&](int64_t b, int64_t h) {
     const int64_t h0 = p.kv_head(h) * gs;
     const oracle::Matrix K = oracle::head(k, b, h), V = oracle::head(v, b, h);
@@ -768,6 +793,10 @@ std::vector<double> nsa_oracle(const Variant& var, const Problem& p, ConstTensor
       const std::vector<double> owin = attend(Qh.row(t), K, V, win_keys, probs);
       double gate[3];
       for (int64_t x = 0; x < 3; ++x) {
+        if (given[size_t(x)]) {
+          gate[x] = double(given[size_t(x)][(b * p.heads + h) * p.n + t]);
+          continue;
+        }
         double dot = 0;
         for (int64_t e = 0; e < d; ++e)
           dot += Qh(t, e) * double(gates[size_t((h * 3 + x) * d + e)]);
@@ -814,6 +843,24 @@ ATTNBENCH_REGISTER_VARIANT(
                                   "blocks included)"),
                    ParamSpec::Int("window", 512, 0, int64_t(1) << 30,
                                   "sliding-window keys per query, w (the last w up to t)")},
+        .inputs = {{.name = "g_cmp",
+                    .dims = {"B", "H", "n"},
+                    .help = "gate of the compressed branch per token and query head, in (0, 1)",
+                    .stand_in = "sigmoid(q_t . u_cmp), u_cmp seeded per head",
+                    .min = 0,
+                    .max = 1},
+                   {.name = "g_slc",
+                    .dims = {"B", "H", "n"},
+                    .help = "gate of the selected branch per token and query head, in (0, 1)",
+                    .stand_in = "sigmoid(q_t . u_slc), u_slc seeded per head",
+                    .min = 0,
+                    .max = 1},
+                   {.name = "g_swa",
+                    .dims = {"B", "H", "n"},
+                    .help = "gate of the sliding-window branch per token and query head, in (0, 1)",
+                    .stand_in = "sigmoid(q_t . u_swa), u_swa seeded per head",
+                    .min = 0,
+                    .max = 1}},
         .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
         .make = [](const ParamValues& pv) { return std::make_unique<Nsa>(pv); },
         .oracle = nsa_oracle,

@@ -110,12 +110,24 @@ constexpr int64_t kGatedBlock = 256;
 /// The denominator floor per unit of key weight: tau exp(-2 / sigma^2).
 double floor_per_weight(double sigma) { return kFloorFraction * std::exp(-2.0 / (sigma * sigma)); }
 
-/// The gate of a key row kj: g = sigmoid(w_g . kj + b_g) and h = 1 - g, each as a sigmoid
-/// (no cancellation in 1 - g).
-inline void key_gate(const std::vector<float>& gate, const float* kj, int64_t d, float& g,
+/// The gates of one (batch, head): given (the input g, one entry per key) or the seeded
+/// stand-in g_j = sigmoid(w_g . k_j + b_g).
+struct KeyGate {
+  const std::vector<float>& w;   ///< w_g (d entries) then b_g
+  const float* given = nullptr;  ///< the head's m given gates, or null
+};
+
+/// The gate of key j (row kj): g and h = 1 - g; the stand-in's each as a sigmoid (no
+/// cancellation in 1 - g).
+inline void key_gate(const KeyGate& gate, const float* kj, int64_t j, int64_t d, float& g,
                      float& h) {
-  float x = gate[size_t(d)];
-  for (int64_t c = 0; c < d; ++c) x += gate[size_t(c)] * kj[c];
+  if (gate.given) {
+    g = gate.given[j];
+    h = 1.0f - g;
+    return;
+  }
+  float x = gate.w[size_t(d)];
+  for (int64_t c = 0; c < d; ++c) x += gate.w[size_t(c)] * kj[c];
   g = 1.0f / (1.0f + std::exp(-x));
   h = 1.0f / (1.0f + std::exp(x));
 }
@@ -157,9 +169,9 @@ int64_t gated_workspace_floats(int64_t features, int64_t d) {
 /// keys j < L_b, and each query i read right after its last visible key, a(i) = i + (m - n),
 /// or after the last valid key L_b - 1 when a(i) is past it. Returns the rows raised to the
 /// floor.
-int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, const Problem& p,
-                   int64_t b, const float* q, int64_t ldq, const float* k, int64_t ldk,
-                   const float* v, int64_t ldv, float* out, int64_t ldo, float* work) {
+int64_t gated_head(const RfaFeatureMap& fm, const KeyGate& gate, const Problem& p, int64_t b,
+                   const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v,
+                   int64_t ldv, float* out, int64_t ldo, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), off = m - n;
   const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
   const float floor = fm.denominator_floor();
@@ -186,7 +198,7 @@ int64_t gated_head(const RfaFeatureMap& fm, const std::vector<float>& gate, cons
       const int64_t j = j0 + t;
       // 2. the gate of key j
       float g, h;
-      key_gate(gate, k + j * ldk, d, g, h);
+      key_gate(gate, k + j * ldk, j, d, g, h);
       // 3. S = g S + h phi(k_j) v_j^T, z = g z + h phi(k_j)
       gated_fold(s, z, mass, phk + t * f, v + j * ldv, g, h, f, d);
       // 4. the query that reads the state after key j
@@ -234,8 +246,8 @@ int64_t gated_backward_floats(int64_t features, int64_t d, int64_t m) {
 /// The maps' backward (x / |x|, sin, cos) turns dphi into dq and dk. Keys past L_b and rows
 /// that see no key get 0. Time about three times the forward's; memory
 /// gated_backward_floats.
-void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate, const Problem& p,
-                         int64_t b, const fmap::HeadGrads& io, float* work) {
+void gated_head_backward(const RfaFeatureMap& fm, const KeyGate& gate, const Problem& p, int64_t b,
+                         const fmap::HeadGrads& io, float* work) {
   const int64_t f = fm.features(), d = p.dim, n = p.n, m = p.keys(), off = m - n;
   const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
   const float floor = fm.denominator_floor();
@@ -258,7 +270,8 @@ void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate
   auto key_chunk = [&](int64_t j0, int64_t cnt) {
     float shift = 0.0f;
     fm.keys(io.k + j0 * io.ldk, io.ldk, cnt, phk, f, shift);
-    for (int64_t t = 0; t < cnt; ++t) key_gate(gate, io.k + (j0 + t) * io.ldk, d, gk[t], hk[t]);
+    for (int64_t t = 0; t < cnt; ++t)
+      key_gate(gate, io.k + (j0 + t) * io.ldk, j0 + t, d, gk[t], hk[t]);
   };
   // the state after key j0 + t from the state before it (the forward's update)
   auto step = [&](const float* from, float* to, int64_t t, int64_t j) {
@@ -349,7 +362,7 @@ void gated_head_backward(const RfaFeatureMap& fm, const std::vector<float>& gate
                      io.lddk);
     for (int64_t t = 0; t < cnt; ++t) {
       float* dkj = io.dk + (j0 + t) * io.lddk;
-      for (int64_t x = 0; x < d; ++x) dkj[x] += dx[t] * gate[size_t(x)];
+      for (int64_t x = 0; x < d; ++x) dkj[x] += dx[t] * gate.w[size_t(x)];
     }
   }
 }
@@ -392,7 +405,7 @@ class GatedDecodeState final : public DecodeState {
         hd.map.keys(kh + j0 * k.stride_row, k.stride_row, cnt, phk, f_, shift);
         for (int64_t t = 0; t < cnt; ++t) {
           float g, gh;
-          key_gate(hd.gate, kh + (j0 + t) * k.stride_row, d_, g, gh);
+          key_gate(KeyGate{hd.gate}, kh + (j0 + t) * k.stride_row, j0 + t, d_, g, gh);
           gated_fold(s(bh), z(bh), mass_[size_t(bh)], phk + t * f_, vh + (j0 + t) * v.stride_row, g,
                      gh, f_, d_);
         }
@@ -415,7 +428,7 @@ class GatedDecodeState final : public DecodeState {
       float *phk = w, *phq = w + f_;
       float shift = 0.0f, g, gh;
       hd.map.keys(k.head(b, h), k.stride_row, 1, phk, f_, shift);
-      key_gate(hd.gate, k.head(b, h), d_, g, gh);
+      key_gate(KeyGate{hd.gate}, k.head(b, h), length_, d_, g, gh);
       gated_fold(s(bh), z(bh), mass_[size_t(bh)], phk, v.head(b, h), g, gh, f_, d_);
       hd.map.queries(q.head(b, h), q.stride_row, 1, phq, f_);
       gated_read(phq, s(bh), z(bh), mass_[size_t(bh)], hd.map.denominator_floor(), out.head(b, h),
@@ -488,14 +501,16 @@ class Rfa final : public Variant, public Backward, public Decoder {
       return;
     }
     const int64_t heads = p.batch * p.heads, f = 2 * freqs_;
+    const float* given = input(p, "g");  // [B, H, m]; null: the seeded gates stand in
     std::atomic<int64_t> clamped{0};
     parallel_for(
         heads, [&] { return std::vector<float>(size_t(gated_workspace_floats(f, p.dim))); },
         [&](int64_t bh, std::vector<float>& work) {
           const int64_t b = bh / p.heads, h = bh % p.heads;
-          clamped += gated_head(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, q.head(b, h),
-                                q.stride_row, k.head(b, h), k.stride_row, v.head(b, h),
-                                v.stride_row, out.head(b, h), out.stride_row, work.data());
+          const KeyGate gate{drawn[size_t(h)]->gate, given ? given + bh * p.keys() : nullptr};
+          clamped += gated_head(drawn[size_t(h)]->map, gate, p, b, q.head(b, h), q.stride_row,
+                                k.head(b, h), k.stride_row, v.head(b, h), v.stride_row,
+                                out.head(b, h), out.stride_row, work.data());
         });
     clamped_ = clamped.load();
   }
@@ -554,7 +569,7 @@ class Rfa final : public Variant, public Backward, public Decoder {
                 nullptr,         q.stride_row,  k.stride_row,  v.stride_row,   out.stride_row,
                 dout.stride_row, dq.head(b, h), dk.head(b, h), dv.head(b, h),  dq.stride_row,
                 dk.stride_row,   dv.stride_row};
-            gated_head_backward(drawn[size_t(h)]->map, drawn[size_t(h)]->gate, p, b, io,
+            gated_head_backward(drawn[size_t(h)]->map, KeyGate{drawn[size_t(h)]->gate}, p, b, io,
                                 work.data());
           });
       return;
@@ -710,7 +725,12 @@ std::vector<double> rfa_oracle(const Variant& var, const Problem& p, ConstTensor
     const oracle::Matrix fq = phi(oracle::head(q, b, h)), fk = phi(kx);
     // the gate of every key: g_j and 1 - g_j
     std::vector<double> g(size_t(kx.rows), 1.0), keep(size_t(kx.rows), 1.0);
-    if (gated) {
+    if (const float* given = gated ? var.input(p, "g") : nullptr) {
+      for (int64_t j = 0; j < kx.rows; ++j) {
+        g[size_t(j)] = double(given[(b * p.heads + h) * p.keys() + j]);
+        keep[size_t(j)] = 1.0 - g[size_t(j)];
+      }
+    } else if (gated) {
       const std::vector<float> gw = rfa_gate(p.seed, h, d);
       for (int64_t j = 0; j < kx.rows; ++j) {
         double x = gw[size_t(d)];
@@ -773,6 +793,14 @@ ATTNBENCH_REGISTER_VARIANT(
                    ParamSpec::Bool("gate", false,
                                    "gated RFA: S_j = g_j S_{j-1} + (1 - g_j) phi(k_j) v_j^T with "
                                    "g_j = sigmoid(w_g.k_j + b_g) (seeded); causal only")},
+        .inputs = {{.name = "g",
+                    .dims = {"B", "H", "m"},
+                    .help = "gate g_j per key and query head, in (0, 1): the state decays by "
+                            "g_j and takes key j with weight 1 - g_j",
+                    .stand_in = "sigmoid(k_j . w_g + b_g), w_g and b_g seeded per head",
+                    .min = 0,
+                    .max = 1,
+                    .when = "gate=true"}},
         .caps = {.causal = true, .cross = true, .exact = false, .key_padding = true},
         .make = [](const ParamValues& pv) { return std::make_unique<Rfa>(pv); },
         .oracle = rfa_oracle,

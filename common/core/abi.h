@@ -12,7 +12,7 @@
 // the loader (common/io/plugin.h) reads from the file before it runs any of the plugin's code.
 #pragma once
 
-#define ATTNBENCH_ABI_VERSION 11
+#define ATTNBENCH_ABI_VERSION 12
 
 // The loader reads the ABI symbol as a 4-byte object; clang's AddressSanitizer would pad it
 // with a redzone (a 32-byte symbol), so it is left out of that instrumentation.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -57,6 +58,15 @@ struct AttnMask {
   }
 };
 
+/// A tensor given for one of a variant's inputs beyond q, k and v (VariantInfo::inputs: a gate,
+/// a decay, a projection), float32, row-major, of the shape the variant declares for it.
+struct ExtraInput {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+/// The extra inputs of a problem, by name.
+using ExtraInputs = std::map<std::string, ExtraInput, std::less<>>;
+
 /// The key padding as results and names show it: the lengths joined by '+' ("700+1024"),
 /// "" for none.
 struct Problem;
@@ -97,6 +107,10 @@ struct Problem {
   std::vector<int64_t> key_lengths;
   /// An attention mask combined with causal and key padding; null for none.
   std::shared_ptr<const AttnMask> attn_mask;
+  /// Tensors given for the variant's inputs beyond q, k and v (shared, never changed once
+  /// set); an input the variant takes that is not here is stood in for (Variant::stand_ins).
+  /// Null for none.
+  std::shared_ptr<const ExtraInputs> extra_inputs;
   /// The precision of the computation (DType).
   DType dtype = DType::f32;
   // What attention computes grows here. Each addition comes with a flag in Capabilities (or,

@@ -148,6 +148,14 @@ std::string canonical_value(const std::string& variant, const ParamSpec& ps,
   return text;
 }
 
+// The names of the tensors p gives beyond q, k and v.
+std::vector<std::string> given_input_names(const Problem& p) {
+  std::vector<std::string> names;
+  if (p.extra_inputs)
+    for (const auto& entry : *p.extra_inputs) names.push_back(entry.first);
+  return names;
+}
+
 }  // namespace
 
 const std::string& ParamValues::text(const std::string& name) const {
@@ -232,6 +240,68 @@ void Variant::check_supported(const Problem& p) const {
         "{} has no bf16 path (--dtype bf16); variants that do: those whose `list` entry says "
         "bf16",
         info_->name));
+  check_inputs(p);
+}
+
+std::vector<int64_t> Variant::input_shape(const InputSpec& in, const Problem& p) const {
+  std::vector<int64_t> shape;
+  for (const std::string& dim : in.dims)
+    shape.push_back(dim == "B"   ? p.batch
+                    : dim == "H" ? p.heads
+                    : dim == "G" ? p.kv_head_count()
+                    : dim == "n" ? p.n
+                    : dim == "m" ? p.keys()
+                    : dim == "d" ? p.dim
+                                 : params_.get_int(dim));  // an Int parameter (check_inputs)
+  return shape;
+}
+
+const float* Variant::input(const Problem& p, std::string_view name) const {
+  if (!p.extra_inputs) return nullptr;
+  auto it = p.extra_inputs->find(name);
+  return it == p.extra_inputs->end() ? nullptr : it->second.data.data();
+}
+
+std::vector<std::string> Variant::stand_ins(const Problem& p) const {
+  std::vector<std::string> out;
+  for (const InputSpec* in : inputs())
+    if (!input(p, in->name)) out.push_back(in->name);
+  return out;
+}
+
+std::string Variant::accepted_inputs(const Problem& p) const {
+  std::vector<std::string> parts;
+  for (const InputSpec* in : inputs())
+    parts.push_back(
+        fmt::format("{} {} = [{}]", in->name, in->shape(), fmt::join(input_shape(*in, p), ", ")));
+  return parts.empty() ? fmt::format("{} takes no input beyond q, k and v", spec())
+                       : fmt::format("{} takes {}", spec(), fmt::join(parts, ", "));
+}
+
+void Variant::check_inputs(const Problem& p) const {
+  if (!p.extra_inputs) return;
+  const std::vector<const InputSpec*> taken = inputs();
+  for (const auto& entry : *p.extra_inputs) {
+    const std::string& name = entry.first;
+    const ExtraInput& t = entry.second;
+    auto it = std::find_if(taken.begin(), taken.end(),
+                           [&](const InputSpec* in) { return in->name == name; });
+    if (it == taken.end())
+      throw UsageError(fmt::format("an input '{}' was given, which {} does not take; {}", name,
+                                   spec(), accepted_inputs(p)));
+    const std::vector<int64_t> want = input_shape(**it, p);
+    int64_t count = 1;
+    for (int64_t s : want) count *= s;
+    if (t.shape != want || int64_t(t.data.size()) != count)
+      throw UsageError(fmt::format("the input '{}' has shape [{}]; {}", name,
+                                   fmt::join(t.shape, ", "), accepted_inputs(p)));
+    const InputSpec& in = **it;
+    for (size_t i = 0; i < t.data.size(); ++i)
+      if (!(double(t.data[i]) >= in.min && double(t.data[i]) <= in.max))
+        throw UsageError(fmt::format(
+            "the input '{}' of {} holds {} at flat index {}; accepted: values in [{}, {}] ({})",
+            name, spec(), t.data[i], i, in.min, in.max, in.help));
+  }
 }
 
 Problem linear_score_problem(const Problem& p) {
@@ -336,6 +406,11 @@ void Variant::check_backward(const Problem& p) const {
     throw UnsupportedError(fmt::format(
         "{} has no backward pass; variants that do: those whose `list` entry says backward",
         info_->name));
+  if (p.extra_inputs && !p.extra_inputs->empty())
+    throw UnsupportedError(
+        fmt::format("{}: the backward pass gives no gradient of a given input ({}); without it the "
+                    "stand-in runs",
+                    spec(), fmt::join(given_input_names(p), ", ")));
   bw->check_backward(p);
 }
 
@@ -398,6 +473,10 @@ void Variant::check_decode(const Problem& p) const {
     throw UnsupportedError(
         fmt::format("{} has no decode step; variants that do: those whose `list` entry says decode",
                     info_->name));
+  if (p.extra_inputs && !p.extra_inputs->empty())
+    throw UnsupportedError(
+        fmt::format("{}: the decode step takes no given input ({}); without it the stand-in runs",
+                    spec(), fmt::join(given_input_names(p), ", ")));
   dec->check_decode(p);
 }
 
@@ -560,7 +639,82 @@ void Registry::check(const VariantInfo& info, const std::map<std::string, ParamT
           info.name, ps.name, to_string(ps.type), to_string(it->second)));
     canonical_value(info.name, ps, ps.default_value);  // the default must itself be valid
   }
+  check_inputs(info);
   check_presentation(info);
+}
+
+namespace {
+
+const ParamSpec* find_param(const VariantInfo& info, const std::string& name) {
+  auto it = std::find_if(info.params.begin(), info.params.end(),
+                         [&](const ParamSpec& ps) { return ps.name == name; });
+  return it == info.params.end() ? nullptr : &*it;
+}
+
+}  // namespace
+
+std::vector<const InputSpec*> Variant::inputs() const {
+  std::vector<const InputSpec*> out;
+  for (const InputSpec& in : info().inputs) {
+    bool active = in.when.empty();
+    if (!active) {
+      // checked at registration: "param=value" with a declared parameter and a valid value
+      const size_t eq = in.when.find('=');
+      const std::string key = in.when.substr(0, eq);
+      active = params_.text(key) ==
+               canonical_value(info().name, *find_param(info(), key), in.when.substr(eq + 1));
+    }
+    if (active) out.push_back(&in);
+  }
+  return out;
+}
+
+std::string InputSpec::shape() const { return fmt::format("[{}]", fmt::join(dims, ", ")); }
+
+void Registry::check_inputs(const VariantInfo& info) {
+  static const std::set<std::string> letters = {"B", "H", "G", "n", "m", "d"};
+  static const std::set<std::string> taken = {"q",          "k",   "v",   "do",     "attn_mask",
+                                              "w_bilinear", "w_q", "w_k", "w_score"};
+  auto param = [&](const std::string& name) { return find_param(info, name); };
+  std::set<std::string> seen;
+  for (const InputSpec& in : info.inputs) {
+    if (in.name.empty() ||
+        in.name.find_first_not_of(
+            "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") !=
+            std::string::npos ||
+        taken.count(in.name))
+      throw SpecError(fmt::format(
+          "variant '{}' declares the input '{}'; accepted: a name of letters, digits and '_' "
+          "other than {}",
+          info.name, in.name, fmt::join(taken, ", ")));
+    if (!seen.insert(in.name).second)
+      throw SpecError(
+          fmt::format("variant '{}' declares the input '{}' twice", info.name, in.name));
+    if (!(in.min <= in.max))
+      throw SpecError(fmt::format("variant '{}' declares the input '{}' with the range [{}, {}]",
+                                  info.name, in.name, in.min, in.max));
+    if (in.dims.empty())
+      throw SpecError(
+          fmt::format("variant '{}' declares the input '{}' without axes", info.name, in.name));
+    for (const std::string& dim : in.dims) {
+      const ParamSpec* ps = param(dim);
+      if (!letters.count(dim) && !(ps && ps->type == ParamType::Int))
+        throw SpecError(fmt::format(
+            "variant '{}' declares the input '{}' with the axis '{}'; accepted: {} or an "
+            "integer parameter of the variant",
+            info.name, in.name, dim, fmt::join(letters, ", ")));
+    }
+    if (!in.when.empty()) {
+      const size_t eq = in.when.find('=');
+      const ParamSpec* ps = eq == std::string::npos ? nullptr : param(in.when.substr(0, eq));
+      if (!ps)
+        throw SpecError(fmt::format(
+            "variant '{}' declares the input '{}' when '{}'; accepted: 'param=value' with a "
+            "parameter of the variant, or empty",
+            info.name, in.name, in.when));
+      canonical_value(info.name, *ps, in.when.substr(eq + 1));
+    }
+  }
 }
 
 void Registry::check_presentation(const VariantInfo& info) {

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -132,6 +133,28 @@ struct Look {
 inline constexpr const char* kFamilies[] = {"exact",      "pattern", "lowrank",
                                             "clustering", "decay",   "other"};
 
+/// A tensor a variant takes beyond q, k and v: a learned part of its mechanism (a gate, a
+/// decay, a projection) that a model computes and trains. Without it the variant computes a
+/// seeded stand-in of the same shape.
+struct InputSpec {
+  std::string name;  ///< as --inputs files and the Python keyword arguments name it: "g", "beta"
+  /// Its axes, in order: the problem's B, H (query heads), G (key/value heads), n, m and d,
+  /// or an Int parameter of the variant (linformer's proj). Float32, row-major.
+  std::vector<std::string> dims;
+  std::string help;      ///< what it holds, in the variant's formula
+  std::string stand_in;  ///< what the variant computes when it is not given
+  /// The values its formula admits (a log decay <= 0, a gate in [0, 1]); a given tensor with
+  /// an entry outside is refused. Infinite: no bound.
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  /// "param=value": declared only while that parameter holds that value (rfa's gate=true);
+  /// empty: always.
+  std::string when = {};
+
+  /// "[B, H, n, d]".
+  std::string shape() const;
+};
+
 /// Everything the registry knows about a variant.
 struct VariantInfo {
   std::string name;
@@ -151,6 +174,8 @@ struct VariantInfo {
   /// (full specs, e.g. "moba:chunk=128").
   std::vector<std::string> sweep_specs = {};
   std::vector<ParamSpec> params;
+  /// The tensors it takes beyond q, k and v (InputSpec); empty for most variants.
+  std::vector<InputSpec> inputs = {};
   Capabilities caps;
   std::function<std::unique_ptr<Variant>(const ParamValues&)> make;
   /// Empty for an exact variant: its oracle is softmax attention restricted to its pattern
@@ -209,11 +234,27 @@ class Variant {
 
   const VariantInfo& info() const { return *info_; }
   const ParamValues& params() const { return params_; }
+  /// The inputs beyond q, k and v this instance takes: those of info().inputs whose `when`
+  /// its parameters meet, in declared order.
+  std::vector<const InputSpec*> inputs() const;
   /// Canonical spec: name, then every parameter in declared order ("flash:block_q=64,...").
   std::string spec() const;
 
-  /// Throws UnsupportedError if this variant cannot run the problem.
+  /// Throws UnsupportedError if this variant cannot run the problem, UsageError if p gives an
+  /// input it does not take (check_inputs).
   void check_supported(const Problem& p) const;
+  /// The shape of one of its inputs on p (InputSpec::dims, the parameters resolved).
+  std::vector<int64_t> input_shape(const InputSpec& in, const Problem& p) const;
+  /// The tensor p gives for the input `name` (Problem::extra_inputs, of input_shape), or
+  /// nullptr: the variant computes its stand-in.
+  const float* input(const Problem& p, std::string_view name) const;
+  /// The inputs it takes (inputs()) that p does not give, in declared order: stood in for.
+  std::vector<std::string> stand_ins(const Problem& p) const;
+  /// "gla:... takes g [B, G, n, d] = [1, 8, 1024, 64]": what a message names as accepted.
+  std::string accepted_inputs(const Problem& p) const;
+  /// Throws UsageError for a tensor of p.extra_inputs that this variant does not take or
+  /// whose shape is not input_shape, naming what it accepts.
+  void check_inputs(const Problem& p) const;
   /// forward() under the problem's scoring function: the dot and bilinear scores map q once
   /// (q' = sqrt(d) q, or q' = sqrt(d) Wᵀ q per head) and run forward() on the scaled_dot
   /// problem; every other score goes to forward() as it is. What the harness times.
@@ -284,6 +325,9 @@ class Registry {
   void check(const VariantInfo& info, const std::map<std::string, ParamType>& types) const;
   // Throws SpecError if the family, look or sweep settings of `info` are not ones accepted.
   static void check_presentation(const VariantInfo& info);
+  // Throws SpecError if a declared input has a bad or repeated name, an axis that is neither a
+  // problem letter nor an Int parameter, or a `when` that is not a valid "param=value".
+  static void check_inputs(const VariantInfo& info);
 
   std::map<std::string, std::unique_ptr<VariantInfo>, std::less<>> variants_;
   std::map<std::string, ParamType> param_types_;

@@ -53,8 +53,18 @@ struct Seq {
   std::vector<const float*> q;             // one per query head of the state
   std::vector<float*> o;                   // outputs (empty: fold the state only)
   float gamma = 1;                         // retention's decay
-  const Gate* gate = nullptr;              // gla's (then gamma is unused)
+  const Gate* gate = nullptr;              // gla's stand-in (then gamma is unused)
+  const float* g = nullptr;                // gla's given log decays, n x d (no gate then)
+  bool gated() const { return gate != nullptr || g != nullptr; }
 };
+
+// log a of rows t .. t + rows - 1 of x, rows x d: the given g's rows, else the gate's.
+void log_decay_rows(const Seq& x, int64_t t, int64_t rows, float* out) {
+  if (x.g)
+    std::copy(x.g + t * x.d, x.g + (t + rows) * x.d, out);
+  else
+    x.gate->log_decay(x.k + t * x.ks, x.ks, rows, out);
+}
 
 // The states of p under `decay`: (batch, query head) for retention, (batch, kv head) for gla.
 int64_t state_heads(const Problem& p, const Decay& decay) {
@@ -82,6 +92,7 @@ Seq make_seq(const Problem& p, const Decay& decay, int64_t b, int64_t s, ConstTe
   }
   if (decay.shared()) {
     x.gate = decay.gate.get();
+    if (decay.given) x.g = decay.given + (b * p.kv_head_count() + s) * p.n * p.dim;
   } else {
     x.gamma = decay.gamma[size_t(s)];
   }
@@ -152,16 +163,16 @@ constexpr int64_t kGateRows = 64;
 // The recurrent form over rows 0 .. n - 1 of x, state S (in and out).
 void recurrent(const Seq& x, float scale, float* S) {
   const int64_t d = x.d, nq = int64_t(x.q.size());
-  std::vector<float> a(size_t(x.gate ? kGateRows * d : 0));
+  std::vector<float> a(size_t(x.gated() ? kGateRows * d : 0));
   std::vector<const float*> q(static_cast<size_t>(nq));
   std::vector<float*> o(static_cast<size_t>(nq));
   for (int64_t t = 0; t < x.n; ++t) {
     const float* at = nullptr;
-    if (x.gate) {
+    if (x.gated()) {
       const int64_t r = t % kGateRows;
       if (r == 0) {
         const int64_t rows = std::min(kGateRows, x.n - t);
-        x.gate->log_decay(x.k + t * x.ks, x.ks, rows, a.data());
+        log_decay_rows(x, t, rows, a.data());
         exp_inplace(a.data(), rows * d);
       }
       at = a.data() + r * d;
@@ -239,7 +250,7 @@ void gated_chunk(const Seq& x, float scale, int64_t t0, int64_t L, float* S, Chu
   const float* V = x.v + t0 * x.vs;
   // cum_i = sum of log a over rows 0 .. i of the chunk
   float* cum = w.cum.data();
-  x.gate->log_decay(K, x.ks, L, cum);
+  log_decay_rows(x, t0, L, cum);
   for (int64_t i = 1; i < L; ++i)
     for (int64_t c = 0; c < d; ++c) cum[i * d + c] += cum[(i - 1) * d + c];
   if (!x.o.empty()) {
@@ -324,7 +335,7 @@ void chunkwise(const Seq& x, float scale, int64_t chunk, float* S) {
   ChunkWork w(C, x.d);
   for (int64_t t0 = 0; t0 < x.n; t0 += C) {
     const int64_t L = std::min(C, x.n - t0);
-    if (x.gate)
+    if (x.gated())
       gated_chunk(x, scale, t0, L, S, w);
     else
       retention_chunk(x, scale, t0, L, S, w);
@@ -427,8 +438,9 @@ double forward_flops(const Problem& p, const Decay& decay, Form form, int64_t ch
 
 double forward_bytes(const Problem& p, const Decay& decay, Form form, int64_t chunk) {
   const double d = double(p.dim), C = double(std::min(chunk, p.n));
-  const double per = 4.0 * (d * d + (form == Form::recurrent ? (decay.gate ? kGateRows * d : 0.0)
-                                                             : 2 * C * C + 3 * C * d + d));
+  const double per =
+      4.0 * (d * d + (form == Form::recurrent ? (decay.shared() ? kGateRows * d : 0.0)
+                                              : 2 * C * C + 3 * C * d + d));
   return per * double(std::min<int64_t>(team_threads(), p.batch * state_heads(p, decay)));
 }
 
@@ -451,9 +463,13 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
       a.resize(size_t(n * d));
       decay.gate->log_decay(K, k.stride_row, n, a.data());
       exp_inplace(a.data(), n * d);
+    } else if (decay.given) {
+      const float* g = decay.given + (b * p.kv_head_count() + p.kv_head(h)) * n * d;
+      a.assign(g, g + n * d);
+      exp_inplace(a.data(), n * d);
     }
-    const float gamma = decay.gate ? 1.0f : decay.gamma[size_t(h)];
-    auto decay_row = [&](int64_t t) { return decay.gate ? a.data() + t * d : nullptr; };
+    const float gamma = decay.shared() ? 1.0f : decay.gamma[size_t(h)];
+    auto decay_row = [&](int64_t t) { return decay.shared() ? a.data() + t * d : nullptr; };
     // 1. the states before each chunk
     std::vector<float> bound(static_cast<size_t>(chunks * dd)), S(static_cast<size_t>(dd), 0.0f);
     for (int64_t t = 0; t < n; ++t) {
@@ -519,7 +535,7 @@ double backward_flops(const Problem& p, const Decay& decay) {
 double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk) {
   const double d = double(p.dim), n = double(p.n), C = double(std::min(chunk, p.n));
   // the states at chunk boundaries, one chunk's states, S and dS; gla: the decays (n x d)
-  const double per = 4.0 * ((std::ceil(n / C) + C + 2) * d * d + (decay.gate ? n * d : 0.0));
+  const double per = 4.0 * ((std::ceil(n / C) + C + 2) * d * d + (decay.shared() ? n * d : 0.0));
   return per * double(std::min<int64_t>(team_threads(), p.batch * p.heads));
 }
 
@@ -614,10 +630,13 @@ std::vector<double> recurrence_oracle(const Problem& p, ConstTensorView q, Const
       const float* vt = v.row(b, h, t);
       const float* qt = q.row(b, h, t);
       std::vector<double> a(static_cast<size_t>(d),
-                            double(decay.gate ? 1.0f : decay.gamma[size_t(h)]));
+                            double(decay.shared() ? 1.0f : decay.gamma[size_t(h)]));
       if (decay.gate) {
         a = decay.gate->log_decay(kt);
         for (double& x : a) x = std::exp(x);
+      } else if (decay.given) {
+        const float* g = decay.given + ((b * p.kv_head_count() + p.kv_head(h)) * p.n + t) * d;
+        for (int64_t c = 0; c < d; ++c) a[size_t(c)] = std::exp(double(g[c]));
       }
       for (int64_t c = 0; c < d; ++c)
         for (int64_t e = 0; e < d; ++e) S(c, e) = a[size_t(c)] * S(c, e) + double(kt[c]) * vt[e];

@@ -57,11 +57,14 @@ struct Gate {
 
 enum class Form { chunkwise, recurrent };
 
-/// The decay of one variant instance: gamma per query head (retention), or a gate (gla).
+/// The decay of one variant instance: gamma per query head (retention), or gla's
+/// data-dependent decay, given (the input g) or computed by the seeded gate (its stand-in).
 struct Decay {
-  std::vector<float> gamma;                        ///< retention: per query head; empty for a gate
-  std::shared_ptr<Gate> gate;                      ///< gla
-  bool shared() const { return gate != nullptr; }  ///< one state per key/value head
+  std::vector<float> gamma;    ///< retention: per query head; empty for gla
+  std::shared_ptr<Gate> gate;  ///< gla without g
+  /// gla's g: log a [B, G, n, d] (Problem::extra_inputs); the gate is then null.
+  const float* given = nullptr;
+  bool shared() const { return gate != nullptr || given != nullptr; }  ///< a state per kv head
 };
 
 /// out = the decayed linear attention of q, k, v (p causal self-attention).

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string_view>
 
@@ -445,6 +446,34 @@ void score_weights_from_arrays(const std::map<std::string, NpyArray>& arrays,
   p->score_weights = std::move(sw);
 }
 
+// Every array that is not q, k, v, do, a score weight or attn_mask is an input of the variant
+// beyond q, k and v (VariantInfo::inputs): float32 and finite here; whether the variant takes
+// it, and in which shape, is the variant's check (Variant::check_inputs).
+void extra_inputs_from_arrays(const std::map<std::string, NpyArray>& arrays,
+                              const std::string& path, Problem* p) {
+  static const std::set<std::string> known = {"q",   "k",   "v",       "do",       "w_bilinear",
+                                              "w_q", "w_k", "w_score", "attn_mask"};
+  auto extra = std::make_shared<ExtraInputs>();
+  for (const auto& [name, a] : arrays) {
+    if (known.count(name)) continue;
+    if (a.dtype != "<f4" || a.data.size() != size_t(a.numel()) * sizeof(float))
+      throw InputError(fmt::format(
+          "{}: '{}' has dtype {} and shape ({}); an array beyond q, k, v, do and the score "
+          "weights is an input of the variant (a gate, a decay, a projection: `attnbench list` "
+          "names them) and must be float32",
+          path, name, a.dtype, fmt::join(a.shape, ", ")));
+    ExtraInput t{a.shape, std::vector<float>(size_t(a.numel()))};
+    std::memcpy(t.data.data(), a.data.data(), a.data.size());
+    for (size_t i = 0; i < t.data.size(); ++i)
+      if (!std::isfinite(t.data[i]))
+        throw InputError(fmt::format(
+            "{}: '{}' holds a non-finite value ({}) at flat index {}; inputs must be finite", path,
+            name, t.data[i], i));
+    extra->emplace(name, std::move(t));
+  }
+  if (!extra->empty()) p->extra_inputs = std::move(extra);
+}
+
 }  // namespace
 
 Inputs load_inputs_npz(const std::string& path, Problem* p) {
@@ -529,6 +558,7 @@ Inputs inputs_from_arrays(std::map<std::string, NpyArray> arrays, const std::str
     copy("do", g, in.dout);
   }
   score_weights_from_arrays(arrays, path, p);
+  extra_inputs_from_arrays(arrays, path, p);
   return in;
 }
 

@@ -116,6 +116,12 @@ void print_list() {
     for (const auto& p : v->params)
       fmt::print("{:<{}} {}={} ({}; {}): {}\n", "", indent, p.name, p.default_value,
                  to_string(p.type), p.accepted(), p.help);
+    for (const InputSpec& in : v->inputs)
+      fmt::print("{:<{}} input {} {}{}{}: {}; without it: {}\n", "", indent, in.name, in.shape(),
+                 std::isinf(in.min) && std::isinf(in.max)
+                     ? std::string()
+                     : fmt::format(" in [{}, {}]", in.min, in.max),
+                 in.when.empty() ? "" : " (with " + in.when + ")", in.help, in.stand_in);
   }
 }
 

@@ -118,6 +118,8 @@ struct RunCommand {
     w.pass = pass;
     std::optional<Inputs> given = load_given_inputs(inputs_path, shape_opts, &p);
     if (given) w.input = "file";
+    // an input the variant does not take, or of another shape: a usage error, before any work
+    variant->check_inputs(p);
     if (!key_padding.empty()) p.key_lengths = parse_key_lengths(key_padding, p.batch);
     if (!mask_path.empty()) p.attn_mask = load_attn_mask(mask_path, p);
     w.threads = apply_threads(o.threads);

@@ -102,6 +102,24 @@ def _threads(threads):
     return _int(threads, "threads", 0, top, f"an int in 0 (every core) .. {top}")
 
 
+_PROBLEM_KEYWORDS = ("causal", "score", "key_padding", "attn_mask", "kv_heads", "seed", "threads",
+                     "dtype")
+
+
+def _inputs(core, given):
+    """The variant's inputs beyond q, k and v (its `inputs`, e.g. gla's g) as float32 arrays;
+    TypeError for a keyword that is neither one of them nor a problem keyword."""
+    taken = list(core.inputs)
+    out = {}
+    for name, x in given.items():
+        if name not in taken:
+            ins = ", ".join(taken) if taken else "none"
+            raise TypeError(f"unexpected keyword {name!r}; accepted: the problem's "
+                            f"{', '.join(_PROBLEM_KEYWORDS)} and {core.spec}'s inputs ({ins})")
+        out[name] = _as_f32(x, name)
+    return out
+
+
 def _problem_kwargs(causal=False, score="scaled_dot", key_padding=None, attn_mask=None,
                     kv_heads=None, seed=0, threads=0, dtype="f32"):
     accepted = "None, an int or a sequence of ints (key lengths in 0 .. m)"
@@ -209,16 +227,25 @@ class Variant:
     def __repr__(self):
         return f"attnbench.Variant({self.spec!r})"
 
+    inputs = property(lambda self: list(self._core.inputs),
+                      doc="names of the inputs it takes beyond q, k and v (keyword arrays)")
+
+    def _kwargs(self, problem):
+        given = {k: problem.pop(k) for k in list(problem) if k not in _PROBLEM_KEYWORDS}
+        return dict(_problem_kwargs(**problem), inputs=_inputs(self._core, given))
+
     def forward(self, q, k, v, **problem):
-        """The output [B, H, n, d] (float32) of the variant on q, k, v."""
+        """The output [B, H, n, d] (float32) of the variant on q, k, v. Keywords: the
+        problem's (causal, score, ...) and the variant's inputs beyond q, k and v by name
+        (gla's g, deltanet's beta, ...: `inputs`); an input not given is stood in for."""
         return self._core.forward(_as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v"),
-                                  **_problem_kwargs(**problem))
+                                  **self._kwargs(problem))
 
     def forward_train(self, q, k, v, **problem):
         """The training forward: (out, saved), saved being what backward() needs. It holds
         q, k, v (the arrays, not copies): do not change them before backward()."""
         return self._core.forward_train(_as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v"),
-                                        **_problem_kwargs(**problem))
+                                        **self._kwargs(problem))
 
     def backward(self, saved, dout):
         """(dq, dk, dv) of L = sum(dout * out) for the forward_train that gave `saved`; dk and
@@ -239,11 +266,12 @@ class Variant:
 
 
 def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=None,
-              attn_mask=None, kv_heads=None, seed=0, threads=0, dtype="f32"):
-    """Variant(spec).forward(q, k, v, ...): float32 [B, H, n, d]."""
+              attn_mask=None, kv_heads=None, seed=0, threads=0, dtype="f32", **inputs):
+    """Variant(spec).forward(q, k, v, ...): float32 [B, H, n, d]. `inputs`: the variant's
+    inputs beyond q, k and v by name (gla's g, deltanet's beta, ...)."""
     return Variant(spec).forward(q, k, v, causal=causal, score=score, key_padding=key_padding,
                                  attn_mask=attn_mask, kv_heads=kv_heads, seed=seed,
-                                 threads=threads, dtype=dtype)
+                                 threads=threads, dtype=dtype, **inputs)
 
 
 def reference(q, k, v, *, causal=False, score="scaled_dot", key_padding=None, attn_mask=None,

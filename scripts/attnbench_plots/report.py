@@ -64,6 +64,25 @@ def header(ctx):
                   f"and the efficiency table use input `{ctx.input}`"
                   + (f" ({ctx.layout.fixed_label()})" if ctx.layout.fixed_label() else "")
                   + ".\n")
+    stand_ins(ctx)
+
+
+def stand_ins(ctx):
+    """Which variants ran seeded stand-ins for their learned inputs (the stand_ins column):
+    their error and time are those of the stand-in, not of the trained mechanism."""
+    if "stand_ins" not in ctx.df.columns:
+        return
+    ok = ctx.df[(ctx.df["status"] == "ok") & ctx.df["stand_ins"].fillna("").astype(str).ne("")]
+    if ok.empty:
+        return
+    by_spec = ok.groupby("spec")["stand_ins"].agg(lambda s: sorted(set(map(str, s))))
+    parts = [f"{code(ctx.styles.label(spec))} "
+             f"({', '.join('`' + x.replace('+', '`, `') + '`' for x in names)})"
+             for spec, names in by_spec.items()]
+    ctx.md.append("\nStand-ins: these rows computed seeded stand-ins for learned inputs the "
+                  "variant takes (gates, decays, projections; `attnbench list` names them), "
+                  "so their error and speed are those of the stand-in, not of a trained "
+                  "mechanism: " + "; ".join(parts) + ". `--inputs` gives them.\n")
 
 
 def not_ok(ctx):

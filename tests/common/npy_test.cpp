@@ -221,11 +221,24 @@ TEST(Npz, LoadInputsFillsTheProblem) {
     EXPECT_EQ(std::memcmp(t->data(), arrays.at(key).data.data(), arrays.at(key).data.size()), 0)
         << key;
   EXPECT_NO_THROW(p.validate());
-  // extra arrays are ignored
-  arrays["extra"] = NpyArray{"|u1", {1}, {0}};
+  EXPECT_EQ(p.extra_inputs, nullptr);
+  // any other array is an input of the variant beyond q, k and v (a gate, a decay, a
+  // projection): float32, read into the problem by name; whether the variant takes it is the
+  // variant's check (Variant::check_inputs)
+  arrays["g"] = test::float_npy({2, 3}, {1, 2, 3, 4, 5, 6});
   write_npz(dir.file("extra.npz"), arrays);
   Problem p2;
   EXPECT_NO_THROW(load_inputs_npz(dir.file("extra.npz"), &p2));
+  ASSERT_NE(p2.extra_inputs, nullptr);
+  ASSERT_EQ(p2.extra_inputs->size(), 1u);
+  EXPECT_EQ(p2.extra_inputs->at("g").shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(p2.extra_inputs->at("g").data, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  arrays["extra"] = NpyArray{"|u1", {1}, {0}};
+  write_npz(dir.file("extra.npz"), arrays);
+  Problem p3;
+  const std::string msg = input_error([&] { load_inputs_npz(dir.file("extra.npz"), &p3); });
+  EXPECT_CONTAINS(msg, "'extra' has dtype |u1");
+  EXPECT_CONTAINS(msg, "must be float32");
 }
 
 // Writes arrays to DIR/name and returns load_inputs_npz's error message.

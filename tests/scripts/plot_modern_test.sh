@@ -53,6 +53,12 @@ EOF
 
 "$py" "$root/scripts/plot.py" "$tmp/run" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed"; }
+# gla ran with the seeded stand-in of its log decay g (no --inputs): the report says so, and
+# names no variant that takes no learned input
+stand=$(grep "^Stand-ins: " "$tmp/run/report.md" || true)
+[ -n "$stand" ] || fail "the report does not say which rows ran stand-ins"
+case "$stand" in *'`gla` (`g`)'*) ;; *) fail "the stand-ins line does not name gla's g: $stand" ;; esac
+case "$stand" in *'`flash'* | *'`retention'*) fail "the stand-ins line names $stand" ;; esac
 "$py" - "$tmp/run/report.md" <<'EOF'
 import re, sys
 text = open(sys.argv[1]).read()
