@@ -513,8 +513,11 @@ bool train_row(Variant& variant, const Problem& p, const Workload& w, const Inpu
   const ConstTensorView dout =
       in.dout.numel() ? in.dout.view() : ConstTensorView(generated_dout.view());
   Tensor dq(p.q_shape()), dk = p.kv_tensor(), dv = p.kv_tensor();
+  // the gradients of the inputs beyond q, k and v the problem gives, if any
+  InputGrads dinputs;
+  InputGrads* di = p.extra_inputs && !p.extra_inputs->empty() ? &dinputs : nullptr;
   variant.run_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
-                       dq.view(), dk.view(), dv.view());
+                       dq.view(), dk.view(), dv.view(), di);
   for (const auto* t : {&dq, &dk, &dv})
     if (int64_t bad = first_non_finite(*t); bad >= 0) {
       row.status = "error";
@@ -522,6 +525,16 @@ bool train_row(Variant& variant, const Problem& p, const Workload& w, const Inpu
                                 t == &dq ? "dq" : (t == &dk ? "dk" : "dv"), t->data()[bad], bad);
       return false;
     }
+  for (const auto& [name, g] : dinputs)
+    for (size_t i = 0; i < g.size(); ++i)
+      if (!std::isfinite(g[i])) {
+        row.status = "error";
+        row.message = fmt::format(
+            "the gradient of the input {} holds a non-finite value ({}) at "
+            "flat index {}",
+            name, g[i], i);
+        return false;
+      }
   const double g0 = omp_get_wtime();
   const GradErrorStats ge = measure_grad_error(p, in.q.view(), in.k.view(), in.v.view(), dout,
                                                dq.view(), dk.view(), dv.view(), opt.exact_limit);
@@ -532,14 +545,14 @@ bool train_row(Variant& variant, const Problem& p, const Workload& w, const Inpu
   if (w.pass == "bwd")
     pass = [&] {
       variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
-                               dq.view(), dk.view(), dv.view());
+                               dq.view(), dk.view(), dv.view(), di);
     };
   else
     pass = [&] {
       saved.reset();  // each pass builds its own state
       saved = variant.compute_train(p, in.q.view(), in.k.view(), in.v.view(), out.view());
       variant.compute_backward(p, in.q.view(), in.k.view(), in.v.view(), out.view(), dout, *saved,
-                               dq.view(), dk.view(), dv.view());
+                               dq.view(), dk.view(), dv.view(), di);
     };
   if (w.pass == "fwdbwd") saved.reset();
   if (!time_passes(name, opt, mf, pass, row, bench_json)) return false;
@@ -548,7 +561,7 @@ bool train_row(Variant& variant, const Problem& p, const Workload& w, const Inpu
         "gradient error not measured: one head holds {} query-key pairs, above the {} "
         "compared in float64",
         double(p.n) * double(p.keys()), opt.exact_limit);
-  if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv)};
+  if (grads) *grads = Gradients{std::move(dq), std::move(dk), std::move(dv), std::move(dinputs)};
   return true;
 }
 

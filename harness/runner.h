@@ -136,6 +136,7 @@ double available_memory();
 /// of the inputs taken again from the start; time_median is the time of one step.
 struct Gradients {
   Tensor dq, dk, dv;
+  InputGrads inputs = {};  ///< of the inputs beyond q, k and v the problem gave, by name
 };
 Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs* given,
             const MachineFigures& mf, const RunOptions& opt, Tensor* output = nullptr,

@@ -415,14 +415,25 @@ PYBIND11_MODULE(_attnbench, m) {
                 dv = empty(p.kv_storage_shape());
             TensorView dqv = mut_view(dq), dkv{dk.mutable_data(), shape4(dk), p.kv_group()},
                        dvv{dv.mutable_data(), shape4(dv), p.kv_group()};
+            const bool given = p.extra_inputs && !p.extra_inputs->empty();
+            InputGrads dinputs;
             {
               py::gil_scoped_release nogil;
               const std::lock_guard<std::mutex> lock(*s.mu);
               ThreadTeam team(st.threads);
               s.v->run_backward(p, view(st.q), kv_view(st.k, p), kv_view(st.v_in, p), view(st.out),
-                                view(dout), *st.saved, dqv, dkv, dvv);
+                                view(dout), *st.saved, dqv, dkv, dvv, given ? &dinputs : nullptr);
             }
-            return py::make_tuple(dq, dk, dv);
+            if (!given) return py::make_tuple(dq, dk, dv);
+            // the given inputs' gradients, each shaped as its input
+            py::dict grads;
+            for (auto& [name, g] : dinputs) {
+              const ExtraInput& x = p.extra_inputs->at(name);
+              F32 a(std::vector<py::ssize_t>(x.shape.begin(), x.shape.end()));
+              std::copy(g.begin(), g.end(), a.mutable_data());
+              grads[py::str(name)] = a;
+            }
+            return py::make_tuple(dq, dk, dv, grads);
           },
           py::arg("saved"), py::arg("dout"))
       .def(

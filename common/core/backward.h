@@ -20,8 +20,10 @@
 // held when it returns) and the backward's own working peak with the counting allocator.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/core/error.h"
 #include "common/core/problem.h"
@@ -47,10 +49,24 @@ class NothingSaved final : public SavedState {
   }
 };
 
+/// Gradients of the inputs beyond q, k and v that a problem gives (Problem::extra_inputs), by
+/// name, each with its input's shape and layout.
+using InputGrads = std::map<std::string, std::vector<float>, std::less<>>;
+
 /// The backward pass of a variant (Variant::backward()).
 class Backward {
  public:
   virtual ~Backward() = default;
+
+  /// Whether backward_inputs() gives the gradients of the inputs beyond q, k and v a problem
+  /// gives (the default: no; Variant::check_backward then refuses a problem that gives any).
+  virtual bool gives_input_grads() const { return false; }
+  /// backward() that also writes dL/dx of every input x the problem gives into dinputs[name]
+  /// (resized to x's size, overwritten). Called instead of backward() when p gives inputs.
+  virtual void backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k,
+                               ConstTensorView v, ConstTensorView out, ConstTensorView dout,
+                               const SavedState& saved, TensorView dq, TensorView dk, TensorView dv,
+                               InputGrads& dinputs);
 
   /// The forward pass, writing out exactly as Variant::forward would, and returning what
   /// backward() needs. Shapes are checked and the problem is one the variant supports (and

@@ -388,6 +388,14 @@ void Variant::run(const Problem& p, ConstTensorView q, ConstTensorView k, ConstT
   compute(p, q, k, v, out);
 }
 
+void Backward::backward_inputs(const Problem& p, ConstTensorView, ConstTensorView, ConstTensorView,
+                               ConstTensorView, ConstTensorView, const SavedState&, TensorView,
+                               TensorView, TensorView, InputGrads&) {
+  throw UnsupportedError(fmt::format(
+      "this backward pass gives no gradient of a given input ({}); without it the stand-in runs",
+      fmt::join(given_input_names(p), ", ")));
+}
+
 void Backward::check_backward(const Problem& p) const {
   if (p.dtype != DType::f32)
     throw UnsupportedError(
@@ -406,7 +414,7 @@ void Variant::check_backward(const Problem& p) const {
     throw UnsupportedError(fmt::format(
         "{} has no backward pass; variants that do: those whose `list` entry says backward",
         info_->name));
-  if (p.extra_inputs && !p.extra_inputs->empty())
+  if (p.extra_inputs && !p.extra_inputs->empty() && !bw->gives_input_grads())
     throw UnsupportedError(
         fmt::format("{}: the backward pass gives no gradient of a given input ({}); without it the "
                     "stand-in runs",
@@ -538,21 +546,33 @@ void sum_groups(ConstTensorView per_head, TensorView out) {
 
 void Variant::compute_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
                                ConstTensorView v, ConstTensorView out, ConstTensorView dout,
-                               const SavedState& saved, TensorView dq, TensorView dk,
-                               TensorView dv) {
+                               const SavedState& saved, TensorView dq, TensorView dk, TensorView dv,
+                               InputGrads* dinputs) {
   if (dk.group > 1 || dv.group > 1) {
     // Grouped-query attention: the variant writes the gradients of every query head's view of
     // k and v into per-head buffers, and a key/value head's gradient is the sum over the query
     // heads that read it.
     Tensor dk_heads(p.kv_shape()), dv_heads(p.kv_shape());
-    compute_backward(p, q, k, v, out, dout, saved, dq, dk_heads.view(), dv_heads.view());
+    compute_backward(p, q, k, v, out, dout, saved, dq, dk_heads.view(), dv_heads.view(), dinputs);
     sum_groups(dk_heads.view(), dk);
     sum_groups(dv_heads.view(), dv);
     return;
   }
   Backward& bw = backward_of(*this);
+  const bool given = p.extra_inputs && !p.extra_inputs->empty();
+  if (given && !dinputs)
+    throw UsageError(spec() +
+                     ": the problem gives inputs beyond q, k and v; the backward pass "
+                     "needs somewhere to write their gradients");
+  // the variant's pass, with the given inputs' gradients when there are any
+  auto pass = [&](const Problem& pp, ConstTensorView qq, const SavedState& st, TensorView dqq) {
+    if (given)
+      bw.backward_inputs(pp, qq, k, v, out, dout, st, dqq, dk, dv, *dinputs);
+    else
+      bw.backward(pp, qq, k, v, out, dout, st, dqq, dk, dv);
+  };
   if (p.score != Score::dot && p.score != Score::bilinear) {
-    bw.backward(p, q, k, v, out, dout, saved, dq, dk, dv);
+    pass(p, q, saved, dq);
     return;
   }
   const auto* ms = dynamic_cast<const MappedQuerySaved*>(&saved);
@@ -560,8 +580,7 @@ void Variant::compute_backward(const Problem& p, ConstTensorView q, ConstTensorV
     throw UsageError("compute_backward: the saved state is not from compute_train on this score");
   // dL/dq' first, then back through q' = sqrt(d) q or q'_i = sqrt(d) W^T q_i
   Tensor dmapped(p.q_shape());
-  bw.backward(linear_score_problem(p), ms->mapped.view(), k, v, out, dout, *ms->inner,
-              dmapped.view(), dk, dv);
+  pass(linear_score_problem(p), ms->mapped.view(), *ms->inner, dmapped.view());
   const int64_t d = p.dim;
   const float root = float(std::sqrt(double(d)));
   const float* w = p.score == Score::bilinear ? p.score_weights->w_bilinear.data() : nullptr;
@@ -601,7 +620,8 @@ std::unique_ptr<SavedState> Variant::run_train(const Problem& p, ConstTensorView
 
 void Variant::run_backward(const Problem& p, ConstTensorView q, ConstTensorView k,
                            ConstTensorView v, ConstTensorView out, ConstTensorView dout,
-                           const SavedState& saved, TensorView dq, TensorView dk, TensorView dv) {
+                           const SavedState& saved, TensorView dq, TensorView dk, TensorView dv,
+                           InputGrads* dinputs) {
   check_backward(p);
   expect_shape("q", q, p.q_shape());
   expect_kv_shape("k", k, p);
@@ -611,7 +631,7 @@ void Variant::run_backward(const Problem& p, ConstTensorView q, ConstTensorView 
   expect_shape("dq", dq, p.q_shape());
   expect_kv_shape("dk", dk, p);
   expect_kv_shape("dv", dv, p);
-  compute_backward(p, q, k, v, out, dout, saved, dq, dk, dv);
+  compute_backward(p, q, k, v, out, dout, saved, dq, dk, dv, dinputs);
 }
 
 Registry& Registry::instance() {

@@ -277,15 +277,17 @@ class Variant {
   /// Backward::backward under the problem's scoring function: for dot and bilinear the
   /// gradient of the mapped q is taken back through the map (dq = sqrt(d) dq', or
   /// dq_i = sqrt(d) W dq'_i). saved comes from compute_train on the same problem and inputs.
+  /// With inputs beyond q, k and v given (p.extra_inputs), their gradients go to *dinputs
+  /// (Backward::backward_inputs), which must then be given.
   void compute_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                         ConstTensorView out, ConstTensorView dout, const SavedState& saved,
-                        TensorView dq, TensorView dk, TensorView dv);
+                        TensorView dq, TensorView dk, TensorView dv, InputGrads* dinputs = nullptr);
   /// Checks shapes and support (forward and backward), then compute_train / compute_backward.
   std::unique_ptr<SavedState> run_train(const Problem& p, ConstTensorView q, ConstTensorView k,
                                         ConstTensorView v, TensorView out);
   void run_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                     ConstTensorView out, ConstTensorView dout, const SavedState& saved,
-                    TensorView dq, TensorView dk, TensorView dv);
+                    TensorView dq, TensorView dk, TensorView dv, InputGrads* dinputs = nullptr);
 
  private:
   friend class Registry;

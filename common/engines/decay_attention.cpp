@@ -446,7 +446,7 @@ double forward_bytes(const Problem& p, const Decay& decay, Form form, int64_t ch
 
 void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
               ConstTensorView dout, TensorView dq, TensorView dk, TensorView dv, const Decay& decay,
-              int64_t chunk) {
+              int64_t chunk, float* dlog) {
   const int64_t n = p.n, d = p.dim, dd = d * d;
   const int64_t C = std::max<int64_t>(1, std::min(chunk, n)), chunks = (n + C - 1) / C;
   const float scale = scale_of(d);
@@ -520,6 +520,8 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
           for (int64_t e = 0; e < d; ++e) ds[e] *= ar;
         }
         if (decay.gate) decay.gate->backward(kt, dl.data(), dkt);
+        if (dlog && decay.given)  // the given g's gradient, this query head's share
+          std::copy(dl.begin(), dl.end(), dlog + ((b * p.heads + h) * n + t) * d);
       }
     }
   });
@@ -681,6 +683,27 @@ void DecayVariant::backward(const Problem& p, ConstTensorView q, ConstTensorView
                             const SavedState& saved, TensorView dq, TensorView dk, TensorView dv) {
   NothingSaved::expect(saved, info().name.c_str());
   decay_attention::backward(p, q, k, v, dout, dq, dk, dv, decay(p), chunk_);
+}
+
+void DecayVariant::backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                   ConstTensorView v, ConstTensorView /*out*/, ConstTensorView dout,
+                                   const SavedState& saved, TensorView dq, TensorView dk,
+                                   TensorView dv, InputGrads& dinputs) {
+  NothingSaved::expect(saved, info().name.c_str());
+  const Decay dc = decay(p);
+  if (!dc.given) throw UsageError(fmt::format("{}: backward_inputs without a given g", spec()));
+  // dL/dg per query head, then summed over the query heads that share a key/value head's g
+  const int64_t n = p.n, d = p.dim, G = p.kv_head_count(), grp = p.kv_group();
+  std::vector<float> per_head(size_t(p.batch * p.heads * n * d));
+  decay_attention::backward(p, q, k, v, dout, dq, dk, dv, dc, chunk_, per_head.data());
+  std::vector<float>& dg = dinputs["g"];
+  dg.assign(size_t(p.batch * G * n * d), 0.0f);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const float* src = per_head.data() + (b * p.heads + h) * n * d;
+      float* dst = dg.data() + (b * G + h / grp) * n * d;
+      for (int64_t i = 0; i < n * d; ++i) dst[i] += src[i];
+    }
 }
 
 double DecayVariant::backward_flops(const Problem& p) const {

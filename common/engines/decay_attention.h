@@ -75,10 +75,11 @@ double forward_bytes(const Problem& p, const Decay& decay, Form form, int64_t ch
 
 /// dq, dk, dv (per query head, dk and dv not grouped) of L = sum(dout o out): a reverse
 /// recurrence per query head over the states at chunk boundaries (recomputed), the gate's
-/// gradient taken into dk.
+/// gradient taken into dk. With the log decays given (decay.given) and `dlog`, dL/d(log a)
+/// per query head into dlog [B, H, n, d] (each query head's share of its key/value head's).
 void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
               ConstTensorView dout, TensorView dq, TensorView dk, TensorView dv, const Decay& decay,
-              int64_t chunk);
+              int64_t chunk, float* dlog = nullptr);
 double backward_flops(const Problem& p, const Decay& decay);
 double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk);
 
@@ -110,6 +111,11 @@ class DecayVariant : public Variant, public Backward, public Decoder {
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override;
+  /// gla with g given: its gradient dL/dg beside dq, dk, dv.
+  bool gives_input_grads() const override { return true; }
+  void backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                       ConstTensorView out, ConstTensorView dout, const SavedState& saved,
+                       TensorView dq, TensorView dk, TensorView dv, InputGrads& dinputs) override;
   double backward_flops(const Problem& p) const override;
   double saved_estimate(const Problem&) const override { return 0; }
   double backward_memory_estimate(const Problem& p) const override;

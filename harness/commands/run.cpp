@@ -100,7 +100,8 @@ struct RunCommand {
         ->check(CLI::IsMember(pass_names()));
     cmd->add_option("--save-grads", grads_path,
                     "write dq, dk, dv of the checked backward pass to this .npz (--pass bwd or "
-                    "fwdbwd; dO is the inputs file's 'do' or drawn from the seed)")
+                    "fwdbwd; dO is the inputs file's 'do' or drawn from the seed), and d<name> "
+                    "of each learned input the inputs file gives (dg for gla's g)")
         ->check(output_file(".npz"));
     add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
@@ -136,9 +137,18 @@ struct RunCommand {
                       grads_path.empty() ? nullptr : &grads);
     if (!print_result(row, json)) return 1;
     if (!output_path.empty()) write_npy(output_path, to_npy(out));
-    if (!grads_path.empty())
-      write_npz(grads_path,
-                {{"dq", to_npy(grads.dq)}, {"dk", to_npy(grads.dk)}, {"dv", to_npy(grads.dv)}});
+    if (!grads_path.empty()) {
+      std::map<std::string, NpyArray> arrays = {
+          {"dq", to_npy(grads.dq)}, {"dk", to_npy(grads.dk)}, {"dv", to_npy(grads.dv)}};
+      // the given inputs' gradients as "d" + name, shaped as the input ("dg" for gla's g)
+      for (const auto& [name, g] : grads.inputs) {
+        NpyArray a{"<f4", p.extra_inputs->at(name).shape, {}};
+        a.data.resize(g.size() * sizeof(float));
+        std::memcpy(a.data.data(), g.data(), a.data.size());
+        arrays.emplace("d" + name, std::move(a));
+      }
+      write_npz(grads_path, arrays);
+    }
     return 0;
   }
 };

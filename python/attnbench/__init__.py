@@ -249,7 +249,9 @@ class Variant:
 
     def backward(self, saved, dout):
         """(dq, dk, dv) of L = sum(dout * out) for the forward_train that gave `saved`; dk and
-        dv are shaped like k and v (grouped heads: summed over each group)."""
+        dv are shaped like k and v (grouped heads: summed over each group). When forward_train
+        was given inputs beyond q, k and v (gla's g, ...), (dq, dk, dv, grads) with grads a
+        dict of their gradients by name, each shaped as its input."""
         return self._core.backward(saved, _as_f32(dout, "dout"))
 
     def decoder(self, k, v, *, capacity, heads=None, seed=0, threads=0):

@@ -114,6 +114,33 @@ def test_bad_inputs_name_what_is_taken():
         attnbench.attention("gla", q, k, v, causal=True, g=np.zeros((1, 2, 20, 7), np.float32))
     with pytest.raises(TypeError, match=r"unexpected keyword 'causl'"):
         attnbench.attention("flash", q, k, v, causl=True)
-    with pytest.raises(NotImplementedError, match="no gradient of a given input"):
-        attnbench.Variant("gla").forward_train(q, k, v, causal=True,
-                                               g=np.full((1, 2, 20, 8), -0.1, np.float32))
+    with pytest.raises(NotImplementedError, match=r"no gradient of a given input \(beta\)"):
+        attnbench.Variant("deltanet").forward_train(q, k, v, causal=True,
+                                                    beta=np.full((1, 2, 20), 0.5, np.float32))
+
+
+def test_gla_backward_gives_dg_as_torch_autograd():
+    B, H, G, n, d = 1, 4, 2, 21, 8
+    q, k, v = rand(B, H, n, d, seed=21), rand(B, G, n, d, seed=22), rand(B, G, n, d, seed=23)
+    g = rand(B, G, n, d, seed=24, lo=-0.6, hi=-0.01)
+    dout = rand(B, H, n, d, seed=25)
+    var = attnbench.Variant("gla")
+    out, saved = var.forward_train(q, k, v, causal=True, g=g)
+    dq, dk, dv, grads = var.backward(saved, dout)
+    assert sorted(grads) == ["g"] and grads["g"].shape == g.shape
+    # torch autograd of the float64 recurrence
+    tq, tk, tv, tg = (t64(x).requires_grad_() for x in (q, k, v, g))
+    B_, H_, n_, d_ = tq.shape
+    rep = H_ // tk.shape[1]
+    kk, vv, gg = (x.repeat_interleave(rep, dim=1) for x in (tk, tv, tg))
+    S = torch.zeros(B_, H_, d_, d_, dtype=torch.float64)
+    outs = []
+    for t in range(n_):
+        S = torch.exp(gg[:, :, t, :]).unsqueeze(-1) * S + kk[:, :, t, :, None] * vv[:, :, t, None, :]
+        outs.append(torch.einsum("bhc,bhce->bhe", tq[:, :, t], S) / np.sqrt(d_))
+    (torch.stack(outs, dim=2) * t64(dout)).sum().backward()
+    for got, want in ((dq, tq.grad), (dk, tk.grad), (dv, tv.grad), (grads["g"], tg.grad)):
+        assert rel(got, want.numpy()) < 1e-4
+    # without g: three gradients, as before
+    out, saved = var.forward_train(q, k, v, causal=True)
+    assert len(var.backward(saved, dout)) == 3

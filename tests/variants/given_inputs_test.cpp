@@ -199,8 +199,16 @@ TEST(GivenInputs, RefusedWhereNotTaken) {
                   "holds 0.25 at flat index 5; accepted: values in [-inf, 0]");
   const Problem given = with("g", {2, 2, 37, 16});
   EXPECT_NO_THROW(gla->check_inputs(given));
-  EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { gla->check_backward(given); }),
-                  "gives no gradient of a given input (g)");
+  EXPECT_NO_THROW(gla->check_backward(given));  // gla gives dL/dg (GlaGradientOfG... below)
+  auto deltanet = make_variant("deltanet");
+  auto beta = std::make_shared<ExtraInputs>();
+  beta->emplace("beta", ExtraInput{{2, 2, 37}, std::vector<float>(2 * 2 * 37, 0.5f)});
+  Problem with_beta = p;
+  with_beta.extra_inputs = beta;
+  EXPECT_NO_THROW(deltanet->check_inputs(with_beta));
+  EXPECT_CONTAINS(
+      test::error_message<UnsupportedError>([&] { deltanet->check_backward(with_beta); }),
+      "gives no gradient of a given input (beta)");
   EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { gla->check_decode(given); }),
                   "the decode step takes no given input (g)");
   EXPECT_NO_THROW(gla->check_backward(p));
@@ -230,6 +238,81 @@ TEST(GivenInputs, RowsNameTheirStandIns) {
   const Row flash = row_of("flash", p);
   EXPECT_EQ(flash.stand_ins, "");
   EXPECT_EQ(flash.notes.find("stand-ins"), std::string::npos) << flash.notes;
+}
+
+}  // namespace
+}  // namespace attnbench
+
+namespace attnbench {
+namespace {
+
+// x rounded to multiples of 2^-12 (so that steps of the finite differences are exact).
+float on_grid(double x) { return float(std::nearbyint(x * 4096.0) / 4096.0); }
+
+// gla's dL/dg (with g given) against central differences of its float64 recurrence in g, with
+// dq, dk, dv as without g; grouped heads (the key/value head's g serves its query heads),
+// chunk spacings that do not divide n, both forms.
+TEST(GivenInputs, GlaGradientOfGMatchesDifferences) {
+  for (const std::string spec : {"gla", "gla:chunk=4", "gla:form=recurrent,chunk=3"})
+    for (int64_t g : {2, 1})
+      for (int64_t n : {1, 13}) {
+        Problem p = test::causal_problem(2, 2, g, n, 8, uint64_t(n * 7 + g));
+        SCOPED_TRACE(spec + " " + p.str());
+        auto var = make_variant(spec);
+        const Inputs in = generate_inputs(p);
+        ExtraInput gin = uniform_input(*var, p, "g", -0.5, -0.01, uint64_t(n + g));
+        for (float& x : gin.data) x = on_grid(x);
+        auto given = [&](const ExtraInput& t) {
+          auto extra = std::make_shared<ExtraInputs>();
+          extra->emplace("g", t);
+          Problem q = p;
+          q.extra_inputs = extra;
+          return q;
+        };
+        const Problem pg = given(gin);
+        Tensor dout(p.q_shape()), out(p.q_shape()), dq(p.q_shape()), dk(p.kv_tensor()),
+            dv(p.kv_tensor());
+        std::mt19937_64 rng(p.seed);
+        std::normal_distribution<double> nd;
+        for (int64_t i = 0; i < dout.numel(); ++i) dout.data()[i] = float(nd(rng));
+        const auto saved = var->run_train(pg, in.q.view(), in.k.view(), in.v.view(), out.view());
+        InputGrads dinputs;
+        var->run_backward(pg, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(),
+                          *saved, dq.view(), dk.view(), dv.view(), &dinputs);
+        ASSERT_EQ(dinputs.size(), 1u);
+        ASSERT_EQ(dinputs.at("g").size(), gin.data.size());
+        Tensor dg(Shape4{gin.shape[0], gin.shape[1], gin.shape[2], gin.shape[3]});
+        std::copy(dinputs.at("g").begin(), dinputs.at("g").end(), dg.data());
+        auto central = [&](const std::vector<double>& u) {
+          auto loss = [&](double sign) {
+            ExtraInput moved = gin;
+            for (size_t i = 0; i < moved.data.size(); ++i)
+              moved.data[i] = float(double(gin.data[i]) + sign * 0x1p-12 * u[i]);
+            const std::vector<double> o =
+                var->info().oracle(*var, given(moved), in.q.view(), in.k.view(), in.v.view());
+            double l = 0;
+            for (size_t i = 0; i < o.size(); ++i) l += double(dout.data()[i]) * o[i];
+            return l;
+          };
+          return (loss(1.0) - loss(-1.0)) / (2.0 * 0x1p-12);
+        };
+        test::expect_matches_differences(dg, rng, 3, 3, 1e-3, central);
+        // dq, dk, dv are those of the function with g held: central differences in v
+        auto central_v = [&](const std::vector<double>& u) {
+          auto loss = [&](double sign) {
+            Tensor moved(in.v.shape(), in.v.group());
+            for (int64_t i = 0; i < moved.numel(); ++i)
+              moved.data()[i] = float(double(in.v.data()[i]) + sign * 0x1p-10 * u[size_t(i)]);
+            const std::vector<double> o =
+                var->info().oracle(*var, pg, in.q.view(), in.k.view(), moved.view());
+            double l = 0;
+            for (size_t i = 0; i < o.size(); ++i) l += double(dout.data()[i]) * o[i];
+            return l;
+          };
+          return (loss(1.0) - loss(-1.0)) / (2.0 * 0x1p-10);
+        };
+        test::expect_matches_differences(dv, rng, 2, 2, 1e-3, central_v);
+      }
 }
 
 }  // namespace
