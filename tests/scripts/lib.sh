@@ -26,3 +26,11 @@ figures() {
     grep -qF "](plots/$name.png)" "$dir/report.md" || fail "$dir/report.md does not embed $name.png"
   done
 }
+# plot ARGS...: scripts/plot.py of the source tree
+plot() { "$py" "$root/scripts/plot.py" "$@"; }
+# same_drawing FIGURE A.json B.json: the two --debug-json files record the same FIGURE
+same_drawing() {
+  "$py" -c 'import json, sys
+f, a, b = sys.argv[1:]
+sys.exit(json.load(open(a))[f] != json.load(open(b))[f])' "$@"
+}

@@ -65,7 +65,6 @@ with open(path, "w", newline="") as f:
     w.writerows(rows)
 EOF
 
-plot() { "$py" "$root/scripts/plot.py" "$@"; }
 plot "$tmp/run" --debug-json "$tmp/run.json" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on results with decode rows"; }
 figures "$tmp/run" time_vs_n memory_vs_n error_vs_n speed_vs_error crossover decode_latency_vs_n \
@@ -233,7 +232,6 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 sys.exit(1 if set(d) & {"decode_latency_vs_n", "decode_state_vs_n"} else 0)
 EOF
-cmp -s <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-  "$dir.json") <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-  "$tmp/run.json") || fail "older results: time_vs_n differs from the run's"
+same_drawing time_vs_n "$dir.json" "$tmp/run.json" ||
+  fail "older results: time_vs_n differs from the run's"
 echo "plot_decode_test: ok"

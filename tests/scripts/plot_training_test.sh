@@ -66,7 +66,6 @@ with open(path, "w", newline="") as f:
     w.writerows(rows)
 EOF
 
-plot() { "$py" "$root/scripts/plot.py" "$@"; }
 plot "$tmp/run" --debug-json "$tmp/run.json" 2>"$tmp/plot.err" ||
   { cat "$tmp/plot.err" >&2; fail "plot.py failed on results with training rows"; }
 figures "$tmp/run" time_vs_n memory_vs_n error_vs_n speed_vs_error crossover train_time_vs_n \
@@ -217,7 +216,6 @@ for name in train_time_vs_n train_memory_vs_n grad_vs_fwd_error train_speed_vs_e
   [ ! -e "$dir/plots/$name.png" ] || fail "older results: a stale $name.png was left"
 done
 grep -qF "No training rows" "$dir/report.md" || fail "older results: no word on training"
-cmp -s <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-  "$dir.json") <("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["time_vs_n"])' \
-  "$tmp/run.json") || fail "older results: time_vs_n differs from the run's"
+same_drawing time_vs_n "$dir.json" "$tmp/run.json" ||
+  fail "older results: time_vs_n differs from the run's"
 echo "plot_training_test: ok"
