@@ -11,8 +11,14 @@ float32 tensors are shared with the variant (tensor.numpy(), torch.from_numpy: n
 others are copied once to that. When any input requires a gradient the forward runs the
 variant's training pass (Variant.forward_train) and backward() its backward pass; otherwise
 the plain forward. A problem the variant has no backward for (the additive score) runs its
-forward, and backward() raises NotImplementedError saying why. Changing q, k or v in place between the two is caught by torch's version
-check.
+forward, and backward() raises NotImplementedError saying why. Changing q, k, v or a given
+input in place between the two is caught by torch's version check.
+
+The variant's inputs beyond q, k and v (gla's g, deltanet's beta, ...: Variant.inputs) are
+keywords; those that require grad get it from the variant's backward pass:
+
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 4, 128, 64)).div(16).requires_grad_()
+    attnbench.torch.attention("gla", q, k, v, causal=True, g=g).sum().backward()   # g.grad
 """
 
 import torch as _torch
@@ -86,53 +92,66 @@ def _mask_grad(q, k, v, out, dout, mask, problem):
 
 
 class _Attention(_torch.autograd.Function):
+    """q, k, v, the optional float mask and the variant's given inputs (by `names`, in that
+    order) in; the output out. The variant's backward gives the gradients of q, k, v and of
+    the given inputs (dict by name); the mask's is recomputed densely (_mask_grad)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, variant, problem):
+    def forward(ctx, variant, problem, names, q, k, v, mask, *inputs):
         arrays = (_array(q, "q"), _array(k, "k"), _array(v, "v"))
+        given = {name: _array(x, name) for name, x in zip(names, inputs)}
         ctx.variant = variant
         ctx.problem = problem
+        ctx.names = names
         ctx.no_backward = None
         ctx.core_saved = None
         out = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if any(ctx.needs_input_grad[3:6]) or any(ctx.needs_input_grad[7:]):
             try:
-                out, ctx.core_saved = variant.forward_train(*arrays, **problem)
+                out, ctx.core_saved = variant.forward_train(*arrays, **problem, **given)
             except NotImplementedError as e:
                 # no backward for this problem: the forward runs, backward() raises why
                 ctx.no_backward = str(e)
         if out is None:
-            out = variant.forward(*arrays, **problem)
+            out = variant.forward(*arrays, **problem, **given)
         out = _torch.from_numpy(out)
-        # q, k, v for torch's in-place (version) check; with the mask and out, what the
-        # mask's gradient is recomputed from
-        if ctx.needs_input_grad[3]:
-            ctx.save_for_backward(q, k, v, mask, out)
+        # q, k, v and the inputs for torch's in-place (version) check; with the mask and out,
+        # what the mask's gradient is recomputed from
+        ctx.mask_grad = ctx.needs_input_grad[6]
+        if ctx.mask_grad:
+            ctx.save_for_backward(q, k, v, mask, out, *inputs)
         else:
-            ctx.save_for_backward(q, k, v)
+            ctx.save_for_backward(q, k, v, *inputs)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        saved = ctx.saved_tensors  # raises if q, k or v changed in place since the forward
+        saved = ctx.saved_tensors  # raises if q, k, v or an input changed in place since
         dq = dk = dv = dmask = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        dinputs = [None] * len(ctx.names)
+        if any(ctx.needs_input_grad[3:6]) or any(ctx.needs_input_grad[7:]):
             if ctx.no_backward is not None:
                 raise NotImplementedError(ctx.no_backward)
-            dq, dk, dv = (_torch.from_numpy(x) for x in
-                          ctx.variant.backward(ctx.core_saved, _array(dout, "dout")))
-        if ctx.needs_input_grad[3]:
-            q, k, v, mask, out = saved
+            grads = ctx.variant.backward(ctx.core_saved, _array(dout, "dout"))
+            dq, dk, dv = (_torch.from_numpy(x) for x in grads[:3])
+            if ctx.names:
+                by_name = grads[3]
+                dinputs = [_torch.from_numpy(by_name[name]) if ctx.needs_input_grad[7 + i]
+                           else None for i, name in enumerate(ctx.names)]
+        if ctx.mask_grad:
+            q, k, v, mask, out = saved[:5]
             with _torch.no_grad():
                 dmask = _mask_grad(*(x.detach().to(_torch.float32) for x in (q, k, v)), out,
                                    dout.to(_torch.float32), mask.detach(), ctx.problem)
-        return dq, dk, dv, dmask, None, None
+        return (None, None, None, dq, dk, dv, dmask, *dinputs)
 
 
 def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=None,
-              attn_mask=None, kv_heads=None, seed=0, threads=0):
+              attn_mask=None, kv_heads=None, seed=0, threads=0, **inputs):
     """attnbench.attention on torch tensors, differentiable through the variant's backward.
-    `spec` is a spec string or an attnbench.Variant."""
+    `spec` is a spec string or an attnbench.Variant. `inputs`: the variant's inputs beyond q,
+    k and v by name (gla's g, deltanet's beta, ...: Variant.inputs), tensors or arrays; those
+    that require grad get their gradient from the variant's backward pass."""
     variant = spec if isinstance(spec, Variant) else Variant(spec)
     mask = None  # the mask as an input of the graph, when it requires grad
     if isinstance(attn_mask, _torch.Tensor):
@@ -146,7 +165,148 @@ def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=No
         refusal = _mask_grad_refusal(variant, problem)
         if refusal is not None:
             raise NotImplementedError(refusal)
-    return _Attention.apply(q, k, v, mask, variant, problem)
+    taken = variant.inputs
+    for name in inputs:
+        if name not in taken:
+            raise TypeError(f"unexpected keyword {name!r}; accepted: the problem's keywords "
+                            f"and {variant.spec}'s inputs ({', '.join(taken) or 'none'})")
+    names = tuple(inputs)
+    values = [x if isinstance(x, _torch.Tensor) else _torch.from_numpy(_as_f32(x, name))
+              for name, x in inputs.items()]
+    return _Attention.apply(variant, problem, names, q, k, v, mask, *values)
+
+
+class LearnedInputs(_torch.nn.Module):
+    """The inputs a variant takes beyond q, k and v (Variant.inputs), produced from the
+    layer's input as each mechanism's paper produces them, with learned parameters:
+
+    ========== ============= ============================================================
+    variant    input         produced from x [B, L, E] (x of the keys for per-key inputs)
+    ========== ============= ============================================================
+    gla        g             logsigmoid(gk_proj(x)) / 16, gk_proj = Linear(E, 16, no bias)
+                             then Linear(16, G d): a rank-16 gate per key feature
+    deltanet   beta          sigmoid(b_proj(x)), b_proj = Linear(E, G, no bias)
+    deltanet   g (gated)     -exp(A_log) softplus(a_proj(x) + dt_bias), a_proj =
+                             Linear(E, G, no bias), A_log and dt_bias [G] (Mamba-2's decay)
+    nsa        g_cmp, g_slc, sigmoid(g_proj(x)), g_proj = Linear(E, 3 H): one gate per query,
+               g_swa         head and branch
+    rfa        g (gate=true) sigmoid(g_proj(x)), g_proj = Linear(E, H), per key and head
+    linformer  E, F          parameters E, F [H, proj, max_length] (F without share_kv),
+                             entries N(0, 1/proj); a call with S keys reads columns 0..S-1
+    ========== ============= ============================================================
+
+    Parameter names are those of the first column's modules, under the layer's `inputs.`
+    (e.g. `inputs.gk_proj.0.weight`, `inputs.b_proj.weight`, `inputs.E`). An input with no
+    rule here (a plugin's) is left to the variant's seeded stand-in, with a warning.
+
+    A state_dict without these parameters (one saved from torch.nn.MultiheadAttention, or
+    before they existed) loads: the layer then runs the variant's seeded stand-ins for them
+    and warns; `stood_in` is True until learn() switches the projections (as initialised)
+    back on.
+    """
+
+    def __init__(self, variant, embed_dim, num_heads, head_dim, kv_heads=None,
+                 max_length=None, seed=0):
+        super().__init__()
+        self.variant = variant if isinstance(variant, Variant) else Variant(variant)
+        G = kv_heads or num_heads
+        H, d, E = num_heads, head_dim, embed_dim
+        gen = _torch.Generator().manual_seed(int(seed))
+        self.names = []         # the inputs produced here
+        self.unproduced = []    # the variant's inputs left to its stand-ins
+        self.stood_in = False
+        self._load_hook = self._register_load_state_dict_pre_hook(self._on_load, with_module=False)
+        name = self.variant.name
+        lin = _torch.nn.Linear
+        for x in self.variant.inputs:
+            if name == "gla" and x == "g":
+                self.gk_proj = _torch.nn.Sequential(lin(E, 16, bias=False), lin(16, G * d))
+            elif name == "deltanet" and x == "beta":
+                self.b_proj = lin(E, G, bias=False)
+            elif name == "deltanet" and x == "g":
+                self.a_proj = lin(E, G, bias=False)
+                # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform, as Mamba-2 initialises them
+                a = _torch.empty(G).uniform_(1.0, 16.0, generator=gen)
+                dt = _torch.exp(_torch.rand(G, generator=gen) * (_torch.log(_torch.tensor(0.1))
+                                                                - _torch.log(_torch.tensor(1e-3)))
+                                + _torch.log(_torch.tensor(1e-3)))
+                self.A_log = _torch.nn.Parameter(_torch.log(a))
+                self.dt_bias = _torch.nn.Parameter(dt + _torch.log(-_torch.expm1(-dt)))
+            elif name == "nsa" and x in ("g_cmp", "g_slc", "g_swa"):
+                if not hasattr(self, "g_proj"):
+                    self.g_proj = lin(E, 3 * H)
+            elif name == "rfa" and x == "g":
+                self.g_proj = lin(E, H)
+            elif name == "linformer" and x in ("E", "F"):
+                if max_length is None:
+                    raise ValueError(f"{self.variant.spec} learns its projections E and F over "
+                                     f"the layer's maximum length: pass max_length (the most "
+                                     f"keys a call will have)")
+                proj = int(self.variant.params["proj"])
+                w = _torch.randn(H, proj, int(max_length), generator=gen) / proj ** 0.5
+                setattr(self, x, _torch.nn.Parameter(w))
+            else:
+                self.unproduced.append(x)
+                continue
+            self.names.append(x)
+        if self.unproduced:
+            import warnings
+            warnings.warn(f"attnbench.torch: no learned projection for {self.variant.spec}'s "
+                          f"inputs {', '.join(self.unproduced)}; its seeded stand-ins are used")
+        self.num_heads, self.kv_heads, self.head_dim = H, G, d
+        self.max_length = max_length
+
+    def _on_load(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                 unexpected_keys, error_msgs):
+        own = [prefix + k for k in self.state_dict()]
+        if own and not any(k in state_dict for k in own):
+            for k, t in zip(own, self.state_dict().values()):
+                state_dict[k] = t  # kept as they are: nothing missing
+            self.stood_in = True
+            import warnings
+            warnings.warn(f"attnbench.torch: the state_dict has no {prefix}* parameters; "
+                          f"{self.variant.spec} runs its seeded stand-ins for "
+                          f"{', '.join(self.names)} (call learn() on {prefix.rstrip('.') or 'the module'} to "
+                          f"train projections instead)")
+
+    def learn(self):
+        """Produces the inputs from the projections again (after a load without them)."""
+        self.stood_in = False
+        return self
+
+    def forward(self, x, x_keys=None):
+        """{name: tensor} of the inputs from the queries' x [B, L, E] and the keys' x_keys
+        [B, S, E] (default x); {} while stood_in."""
+        if self.stood_in or not self.names:
+            return {}
+        xk = x if x_keys is None else x_keys
+        B, S = xk.shape[0], xk.shape[1]
+        G, H, d = self.kv_heads, self.num_heads, self.head_dim
+        f = _torch.nn.functional
+        out = {}
+        for name in self.names:
+            if name == "g" and self.variant.name == "gla":
+                g = f.logsigmoid(self.gk_proj(xk)) / 16.0
+                out[name] = g.reshape(B, S, G, d).permute(0, 2, 1, 3)
+            elif name == "beta":
+                out[name] = _torch.sigmoid(self.b_proj(xk)).transpose(1, 2)
+            elif name == "g" and self.variant.name == "deltanet":
+                dt = f.softplus(self.a_proj(xk) + self.dt_bias)
+                out[name] = (-_torch.exp(self.A_log) * dt).transpose(1, 2)
+            elif name.startswith("g_"):
+                if "g_cmp" not in out:
+                    gates = _torch.sigmoid(self.g_proj(x)).reshape(B, x.shape[1], 3, H)
+                    for i, gname in enumerate(("g_cmp", "g_slc", "g_swa")):
+                        out[gname] = gates[:, :, i, :].transpose(1, 2)
+            elif name == "g":  # rfa
+                out[name] = _torch.sigmoid(self.g_proj(xk)).transpose(1, 2)
+            else:  # linformer's E, F
+                w = getattr(self, name)
+                if S > w.shape[2]:
+                    raise ValueError(f"{S} keys; this layer's {name} covers max_length = "
+                                     f"{w.shape[2]} keys")
+                out[name] = w[:, :, :S]
+        return {k: t.contiguous() for k, t in out.items() if k in self.names}
 
 
 class MultiheadAttention(_torch.nn.Module):
@@ -169,11 +329,18 @@ class MultiheadAttention(_torch.nn.Module):
     variants (full, flash) have; the others need need_weights=False. Unlike torch's default,
     batch_first is True ([B, L, E]). Not supported (ValueError): dropout > 0, add_bias_kv,
     add_zero_attn, kdim or vdim other than embed_dim.
+
+    A variant with learned inputs (gla's gates, deltanet's beta, nsa's branch gates, rfa's
+    gate, linformer's E and F) gets them from learned projections of the layer's input, the
+    module `inputs` (LearnedInputs: its table gives each rule and parameter name, e.g.
+    `inputs.gk_proj.0.weight`); linformer needs max_length, the most keys a call will have.
+    A state_dict without them (torch.nn.MultiheadAttention's) loads, and the layer then runs
+    the variant's seeded stand-ins for them and warns.
     """
 
     def __init__(self, embed_dim, num_heads, variant="flash", batch_first=True, dropout=0.0,
                  bias=True, add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None,
-                 device=None, dtype=None, threads=0, seed=0):
+                 device=None, dtype=None, threads=0, seed=0, max_length=None):
         super().__init__()
         if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} and num_heads {num_heads}: embed_dim must "
@@ -212,6 +379,10 @@ class MultiheadAttention(_torch.nn.Module):
         self.bias_k = self.bias_v = None
         self.add_zero_attn = False
         self._reset_parameters()
+        # the variant's learned inputs (gla's g, deltanet's beta, linformer's E, ...), from
+        # projections of the layer's input: LearnedInputs
+        self.inputs = LearnedInputs(self.variant, embed_dim, num_heads, self.head_dim,
+                                    max_length=max_length, seed=seed)
 
     def _reset_parameters(self):
         # as torch.nn.MultiheadAttention initialises them
@@ -284,7 +455,7 @@ class MultiheadAttention(_torch.nn.Module):
         mask = self._mask(key_padding_mask, attn_mask, b, length, keys)
         out = attention(self.variant, q, k, v, causal=is_causal,
                         attn_mask=mask, seed=self.seed,
-                        threads=self.threads)
+                        threads=self.threads, **self.inputs(query, key))
         out = self.out_proj(out.transpose(1, 2).reshape(b, length, e))
         weights = None
         if need_weights:
