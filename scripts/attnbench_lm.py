@@ -19,6 +19,7 @@ redistribution permitted). Its word/tag tokens are joined back into plain text; 
 sample (in file name order) is held out for validation and capture.
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -186,18 +187,19 @@ def exact_attention(q, k, v):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def attend(q, k, v, variant=None, threads=0):
+def attend(q, k, v, variant=None, threads=0, inputs=None):
     """The model's attention: exact causal softmax in torch when `variant` is None, else the
     attnbench variant (a spec string or attnbench.Variant) through attnbench.torch.attention
     (its own backward when gradients are needed), or any object with a method attend(q, k, v)
-    (scripts/swap_eval.py's timer)."""
+    (scripts/swap_eval.py's timer). `inputs`: the variant's learned inputs by name (a
+    layer's LearnedInputs); those not given are the variant's seeded stand-ins."""
     if variant is None:
         return exact_attention(q, k, v)
     if hasattr(variant, "attend"):
         return variant.attend(q, k, v)
     import attnbench.torch
     return attnbench.torch.attention(variant, q.contiguous(), k.contiguous(), v.contiguous(),
-                                     causal=True, threads=threads)
+                                     causal=True, threads=threads, **(inputs or {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +216,13 @@ def rotary(x, base):
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
 
+@functools.lru_cache(maxsize=None)
+def _canonical(spec):
+    """The canonical spec of a spec string (every parameter spelled out)."""
+    import attnbench
+    return attnbench.Variant(spec).spec
+
+
 class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -225,6 +234,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg["width"])
         self.fc1 = nn.Linear(cfg["width"], cfg["mlp"])
         self.fc2 = nn.Linear(cfg["mlp"], cfg["width"])
+        self.inputs = None  # a variant's LearnedInputs (ByteLM.learn_inputs), or None
 
     def qkv_heads(self, x):
         """q, k, v [B, H, n, d] of the layer's input x [B, n, width], positions applied."""
@@ -234,11 +244,21 @@ class Block(nn.Module):
         base = self.cfg["rope_base"]
         return rotary(q, base), rotary(k, base), v
 
+    def learned_inputs(self, x, variant):
+        """The variant's inputs from this layer's projections of x (normed as q, k, v are),
+        when the layer learns them for this very variant (same spec); else {}."""
+        if self.inputs is None or variant is None or hasattr(variant, "attend"):
+            return {}
+        spec = variant if isinstance(variant, str) else variant.spec
+        if _canonical(spec) != self.inputs.variant.spec:
+            return {}
+        return self.inputs(self.ln1(x))
+
     def forward(self, x, variant=None, capture=None):
         q, k, v = self.qkv_heads(x)
         if capture is not None:
             capture.append((q.detach(), k.detach(), v.detach()))
-        o = attend(q, k, v, variant)
+        o = attend(q, k, v, variant, inputs=self.learned_inputs(x, variant))
         B, H, n, d = o.shape
         x = x + self.proj(o.transpose(1, 2).reshape(B, n, H * d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
@@ -256,6 +276,27 @@ class ByteLM(nn.Module):
             scale = 0.02 / math.sqrt(2 * self.cfg["layers"])
             nn.init.normal_(b.proj.weight, std=scale)
             nn.init.normal_(b.fc2.weight, std=scale)
+
+    def learn_inputs(self, variant, seed=0):
+        """Gives every layer learned projections for the variant's inputs beyond q, k and v
+        (gla's g, deltanet's beta, nsa's gates, rfa's gate: attnbench.torch.LearnedInputs;
+        the model is causal), used whenever the model runs that variant; their
+        parameters are `blocks.<i>.inputs.<name>` in state_dict (a checkpoint records the
+        variant as "inputs_variant"). A model without them runs the variant's seeded
+        stand-ins. Returns the new parameters."""
+        import attnbench.torch
+        cfg = self.cfg
+        for i, b in enumerate(self.blocks):
+            b.inputs = attnbench.torch.LearnedInputs(
+                variant, cfg["width"], cfg["heads"], cfg["head_dim"],
+                max_length=cfg["context"], seed=seed * 1000 + i)
+        return [p for b in self.blocks for p in b.inputs.parameters()]
+
+    @property
+    def inputs_variant(self):
+        """The spec whose inputs the layers learn (learn_inputs), or None."""
+        b = self.blocks[0]
+        return None if b.inputs is None else b.inputs.variant.spec
 
     def forward(self, tokens, variant=None, capture=None):
         """Logits [B, n, 256] of the next byte. `variant` replaces every layer's attention;
@@ -294,6 +335,8 @@ def load_model(path=None):
                          f"(scripts/sweep.sh does when it is missing)")
     ckpt = torch.load(path, map_location="cpu")
     model = ByteLM(ckpt["config"])
+    if ckpt.get("inputs_variant"):
+        model.learn_inputs(ckpt["inputs_variant"])
     model.load_state_dict(ckpt["state"])
     model.eval()
     return model, ckpt

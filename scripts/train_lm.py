@@ -76,6 +76,9 @@ def main(argv=None):
     train_path, valid_path = lm.fetch_corpus(root)
     train, valid = lm.read_bytes(train_path), lm.read_bytes(valid_path)
     model = lm.ByteLM(cfg)
+    if variant is not None and variant.inputs:
+        # the variant's learned parts (gla's gates, deltanet's beta, ...) train with the model
+        model.learn_inputs(variant.spec, seed=args.seed)
     C = model.cfg["context"]
     valid_batches = list(lm.windows(valid, C, args.eval_windows).split(4))
 
@@ -130,6 +133,7 @@ def main(argv=None):
         w.writeheader()
         w.writerows(log)
     torch.save({"config": model.cfg, "state": model.state_dict(), "steps": args.steps,
+                "inputs_variant": model.inputs_variant,
                 "batch": args.batch, "lr": args.lr, "seed": args.seed, "threads": args.threads,
                 "attention": "torch" if variant is None else args.attention,
                 "train_seconds": seconds, "valid_bpb": log[-1]["valid_bpb"],

@@ -210,3 +210,36 @@ def test_the_binary_reads_the_capture(cache, tmp_path):
     r = binary("run", "--variant", "flash", "--input", "trained", "--seq", "50", "--heads",
                "4", "--dim", "16", env=env)
     assert r.returncode != 0 and "capture_qkv.py" in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["gla", "deltanet:gated=true"])
+def test_the_model_learns_a_variants_inputs(spec, tmp_path):
+    """ByteLM.learn_inputs gives every layer projections for the variant's inputs; a few
+    steps train them (finite, non-zero gradients; the parameters move), and a checkpoint
+    holding them loads them back (load_model)."""
+    torch.manual_seed(0)
+    model = lm.ByteLM(TINY)
+    new = model.learn_inputs(spec)
+    assert model.inputs_variant == attnbench.Variant(spec).spec
+    names = [n for n in model.state_dict() if ".inputs." in n]
+    assert names and all(n.startswith("blocks.") for n in names)
+    before = [p.detach().clone() for p in new]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = torch.from_numpy(np.frombuffer(text_bytes()[:4 * 33], np.uint8).astype(np.int64))
+    batch = data.reshape(4, 33)
+    for _ in range(3):
+        loss = model.loss(batch, spec)
+        opt.zero_grad()
+        loss.backward()
+        for p in new:
+            assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+        opt.step()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(new, before))
+    # the inputs are used only for that variant: another spec runs its own stand-ins
+    assert model.blocks[0].learned_inputs(model.embed(batch[:, :-1]), "flash") == {}
+    path = str(tmp_path / "model.pt")
+    torch.save({"config": model.cfg, "state": model.state_dict(),
+                "inputs_variant": model.inputs_variant}, path)
+    again, _ = lm.load_model(path)
+    with torch.no_grad():
+        assert torch.equal(again(batch[:, :-1], spec), model.eval()(batch[:, :-1], spec))
