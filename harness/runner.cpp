@@ -295,6 +295,33 @@ View4<T> token(View4<T> x, int64_t t) {
   return x;
 }
 
+}  // namespace
+
+ExtraInputs token_inputs(const Variant& variant, const Problem& p, int64_t t) {
+  ExtraInputs out;
+  if (!p.extra_inputs) return out;
+  for (const auto& entry : *p.extra_inputs) {
+    const InputSpec& in = *variant.taken_input(p, entry.first);
+    const ExtraInput& x = entry.second;
+    const size_t axis =
+        size_t(std::find_if(in.dims.begin(), in.dims.end(),
+                            [](const std::string& a) { return a == "n" || a == "m"; }) -
+               in.dims.begin());
+    int64_t outer = 1, inner = 1;  // elements before and after the token axis
+    for (size_t i = 0; i < axis; ++i) outer *= x.shape[i];
+    for (size_t i = axis + 1; i < x.shape.size(); ++i) inner *= x.shape[i];
+    const int64_t len = x.shape[axis];
+    ExtraInput row{x.shape, std::vector<float>(size_t(outer * inner))};
+    row.shape[axis] = 1;
+    for (int64_t o = 0; o < outer; ++o)
+      std::copy_n(x.data.data() + (o * len + t) * inner, inner, row.data.data() + o * inner);
+    out.emplace(entry.first, std::move(row));
+  }
+  return out;
+}
+
+namespace {
+
 /// The decode pass of run_one (see runner.h). Returns false when the row ended in an error.
 bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const MachineFigures& mf,
                 const RunOptions& opt, const std::string& name, Tensor& out, Row& row,
@@ -305,10 +332,16 @@ bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const Mach
   // Checked pass: prefill t0 tokens, generate the rest; the rows before t0 stay 0 and are not
   // compared.
   std::fill(out.data(), out.data() + out.numel(), 0.0f);
+  // the given inputs (if any) reach the prefill through p and each step as its token's row
+  const bool given = p.extra_inputs && !p.extra_inputs->empty();
   {
     std::unique_ptr<DecodeState> st = dec.prefill(p, k, v, t0);
     for (int64_t t = t0; t < n; ++t)
-      st->step(token(q, t), token(k, t), token(v, t), token(out.view(), t));
+      if (given)
+        st->step_given(token(q, t), token(k, t), token(v, t), token_inputs(variant, p, t),
+                       token(out.view(), t));
+      else
+        st->step(token(q, t), token(k, t), token(v, t), token(out.view(), t));
   }
   if (int64_t bad = first_non_finite(out); bad >= 0) {
     row.status = "error";
@@ -342,6 +375,9 @@ bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const Mach
         for (int64_t s = 0; s < steps; ++s)
           std::copy(from.row(b, h, s % n), from.row(b, h, s % n) + p.dim, dst.row(b, h, s));
   }
+  std::vector<ExtraInputs> step_inputs;
+  if (given)
+    for (int64_t s = 0; s < steps; ++s) step_inputs.push_back(token_inputs(variant, p, s % n));
   Problem pt = p;
   pt.n = n + steps;
   pt.m = 0;
@@ -365,7 +401,11 @@ bool decode_row(Variant& variant, const Problem& p, const Inputs& in, const Mach
   prefill_times.clear();
   auto step = [&] {
     const int64_t s = next++ % steps;
-    st->step(token(sq.view(), s), token(sk.view(), s), token(sv.view(), s), step_out.view());
+    if (given)
+      st->step_given(token(sq.view(), s), token(sk.view(), s), token(sv.view(), s),
+                     step_inputs[size_t(s)], step_out.view());
+    else
+      st->step(token(sq.view(), s), token(sk.view(), s), token(sv.view(), s), step_out.view());
   };
   if (!time_passes(name, opt, mf, step, row, bench_json, prefill, steps)) return false;
   st.reset();

@@ -100,6 +100,9 @@ int64_t decode_timed_steps(int64_t n);
 /// Positions the checked decode pass generates (the last ones of the sequence; the prefill
 /// holds the others): min(n, 8).
 int64_t decode_checked_steps(int64_t n);
+/// Token t of each input p gives (Problem::extra_inputs): its row t on the token axis, kept
+/// with length 1, as a decode step takes it (DecodeState::step_given).
+ExtraInputs token_inputs(const Variant& variant, const Problem& p, int64_t t);
 
 /// A row's time is marked noisy (Row::noisy, a warning on stderr) when its repetitions
 /// spread by more than kNoisySpread (time_max / time_min, with 2 or more repetitions), or when

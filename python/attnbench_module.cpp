@@ -7,6 +7,7 @@
 // while a variant runs. Errors keep the C++ messages: SpecError, UsageError and InputError
 // become ValueError, UnsupportedError NotImplementedError, any other attnbench error
 // RuntimeError.
+#include <fmt/format.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/core/decode.h"
 #include "common/core/error.h"
 #include "common/core/registry.h"
 #include "common/io/inputs.h"
@@ -101,6 +103,22 @@ int64_t kv_heads_of(const F32& k, int64_t heads) {
   return g;
 }
 
+/// The variant's inputs beyond q, k and v, copied from float32 arrays by name.
+ExtraInputs extra_inputs(const std::map<std::string, py::array>& arrays) {
+  ExtraInputs extra;
+  for (const auto& [name, a] : arrays) {
+    if (!a.dtype().is(py::dtype::of<float>()) || !(a.flags() & py::array::c_style))
+      throw UsageError(name + ": expected a C-contiguous float32 array, got dtype " +
+                       std::string(py::str(a.dtype())));
+    ExtraInput t;
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) t.shape.push_back(a.shape(i));
+    const float* data = static_cast<const float*>(a.data());
+    t.data.assign(data, data + a.size());
+    extra.emplace(name, std::move(t));
+  }
+  return extra;
+}
+
 // The problem of q [B, H, n, d] and k, v [B, G, m, d] under `o`, validated.
 Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o) {
   if (k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || v.shape(0) != k.shape(0) ||
@@ -142,20 +160,7 @@ Problem make_problem(const F32& q, const F32& k, const F32& v, const Options& o)
   }
   if (p.score == Score::bilinear || p.score == Score::additive)
     p.score_weights = make_score_weights(p);
-  if (!o.inputs.empty()) {
-    auto extra = std::make_shared<ExtraInputs>();
-    for (const auto& [name, a] : o.inputs) {
-      if (!a.dtype().is(py::dtype::of<float>()) || !(a.flags() & py::array::c_style))
-        throw UsageError(name + ": expected a C-contiguous float32 array, got dtype " +
-                         std::string(py::str(a.dtype())));
-      ExtraInput t;
-      for (py::ssize_t i = 0; i < a.ndim(); ++i) t.shape.push_back(a.shape(i));
-      const float* data = static_cast<const float*>(a.data());
-      t.data.assign(data, data + a.size());
-      extra->emplace(name, std::move(t));
-    }
-    p.extra_inputs = std::move(extra);
-  }
+  if (!o.inputs.empty()) p.extra_inputs = std::make_shared<ExtraInputs>(extra_inputs(o.inputs));
   p.validate();
   return p;
 }
@@ -439,7 +444,7 @@ PYBIND11_MODULE(_attnbench, m) {
       .def(
           "decoder",
           [](PyVariant& s, py::handle ko, py::handle vo, int64_t capacity, int64_t heads,
-             uint64_t seed, int threads) {
+             uint64_t seed, int threads, const std::map<std::string, py::array>& inputs) {
             const F32 k = expect_f32(ko, "k"), v = expect_f32(vo, "v");
             if (!(shape4(k) == shape4(v)))
               throw UsageError("k has shape " + shape_text(k) + " but v " + shape_text(v) +
@@ -458,16 +463,28 @@ PYBIND11_MODULE(_attnbench, m) {
             d->threads = resolve_threads(threads);
             const ConstTensorView kv = kv_view(k, p), vv = kv_view(v, p);
             const int64_t t0 = k.shape(2);
+            // the learned inputs of the prefill's t0 tokens; each step then takes its token's
+            const ExtraInputs given = extra_inputs(inputs);
+            Decoder& dec = *s.v->decoder();
+            if (!given.empty()) {
+              if (!dec.decodes_inputs())
+                throw UnsupportedError(fmt::format(
+                    "{}: the decode step takes no given input ({}); without it the stand-in runs",
+                    s.v->spec(), input_names(given)));
+              s.v->check_token_inputs(p, given, t0, true);
+            }
             {
               py::gil_scoped_release nogil;
               const std::lock_guard<std::mutex> lock(*s.mu);
               ThreadTeam team(d->threads);
-              d->state = s.v->decoder()->prefill(p, kv, vv, t0);
+              d->state = given.empty() ? dec.prefill(p, kv, vv, t0)
+                                       : dec.prefill_given(p, kv, vv, t0, given);
             }
             return d;
           },
           py::arg("k"), py::arg("v"), py::kw_only(), py::arg("capacity"), py::arg("heads") = 0,
-          py::arg("seed") = 0, py::arg("threads") = 0);
+          py::arg("seed") = 0, py::arg("threads") = 0,
+          py::arg("inputs") = std::map<std::string, py::array>{});
 
   py::class_<PySaved>(m, "Saved").def_property_readonly("out", [](const PySaved& s) {
     return s.out;
@@ -480,9 +497,12 @@ PYBIND11_MODULE(_attnbench, m) {
                              [](const PyDecoder& d) { return d.state->state_bytes(); })
       .def(
           "step",
-          [](PyDecoder& d, py::handle qo, py::handle ko, py::handle vo) {
+          [](PyDecoder& d, py::handle qo, py::handle ko, py::handle vo,
+             const std::map<std::string, py::array>& inputs) {
             const F32 q = expect_f32(qo, "q"), k = expect_f32(ko, "k"), v = expect_f32(vo, "v");
             const Problem& p = d.p;
+            const ExtraInputs given = extra_inputs(inputs);  // this token's learned inputs
+            if (!given.empty()) d.v->check_token_inputs(p, given, 1, false);
             F32 out = empty({p.batch, p.heads, 1, p.dim});
             const ConstTensorView qv = view(q), kv = kv_view(k, p), vv = kv_view(v, p);
             TensorView ov = mut_view(out);
@@ -490,11 +510,15 @@ PYBIND11_MODULE(_attnbench, m) {
               py::gil_scoped_release nogil;
               const std::lock_guard<std::mutex> lock(*d.mu);
               ThreadTeam team(d.threads);
-              d.state->step(qv, kv, vv, ov);
+              if (given.empty())
+                d.state->step(qv, kv, vv, ov);
+              else
+                d.state->step_given(qv, kv, vv, given, ov);
             }
             return out;
           },
-          py::arg("q"), py::arg("k"), py::arg("v"));
+          py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("inputs") = std::map<std::string, py::array>{});
 
   m.def(
       "reference",

@@ -43,6 +43,8 @@
 // Nothing is saved between forward_train and backward. Decode: the state S^T per (batch,
 // key/value head), a step is the recurrent step (O(d^2) per head, whatever t); prefill runs the
 // chunkwise form over the prompt.
+#include <fmt/format.h>
+
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
@@ -464,17 +466,18 @@ class DeltaState final : public DecodeState {
 
   int64_t length() const override { return len_; }
 
+  /// The inputs the prefill was given (input_names), which every step takes too.
+  std::string& given() { return given_; }
+
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
-    check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
-    const SerialIfSmall small(step_flops());
-    const int64_t G = p_.kv_head_count();
-#pragma omp parallel for schedule(static) if (p_.batch * G >= 2 * team_threads())
-    for (int64_t bg = 0; bg < p_.batch * G; ++bg) {
-      const HeadIo io = head_io(p_, k, v, bg / G, bg % G, &q, &out);
-      recurrent_head(io, 0, 1, p_.dim, w_, gated_, state(bg / G, bg % G));
-    }
-    ++len_;
+    check_step_inputs(given_, nullptr);
+    advance(q, k, v, nullptr, out);
+  }
+
+  void step_given(ConstTensorView q, ConstTensorView k, ConstTensorView v, const ExtraInputs& in,
+                  TensorView out) override {
+    check_step_inputs(given_, &in);
+    advance(q, k, v, &in, out);
   }
 
   double state_bytes() const override { return 4.0 * double(p_.kv_head_count() * p_.dim * dp_); }
@@ -490,12 +493,33 @@ class DeltaState final : public DecodeState {
   }
 
  private:
+  // One token: the recurrent step of every (batch, key/value head), with the token's given
+  // beta and g ([B, G, 1] each) when `in` holds them.
+  void advance(ConstTensorView q, ConstTensorView k, ConstTensorView v, const ExtraInputs* in,
+               TensorView out) {
+    check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
+    const SerialIfSmall small(step_flops());
+    const int64_t G = p_.kv_head_count();
+    const float* beta = in ? given_data(*in, "beta") : nullptr;
+    const float* g = in && gated_ ? given_data(*in, "g") : nullptr;
+#pragma omp parallel for schedule(static) if (p_.batch * G >= 2 * team_threads())
+    for (int64_t bg = 0; bg < p_.batch * G; ++bg) {
+      HeadIo io = head_io(p_, k, v, bg / G, bg % G, &q, &out);
+      if (beta) io.beta = beta + bg;
+      if (g) io.g = g + bg;
+      recurrent_head(io, 0, 1, p_.dim, w_, gated_, state(bg / G, bg % G));
+    }
+    ++len_;
+  }
+
   Problem p_;
   Weights w_;
   bool gated_;
   int64_t dp_;
   std::vector<float> st_;
   int64_t len_ = 0;
+  std::string given_;
 };
 
 // ---- the variant ----
@@ -599,17 +623,42 @@ class DeltaNet final : public Variant, public RecomputeBackward<DeltaNet>, publi
 
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override {
+    if (p.extra_inputs && !p.extra_inputs->empty())  // the problem's own inputs, n rows
+      return prefill_given(p, k, v, t0, *p.extra_inputs);
+    return prefill_with(p, k, v, t0, ExtraInputs{});
+  }
+
+  bool decodes_inputs() const override { return true; }
+  std::unique_ptr<DecodeState> prefill_given(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                             int64_t t0, const ExtraInputs& in) override {
+    if (in.empty() || (!gated_ && in.count("g")))
+      throw UnsupportedError(fmt::format("{}: a decode prefill takes beta{} (given: {})", spec(),
+                                         gated_ ? " and g" : "", input_names(in)));
+    return prefill_with(p, k, v, t0, in);
+  }
+
+  // The state after rows 0 .. t0 - 1, with the given beta and g of `in` ([B, G, >= t0] each).
+  std::unique_ptr<DecodeState> prefill_with(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                            int64_t t0, const ExtraInputs& in) {
     check_prefill(p, k, v, t0);
     const Weights w = deltanet_weights(p);
-    auto state = std::make_unique<DeltaState>(p, w, gated_);
+    Problem plain = p;
+    plain.extra_inputs.reset();
+    auto state = std::make_unique<DeltaState>(plain, w, gated_);
     const int64_t G = p.kv_head_count(), C = std::min<int64_t>(chunk_, std::max<int64_t>(t0, 1));
+    const float* beta = given_data(in, "beta");
+    const float* g = gated_ ? given_data(in, "g") : nullptr;
+    const int64_t rows = in.empty() ? 0 : in.begin()->second.shape[2];
     parallel_for(
         p.batch * G, [&] { return ChunkWork(C, p.dim); },
         [&](int64_t bg, ChunkWork& cw) {
-          const HeadIo io = head_io(p, k, v, bg / G, bg % G, nullptr, nullptr);
+          HeadIo io = head_io(p, k, v, bg / G, bg % G, nullptr, nullptr);
+          if (beta) io.beta = beta + bg * rows;
+          if (g) io.g = g + bg * rows;
           chunkwise_head(io, t0, p.dim, C, w, gated_, state->state(bg / G, bg % G), cw);
         });
     state->len() = t0;
+    state->given() = input_names(in);
     return state;
   }
 

@@ -278,29 +278,74 @@ std::string Variant::accepted_inputs(const Problem& p) const {
                        : fmt::format("{} takes {}", spec(), fmt::join(parts, ", "));
 }
 
+namespace {
+
+/// Throws UsageError when a value of the input t (named `name`, declared as `in`) is outside
+/// its range.
+void check_input_range(const Variant& var, const std::string& name, const InputSpec& in,
+                       const ExtraInput& t) {
+  for (size_t i = 0; i < t.data.size(); ++i)
+    if (!(double(t.data[i]) >= in.min && double(t.data[i]) <= in.max))
+      throw UsageError(fmt::format(
+          "the input '{}' of {} holds {} at flat index {}; accepted: values in [{}, {}] ({})", name,
+          var.spec(), t.data[i], i, in.min, in.max, in.help));
+}
+
+int64_t element_count(const std::vector<int64_t>& shape) {
+  int64_t count = 1;
+  for (int64_t s : shape) count *= s;
+  return count;
+}
+
+}  // namespace
+
+const InputSpec* Variant::taken_input(const Problem& p, const std::string& name) const {
+  for (const InputSpec* in : inputs())
+    if (in->name == name) return in;
+  throw UsageError(fmt::format("an input '{}' was given, which {} does not take; {}", name, spec(),
+                               accepted_inputs(p)));
+}
+
 void Variant::check_inputs(const Problem& p) const {
   if (!p.extra_inputs) return;
-  const std::vector<const InputSpec*> taken = inputs();
   for (const auto& entry : *p.extra_inputs) {
     const std::string& name = entry.first;
     const ExtraInput& t = entry.second;
-    auto it = std::find_if(taken.begin(), taken.end(),
-                           [&](const InputSpec* in) { return in->name == name; });
-    if (it == taken.end())
-      throw UsageError(fmt::format("an input '{}' was given, which {} does not take; {}", name,
-                                   spec(), accepted_inputs(p)));
-    const std::vector<int64_t> want = input_shape(**it, p);
-    int64_t count = 1;
-    for (int64_t s : want) count *= s;
-    if (t.shape != want || int64_t(t.data.size()) != count)
+    const InputSpec& in = *taken_input(p, name);
+    const std::vector<int64_t> want = input_shape(in, p);
+    if (t.shape != want || int64_t(t.data.size()) != element_count(want))
       throw UsageError(fmt::format("the input '{}' has shape [{}]; {}", name,
                                    fmt::join(t.shape, ", "), accepted_inputs(p)));
-    const InputSpec& in = **it;
-    for (size_t i = 0; i < t.data.size(); ++i)
-      if (!(double(t.data[i]) >= in.min && double(t.data[i]) <= in.max))
-        throw UsageError(fmt::format(
-            "the input '{}' of {} holds {} at flat index {}; accepted: values in [{}, {}] ({})",
-            name, spec(), t.data[i], i, in.min, in.max, in.help));
+    check_input_range(*this, name, in, t);
+  }
+}
+
+void Variant::check_token_inputs(const Problem& p, const ExtraInputs& given, int64_t tokens,
+                                 bool at_least) const {
+  for (const auto& entry : given) {
+    const std::string& name = entry.first;
+    const ExtraInput& t = entry.second;
+    const InputSpec& in = *taken_input(p, name);
+    const auto axis = std::find_if(in.dims.begin(), in.dims.end(),
+                                   [](const std::string& a) { return a == "n" || a == "m"; });
+    if (axis == in.dims.end())
+      throw UnsupportedError(
+          fmt::format("the input '{}' of {} is not per token; a decode step takes per-token inputs",
+                      name, spec()));
+    const size_t at = size_t(axis - in.dims.begin());
+    const int64_t len = t.shape.size() == in.dims.size() ? t.shape[at] : -1;
+    Problem pt = p;
+    pt.n = std::max<int64_t>(len, 0);
+    pt.m = 0;
+    const std::vector<int64_t> want = input_shape(in, pt);
+    if (len < 0 || (at_least ? len < tokens : len != tokens) || t.shape != want ||
+        int64_t(t.data.size()) != element_count(want))
+      throw UsageError(fmt::format(
+          "the input '{}' of a decode {} has shape [{}]; {} takes {} [{}] with {} {} on its "
+          "token axis ({})",
+          name, at_least ? "prefill" : "step", fmt::join(t.shape, ", "), spec(), name,
+          fmt::join(in.dims, ", "), at_least ? "at least" : "exactly", tokens, *axis));
+    check_input_range(*this, name, in, t);
   }
 }
 
@@ -422,6 +467,39 @@ void Variant::check_backward(const Problem& p) const {
   bw->check_backward(p);
 }
 
+void DecodeState::step_given(ConstTensorView, ConstTensorView, ConstTensorView,
+                             const ExtraInputs& in, TensorView) {
+  throw UnsupportedError(
+      fmt::format("this decode state takes no given input ({})", input_names(in)));
+}
+
+std::unique_ptr<DecodeState> Decoder::prefill_given(const Problem&, ConstTensorView,
+                                                    ConstTensorView, int64_t,
+                                                    const ExtraInputs& in) {
+  throw UnsupportedError(
+      fmt::format("this decode step takes no given input ({})", input_names(in)));
+}
+
+std::string input_names(const ExtraInputs& in) {
+  std::string out;
+  for (const auto& entry : in) out += (out.empty() ? "" : "+") + entry.first;
+  return out;
+}
+
+void check_step_inputs(const std::string& names, const ExtraInputs* in) {
+  const std::string got = in ? input_names(*in) : std::string();
+  if (got == names) return;
+  if (names.empty())
+    throw UsageError(
+        fmt::format("a decode step given inputs ({}) on a state prefilled without "
+                    "them (their stand-ins): give them to the prefill as well",
+                    got));
+  throw UsageError(
+      fmt::format("a decode step given {} on a state prefilled with the inputs {}: "
+                  "every step takes the inputs its prefill took",
+                  got.empty() ? "no input" : "the inputs " + got, names));
+}
+
 void Decoder::check_decode(const Problem& p) const {
   if (p.dtype != DType::f32)
     throw UnsupportedError(
@@ -481,7 +559,7 @@ void Variant::check_decode(const Problem& p) const {
     throw UnsupportedError(
         fmt::format("{} has no decode step; variants that do: those whose `list` entry says decode",
                     info_->name));
-  if (p.extra_inputs && !p.extra_inputs->empty())
+  if (p.extra_inputs && !p.extra_inputs->empty() && !dec->decodes_inputs())
     throw UnsupportedError(
         fmt::format("{}: the decode step takes no given input ({}); without it the stand-in runs",
                     spec(), fmt::join(given_input_names(p), ", ")));

@@ -250,11 +250,18 @@ class Variant {
   const float* input(const Problem& p, std::string_view name) const;
   /// The inputs it takes (inputs()) that p does not give, in declared order: stood in for.
   std::vector<std::string> stand_ins(const Problem& p) const;
+  /// The declared input `name` among inputs(); UsageError naming them when it is not one.
+  const InputSpec* taken_input(const Problem& p, const std::string& name) const;
   /// "gla:... takes g [B, G, n, d] = [1, 8, 1024, 64]": what a message names as accepted.
   std::string accepted_inputs(const Problem& p) const;
   /// Throws UsageError for a tensor of p.extra_inputs that this variant does not take or
   /// whose shape is not input_shape, naming what it accepts.
   void check_inputs(const Problem& p) const;
+  /// Throws UsageError unless `given` are inputs it takes, each shaped as on p but with
+  /// `tokens` (at_least: `tokens` or more) on its token axis: a decode prefill's or step's
+  /// (Decoder::prefill_given, DecodeState::step_given).
+  void check_token_inputs(const Problem& p, const ExtraInputs& given, int64_t tokens,
+                          bool at_least) const;
   /// forward() under the problem's scoring function: the dot and bilinear scores map q once
   /// (q' = sqrt(d) q, or q' = sqrt(d) Wᵀ q per head) and run forward() on the scaled_dot
   /// problem; every other score goes to forward() as it is. What the harness times.

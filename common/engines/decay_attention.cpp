@@ -92,7 +92,9 @@ Seq make_seq(const Problem& p, const Decay& decay, int64_t b, int64_t s, ConstTe
   }
   if (decay.shared()) {
     x.gate = decay.gate.get();
-    if (decay.given) x.g = decay.given + (b * p.kv_head_count() + s) * p.n * p.dim;
+    if (decay.given)
+      x.g = decay.given +
+            (b * p.kv_head_count() + s) * (decay.given_rows ? decay.given_rows : p.n) * p.dim;
   } else {
     x.gamma = decay.gamma[size_t(s)];
   }
@@ -546,8 +548,9 @@ namespace {
 class DecayState final : public DecodeState {
  public:
   DecayState(const Problem& p, const Decay& decay)
-      : p_(p), decay_(decay), states_(state_heads(p, decay)) {
+      : p_(p), decay_(decay), given_(decay.given != nullptr), states_(state_heads(p, decay)) {
     S_.assign(size_t(p.batch * states_ * p.dim * p.dim), 0.0f);
+    p_.extra_inputs.reset();  // the steps' own come with each step
   }
 
   float* state(int64_t b, int64_t s) { return S_.data() + (b * states_ + s) * p_.dim * p_.dim; }
@@ -560,32 +563,20 @@ class DecayState final : public DecodeState {
       chunkwise(x, scale_of(p_.dim), chunk, state(b, s));
     });
     len_ = t0;
+    decay_.given = nullptr;  // the prefill's; each step brings its own (step_given)
   }
 
   int64_t length() const override { return len_; }
 
   void step(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out) override {
-    check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
-    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
-    const SerialIfSmall small(step_flops());
-    const int64_t d = p_.dim;
-    // a parallel region only when the step's work outweighs opening one (common/core/threads.h)
-    const bool parallel = parallel_worth(step_flops(), p_.batch * states_);
-    for_each_state(
-        p_.batch, states_,
-        [&](int64_t b, int64_t s) {
-          Seq x = make_seq(p_, decay_, b, s, q, k, v, &out);
-          std::vector<float> a;
-          if (x.gate) {
-            a.resize(size_t(d));
-            x.gate->log_decay(x.k, x.ks, 1, a.data());
-            exp_inplace(a.data(), d);
-          }
-          decay_attention::step(d, scale_of(d), state(b, s), x.gate ? a.data() : nullptr, x.gamma,
-                                x.k, x.v, int64_t(x.q.size()), x.q.data(), x.o.data());
-        },
-        parallel);
-    ++len_;
+    check_step_inputs(given_ ? "g" : "", nullptr);
+    advance(q, k, v, nullptr, out);
+  }
+
+  void step_given(ConstTensorView q, ConstTensorView k, ConstTensorView v, const ExtraInputs& in,
+                  TensorView out) override {
+    check_step_inputs(given_ ? "g" : "", &in);
+    advance(q, k, v, in.at("g").data.data(), out);
   }
 
   double state_bytes() const override { return 4.0 * double(states_ * p_.dim * p_.dim); }
@@ -599,8 +590,40 @@ class DecayState final : public DecodeState {
   }
 
  private:
+  // One token: the step of every state, with its log decays g [B, G, 1, d] when given.
+  void advance(ConstTensorView q, ConstTensorView k, ConstTensorView v, const float* g,
+               TensorView out) {
+    check_step(len_, p_.n, Shape4{p_.batch, p_.heads, 1, p_.dim}, q, k, v, out);
+    // a step below the parallel threshold runs on this thread alone (common/core/threads.h)
+    const SerialIfSmall small(step_flops());
+    const int64_t d = p_.dim;
+    // a parallel region only when the step's work outweighs opening one (common/core/threads.h)
+    const bool parallel = parallel_worth(step_flops(), p_.batch * states_);
+    Decay given;  // the token's log decays, one row per state
+    if (g) given.given = g, given.given_rows = 1;
+    for_each_state(
+        p_.batch, states_,
+        [&](int64_t b, int64_t s) {
+          Seq x = make_seq(p_, g ? given : decay_, b, s, q, k, v, &out);
+          std::vector<float> a;
+          if (x.g) {
+            a.assign(x.g, x.g + d);
+            exp_inplace(a.data(), d);
+          } else if (x.gate) {
+            a.resize(size_t(d));
+            x.gate->log_decay(x.k, x.ks, 1, a.data());
+            exp_inplace(a.data(), d);
+          }
+          decay_attention::step(d, scale_of(d), state(b, s), a.empty() ? nullptr : a.data(),
+                                x.gamma, x.k, x.v, int64_t(x.q.size()), x.q.data(), x.o.data());
+        },
+        parallel);
+    ++len_;
+  }
+
   Problem p_;
   Decay decay_;
+  bool given_;  // prefilled with given log decays: each step takes the token's (step_given)
   int64_t states_;
   int64_t len_ = 0;
   std::vector<float> S_;
@@ -716,7 +739,24 @@ double DecayVariant::backward_memory_estimate(const Problem& p) const {
 
 std::unique_ptr<DecodeState> DecayVariant::prefill(const Problem& p, ConstTensorView k,
                                                    ConstTensorView v, int64_t t0) {
+  if (p.extra_inputs && !p.extra_inputs->empty())  // the problem's own inputs, n rows
+    return prefill_given(p, k, v, t0, *p.extra_inputs);
   return decay_attention::prefill(p, k, v, t0, decay(p), chunk_);
+}
+
+std::unique_ptr<DecodeState> DecayVariant::prefill_given(const Problem& p, ConstTensorView k,
+                                                         ConstTensorView v, int64_t t0,
+                                                         const ExtraInputs& in) {
+  const auto g = in.find("g");
+  if (!decodes_inputs() || in.size() != 1 || g == in.end() || g->second.shape.size() != 4)
+    throw UnsupportedError(fmt::format("{}: a decode prefill takes the input g alone (given: {})",
+                                       spec(), input_names(in)));
+  Problem plain = p;
+  plain.extra_inputs.reset();
+  Decay dc;
+  dc.given = g->second.data.data();
+  dc.given_rows = g->second.shape[2];
+  return decay_attention::prefill(plain, k, v, t0, dc, chunk_);
 }
 
 double DecayVariant::prefill_flops(const Problem& p, int64_t t0) const {

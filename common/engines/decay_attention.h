@@ -64,6 +64,7 @@ struct Decay {
   std::shared_ptr<Gate> gate;  ///< gla without g
   /// gla's g: log a [B, G, n, d] (Problem::extra_inputs); the gate is then null.
   const float* given = nullptr;
+  int64_t given_rows = 0;  ///< rows per head of `given` (0: p.n; a decode prefill's may be more)
   bool shared() const { return gate != nullptr || given != nullptr; }  ///< a state per kv head
 };
 
@@ -83,7 +84,8 @@ void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTenso
 double backward_flops(const Problem& p, const Decay& decay);
 double backward_bytes(const Problem& p, const Decay& decay, int64_t chunk);
 
-/// The decode state after rows 0 .. t0 - 1 (folded in chunkwise).
+/// The decode state after rows 0 .. t0 - 1 (folded in chunkwise). With gla's log decays
+/// given (decay.given, decay.given_rows rows per head), its steps take them (step_given).
 std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                      int64_t t0, const Decay& decay, int64_t chunk);
 double prefill_flops(const Problem& p, int64_t t0, const Decay& decay, int64_t chunk);
@@ -123,6 +125,9 @@ class DecayVariant : public Variant, public Backward, public Decoder {
   std::unique_ptr<DecodeState> prefill(const Problem& p, ConstTensorView k, ConstTensorView v,
                                        int64_t t0) override;
   double prefill_flops(const Problem& p, int64_t t0) const override;
+  bool decodes_inputs() const override { return !info().inputs.empty(); }
+  std::unique_ptr<DecodeState> prefill_given(const Problem& p, ConstTensorView k, ConstTensorView v,
+                                             int64_t t0, const ExtraInputs& in) override;
 
  private:
   Form form_;

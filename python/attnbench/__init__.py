@@ -163,8 +163,9 @@ class Decoder:
     append(k, v) then attend(q) is the same step in two calls: the token's key and value,
     then its query."""
 
-    def __init__(self, core):
+    def __init__(self, core, variant):
         self._core = core
+        self._variant = variant
         self._pending = None
 
     @property
@@ -181,29 +182,34 @@ class Decoder:
         """Bytes the state holds per sequence (batch element)."""
         return self._core.state_bytes
 
-    def step(self, q, k, v):
+    def step(self, q, k, v, **inputs):
+        """The output [B, H, 1, d] of the token's q, k, v. `inputs`: the token's learned
+        inputs (gla's g [B, G, 1, d], deltanet's beta [B, G, 1], ...), when the decoder was
+        prefilled with them."""
         if self._pending is not None:
             raise ValueError("step(): a key and value appended by append() wait for their "
                              "query; call attend(q) first")
-        return self._core.step(_as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v"))
+        return self._core.step(_as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v"),
+                               inputs=_inputs(self._variant, inputs))
 
-    def append(self, k, v):
-        """Appends the next token's key and value [B, G, 1, d]; attend(q) then gives the
-        output of its query. One token at a time: append, attend, append, attend, ..."""
+    def append(self, k, v, **inputs):
+        """Appends the next token's key and value [B, G, 1, d] (and its learned inputs, as
+        step() takes them); attend(q) then gives the output of its query. One token at a
+        time: append, attend, append, attend, ..."""
         if self._pending is not None:
             raise ValueError("append(): the token appended before has not attended yet; call "
                              "attend(q) for it first (one token at a time)")
         if self.length >= self.capacity:
             raise ValueError(f"append(): the state is full (capacity {self.capacity} tokens)")
-        self._pending = (_as_f32(k, "k"), _as_f32(v, "v"))
+        self._pending = (_as_f32(k, "k"), _as_f32(v, "v"), _inputs(self._variant, inputs))
         return self
 
     def attend(self, q):
         """The output [B, H, 1, d] of the query q [B, H, 1, d] of the token append() added."""
         if self._pending is None:
             raise ValueError("attend(): no appended token; call append(k, v) first")
-        k, v = self._pending
-        out = self._core.step(_as_f32(q, "q"), k, v)
+        k, v, inputs = self._pending
+        out = self._core.step(_as_f32(q, "q"), k, v, inputs=inputs)
         self._pending = None
         return out
 
@@ -254,17 +260,20 @@ class Variant:
         dict of their gradients by name, each shaped as its input."""
         return self._core.backward(saved, _as_f32(dout, "dout"))
 
-    def decoder(self, k, v, *, capacity, heads=None, seed=0, threads=0):
+    def decoder(self, k, v, *, capacity, heads=None, seed=0, threads=0, **inputs):
         """Generation: a Decoder holding the prefill k, v [B, G, t0, d] (t0 may be 0) of a
         causal self-attention of up to `capacity` tokens with `heads` query heads (default
         G). Call step(q, k, v) for positions t0, t0 + 1, ... (each [.., 1, d]): its outputs
-        equal the rows of the causal forward pass on the whole sequence."""
+        equal the rows of the causal forward pass on the whole sequence. `inputs`: the
+        learned inputs of the prefill's tokens (gla's g [B, G, t0, d], deltanet's beta
+        [B, G, t0], ...; gla and deltanet take them); each step then takes its token's."""
         return Decoder(self._core.decoder(
             _as_f32(k, "k"), _as_f32(v, "v"),
             capacity=_int(capacity, "capacity", 1, _INT64_MAX, "an int >= 1 (tokens)"),
             heads=0 if heads is None else _int(heads, "heads", 1, _INT64_MAX,
                                                "None or an int >= 1 (a multiple of G)"),
-            seed=_int(seed, "seed", 0, 2**64 - 1, _SEEDS), threads=_threads(threads)))
+            seed=_int(seed, "seed", 0, 2**64 - 1, _SEEDS), threads=_threads(threads),
+            inputs=_inputs(self._core, inputs)), self._core)
 
 
 def attention(spec, q, k, v, *, causal=False, score="scaled_dot", key_padding=None,

@@ -169,3 +169,40 @@ def test_linformer_needs_the_maximum_length():
                              F=layer.inputs.F[:, :, :12])
         want = layer.out_proj(core.transpose(1, 2).reshape(2, 12, 32))
     assert torch.allclose(out, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["gla", "deltanet:gated=true"])
+def test_decoding_takes_the_inputs_token_by_token(spec):
+    """Prefill with the first t0 tokens' inputs, then step with each token's: the rows of
+    the causal forward pass given the whole inputs."""
+    rng = np.random.default_rng(5)
+    B, H, G, n, d, t0 = 1, 4, 2, 23, 8, 10
+    q = rng.standard_normal((B, H, n, d), dtype=np.float32)
+    k, v = (rng.standard_normal((B, G, n, d), dtype=np.float32) for _ in range(2))
+    var = attnbench.Variant(spec)
+    if spec == "gla":
+        inputs = dict(g=rng.uniform(-0.5, -0.01, (B, G, n, d)).astype(np.float32))
+    else:
+        inputs = dict(beta=rng.uniform(0.1, 0.9, (B, G, n)).astype(np.float32),
+                      g=rng.uniform(-0.5, 0.0, (B, G, n)).astype(np.float32))
+    want = var.forward(q, k, v, causal=True, **inputs)
+    tok = (lambda x, t: np.ascontiguousarray(x[:, :, t:t + 1]))
+    dec = var.decoder(k[:, :, :t0], v[:, :, :t0], capacity=n, heads=H,
+                      **{name: x[:, :, :t0] for name, x in inputs.items()})
+    for t in range(t0, n):
+        got = dec.step(tok(q, t), tok(k, t), tok(v, t),
+                       **{name: tok(x, t) for name, x in inputs.items()})
+        np.testing.assert_allclose(got[:, :, 0], want[:, :, t], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="every step takes the inputs its prefill took"):
+        var.decoder(k[:, :, :t0], v[:, :, :t0], capacity=n, heads=H,
+                    **{name: x[:, :, :t0] for name, x in inputs.items()}).step(
+                        tok(q, t0), tok(k, t0), tok(v, t0))
+    with pytest.raises(ValueError, match=r"the input '(g|beta)' of a decode step has shape \[1, 2, 2"):
+        var.decoder(k[:, :, :t0], v[:, :, :t0], capacity=n, heads=H,
+                    **{name: x[:, :, :t0] for name, x in inputs.items()}).step(
+                        tok(q, t0), tok(k, t0), tok(v, t0),
+                        **{name: x[:, :, t0:t0 + 2] for name, x in inputs.items()})
+    with pytest.raises(NotImplementedError, match="the decode step takes no given input"):
+        attnbench.Variant("rfa:gate=true").decoder(
+            k[:, :, :t0], v[:, :, :t0], capacity=n, heads=H,
+            g=np.full((B, H, t0), 0.5, np.float32))

@@ -209,8 +209,7 @@ TEST(GivenInputs, RefusedWhereNotTaken) {
   EXPECT_CONTAINS(
       test::error_message<UnsupportedError>([&] { deltanet->check_backward(with_beta); }),
       "gives no gradient of a given input (beta)");
-  EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { gla->check_decode(given); }),
-                  "the decode step takes no given input (g)");
+  EXPECT_NO_THROW(gla->check_decode(given));  // token by token: DecodeInputs.*
   EXPECT_NO_THROW(gla->check_backward(p));
   EXPECT_NO_THROW(gla->check_decode(p));
 }
