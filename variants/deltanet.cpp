@@ -40,9 +40,13 @@
 // normalisations): the recurrence is run forward to keep the state at every chunk start, then
 // chunks are taken in reverse: the chunk's states are recomputed from its start and the
 // reverse recurrence (dS_{t-1} = alpha (dS_t - beta g k^^T), g = dS_t k^) gives dq, dk, dv.
-// Nothing is saved between forward_train and backward. Decode: the state S^T per (batch,
-// key/value head), a step is the recurrent step (O(d^2) per head, whatever t); prefill runs the
-// chunkwise form over the prompt.
+// Each row's dbeta = (v - alpha S_{t-1} k^) . g and dalpha = <dS_t, S_{t-1}> - beta g . S_{t-1} k^
+// go on into dk through the stand-ins; a given beta or g takes them instead (dL/dbeta_t and
+// dL/dg_t = alpha_t dalpha per key/value head, backward_inputs). Nothing is saved between
+// forward_train and backward. Decode: the state S^T per (batch, key/value head), a step is the
+// recurrent step (O(d^2) per head, whatever t); prefill runs the chunkwise form over the
+// prompt. Given beta and g reach the prefill for its tokens and each step for its own
+// (prefill_given, step_given).
 #include <fmt/format.h>
 
 #include <Eigen/Core>
@@ -345,16 +349,81 @@ bool is_gated(const Variant& v) { return v.params().get_bool("gated"); }
 
 // ---- the backward pass ----
 
+/// Where one (batch, key/value head)'s gradients of its given beta and log decay rows go (n
+/// entries each, backward_inputs), or null: for a stood-in row they go into dk instead.
+struct RowGrads {
+  float *beta = nullptr, *g = nullptr;
+};
+
+/// Row t of the group's query heads: dq'_h = S_t^T do_h, taken back through the query's
+/// normalisation into dq, and dS += do_h q'_h^T (dS^T += q'_h do_h^T). sn: S_t^T; qf, dqf:
+/// d floats of scratch each.
+void outputs_backward(const HeadIo& io, int64_t t, int64_t d, const float* sn, float* ds,
+                      const std::vector<const float*>& dout, int64_t lddo,
+                      const std::vector<float*>& dq, int64_t lddq, float* qf, float* dqf) {
+  const int64_t dp = padded(d);
+  for (int64_t h = 0; h < io.nq; ++h) {
+    const float* q = io.q[size_t(h)] + t * io.ldq;
+    const float* gout = dout[size_t(h)] + t * lddo;
+    const float qnorm = query_features(q, d, qf);
+    for (int64_t j = 0; j < d; ++j) {
+      dqf[j] = dot(sn + j * dp, gout, d);
+      float* r = ds + j * dp;
+      const float qj = qf[j];
+#pragma omp simd
+      for (int64_t l = 0; l < d; ++l) r[l] += qj * gout[l];
+    }
+    // through q' = q / (|q| sqrt(d)): dq = (dq'' - q^ (q^ . dq'')) / |q|, dq'' = dq' / sqrt(d)
+    float* out = dq[size_t(h)] + t * lddq;
+    if (qnorm > 0) {
+      const float rs = 1.0f / std::sqrt(float(d));
+      const float proj = dot(qf, dqf, d);
+      // q^ = sqrt(d) q', dq'' = rs dq'
+      for (int64_t j = 0; j < d; ++j) out[j] = rs * (dqf[j] - float(d) * qf[j] * proj) / qnorm;
+    } else {
+      std::fill(out, out + d, 0.0f);
+    }
+  }
+}
+
+/// dk of row t (into dkr) from dk^ = dkn, dbeta and dalpha: through k^ = k / |k|, and through
+/// the stand-ins beta = sigmoid(k.w_b + b_b), alpha = exp(-softplus(k.w_a + b_a)) of the rows
+/// not given; a given row's dbeta and dlog alpha = dalpha alpha go to rg instead.
+void key_backward(const HeadIo& io, const RowGrads& rg, int64_t t, int64_t d, const Weights& w,
+                  bool gated, const KeyFeatures& f, const float* kn, const float* dkn, float dbeta,
+                  float dalpha, float* dkr) {
+  const float* k = io.k + t * io.ldk;
+  const float beta = f.beta, alpha = std::exp(f.log_alpha);
+  const float proj = dot(kn, dkn, d);
+  const float inv = f.norm > 0 ? 1.0f / f.norm : 0.0f;
+  float cb = 0, ca = 0;
+  if (io.beta)
+    rg.beta[t] = dbeta;
+  else
+    cb = dbeta * beta * (1.0f - beta);
+  if (gated && io.g) {
+    rg.g[t] = dalpha * alpha;
+  } else if (gated) {
+    float za = kDecayBias;
+    for (int64_t j = 0; j < d; ++j) za += k[j] * w.wa[size_t(j)];
+    ca = -dalpha * alpha * sigmoid(za);
+  }
+  for (int64_t j = 0; j < d; ++j)
+    dkr[j] = (dkn[j] - kn[j] * proj) * inv + cb * w.wb[size_t(j)] + ca * w.wa[size_t(j)];
+}
+
 /// One (batch, key/value head) of the backward: dq for its group's query heads (rows of dout
-/// and dq per head), dk and dv for its key/value rows.
+/// and dq per head), dk and dv for its key/value rows, and the gradients of its given beta and
+/// log decay rows into rg (backward_inputs).
 void backward_head(const Problem& p, const HeadIo& io, const std::vector<const float*>& dout,
                    int64_t lddo, const std::vector<float*>& dq, int64_t lddq, float* dk,
-                   int64_t lddk, float* dv, int64_t lddv, int64_t C, const Weights& w, bool gated) {
-  const int64_t n = p.n, d = p.dim, dp = padded(d), nq = io.nq, sz = d * dp;
+                   int64_t lddk, float* dv, int64_t lddv, int64_t C, const Weights& w, bool gated,
+                   const RowGrads& rg) {
+  const int64_t n = p.n, d = p.dim, dp = padded(d), sz = d * dp;
   const int64_t chunks = (n + C - 1) / C;
   auto floats = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count), 0.0f); };
   std::vector<float> ck = floats(chunks * sz), states = floats((C + 1) * sz), ds = floats(sz);
-  std::vector<float> kn = floats(dp), work = floats(3 * dp), qf = floats(nq * dp), g = floats(dp),
+  std::vector<float> kn = floats(dp), work = floats(3 * dp), qf = floats(dp), g = floats(dp),
                      u = floats(dp), e = floats(dp), dkn = floats(dp), dqf = floats(dp);
   // pass 1: the recurrence forward, keeping the state at every chunk start
   {
@@ -362,7 +431,7 @@ void backward_head(const Problem& p, const HeadIo& io, const std::vector<const f
     for (int64_t c = 0; c < chunks; ++c) {
       std::copy(st.begin(), st.end(), ck.begin() + c * sz);
       for (int64_t t = c * C; t < std::min(n, (c + 1) * C); ++t) {
-        const KeyFeatures f = key_features(io.k + t * io.ldk, d, w, gated, kn.data());
+        const KeyFeatures f = row_features(io, t, d, w, gated, kn.data());
         delta_step(st.data(), d, dp, kn.data(), io.v + t * io.ldv, f.beta, std::exp(f.log_alpha), 0,
                    nullptr, nullptr, work.data());
       }
@@ -375,42 +444,17 @@ void backward_head(const Problem& p, const HeadIo& io, const std::vector<const f
     for (int64_t t = t0; t < t1; ++t) {
       float* next = states.data() + (t - t0 + 1) * sz;
       std::copy(next - sz, next, next);
-      const KeyFeatures f = key_features(io.k + t * io.ldk, d, w, gated, kn.data());
+      const KeyFeatures f = row_features(io, t, d, w, gated, kn.data());
       delta_step(next, d, dp, kn.data(), io.v + t * io.ldv, f.beta, std::exp(f.log_alpha), 0,
                  nullptr, nullptr, work.data());
     }
     for (int64_t t = t1 - 1; t >= t0; --t) {
       const float* sn = states.data() + (t - t0 + 1) * sz;  // S_t^T
       const float* so = sn - sz;                            // S_{t-1}^T
-      const float* k = io.k + t * io.ldk;
       const float* v = io.v + t * io.ldv;
-      const KeyFeatures f = key_features(k, d, w, gated, kn.data());
+      const KeyFeatures f = row_features(io, t, d, w, gated, kn.data());
       const float beta = f.beta, alpha = std::exp(f.log_alpha);
-      // the outputs: dq'_h = S_t^T do_h, dS += do_h q'_h^T (dS^T += q'_h do_h^T)
-      for (int64_t h = 0; h < nq; ++h) {
-        const float* q = io.q[size_t(h)] + t * io.ldq;
-        const float* gout = dout[size_t(h)] + t * lddo;
-        const float qnorm = query_features(q, d, qf.data());
-        for (int64_t j = 0; j < d; ++j) {
-          dqf[size_t(j)] = dot(sn + j * dp, gout, d);
-          float* r = ds.data() + j * dp;
-          const float qj = qf[size_t(j)];
-#pragma omp simd
-          for (int64_t l = 0; l < d; ++l) r[l] += qj * gout[l];
-        }
-        // through q' = q / (|q| sqrt(d)): dq = (dq'' - q^ (q^ . dq'')) / |q|, dq'' = dq' / sqrt(d)
-        float* out = dq[size_t(h)] + t * lddq;
-        if (qnorm > 0) {
-          const float rs = 1.0f / std::sqrt(float(d));
-          float proj = 0;
-          for (int64_t j = 0; j < d; ++j) proj += qf[size_t(j)] * dqf[size_t(j)];
-          // q^ = sqrt(d) q', dq'' = rs dq'
-          for (int64_t j = 0; j < d; ++j)
-            out[j] = rs * (dqf[size_t(j)] - float(d) * qf[size_t(j)] * proj) / qnorm;
-        } else {
-          std::fill(out, out + d, 0.0f);
-        }
-      }
+      outputs_backward(io, t, d, sn, ds.data(), dout, lddo, dq, lddq, qf.data(), dqf.data());
       // g = dS k^ and u = S_{t-1} k^ in one pass; e = v - alpha u
       state_times(ds.data(), d, dp, kn.data(), g.data());
       state_times(so, d, dp, kn.data(), u.data());
@@ -430,20 +474,7 @@ void backward_head(const Problem& p, const HeadIo& io, const std::vector<const f
 #pragma omp simd
         for (int64_t l = 0; l < d; ++l) r[l] = alpha * (r[l] - bk * g[size_t(l)]);
       }
-      // into k: the normalisation, beta = sigmoid(k.w_b + b_b), alpha = exp(-softplus(k.w_a + b_a))
-      float* dkr = dk + t * lddk;
-      const float proj = dot(kn.data(), dkn.data(), d);
-      const float inv = f.norm > 0 ? 1.0f / f.norm : 0.0f;
-      const float cb = dbeta * beta * (1.0f - beta);
-      float ca = 0;
-      if (gated) {
-        float za = kDecayBias;
-        for (int64_t j = 0; j < d; ++j) za += k[j] * w.wa[size_t(j)];
-        ca = -dalpha * alpha * sigmoid(za);
-      }
-      for (int64_t j = 0; j < d; ++j)
-        dkr[j] = (dkn[size_t(j)] - kn[size_t(j)] * proj) * inv + cb * w.wb[size_t(j)] +
-                 ca * w.wa[size_t(j)];
+      key_backward(io, rg, t, d, w, gated, f, kn.data(), dkn.data(), dbeta, dalpha, dk + t * lddk);
     }
   }
 }
@@ -584,11 +615,42 @@ class DeltaNet final : public Variant, public RecomputeBackward<DeltaNet>, publi
   void recompute_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                           ConstTensorView /*out*/, ConstTensorView dout, TensorView dq,
                           TensorView dk, TensorView dv) {
+    backward_pass(p, q, k, v, dout, dq, dk, dv, nullptr, nullptr);
+  }
+
+  // The given beta and g: dL/dbeta_t and dL/dlog alpha_t = alpha_t dL/dalpha_t per key/value
+  // head, which the backward forms for every row anyway (for a stood-in row it takes them on
+  // into dk). Each key/value head's rows serve its whole group of query heads, whose
+  // contributions the backward of that head already sums.
+  bool gives_input_grads() const override { return true; }
+  void backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                       ConstTensorView /*out*/, ConstTensorView dout, const SavedState& saved,
+                       TensorView dq, TensorView dk, TensorView dv, InputGrads& dinputs) override {
+    NothingSaved::expect(saved, info().name.c_str());
+    const size_t rows = size_t(p.batch * p.kv_head_count() * p.n);
+    auto grad_of = [&](const char* name) -> float* {
+      if (!input(p, name)) return nullptr;
+      std::vector<float>& x = dinputs[name];
+      x.assign(rows, 0.0f);
+      return x.data();
+    };
+    float* dbeta = grad_of("beta");
+    float* dg = gated_ ? grad_of("g") : nullptr;
+    backward_pass(p, q, k, v, dout, dq, dk, dv, dbeta, dg);
+  }
+
+  /// The backward of every (batch, key/value head); dbeta and dg ([B, G, n]) receive the
+  /// gradients of the given beta and g (null: not given).
+  void backward_pass(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                     ConstTensorView dout, TensorView dq, TensorView dk, TensorView dv,
+                     float* dbeta, float* dg) const {
     const Weights w = deltanet_weights(p);
     const int64_t G = p.kv_head_count(), grp = p.kv_group(), C = std::min(chunk_, p.n);
     parallel_for(p.batch * G, [&](int64_t bg) {
       const int64_t b = bg / G, g = bg % G;
-      const HeadIo io = head_io(p, k, v, b, g, &q, nullptr);
+      HeadIo io = head_io(p, k, v, b, g, &q, nullptr);
+      given_rows(p, bg, io);
+      const RowGrads rg{io.beta ? dbeta + bg * p.n : nullptr, io.g ? dg + bg * p.n : nullptr};
       std::vector<const float*> douts;
       std::vector<float*> dqs;
       for (int64_t r = 0; r < grp; ++r) {
@@ -596,7 +658,7 @@ class DeltaNet final : public Variant, public RecomputeBackward<DeltaNet>, publi
         dqs.push_back(dq.head(b, g * grp + r));
       }
       backward_head(p, io, douts, dout.stride_row, dqs, dq.stride_row, dk.head(b, g * grp),
-                    dk.stride_row, dv.head(b, g * grp), dv.stride_row, C, w, gated_);
+                    dk.stride_row, dv.head(b, g * grp), dv.stride_row, C, w, gated_, rg);
       // the group's other query heads: their share is in the first one's rows
       for (int64_t r = 1; r < grp; ++r)
         for (int64_t t = 0; t < p.n; ++t) {

@@ -46,8 +46,10 @@
 // Backward: forward_train keeps EK and FV (B H 2 k d floats); the backward recomputes each
 // query block's P = softmax(s Q EK^T) from them and runs softmax attention's backward over
 // the k projected rows (dQ, dEK, dFV), then dK = E^T dEK and dV = F^T dFV over the valid keys,
-// E and F generated again (or read from prepare()). E and F are constants of the backward. Not
-// causal: the projection mixes all keys, so no causal form exists without changing the method.
+// E and F generated again (or read from prepare()). E and F are constants of the backward,
+// unless given: then dE_h = sum_b dEK_{b,h} K_{b,h}^T and dF_h = sum_b dFV_{b,h} V_{b,h}^T
+// (backward_inputs; with share_kv E gets both). Not causal: the projection mixes all keys, so no
+// causal form exists without changing the method.
 #include "variants/linformer.h"
 
 #include <cblas.h>
@@ -402,10 +404,58 @@ class Linformer final : public Variant, public Backward {
   // dS = P o (dO FV^T - D):  dQ = s dS EK,  dEK = s dS^T Q,  dFV = P^T dO,
   // then dK = E^T dEK and dV = F^T dFV (E = F with share_kv: both through E), over the valid
   // keys of each batch element (the rest 0). E and F are constants.
-  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView /*k*/, ConstTensorView /*v*/,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    (void)k, (void)v;
+    backward_pass(p, q, out, dout, saved, dq, dk, dv, nullptr);
+  }
+
+  // Given E and F: dE_h = sum_b dEK_{b,h} K_{b,h}^T and dF_h = sum_b dFV_{b,h} V_{b,h}^T over
+  // each batch element's valid keys (with share_kv E serves both: the sum of the two). The
+  // backward keeps every (batch, head)'s dEK and dFV for them (B H 2 k d floats).
+  bool gives_input_grads() const override { return true; }
+  void backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                       ConstTensorView out, ConstTensorView dout, const SavedState& saved,
+                       TensorView dq, TensorView dk, TensorView dv, InputGrads& dinputs) override {
+    const bool e = input(p, "E") != nullptr, f = !share_ && input(p, "F");
+    if (!e && !f) throw UsageError("linformer: backward_inputs without a given E or F");
+    std::vector<float> dproj(size_t(p.batch * p.heads * 2 * k_ * p.dim));
+    backward_pass(p, q, out, dout, saved, dq, dk, dv, dproj.data());
+    const size_t count = size_t(p.heads * k_ * p.keys());
+    float* de = e ? (dinputs["E"].assign(count, 0.0f), dinputs["E"].data()) : nullptr;
+    float* df = f ? (dinputs["F"].assign(count, 0.0f), dinputs["F"].data()) : nullptr;
+    projection_grads(p, k, v, dproj.data(), de, df);
+  }
+
+  /// dE and dF ([H, k, m], zeroed; null: not given) from dproj, every (batch, head)'s dEK and
+  /// dFV ([B, H, 2, k, d]): head h sums its batch elements' products with their valid keys
+  /// and values (k and v as head h reads them).
+  void projection_grads(const Problem& p, ConstTensorView k, ConstTensorView v, const float* dproj,
+                        float* de, float* df) const {
+    const int64_t m = p.keys(), d = p.dim, H = p.heads, kp = k_, per_bh = 2 * kp * d;
+    parallel_for(H, [&](int64_t h) {
+      for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t len = p.key_lengths.empty() ? m : p.key_lengths[size_t(b)];
+        if (len == 0) continue;
+        const float* dek = dproj + (b * H + h) * per_bh;
+        const float* dfv = dek + kp * d;
+        // dE_h[:, :len] += dEK K^T, dF_h[:, :len] += dFV V^T (into dE_h with share_kv)
+        float* dfh = share_ ? (de ? de + h * kp * m : nullptr) : (df ? df + h * kp * m : nullptr);
+        if (de)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(kp), int(len), int(d), 1.0f, dek,
+                      int(d), k.row(b, h, 0), int(k.stride_row), 1.0f, de + h * kp * m, int(m));
+        if (dfh)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(kp), int(len), int(d), 1.0f, dfv,
+                      int(d), v.row(b, h, 0), int(v.stride_row), 1.0f, dfh, int(m));
+      }
+    });
+  }
+
+  /// The backward of every (batch, head); dproj (or null) receives their dEK and dFV
+  /// ([B, H, 2, k, d]) for projection_grads.
+  void backward_pass(const Problem& p, ConstTensorView q, ConstTensorView out, ConstTensorView dout,
+                     const SavedState& saved, TensorView dq, TensorView dk, TensorView dv,
+                     float* dproj) {
     const auto* st = dynamic_cast<const LinformerSaved*>(&saved);
     const int64_t n = p.n, m = p.keys(), d = p.dim, H = p.heads, kp = k_;
     const int64_t per_bh = 2 * kp * d;
@@ -420,7 +470,7 @@ class Linformer final : public Variant, public Backward {
       std::vector<float> ps, dps, grad, gen;
       guard.run([&] {
         ps.resize(size_t(rows_max * kp)), dps.resize(size_t(rows_max * kp));
-        grad.resize(size_t(per_bh));
+        if (!dproj) grad.resize(size_t(per_bh));
         if (!src_) gen.resize(size_t((share_ ? 1 : 2) * cols_max * kp));
       });
 #pragma omp for schedule(dynamic, 1)
@@ -433,11 +483,11 @@ class Linformer final : public Variant, public Backward {
             std::fill_n(dk.row(b, h, j), d, 0.0f);
             std::fill_n(dv.row(b, h, j), d, 0.0f);
           }
+          float *dek = dproj ? dproj + bh * per_bh : grad.data(), *dfv = dek + kp * d;
+          std::fill_n(dek, per_bh, 0.0f);
           if (len == 0) return;  // every row is 0 whatever the inputs
           const float* ek = st->proj.data() + bh * per_bh;
           const float* fv = ek + kp * d;
-          float *dek = grad.data(), *dfv = dek + kp * d;
-          std::fill(grad.begin(), grad.end(), 0.0f);
           for (int64_t i0 = 0; i0 < n; i0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, n - i0);
             float *pm = ps.data(), *g = dps.data();
@@ -496,13 +546,18 @@ class Linformer final : public Variant, public Backward {
     return double(p.batch * p.heads * 2 * k_ * p.dim) * sizeof(float) +
            double(sizeof(LinformerSaved));
   }
+  // Given E or F (backward_inputs): every (batch, head)'s dEK and dFV in place of the threads'
+  // own, and no columns drawn (resolve gives them; the forward_train before already held as
+  // many).
   double backward_memory_estimate(const Problem& p) const override {
     const double f = sizeof(float);
     const int64_t threads = team_threads();
+    const bool given = input(p, "E") || (!share_ && input(p, "F"));
     const double per_thread =
-        double(2 * std::min(kBlockQ, p.n) * k_ + 2 * k_ * p.dim) * f +
-        (ready(p) ? 0.0 : double((share_ ? 1 : 2) * std::min(kChunk, p.keys()) * k_) * f);
-    return double(threads) * per_thread;
+        double(2 * std::min(kBlockQ, p.n) * k_ + (given ? 0 : 2 * k_ * p.dim)) * f +
+        (given || ready(p) ? 0.0 : double((share_ ? 1 : 2) * std::min(kChunk, p.keys()) * k_) * f);
+    const double kept = given ? double(p.batch * p.heads * 2 * k_ * p.dim) * f : 0.0;
+    return double(threads) * per_thread + kept;
   }
 
   /// proj[(b H + h) 2 k d ...]: EK (k x d) followed by FV (k x d) of every (batch, head).

@@ -65,8 +65,9 @@
 // normalisation x / |x|; rows raised to the floor divide by a constant (their key count).
 // Gated (gated_head_backward): reverse-mode through the recurrence, its state rebuilt chunk by
 // chunk from checkpoints every 64 keys (never one state per position kept); the gates are
-// differentiated (through w_g . k_j), and a row raised to the floor through its weight sum
-// M_i = 1 - prod g, which depends on the gates. W, w_g and b_g are constants.
+// differentiated (through w_g . k_j; a given g gets dL/dg_j instead, backward_inputs), and a
+// row raised to the floor through its weight sum M_i = 1 - prod g, which depends on the gates.
+// W, w_g and b_g are constants.
 // Decode: plain, the engine's state (feature_map::prefill_state); gated, the recurrence's
 // S, z and weight sum, one key per step (GatedDecodeState); either H (2 D d + 2 D + 2) 4 bytes
 // per sequence whatever its length.
@@ -115,6 +116,9 @@ double floor_per_weight(double sigma) { return kFloorFraction * std::exp(-2.0 / 
 struct KeyGate {
   const std::vector<float>& w;   ///< w_g (d entries) then b_g
   const float* given = nullptr;  ///< the head's m given gates, or null
+  /// With given gates, where the backward writes their gradients dL/dg_j (m entries; the
+  /// backward_inputs of a given g), or null.
+  float* grad = nullptr;
 };
 
 /// The gate of key j (row kj): g and h = 1 - g; the stand-in's each as a sigmoid (no
@@ -230,6 +234,28 @@ int64_t gated_backward_floats(int64_t features, int64_t d, int64_t m) {
          3 * features + d;
 }
 
+/// Back through one key's update S_j = g S_{j-1} + h phi_j v_j^T (z and mass alike, h =
+/// 1 - g; `before`: the state S_{j-1}, z_{j-1}, mass_{j-1}). adj holds the adjoint (dS, dz,
+/// dmass) of the state after the key on entry and of the state before it on return. Writes
+/// dphi_j = h (dS v_j + dz) (f floats) and dv_j = h dS^T phi_j (d floats), and returns
+/// dL/dg_j = dg - dh, the gate's gradient with h = 1 - g taken through it. w: f floats of
+/// scratch.
+float key_step_backward(const float* before, float* adj, const float* pk, const float* vj, float g,
+                        float h, int64_t f, int64_t d, float* w, float* dphk, float* dvj) {
+  const int64_t st = f * d + f + 1;
+  const float* dS = adj;
+  // dg = <(dS, dz, dmass), state before key j> (one dot over the contiguous layout)
+  const float dg = cblas_sdot(int(st), adj, 1, before, 1);
+  // w = dS v_j + dz, dh = phi_j . w + dmass, dphi_j = h w, dv_j = h dS^T phi_j
+  std::copy_n(adj + f * d, f, w);
+  cblas_sgemv(CblasRowMajor, CblasNoTrans, int(f), int(d), 1.0f, dS, int(d), vj, 1, 1.0f, w, 1);
+  const float dh = cblas_sdot(int(f), pk, 1, w, 1) + adj[st - 1];
+  for (int64_t e = 0; e < f; ++e) dphk[e] = h * w[e];
+  cblas_sgemv(CblasRowMajor, CblasTrans, int(f), int(d), h, dS, int(d), pk, 1, 0.0f, dvj, 1);
+  cblas_sscal(int(st), g, adj, 1);
+  return dg - dh;
+}
+
 /// The gradients of gated RFA on one (batch, head) of batch element b (causal), of the
 /// function gated_head computes. The state (S, z, mass) after each key is rebuilt, never
 /// stored whole: a first pass over the valid keys keeps the state at the start of every chunk
@@ -241,7 +267,8 @@ int64_t gated_backward_floats(int64_t features, int64_t d, int64_t m) {
 ///   a key j, S_j = g S_{j-1} + h phi_j v_j^T (z and mass alike, h = 1 - g):
 ///     dg = <dS, S_{j-1}> + dz . z_{j-1} + dmass mass_{j-1},
 ///     dh = phi_j . (dS v_j + dz) + dmass,  dphi_j = h (dS v_j + dz),  dv_j = h dS^T phi_j,
-///     g = sigmoid(x_j), x_j = w_g . k_j + b_g:  dx_j = g h (dg - dh),  dk_j gets dx_j w_g,
+///     g = sigmoid(x_j), x_j = w_g . k_j + b_g:  dx_j = g h (dg - dh),  dk_j gets dx_j w_g
+///     (a given gate instead: dL/dg_j = dg - dh into gate.grad, nothing into dk_j),
 ///     then dS, dz, dmass are multiplied by g.
 /// The maps' backward (x / |x|, sin, cos) turns dphi into dq and dk. Keys past L_b and rows
 /// that see no key get 0. Time about three times the forward's; memory
@@ -264,6 +291,7 @@ void gated_head_backward(const RfaFeatureMap& fm, const KeyGate& gate, const Pro
     std::fill_n(io.dk + j * io.lddk, d, 0.0f);
     std::fill_n(io.dv + j * io.lddv, d, 0.0f);
   }
+  if (gate.grad) std::fill_n(gate.grad, m, 0.0f);  // keys past L_b: 0
   if (len == 0) return;
 
   // features and gates of the keys [j0, j0 + cnt)
@@ -340,26 +368,18 @@ void gated_head_backward(const RfaFeatureMap& fm, const KeyGate& gate, const Pro
       const int64_t r1 = j == len - 1 ? n : std::min(n, j - off + 1);
       for (int64_t i = r0; i < r1; ++i) read_backward(i, states + (t + 1) * st);
       // back through S_j = g S_{j-1} + h phi_j v_j^T (and z, mass)
-      const float* before = states + t * st;
-      const float g = gk[t], h = hk[t];
-      const float* pk = phk + t * f;
-      const float* vj = io.v + j * io.ldv;
-      float* dvj = io.dv + j * io.lddv;
-      const float* dS = adj;
-      // dg = <(dS, dz, dmass), state before key j> (one dot over the contiguous layout)
-      const float dg = cblas_sdot(int(st), adj, 1, before, 1);
-      // w = dS v_j + dz, dh = phi_j . w + dmass, dphi_j = h w, dv_j = h dS^T phi_j
-      std::copy_n(adj + f * d, f, w);
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, int(f), int(d), 1.0f, dS, int(d), vj, 1, 1.0f, w, 1);
-      const float dh = cblas_sdot(int(f), pk, 1, w, 1) + adj[st - 1];
-      for (int64_t e = 0; e < f; ++e) dphk[t * f + e] = h * w[e];
-      cblas_sgemv(CblasRowMajor, CblasTrans, int(f), int(d), h, dS, int(d), pk, 1, 0.0f, dvj, 1);
-      dx[t] = g * h * (dg - dh);
-      cblas_sscal(int(st), g, adj, 1);
+      const float dgate =
+          key_step_backward(states + t * st, adj, phk + t * f, io.v + j * io.ldv, gk[t], hk[t], f,
+                            d, w, dphk + t * f, io.dv + j * io.lddv);
+      if (gate.grad)
+        gate.grad[j] = dgate;
+      else
+        dx[t] = gk[t] * hk[t] * dgate;
     }
-    // dk of the chunk's keys: through their maps, and through their gates
+    // dk of the chunk's keys: through their maps, and through the stand-in gates
     fm.keys_backward(io.k + j0 * io.ldk, io.ldk, cnt, phk, f, dphk, f, io.dk + j0 * io.lddk,
                      io.lddk);
+    if (gate.given) continue;
     for (int64_t t = 0; t < cnt; ++t) {
       float* dkj = io.dk + (j0 + t) * io.lddk;
       for (int64_t x = 0; x < d; ++x) dkj[x] += dx[t] * gate.w[size_t(x)];
@@ -551,35 +571,32 @@ class Rfa final : public Variant, public Backward, public Decoder {
   void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                 ConstTensorView out, ConstTensorView dout, const SavedState& saved, TensorView dq,
                 TensorView dk, TensorView dv) override {
-    Heads::Heads fresh;
     if (gate_) {
       NothingSaved::expect(saved, "rfa:gate=true");
-      const Heads::Heads& drawn = heads_.get(
-          p, [&](int64_t h) { return make_head(p, h); }, fresh);
-      const int64_t heads = p.batch * p.heads;
-      parallel_for(
-          heads,
-          [&] {
-            return std::vector<float>(size_t(gated_backward_floats(2 * freqs_, p.dim, p.keys())));
-          },
-          [&](int64_t bh, std::vector<float>& work) {
-            const int64_t b = bh / p.heads, h = bh % p.heads;
-            const fmap::HeadGrads io{
-                q.head(b, h),    k.head(b, h),  v.head(b, h),  out.head(b, h), dout.head(b, h),
-                nullptr,         q.stride_row,  k.stride_row,  v.stride_row,   out.stride_row,
-                dout.stride_row, dq.head(b, h), dk.head(b, h), dv.head(b, h),  dq.stride_row,
-                dk.stride_row,   dv.stride_row};
-            gated_head_backward(drawn[size_t(h)]->map, KeyGate{drawn[size_t(h)]->gate}, p, b, io,
-                                work.data());
-          });
+      gated_backward(p, q, k, v, out, dout, dq, dk, dv, nullptr);
       return;
     }
+    Heads::Heads fresh;
     const float* den = fmap::RowDenominators::of(saved, p).den.data();
     const Heads::Heads& drawn = heads_.get(
         p, [&](int64_t h) { return make_head(p, h); }, fresh);
     fmap::attend_backward(
         p, q, k, v, out, dout, den, dq, dk, dv, 2 * freqs_,
         [&](int64_t h) -> const fmap::FeatureMap& { return drawn[size_t(h)]->map; });
+  }
+
+  // A given g (gate=true): dL/dg_j, which the backward forms for every key anyway (for the
+  // stand-in it takes it on through the sigmoid into dk).
+  bool gives_input_grads() const override { return true; }
+  void backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                       ConstTensorView out, ConstTensorView dout, const SavedState& saved,
+                       TensorView dq, TensorView dk, TensorView dv, InputGrads& dinputs) override {
+    if (!gate_ || !input(p, "g"))
+      throw UsageError(fmt::format("{}: backward_inputs without a given g", spec()));
+    NothingSaved::expect(saved, "rfa:gate=true");
+    std::vector<float>& dg = dinputs["g"];
+    dg.assign(size_t(p.batch * p.heads * p.keys()), 0.0f);
+    gated_backward(p, q, k, v, out, dout, dq, dk, dv, dg.data());
   }
 
   double backward_flops(const Problem& p) const override {
@@ -675,6 +692,32 @@ class Rfa final : public Variant, public Backward, public Decoder {
  private:
   using Head = RfaHead;
   using Heads = PreparedHeads<Head>;
+  // The gated backward of every (batch, head), with the given gates when p gives g (their
+  // gradients into dg, [B, H, m]) and the seeded ones otherwise.
+  void gated_backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                      ConstTensorView out, ConstTensorView dout, TensorView dq, TensorView dk,
+                      TensorView dv, float* dg) {
+    Heads::Heads fresh;
+    const Heads::Heads& drawn = heads_.get(
+        p, [&](int64_t h) { return make_head(p, h); }, fresh);
+    const float* given = input(p, "g");  // [B, H, m]; null: the seeded gates stand in
+    parallel_for(
+        p.batch * p.heads,
+        [&] {
+          return std::vector<float>(size_t(gated_backward_floats(2 * freqs_, p.dim, p.keys())));
+        },
+        [&](int64_t bh, std::vector<float>& work) {
+          const int64_t b = bh / p.heads, h = bh % p.heads;
+          const fmap::HeadGrads io{q.head(b, h),    k.head(b, h),   v.head(b, h),    out.head(b, h),
+                                   dout.head(b, h), nullptr,        q.stride_row,    k.stride_row,
+                                   v.stride_row,    out.stride_row, dout.stride_row, dq.head(b, h),
+                                   dk.head(b, h),   dv.head(b, h),  dq.stride_row,   dk.stride_row,
+                                   dv.stride_row};
+          const KeyGate gate{drawn[size_t(h)]->gate, given ? given + bh * p.keys() : nullptr,
+                             given && dg ? dg + bh * p.keys() : nullptr};
+          gated_head_backward(drawn[size_t(h)]->map, gate, p, b, io, work.data());
+        });
+  }
   void check_gated(const Problem& p) const {
     if (gate_ && !p.causal)
       throw UnsupportedError(

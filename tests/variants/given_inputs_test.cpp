@@ -162,8 +162,8 @@ TEST(GivenInputs, ForwardReadsThemAndMatchesTheFormula) {
 }
 
 // A given input the variant does not take, or of another shape, is a usage error naming
-// what the variant takes; backward and decode refuse given inputs (no gradient or step for
-// them yet), while they run with the stand-ins.
+// what the variant takes; a backward that gives no gradient of a given input and decode refuse
+// given inputs (no gradient or step for them), while they run with the stand-ins.
 TEST(GivenInputs, RefusedWhereNotTaken) {
   Problem p = test::problem(2, 4, 37, 0, 16, true, 3);
   p.kv_heads = 2;
@@ -200,15 +200,33 @@ TEST(GivenInputs, RefusedWhereNotTaken) {
   const Problem given = with("g", {2, 2, 37, 16});
   EXPECT_NO_THROW(gla->check_inputs(given));
   EXPECT_NO_THROW(gla->check_backward(given));  // gla gives dL/dg (GlaGradientOfG... below)
+  // deltanet, rfa and linformer give theirs too (input_grads_test.cpp); nsa has no backward
   auto deltanet = make_variant("deltanet");
   auto beta = std::make_shared<ExtraInputs>();
   beta->emplace("beta", ExtraInput{{2, 2, 37}, std::vector<float>(2 * 2 * 37, 0.5f)});
   Problem with_beta = p;
   with_beta.extra_inputs = beta;
   EXPECT_NO_THROW(deltanet->check_inputs(with_beta));
-  EXPECT_CONTAINS(
-      test::error_message<UnsupportedError>([&] { deltanet->check_backward(with_beta); }),
-      "gives no gradient of a given input (beta)");
+  EXPECT_NO_THROW(deltanet->check_backward(with_beta));
+  auto nsa = make_variant("nsa");
+  auto gate = std::make_shared<ExtraInputs>();
+  gate->emplace("g_slc", ExtraInput{{2, 4, 37}, std::vector<float>(2 * 4 * 37, 0.5f)});
+  Problem with_gate = p;
+  with_gate.extra_inputs = gate;
+  EXPECT_NO_THROW(nsa->check_inputs(with_gate));
+  EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] { nsa->check_backward(with_gate); }),
+                  "nsa has no backward pass");
+  // a backward that gives no input gradients refuses to be asked for them
+  auto flash_variant = make_variant("flash");
+  Backward* flash = flash_variant->backward();
+  ASSERT_NE(flash, nullptr);
+  EXPECT_FALSE(flash->gives_input_grads());
+  InputGrads none;
+  EXPECT_CONTAINS(test::error_message<UnsupportedError>([&] {
+                    flash->backward_inputs(given, {}, {}, {}, {}, {}, NothingSaved(), {}, {}, {},
+                                           none);
+                  }),
+                  "gives no gradient of a given input (g)");
   EXPECT_NO_THROW(gla->check_decode(given));  // token by token: DecodeInputs.*
   EXPECT_NO_THROW(gla->check_backward(p));
   EXPECT_NO_THROW(gla->check_decode(p));
