@@ -54,7 +54,12 @@
 // attends pooled keys) is not in it.
 // Decode: the KV cache of every position per kv head plus the pooled K~, V~, a new row when a
 // block completes (t - l + 1 a multiple of s); a step runs the passes above for one position.
-// No backward. Overflowing accumulators (v near FLT_MAX) are not rescaled as in flash.
+// Backward (variants/nsa_backward.cpp): forward_train keeps the chosen blocks, the three branch
+// outputs and the selection and window log-sum-exps; the backward differentiates the function
+// with the selection held fixed, the gates' gradients included. Overflowing accumulators (v
+// near FLT_MAX) are not rescaled as in flash.
+#include "variants/nsa.h"
+
 #include <cblas.h>
 #include <omp.h>
 
@@ -78,36 +83,10 @@
 #include "common/patterns/row_pattern.h"
 #include "common/reference/oracle.h"
 
-namespace attnbench {
-namespace {
+namespace attnbench::nsa {
 
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
-constexpr int64_t kWinRows = 64;   // query rows per window tile
-constexpr int64_t kCmpRows = 256;  // query rows per compression sub-tile
-constexpr int64_t kWinBlock = 64;  // keys per window tile
-
-/// Query positions per task: about 512 rows (positions x the group's heads), so a selection
-/// block chosen by a small share of the positions still fills a tile of several rows (at
-/// n = 16384, about 26 per block; 2048 rows per task measured no faster).
-int64_t task_rows(int64_t gs) { return std::clamp<int64_t>(512 / gs / 64 * 64, 64, 512); }
 constexpr uint64_t kGateStream = 0x6e7361000;  // gate vectors of head h: stream kGateStream + h
 constexpr int64_t kForced = 3;                 // the initial block and the two local blocks
-
-struct Config {
-  int64_t l, s, lsel, top, w;
-
-  /// Compressed blocks whose keys all exist among `len` keys.
-  int64_t pooled(int64_t len) const { return len >= l ? (len - l) / s + 1 : 0; }
-  /// Compressed blocks visible to position t (their last key <= t).
-  int64_t visible(int64_t t) const { return pooled(t + 1); }
-  /// Keys (pooled and full) one head's position t attends.
-  int64_t row_keys(int64_t t) const {
-    const int64_t cur = t / lsel;
-    return visible(t) + std::min(top, cur + 1) * lsel - ((cur + 1) * lsel - 1 - t) +
-           std::min(w, t + 1);
-  }
-};
 
 Config config_of(const ParamValues& pv) {
   Config c{pv.get_int("cmp_block"), pv.get_int("cmp_stride"), pv.get_int("sel_block"),
@@ -125,7 +104,6 @@ Config config_of(const ParamValues& pv) {
   return c;
 }
 
-/// The gate vectors u_{c,h}, [H][3][d] (c: 0 compression, 1 selection, 2 window).
 std::vector<float> gate_vectors(uint64_t seed, int64_t heads, int64_t d) {
   std::vector<float> u(size_t(heads * 3 * d));
   const double sd = 1.0 / std::sqrt(double(d));
@@ -137,8 +115,6 @@ std::vector<float> gate_vectors(uint64_t seed, int64_t heads, int64_t d) {
   return u;
 }
 
-/// Compressed rows i0 .. i1 - 1 of one head: out row i = mean of x rows i s .. i s + l - 1
-/// (x row j at x + j sr).
 void pool(const Config& c, const float* x, int64_t sr, int64_t d, int64_t i0, int64_t i1,
           float* out) {
   const float inv = 1.0f / float(c.l);
@@ -152,6 +128,36 @@ void pool(const Config& c, const float* x, int64_t sr, int64_t d, int64_t i0, in
     for (int64_t e = 0; e < d; ++e) o[e] *= inv;
   }
 }
+
+std::array<const float*, 3> given_gates(const Variant& var, const Problem& p) {
+  std::array<const float*, 3> given = {};
+  for (size_t x = 0; x < 3; ++x) given[x] = var.input(p, kGateInputs[x]);
+  return given;
+}
+
+}  // namespace attnbench::nsa
+
+namespace attnbench {
+namespace {
+
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+constexpr int64_t kWinRows = 64;   // query rows per window tile
+constexpr int64_t kCmpRows = 256;  // query rows per compression sub-tile
+constexpr int64_t kWinBlock = 64;  // keys per window tile
+
+/// Query positions per task: about 512 rows (positions x the group's heads), so a selection
+/// block chosen by a small share of the positions still fills a tile of several rows (at
+/// n = 16384, about 26 per block; 2048 rows per task measured no faster).
+int64_t task_rows(int64_t gs) { return std::clamp<int64_t>(512 / gs / 64 * 64, 64, 512); }
+
+using nsa::Config;
+using nsa::config_of;
+using nsa::gate_vectors;
+using nsa::given_gates;
+using nsa::kForced;
+using nsa::kGateInputs;
+using nsa::pool;
 
 /// One (batch, kv head) group's rows for positions i0 .. i0 + rows - 1: query head hg of the
 /// group (0 .. gs - 1) at position i0 + r is q + hg q_sh + r q_sr (out likewise); key j at
@@ -172,10 +178,12 @@ struct GroupRows {
   /// given[c][hg * given_sh + r]; null: sigmoid(q . u_c) stands in.
   std::array<const float*, 3> given = {};
   int64_t given_sh = 0;
+  /// forward_train: branch c's output of query head hg at position i0 + r goes to
+  /// keep_o + c keep_oc + hg keep_sh d + r d, its log-sum-exp (selection, window: c = 1, 2) to
+  /// keep_lse + (c - 1) keep_lc + hg keep_sh + r (nsa::Saved); null: nothing is kept.
+  float *keep_o = nullptr, *keep_lse = nullptr;
+  int64_t keep_oc = 0, keep_lc = 0, keep_sh = 0;
 };
-
-/// The names of the gate inputs, in branch order.
-constexpr std::array<const char*, 3> kGateInputs = {"g_cmp", "g_slc", "g_swa"};
 
 /// Per-thread buffers of attend_rows for up to max_rows positions, max_nc pooled rows and
 /// max_keys keys.
@@ -190,6 +198,7 @@ struct Workspace {
     for (auto* o : {&ocmp, &osel, &owin, &qg, &og}) o->resize(size_t(gs * max_rows * d));
     lse.resize(size_t(gs * max_rows));
     lg.resize(size_t(gs * max_rows));
+    lwin.resize(size_t(gs * max_rows));
     who.resize(size_t(gs * max_rows));
     pieces.resize(size_t(nb * (c.lsel / c.s)));
     chosen.resize(size_t(max_rows * c.top));
@@ -203,14 +212,14 @@ struct Workspace {
                       int64_t max_keys) {
     const double nb = double(max_keys / c.lsel + 2);
     return 4.0 * (2.0 * double(std::min(max_rows, kCmpRows) * std::max<int64_t>(max_nc, 1)) +
-                  5.0 * double(gs * max_rows * d) + 3.0 * double(gs * max_rows) + 3.0 * nb +
+                  5.0 * double(gs * max_rows * d) + 4.0 * double(gs * max_rows) + 3.0 * nb +
                   2.0 * double(max_rows * c.top) + double(max_rows)) +
            8.0 * nb + double(TileAttention::bytes(max_rows * gs, c.lsel, d)) +
            4.0 * nb * double(c.lsel / c.s) +
            double(TileAttention::bytes(std::min(max_rows, kWinRows), kWinBlock, d));
   }
   TileAttention sel, win;
-  std::vector<float> s, psum, ocmp, osel, owin, qg, og, lse, lg, pieces, best, scores;
+  std::vector<float> s, psum, ocmp, osel, owin, qg, og, lse, lg, lwin, pieces, best, scores;
   std::vector<int32_t> who, chosen, nchosen, bstart, brows;
 };
 
@@ -395,10 +404,11 @@ void window_pass(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
           }
           ws.win.attend(g.k + j0 * g.k_sr, g.k_sr, g.v + j0 * g.v_sr, g.v_sr, cols, mask);
         }
-        ws.win.finish(ws.owin.data() + (hg * rows + r0) * d, d, ws.lg.data());
+        ws.win.finish(ws.owin.data() + (hg * rows + r0) * d, d, ws.lwin.data() + hg * rows + r0);
       }
   } else {
     std::fill(ws.owin.begin(), ws.owin.begin() + gs * rows * d, 0.0f);
+    std::fill_n(ws.lwin.begin(), gs * rows, -std::numeric_limits<float>::infinity());
   }
 }
 
@@ -427,6 +437,21 @@ void gate_and_sum(const GroupRows& g, int64_t rows, const Workspace& ws) {
     }
 }
 
+/// forward_train: the branch outputs and log-sum-exps of the task into the saved state.
+void keep_branches(const GroupRows& g, int64_t rows, const Workspace& ws) {
+  if (!g.keep_o) return;
+  const int64_t d = g.d;
+  const std::array<const float*, 3> o = {ws.ocmp.data(), ws.osel.data(), ws.owin.data()};
+  const std::array<const float*, 2> lse = {ws.lse.data(), ws.lwin.data()};
+  for (int64_t hg = 0; hg < g.gs; ++hg) {
+    for (size_t c = 0; c < 3; ++c)
+      std::copy_n(o[c] + hg * rows * d, rows * d,
+                  g.keep_o + int64_t(c) * g.keep_oc + hg * g.keep_sh * d);
+    for (size_t c = 0; c < 2; ++c)
+      std::copy_n(lse[c] + hg * rows, rows, g.keep_lse + int64_t(c) * g.keep_lc + hg * g.keep_sh);
+  }
+}
+
 /// out of the group's positions i0 .. i0 + rows - 1 (all heads of the group).
 void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, Workspace& ws) {
   // passes 1 and 2 in sub-tiles of kCmpRows positions (the probabilities of a sub-tile,
@@ -440,6 +465,7 @@ void attend_rows(const Config& c, const GroupRows& g, int64_t i0, int64_t rows, 
   selection_pass(c, g, i0, rows, ws);
   window_pass(c, g, i0, rows, ws);
   gate_and_sum(g, rows, ws);
+  keep_branches(g, rows, ws);
 }
 
 /// The pooled K~ and V~ of every (batch, kv head): [B, G, nc, d] each.
@@ -463,18 +489,13 @@ Pooled pool_all(const Config& c, const Problem& p, ConstTensorView k, ConstTenso
   return pl;
 }
 
-/// The gate inputs p gives the variant, in branch order (null where stood in).
-std::array<const float*, 3> given_gates(const Variant& var, const Problem& p) {
-  std::array<const float*, 3> given = {};
-  for (size_t x = 0; x < 3; ++x) given[x] = var.input(p, kGateInputs[x]);
-  return given;
-}
-
 /// The forward pass; with `chosen` ([B, G, n, top], -1 padded), also every position's blocks.
-/// `given`: the gate inputs [B, H, n] given, in branch order (null: stood in).
+/// `given`: the gate inputs [B, H, n] given, in branch order (null: stood in). With `keep`
+/// (forward_train), also the branch outputs and log-sum-exps; chosen is then keep->chosen.
 void nsa_forward(const Config& c, const Problem& p, ConstTensorView q, ConstTensorView k,
                  ConstTensorView v, TensorView out, int32_t* chosen = nullptr,
-                 std::array<const float*, 3> given = {}) {
+                 std::array<const float*, 3> given = {}, nsa::Saved* keep = nullptr) {
+  if (keep) chosen = keep->chosen.data();
   const int64_t G = p.kv_head_count(), gs = p.kv_group(), d = p.dim, n = p.n;
   const Pooled pl = pool_all(c, p, k, v);
   const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
@@ -508,6 +529,12 @@ void nsa_forward(const Config& c, const Problem& p, ConstTensorView q, ConstTens
       for (size_t x = 0; x < 3; ++x)
         if (given[x]) g.given[x] = given[x] + (b * p.heads + h0) * n + i0;
       g.given_sh = n;
+      if (keep) {
+        const int64_t bhn = p.batch * p.heads * n;
+        g.keep_o = keep->branch.data() + ((b * p.heads + h0) * n + i0) * d;
+        g.keep_lse = keep->lse.data() + (b * p.heads + h0) * n + i0;
+        g.keep_oc = bhn * d, g.keep_lc = bhn, g.keep_sh = n;
+      }
       attend_rows(c, g, i0, rows, ws);
     }
   }
@@ -548,13 +575,48 @@ class NsaPattern final : public RowKeysPattern {
   std::vector<int32_t> chosen_;
 };
 
-class Nsa final : public Variant, public Decoder {
+class Nsa final : public Variant, public Decoder, public Backward {
  public:
   explicit Nsa(const ParamValues& pv) : c_(config_of(pv)) {}
 
   void forward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                TensorView out) override {
     nsa_forward(c_, p, q, k, v, out, nullptr, given_gates(*this, p));
+  }
+
+  // ---- Backward (variants/nsa_backward.cpp) ----
+
+  std::unique_ptr<SavedState> forward_train(const Problem& p, ConstTensorView q, ConstTensorView k,
+                                            ConstTensorView v, TensorView out) override {
+    auto saved = std::make_unique<nsa::Saved>(c_, p);
+    nsa_forward(c_, p, q, k, v, out, nullptr, given_gates(*this, p), saved.get());
+    return saved;
+  }
+  using Variant::backward;  // the accessor stays visible beside the pass
+  void backward(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                ConstTensorView /*out*/, ConstTensorView dout, const SavedState& saved,
+                TensorView dq, TensorView dk, TensorView dv) override {
+    nsa::backward(c_, p, q, k, v, dout, nsa::Saved::of(saved, c_, p), dq, dk, dv,
+                  given_gates(*this, p), {});
+  }
+  bool gives_input_grads() const override { return true; }
+  void backward_inputs(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                       ConstTensorView /*out*/, ConstTensorView dout, const SavedState& saved,
+                       TensorView dq, TensorView dk, TensorView dv, InputGrads& dinputs) override {
+    const std::array<const float*, 3> given = given_gates(*this, p);
+    std::array<float*, 3> dgates = {};
+    for (size_t c = 0; c < 3; ++c)
+      if (given[c]) {
+        std::vector<float>& dg = dinputs[kGateInputs[c]];
+        dg.assign(size_t(p.batch * p.heads * p.n), 0.0f);
+        dgates[c] = dg.data();
+      }
+    nsa::backward(c_, p, q, k, v, dout, nsa::Saved::of(saved, c_, p), dq, dk, dv, given, dgates);
+  }
+  double backward_flops(const Problem& p) const override { return nsa::backward_flops(c_, p); }
+  double saved_estimate(const Problem& p) const override { return nsa::Saved::bytes(c_, p); }
+  double backward_memory_estimate(const Problem& p) const override {
+    return nsa::backward_bytes(c_, p);
   }
 
   double flops(const Problem& p) const override {
@@ -704,121 +766,6 @@ std::unique_ptr<DecodeState> Nsa::prefill(const Problem& p, ConstTensorView k, C
   return std::make_unique<NsaState>(c_, p, k, v, t0);
 }
 
-// The oracle: the definition in the header, in double, written row by row without the
-// kernel's tiles, gathering or offset arithmetic (the block scores sum the overlap of every
-// visible compressed block with every candidate block).
-std::vector<double> nsa_oracle(const Variant& var, const Problem& p, ConstTensorView q,
-                               ConstTensorView k, ConstTensorView v) {
-  const Config c = config_of(var.params());
-  const int64_t n = p.n, d = p.dim, gs = p.kv_group();
-  const double scale = 1.0 / std::sqrt(double(d));
-  const std::vector<float> gates = gate_vectors(p.seed, p.heads, d);
-  const std::array<const float*, 3> given = given_gates(var, p);
-  return oracle::per_head(p, [&](int64_t b, int64_t h) {
-    const int64_t h0 = p.kv_head(h) * gs;
-    const oracle::Matrix K = oracle::head(k, b, h), V = oracle::head(v, b, h);
-    std::vector<oracle::Matrix> Q;
-    for (int64_t x = 0; x < gs; ++x) Q.push_back(oracle::head(q, b, h0 + x));
-    const oracle::Matrix& Qh = Q[size_t(h - h0)];
-    // pooled keys and values
-    const int64_t nc = n >= c.l ? (n - c.l) / c.s + 1 : 0;
-    oracle::Matrix Kc(nc, d), Vc(nc, d);
-    for (int64_t i = 0; i < nc; ++i)
-      for (int64_t j = i * c.s; j < i * c.s + c.l; ++j)
-        for (int64_t e = 0; e < d; ++e) {
-          Kc(i, e) += K(j, e) / double(c.l);
-          Vc(i, e) += V(j, e) / double(c.l);
-        }
-    // softmax attention of row qrow over the keys `keys` of (Km, Vm); 0 without keys
-    auto attend = [&](const double* qrow, const oracle::Matrix& Km, const oracle::Matrix& Vm,
-                      const std::vector<int64_t>& keys, std::vector<double>& probs) {
-      std::vector<double> o(size_t(d), 0.0);
-      probs.assign(keys.size(), 0.0);
-      if (keys.empty()) return o;
-      double mx = -INFINITY;
-      for (size_t x = 0; x < keys.size(); ++x) {
-        double s = 0;
-        for (int64_t e = 0; e < d; ++e) s += qrow[e] * Km(keys[x], e);
-        probs[x] = s * scale;
-        mx = std::max(mx, probs[x]);
-      }
-      double sum = 0;
-      for (double& w : probs) sum += (w = std::exp(w - mx));
-      for (size_t x = 0; x < keys.size(); ++x) {
-        probs[x] /= sum;
-        for (int64_t e = 0; e < d; ++e) o[size_t(e)] += probs[x] * Vm(keys[x], e);
-      }
-      return o;
-    };
-    oracle::Matrix O(n, d);
-    std::vector<double> probs;
-    for (int64_t t = 0; t < n; ++t) {
-      // compression: blocks whose last key is <= t; scores summed over the group
-      std::vector<int64_t> vis;
-      for (int64_t i = 0; i < nc; ++i)
-        if (i * c.s + c.l - 1 <= t) vis.push_back(i);
-      const int64_t cur = t / c.lsel;
-      std::vector<double> score(size_t(cur + 1), 0.0);
-      std::vector<double> ocmp;
-      for (int64_t x = 0; x < gs; ++x) {
-        std::vector<double> o = attend(Q[size_t(x)].row(t), Kc, Vc, vis, probs);
-        if (h0 + x == h) ocmp = o;
-        for (size_t y = 0; y < vis.size(); ++y) {
-          const int64_t a0 = vis[y] * c.s, a1 = a0 + c.l;
-          for (int64_t j = 0; j <= cur; ++j) {
-            const int64_t ov = std::min(a1, (j + 1) * c.lsel) - std::max(a0, j * c.lsel);
-            if (ov > 0) score[size_t(j)] += probs[y] * double(ov) / double(c.s);
-          }
-        }
-      }
-      // selection: all candidates, or block 0, c - 1, c and the best others
-      std::vector<int64_t> blocks;
-      if (cur + 1 <= c.top) {
-        for (int64_t j = 0; j <= cur; ++j) blocks.push_back(j);
-      } else {
-        std::vector<int64_t> others;
-        for (int64_t j = 1; j <= cur - 2; ++j) others.push_back(j);
-        std::stable_sort(others.begin(), others.end(),
-                         [&](int64_t x, int64_t y) { return score[size_t(x)] > score[size_t(y)]; });
-        blocks = {0, cur - 1, cur};
-        blocks.insert(blocks.end(), others.begin(), others.begin() + (c.top - 3));
-      }
-      std::vector<int64_t> sel_keys, win_keys;
-      for (int64_t j : blocks)
-        for (int64_t key = j * c.lsel; key < (j + 1) * c.lsel && key <= t; ++key)
-          sel_keys.push_back(key);
-      for (int64_t key = std::max<int64_t>(0, t - c.w + 1); key <= t && c.w > 0; ++key)
-        win_keys.push_back(key);
-      const std::vector<double> osel = attend(Qh.row(t), K, V, sel_keys, probs);
-      const std::vector<double> owin = attend(Qh.row(t), K, V, win_keys, probs);
-      double gate[3];
-      for (int64_t x = 0; x < 3; ++x) {
-        if (given[size_t(x)]) {
-          gate[x] = double(given[size_t(x)][(b * p.heads + h) * p.n + t]);
-          continue;
-        }
-        double dot = 0;
-        for (int64_t e = 0; e < d; ++e)
-          dot += Qh(t, e) * double(gates[size_t((h * 3 + x) * d + e)]);
-        gate[x] = 1.0 / (1.0 + std::exp(-dot));
-      }
-      for (int64_t e = 0; e < d; ++e)
-        O(t, e) = gate[0] * ocmp[size_t(e)] + gate[1] * osel[size_t(e)] + gate[2] * owin[size_t(e)];
-    }
-    return O;
-  });
-}
-
-// Tolerance (the float32 error model of common/reference/oracle.h): the pooling (a reduction over
-// l), then three softmax attentions whose reductions run over at most the pooled rows, n l' and w
-// keys, a log-sum-exp merge per selected block (n merges), the gates (a reduction over d and
-// an exp) and the sum of three terms.
-double nsa_tolerance(const Variant& var, const Problem& p, const Workload& wl) {
-  const Config c = config_of(var.params());
-  const double keys = double(c.l + c.pooled(p.keys()) + c.top * c.lsel + c.w + p.dim);
-  return kErrorMargin * float32_error(double(p.dim), logit_size(wl), keys, 8.0 + double(c.top));
-}
-
 ATTNBENCH_REGISTER_VARIANT(
     nsa,
     VariantInfo{
@@ -863,8 +810,8 @@ ATTNBENCH_REGISTER_VARIANT(
                     .max = 1}},
         .caps = {.causal = true, .cross = false, .exact = false, .causal_only = true},
         .make = [](const ParamValues& pv) { return std::make_unique<Nsa>(pv); },
-        .oracle = nsa_oracle,
-        .tolerance = nsa_tolerance});
+        .oracle = nsa::float64_oracle,
+        .tolerance = nsa::float32_tolerance});
 
 }  // namespace
 }  // namespace attnbench

@@ -60,7 +60,8 @@ TEST(HostilePasses, Backward) {
   TempDir dir;
   expect_refused(
       {
-          {"--variant nsa --pass bwd --causal", 1, "has no backward pass"},
+          {"--variant flash --pass bwd --score additive", 1,
+           "the backward pass does not support the additive score"},
           {"--variant flash --pass bwd --dtype bf16", 1, "float32 only"},
           {"--variant flash --pass fwd --save-grads " + dir.file("g.npz"), 2,
            "--save-grads needs a backward pass"},
