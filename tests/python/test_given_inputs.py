@@ -114,10 +114,11 @@ def test_bad_inputs_name_what_is_taken():
         attnbench.attention("gla", q, k, v, causal=True, g=np.zeros((1, 2, 20, 7), np.float32))
     with pytest.raises(TypeError, match=r"unexpected keyword 'causl'"):
         attnbench.attention("flash", q, k, v, causl=True)
-    # nsa takes its gates but has no backward pass, given inputs or not
-    with pytest.raises(NotImplementedError, match=r"nsa has no backward pass"):
+    # a gate outside its range
+    with pytest.raises(ValueError, match=r"the input 'g_slc' of nsa:.*holds 1.5 at flat index "
+                                         r"0; accepted: values in \[0, 1\]"):
         attnbench.Variant("nsa").forward_train(q, k, v, causal=True,
-                                               g_slc=np.full((1, 2, 20), 0.5, np.float32))
+                                               g_slc=np.full((1, 2, 20), 1.5, np.float32))
 
 
 def test_gla_backward_gives_dg_as_torch_autograd():
