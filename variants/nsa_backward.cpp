@@ -22,7 +22,7 @@
 // over a grouped-query group); per task, numbered steps:
 //   1. gates: dot_c and g_c per position, the given gates' gradients, the stand-ins' share of dq;
 //   2. compression: the pooled rows recomputed, tiles of kRows positions against the pooled
-//      rows they see (dense OpenBLAS products, masked per row), dK~ and dV~ spread back to k, v;
+//      rows they see (dense Eigen products, masked per row), dK~ and dV~ spread back to k, v;
 //   3. selection: the positions that chose each block gathered in tiles of kRows, each tile
 //      one set of products with the block's keys, causally masked in the diagonal block; the
 //      gathered dQ rows are added back;
