@@ -471,7 +471,7 @@ class Linformer final : public Variant, public Backward {
       guard.run([&] {
         ps.resize(size_t(rows_max * kp)), dps.resize(size_t(rows_max * kp));
         if (!dproj) grad.resize(size_t(per_bh));
-        if (!src_) gen.resize(size_t((share_ ? 1 : 2) * cols_max * kp));
+        if (!src_ && !all_given(p)) gen.resize(size_t((share_ ? 1 : 2) * cols_max * kp));
       });
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bh = 0; bh < p.batch * H; ++bh)
@@ -513,22 +513,11 @@ class Linformer final : public Variant, public Backward {
           // dK = E^T dEK, dV = F^T dFV over the valid keys, a chunk of columns at a time
           for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
             const int64_t cols = std::min(kChunk, len - j0);
-            const float *et, *ft;
-            if (src_) {
-              et = (*src_)[size_t(h)].e.data() + j0 * kp;
-              ft = share_ ? et : (*src_)[size_t(h)].f.data() + j0 * kp;
-            } else {
-              linformer::projection_columns(p.seed, h, false, kp, j0, cols, gen.data());
-              if (!share_)
-                linformer::projection_columns(p.seed, h, true, kp, j0, cols,
-                                              gen.data() + cols_max * kp);
-              et = gen.data();
-              ft = share_ ? et : gen.data() + cols_max * kp;
-            }
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(cols), int(d), int(kp), 1.0f,
-                        et, int(kp), dek, int(d), 0.0f, dk.row(b, h, j0), int(dk.stride_row));
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(cols), int(d), int(kp), 1.0f,
-                        ft, int(kp), dfv, int(d), 0.0f, dv.row(b, h, j0), int(dv.stride_row));
+            const Operand eo = operand(p, h, false, j0, cols, gen.data());
+            const Operand fo =
+                share_ ? eo : operand(p, h, true, j0, cols, gen.data() + cols_max * kp);
+            spread_chunk(eo, kp, d, cols, dek, dk.row(b, h, j0), dk.stride_row);
+            spread_chunk(fo, kp, d, cols, dfv, dv.row(b, h, j0), dv.stride_row);
           }
         });
     }
@@ -555,7 +544,8 @@ class Linformer final : public Variant, public Backward {
     const bool given = input(p, "E") || (!share_ && input(p, "F"));
     const double per_thread =
         double(2 * std::min(kBlockQ, p.n) * k_ + (given ? 0 : 2 * k_ * p.dim)) * f +
-        (given || ready(p) ? 0.0 : double((share_ ? 1 : 2) * std::min(kChunk, p.keys()) * k_) * f);
+        (all_given(p) || ready(p) ? 0.0
+                                  : double((share_ ? 1 : 2) * std::min(kChunk, p.keys()) * k_) * f);
     const double kept = given ? double(p.batch * p.heads * 2 * k_ * p.dim) * f : 0.0;
     return double(threads) * per_thread + kept;
   }
@@ -580,7 +570,7 @@ class Linformer final : public Variant, public Backward {
       {
         const int64_t gen_cols = std::min(kChunk, m);
         std::unique_ptr<float[]> gen;
-        if (!src_)
+        if (!src_ && !all_given(p))
           guard.run([&] { gen.reset(new float[size_t((share_ ? 1 : 2) * gen_cols * kp)]); });
         float* et = gen.get();
         float* ft = share_ || !et ? et : et + gen_cols * kp;
@@ -593,13 +583,8 @@ class Linformer final : public Variant, public Backward {
               const int64_t j0 = c * kChunk, cols = std::min(kChunk, m - j0);
               // the columns some batch element has valid keys for (all without key padding)
               const int64_t gen = std::clamp<int64_t>(longest - j0, 0, cols);
-              if (src_) {
-                et = (*src_)[size_t(h)].e.data() + j0 * kp;
-                ft = share_ ? et : (*src_)[size_t(h)].f.data() + j0 * kp;
-              } else {
-                linformer::projection_columns(p.seed, h, false, kp, j0, gen, et);
-                if (!share_) linformer::projection_columns(p.seed, h, true, kp, j0, gen, ft);
-              }
+              const Operand eo = operand(p, h, false, j0, gen, et);
+              const Operand fo = share_ ? eo : operand(p, h, true, j0, gen, ft);
               const float beta = c == c0 ? 0.0f : 1.0f;
               for (int64_t b = 0; b < B; ++b) {
                 float* dst = pl.splits > 1 ? partial.get() + (t * B + b) * per_bh
@@ -613,13 +598,9 @@ class Linformer final : public Variant, public Backward {
                   if (c == c0) std::fill(dst, dst + per_bh, 0.0f);
                   continue;
                 }
-                // EK += E[:, chunk] K[chunk, :]; E[:, chunk] is stored transposed (cols x k)
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(use),
-                            1.0f, et, int(kp), k.row(b, h, j0), int(k.stride_row), beta, dst,
-                            int(d));
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(kp), int(d), int(use),
-                            1.0f, ft, int(kp), v.row(b, h, j0), int(v.stride_row), beta,
-                            dst + kp * d, int(d));
+                // EK += E[:, chunk] K[chunk, :], FV += F[:, chunk] V[chunk, :]
+                project_chunk(eo, kp, d, use, k.row(b, h, j0), k.stride_row, beta, dst);
+                project_chunk(fo, kp, d, use, v.row(b, h, j0), v.stride_row, beta, dst + kp * d);
               }
             }
           });
@@ -710,9 +691,9 @@ class Linformer final : public Variant, public Backward {
   double memory_estimate(const Problem& p) const override {
     const Plan pl = plan(p);
     const double f = sizeof(float), per_bh = 2.0 * double(k_ * p.dim);
-    // given E or F: every head's columns, transposed (resolve)
-    const bool given = input(p, "E") || (!share_ && input(p, "F"));
-    const double proj = double(p.batch * p.heads) * per_bh * f + (given ? prepared_bytes(p) : 0.0);
+    // given E and F are read in place; one stood in for is kept by prepare() or drawn
+    const bool given = all_given(p);
+    const double proj = double(p.batch * p.heads) * per_bh * f;
     // every thread of a parallel region allocates its buffers, whether it gets a task or not
     const double step1 = (pl.splits > 1 ? double(pl.tasks * p.batch) * per_bh * f : 0.0) +
                          (given || ready(p) ? 0.0
@@ -742,34 +723,49 @@ class Linformer final : public Variant, public Backward {
   std::vector<Projections> kept_;
   uint64_t kept_seed_ = 0;
   int64_t kept_cols_ = 0;
-  std::vector<Projections> given_;  // the given E and F of the last pass, as columns
-  // What the last pass read: &given_, &kept_ (prepared), or null (drawn chunk by chunk).
+  // What the last pass read for the projections it was not given: &kept_ (prepared) or null
+  // (drawn chunk by chunk).
   std::vector<Projections>* src_ = nullptr;
 
-  // The projections a pass on p reads (src_): the given E and F, transposed into columns (a
-  // given E without F, or F without E, has the other drawn), else the prepared ones when they
-  // serve p, else none (drawn chunk by chunk as the pass goes).
-  void resolve(const Problem& p) {
-    const float* e = input(p, "E");
-    const float* f = share_ ? nullptr : input(p, "F");
-    if (!e && !f) {
-      src_ = ready(p) ? &kept_ : nullptr;
-      return;
+  // The projections a pass on p reads that it is not given (src_): the prepared ones when
+  // they serve p and some projection is stood in for, else none (drawn chunk by chunk).
+  void resolve(const Problem& p) { src_ = !all_given(p) && ready(p) ? &kept_ : nullptr; }
+  /// Whether p gives every projection this instance reads (E, and F without share_kv).
+  bool all_given(const Problem& p) const { return input(p, "E") && (share_ || input(p, "F")); }
+
+  /// Columns j0 .. j0 + cols of E (f = false) or F of head h as a GEMM operand: the given
+  /// input read in place (rows of its [proj, m], leading dimension m), or columns ([cols,
+  /// proj], leading dimension proj) kept by prepare() or drawn into `scratch`.
+  struct Operand {
+    const float* a;
+    int ld;
+    bool rows;  // true: proj x cols (the given layout); false: cols x proj
+  };
+  Operand operand(const Problem& p, int64_t h, bool f, int64_t j0, int64_t cols,
+                  float* scratch) const {
+    const int64_t kp = k_, m = p.keys();
+    if (const float* x = input(p, f && !share_ ? "F" : "E"))
+      return {x + h * kp * m + j0, int(m), true};
+    if (src_) {
+      const Projections& pr = (*src_)[size_t(h)];
+      return {(f && !share_ ? pr.f : pr.e).data() + j0 * kp, int(kp), false};
     }
-    const int64_t m = p.keys(), kp = k_;
-    given_.assign(size_t(p.heads), {});
-    parallel_for(p.heads, [&](int64_t h) {
-      auto columns = [&](const float* x, bool is_f, std::vector<float>& out) {
-        out.resize(size_t(m * kp));
-        if (!x) return linformer::projection_columns(p.seed, h, is_f, kp, 0, m, out.data());
-        const float* xh = x + h * kp * m;  // [proj, m] of head h
-        for (int64_t r = 0; r < kp; ++r)
-          for (int64_t j = 0; j < m; ++j) out[size_t(j * kp + r)] = xh[r * m + j];
-      };
-      columns(e, false, given_[size_t(h)].e);
-      if (!share_) columns(f, true, given_[size_t(h)].f);
-    });
-    src_ = &given_;
+    linformer::projection_columns(p.seed, h, f && !share_, kp, j0, cols, scratch);
+    return {scratch, int(kp), false};
+  }
+
+  /// dst (proj x d) = X[:, chunk] x (use x d, leading dimension ldx) + beta dst, X = E or F.
+  static void project_chunk(const Operand& o, int64_t kp, int64_t d, int64_t use, const float* x,
+                            int64_t ldx, float beta, float* dst) {
+    cblas_sgemm(CblasRowMajor, o.rows ? CblasNoTrans : CblasTrans, CblasNoTrans, int(kp), int(d),
+                int(use), 1.0f, o.a, o.ld, x, int(ldx), beta, dst, int(d));
+  }
+
+  /// dx (cols x d, leading dimension ldx) = X[:, chunk]^T g (proj x d): dK or dV of a chunk.
+  static void spread_chunk(const Operand& o, int64_t kp, int64_t d, int64_t cols, const float* g,
+                           float* dx, int64_t ldx) {
+    cblas_sgemm(CblasRowMajor, o.rows ? CblasTrans : CblasNoTrans, CblasNoTrans, int(cols), int(d),
+                int(kp), 1.0f, o.a, o.ld, g, int(d), 0.0f, dx, int(ldx));
   }
 };
 

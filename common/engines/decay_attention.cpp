@@ -734,7 +734,10 @@ double DecayVariant::backward_flops(const Problem& p) const {
 }
 
 double DecayVariant::backward_memory_estimate(const Problem& p) const {
-  return backward_bytes(p, decay(p), chunk_);
+  const Decay dc = decay(p);
+  // with g given, backward_inputs also holds dL/dg per query head before the group sum
+  const double per_head = dc.given ? 4.0 * double(p.batch * p.heads * p.n * p.dim) : 0.0;
+  return backward_bytes(p, dc, chunk_) + per_head;
 }
 
 std::unique_ptr<DecodeState> DecayVariant::prefill(const Problem& p, ConstTensorView k,
