@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "common/core/backward.h"
 #include "common/core/error.h"
 #include "common/core/random.h"
 #include "common/core/registry.h"
@@ -51,6 +52,50 @@
   "the allocation hook steps aside for AddressSanitizer's allocator and counts nothing"
 
 namespace attnbench::test {
+
+/// x rounded to multiples of 2^-12: central differences with steps of 2^-12 (or finer powers
+/// of two) then move such inputs exactly.
+inline float on_grid(double x) { return float(std::nearbyint(x * 4096.0) / 4096.0); }
+
+/// Uniform values in [lo, hi] of the shape `v` declares for its input `name` on p, from
+/// `seed` (rounded on_grid when `grid`).
+inline ExtraInput uniform_input(const Variant& v, const Problem& p, const std::string& name,
+                                double lo, double hi, uint64_t seed, bool grid = false) {
+  const InputSpec* spec = nullptr;
+  for (const InputSpec* in : v.inputs())
+    if (in->name == name) spec = in;
+  EXPECT_NE(spec, nullptr) << v.spec() << " takes no " << name;
+  ExtraInput t;
+  if (!spec) return t;
+  t.shape = v.input_shape(*spec, p);
+  int64_t count = 1;
+  for (int64_t s : t.shape) count *= s;
+  const RandomStream rs(seed, 0x91e5);
+  for (int64_t i = 0; i < count; ++i) {
+    const double x = lo + (hi - lo) * rs.uniform(uint64_t(i));
+    t.data.push_back(grid ? on_grid(x) : float(x));
+  }
+  return t;
+}
+
+/// One training step's tensors: dO drawn N(0, 1) from rng, the output of run_train and the
+/// gradients of run_backward (those of the inputs p gives in dinputs).
+struct TrainStep {
+  Tensor dout, out, dq, dk, dv;
+  InputGrads dinputs;
+};
+inline TrainStep train_step(Variant& var, const Problem& p, const Inputs& in,
+                            std::mt19937_64& rng) {
+  TrainStep s{Tensor(p.q_shape()), Tensor(p.q_shape()), Tensor(p.q_shape()),
+              p.kv_tensor(),       p.kv_tensor(),       {}};
+  std::normal_distribution<double> nd;
+  for (int64_t i = 0; i < s.dout.numel(); ++i) s.dout.data()[i] = float(nd(rng));
+  const auto saved = var.run_train(p, in.q.view(), in.k.view(), in.v.view(), s.out.view());
+  const bool given = p.extra_inputs && !p.extra_inputs->empty();
+  var.run_backward(p, in.q.view(), in.k.view(), in.v.view(), s.out.view(), s.dout.view(), *saved,
+                   s.dq.view(), s.dk.view(), s.dv.view(), given ? &s.dinputs : nullptr);
+  return s;
+}
 
 /// Row t of every (batch, head) of a [B, H, len, d] view as a [B, H, 1, d] view (strides and
 /// grouping kept): one token for a decode step.

@@ -12,13 +12,7 @@ import pytest
 
 attnbench = pytest.importorskip("attnbench")
 torch = pytest.importorskip("torch")
-
-
-def rand(*shape, seed=0, lo=None, hi=None):
-    rng = np.random.default_rng(seed)
-    if lo is None:
-        return rng.standard_normal(shape).astype(np.float32)
-    return rng.uniform(lo, hi, shape).astype(np.float32)
+from test_given_inputs import rand  # noqa: E402 (this directory is on sys.path under pytest)
 
 
 def leaf(x):

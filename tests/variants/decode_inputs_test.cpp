@@ -26,14 +26,8 @@ std::shared_ptr<ExtraInputs> given_inputs(const Variant& v, const Problem& p, ui
   auto extra = std::make_shared<ExtraInputs>();
   for (const InputSpec* in : v.inputs()) {
     const bool decay = in->max <= 0.0;
-    const double lo = decay ? -0.5 : 0.1, hi = decay ? -0.01 : 0.9;
-    ExtraInput t{v.input_shape(*in, p), {}};
-    int64_t count = 1;
-    for (int64_t s : t.shape) count *= s;
-    const RandomStream rs(seed++, 0xdec0);
-    for (int64_t i = 0; i < count; ++i)
-      t.data.push_back(float(lo + (hi - lo) * rs.uniform(uint64_t(i))));
-    extra->emplace(in->name, std::move(t));
+    extra->emplace(in->name, test::uniform_input(v, p, in->name, decay ? -0.5 : 0.1,
+                                                 decay ? -0.01 : 0.9, seed++));
   }
   return extra;
 }

@@ -86,22 +86,7 @@ TEST(GivenInputs, RegistrationChecksThem) {
   EXPECT_EQ(Registry::instance().find("given_inputs_probe"), nullptr);
 }
 
-// Uniform values in [lo, hi] of the shape `v` declares for `name` on p, from `seed`.
-ExtraInput uniform_input(const Variant& v, const Problem& p, const std::string& name, double lo,
-                         double hi, uint64_t seed) {
-  const InputSpec* spec = nullptr;
-  for (const InputSpec* in : v.inputs())
-    if (in->name == name) spec = in;
-  EXPECT_NE(spec, nullptr) << v.spec() << " takes no " << name;
-  ExtraInput t;
-  t.shape = v.input_shape(*spec, p);
-  int64_t count = 1;
-  for (int64_t s : t.shape) count *= s;
-  const RandomStream rs(seed, 0x91e5);
-  for (int64_t i = 0; i < count; ++i)
-    t.data.push_back(float(lo + (hi - lo) * rs.uniform(uint64_t(i))));
-  return t;
-}
+using test::uniform_input;
 
 struct Given {
   std::string name;
@@ -263,9 +248,6 @@ TEST(GivenInputs, RowsNameTheirStandIns) {
 namespace attnbench {
 namespace {
 
-// x rounded to multiples of 2^-12 (so that steps of the finite differences are exact).
-float on_grid(double x) { return float(std::nearbyint(x * 4096.0) / 4096.0); }
-
 // gla's dL/dg (with g given) against central differences of its float64 recurrence in g, with
 // dq, dk, dv as without g; grouped heads (the key/value head's g serves its query heads),
 // chunk spacings that do not divide n, both forms.
@@ -277,8 +259,7 @@ TEST(GivenInputs, GlaGradientOfGMatchesDifferences) {
         SCOPED_TRACE(spec + " " + p.str());
         auto var = make_variant(spec);
         const Inputs in = generate_inputs(p);
-        ExtraInput gin = uniform_input(*var, p, "g", -0.5, -0.01, uint64_t(n + g));
-        for (float& x : gin.data) x = on_grid(x);
+        const ExtraInput gin = uniform_input(*var, p, "g", -0.5, -0.01, uint64_t(n + g), true);
         auto given = [&](const ExtraInput& t) {
           auto extra = std::make_shared<ExtraInputs>();
           extra->emplace("g", t);
@@ -287,15 +268,10 @@ TEST(GivenInputs, GlaGradientOfGMatchesDifferences) {
           return q;
         };
         const Problem pg = given(gin);
-        Tensor dout(p.q_shape()), out(p.q_shape()), dq(p.q_shape()), dk(p.kv_tensor()),
-            dv(p.kv_tensor());
         std::mt19937_64 rng(p.seed);
-        std::normal_distribution<double> nd;
-        for (int64_t i = 0; i < dout.numel(); ++i) dout.data()[i] = float(nd(rng));
-        const auto saved = var->run_train(pg, in.q.view(), in.k.view(), in.v.view(), out.view());
-        InputGrads dinputs;
-        var->run_backward(pg, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(),
-                          *saved, dq.view(), dk.view(), dv.view(), &dinputs);
+        const test::TrainStep step = test::train_step(*var, pg, in, rng);
+        const Tensor &dout = step.dout, &dv = step.dv;
+        const InputGrads& dinputs = step.dinputs;
         ASSERT_EQ(dinputs.size(), 1u);
         ASSERT_EQ(dinputs.at("g").size(), gin.data.size());
         Tensor dg(Shape4{gin.shape[0], gin.shape[1], gin.shape[2], gin.shape[3]});

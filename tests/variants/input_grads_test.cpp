@@ -27,33 +27,14 @@
 namespace attnbench {
 namespace {
 
-// x rounded to multiples of 2^-12.
-float on_grid(double x) { return float(std::nearbyint(x * 4096.0) / 4096.0); }
-
 void snap(Tensor& t) {
-  for (int64_t i = 0; i < t.numel(); ++i) t.data()[i] = on_grid(t.data()[i]);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data()[i] = test::on_grid(t.data()[i]);
 }
 
 struct Given {
   std::string name;
   double lo, hi;
 };
-
-// Values in [lo, hi] on the grid, of the shape `v` declares for `name` on p, from `seed`.
-ExtraInput grid_input(const Variant& v, const Problem& p, const Given& g, uint64_t seed) {
-  const InputSpec* spec = nullptr;
-  for (const InputSpec* in : v.inputs())
-    if (in->name == g.name) spec = in;
-  EXPECT_NE(spec, nullptr) << v.spec() << " takes no " << g.name;
-  ExtraInput t;
-  t.shape = v.input_shape(*spec, p);
-  int64_t count = 1;
-  for (int64_t s : t.shape) count *= s;
-  const RandomStream rs(seed, 0x16ad);
-  for (int64_t i = 0; i < count; ++i)
-    t.data.push_back(on_grid(g.lo + (g.hi - g.lo) * rs.uniform(uint64_t(i))));
-  return t;
-}
 
 // The worst relative error of each gradient over a test's cases, printed when it ends.
 class Worst {
@@ -111,7 +92,7 @@ double check_differences(const float* g, size_t count, std::mt19937_64& rng, int
 }
 
 constexpr double kTol = 2e-4;
-constexpr double kInputStep = 0x1p-12, kQkvStep = 0x1p-10;
+constexpr double kInputStep = 0x1p-12, kQkvStep = 0x1p-12;
 
 // Runs the training pass of `spec` on p with `given` inputs and checks the gradient of each
 // given input, and dq, dk and dv, against central differences of the oracle.
@@ -123,17 +104,14 @@ void check_input_grads(const std::string& spec, const Problem& p, const std::vec
   snap(in.q), snap(in.k), snap(in.v);
   auto extra = std::make_shared<ExtraInputs>();
   uint64_t seed = p.seed;
-  for (const Given& g : given) extra->emplace(g.name, grid_input(*var, p, g, ++seed));
+  for (const Given& g : given)
+    extra->emplace(g.name, test::uniform_input(*var, p, g.name, g.lo, g.hi, ++seed, true));
   Problem pg = p;
   pg.extra_inputs = extra;
-  Tensor dout(p.q_shape()), out(p.q_shape()), dq(p.q_shape()), dk(p.kv_tensor()), dv(p.kv_tensor());
   std::mt19937_64 rng(p.seed);
-  std::normal_distribution<double> nd;
-  for (int64_t i = 0; i < dout.numel(); ++i) dout.data()[i] = float(nd(rng));
-  const auto saved = var->run_train(pg, in.q.view(), in.k.view(), in.v.view(), out.view());
-  InputGrads dinputs;
-  var->run_backward(pg, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(), *saved,
-                    dq.view(), dk.view(), dv.view(), &dinputs);
+  const test::TrainStep step = test::train_step(*var, pg, in, rng);
+  const Tensor &dout = step.dout, &dq = step.dq, &dk = step.dk, &dv = step.dv;
+  const InputGrads& dinputs = step.dinputs;
   ASSERT_EQ(dinputs.size(), given.size());
   // L = sum(dout o oracle) on the inputs as moved
   auto loss = [&](const Problem& with, const Tensor& q, const Tensor& k, const Tensor& v) {

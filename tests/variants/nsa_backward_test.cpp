@@ -142,14 +142,10 @@ void check_case(const Case& cs) {
     return q;
   };
   const Problem pg = with(gates);
-  Tensor dout(p.q_shape()), out(p.q_shape()), dq(p.q_shape()), dk(p.kv_tensor()), dv(p.kv_tensor());
   std::mt19937_64 rng(p.seed);
-  std::normal_distribution<double> nd;
-  for (int64_t i = 0; i < dout.numel(); ++i) dout.data()[i] = float(nd(rng));
-  const auto saved = var->run_train(pg, in.q.view(), in.k.view(), in.v.view(), out.view());
-  InputGrads dinputs;
-  var->run_backward(pg, in.q.view(), in.k.view(), in.v.view(), out.view(), dout.view(), *saved,
-                    dq.view(), dk.view(), dv.view(), &dinputs);
+  const test::TrainStep step = test::train_step(*var, pg, in, rng);
+  const Tensor &dout = step.dout, &dq = step.dq, &dk = step.dk, &dv = step.dv;
+  const InputGrads& dinputs = step.dinputs;
   ASSERT_EQ(dinputs.size(), cs.given.size());
   // L along u of one tensor x (q, k, v or a gate): central differences of the oracle
   auto check = [&](const std::string& name, const Tensor& grad, float* x) {
