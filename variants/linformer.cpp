@@ -513,9 +513,11 @@ class Linformer final : public Variant, public Backward {
           // dK = E^T dEK, dV = F^T dFV over the valid keys, a chunk of columns at a time
           for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
             const int64_t cols = std::min(kChunk, len - j0);
-            const Operand eo = operand(p, h, false, j0, cols, gen.data());
-            const Operand fo =
-                share_ ? eo : operand(p, h, true, j0, cols, gen.data() + cols_max * kp);
+            // the drawn columns' scratch (none when every projection is given or kept)
+            float* ge = gen.empty() ? nullptr : gen.data();
+            float* gf = gen.empty() || share_ ? nullptr : gen.data() + cols_max * kp;
+            const Operand eo = operand(p, h, false, j0, cols, ge);
+            const Operand fo = share_ ? eo : operand(p, h, true, j0, cols, gf);
             spread_chunk(eo, kp, d, cols, dek, dk.row(b, h, j0), dk.stride_row);
             spread_chunk(fo, kp, d, cols, dfv, dv.row(b, h, j0), dv.stride_row);
           }
