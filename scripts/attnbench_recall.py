@@ -1,0 +1,189 @@
+"""Multi-query associative recall (MQAR): the task, the small model trained on it, and one run.
+
+The task (after Zoology's MQAR, Arora et al. 2023), from a seed. A sequence of n tokens holds
+P key-value pairs at its start, `k1 v1 k2 v2 ... kP vP` (P distinct keys drawn from a key
+vocabulary of KEYS tokens, each value drawn from a value vocabulary of VALUES tokens), then
+filler tokens, then queries: every one of the last n/2 - 2P positions holds one of the P keys
+(each key as often as the others, in a random order), and the target there is the value paired
+with that key. Loss and accuracy count only the query positions. Every query is at least
+n/2 - 2P + 2 positions after its key (258 at n = 512, P = 8), so a mechanism that keeps only the
+last W keys of a query (a local window W < that distance) cannot recall any of them.
+
+Causal form: the model reads the sequence left to right and predicts the value at each query
+position from what precedes it. Bidirectional form (`bidirectional=True`): every position sees
+the whole sequence; the value of a queried key appears only beside its key at the start, never
+at the query position, so the answer is never visible there either.
+
+The model: token embeddings of width E, 2 pre-norm blocks, each attention (the variant through
+attnbench.torch, its learned inputs produced by attnbench.torch.LearnedInputs from the block's
+input) and an MLP of width 4E with GELU; E / 32 heads of dimension 32, rotary positions on q and
+k (base 10000); a final norm and a linear read-out over the value vocabulary. Training: AdamW
+(betas 0.9, 0.98, no weight decay), a linear warm-up over the first 10% of the steps then a
+constant learning rate, gradients clipped at norm 1; each step draws a fresh batch of sequences
+from the seed. The budget (steps x batch x n tokens) is the same for every variant.
+"""
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnbench_lm import rotary
+
+KEYS = 64      # key vocabulary: tokens 0 .. KEYS-1
+VALUES = 64    # value vocabulary: tokens KEYS .. KEYS+VALUES-1
+FILLER = KEYS + VALUES
+VOCAB = KEYS + VALUES + 1
+HEAD_DIM = 32
+IGNORE = -100  # the target of a position that is not a query
+
+
+def query_count(n, pairs):
+    """How many query positions a sequence of n tokens with `pairs` pairs has (the last n/2 -
+    2P); raises ValueError when there is no room for them."""
+    q = n // 2 - 2 * pairs
+    if pairs < 1 or q < 1:
+        raise ValueError(f"--seq {n} with --pairs {pairs}: the queries take the last n/2 - 2P "
+                         f"positions, so n must exceed 4P (at least {4 * pairs + 2})")
+    return q
+
+
+def min_distance(n, pairs):
+    """The smallest distance between a query and its key (the last key at 2P - 2, the first
+    query at n - query_count)."""
+    return n - query_count(n, pairs) - (2 * pairs - 2)
+
+
+def generate(rng, count, n, pairs):
+    """`count` MQAR sequences: (tokens [count, n] int64, targets [count, n] int64 with IGNORE
+    off the query positions) drawn from the numpy Generator rng."""
+    q = query_count(n, pairs)
+    tokens = np.full((count, n), FILLER, np.int64)
+    targets = np.full((count, n), IGNORE, np.int64)
+    rounds = -(-q // pairs)
+    for b in range(count):
+        keys = rng.choice(KEYS, pairs, replace=False)
+        values = rng.integers(0, VALUES, pairs)
+        tokens[b, 0:2 * pairs:2] = keys
+        tokens[b, 1:2 * pairs:2] = KEYS + values
+        order = np.concatenate([rng.permutation(pairs) for _ in range(rounds)])[:q]
+        tokens[b, n - q:] = keys[order]
+        targets[b, n - q:] = values[order]
+    return torch.from_numpy(tokens), torch.from_numpy(targets)
+
+
+def data_rng(seed, stream):
+    """The numpy Generator of one stream ("train" or "test") of a seed: the held-out sequences
+    never share a draw with the training ones."""
+    return np.random.default_rng([int(seed), {"train": 0, "test": 1}[stream]])
+
+
+class Block(nn.Module):
+    def __init__(self, width, variant, causal, max_length, seed, threads):
+        super().__init__()
+        import attnbench.torch
+        self.heads = width // HEAD_DIM
+        self.variant, self.causal, self.threads, self.seed = variant, causal, threads, seed
+        self.ln1 = nn.LayerNorm(width)
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width, bias=False)
+        self.o = nn.Linear(width, width, bias=False)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+        self.inputs = attnbench.torch.LearnedInputs(variant, width, self.heads, HEAD_DIM,
+                                                    max_length=max_length, seed=seed)
+
+    def forward(self, x):
+        import attnbench.torch
+        B, n, E = x.shape
+        h = self.ln1(x)
+
+        def heads(t):
+            return t.view(B, n, self.heads, HEAD_DIM).transpose(1, 2)
+        q = rotary(heads(self.q(h)), 10000.0).contiguous()
+        k = rotary(heads(self.k(h)), 10000.0).contiguous()
+        v = heads(self.v(h)).contiguous()
+        o = attnbench.torch.attention(self.variant, q, k, v, causal=self.causal,
+                                      seed=self.seed, threads=self.threads, **self.inputs(h))
+        x = x + self.o(o.transpose(1, 2).reshape(B, n, E))
+        return x + self.mlp(self.ln2(x))
+
+
+class RecallModel(nn.Module):
+    def __init__(self, width, variant, causal, max_length, seed=0, threads=0, layers=2):
+        super().__init__()
+        if width < HEAD_DIM or width % HEAD_DIM:
+            raise ValueError(f"--width {width}: a positive multiple of the head dimension "
+                             f"{HEAD_DIM}")
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width, variant, causal, max_length, seed * 100 + i,
+                                          threads) for i in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.out = nn.Linear(width, VALUES)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.ln(x))
+
+
+def loss_and_hits(model, tokens, targets):
+    """Mean cross-entropy over the query positions, and the number of them predicted right."""
+    logits = model(tokens)
+    flat, want = logits.reshape(-1, VALUES), targets.reshape(-1)
+    loss = F.cross_entropy(flat, want, ignore_index=IGNORE)
+    hits = ((flat.argmax(-1) == want) & (want != IGNORE)).sum().item()
+    return loss, hits
+
+
+def accuracy(model, n, pairs, seed, sequences, batch):
+    """Accuracy on `sequences` held-out sequences of the seed's test stream."""
+    rng = data_rng(seed, "test")
+    hits = total = 0
+    with torch.no_grad():
+        for start in range(0, sequences, batch):
+            tokens, targets = generate(rng, min(batch, sequences - start), n, pairs)
+            hits += loss_and_hits(model, tokens, targets)[1]
+            total += int((targets != IGNORE).sum())
+    return hits / total
+
+
+def train(variant, n, pairs, width, seed, steps, batch, lr, causal=True, threads=0,
+          test_sequences=256, log=None):
+    """Trains a RecallModel with `variant` for `steps` steps of `batch` sequences and measures
+    its held-out accuracy. Returns dict(accuracy, final_loss, train_s, tokens). Raises what the
+    variant raises for a problem it cannot do (NotImplementedError, ValueError)."""
+    torch.manual_seed(seed)
+    model = RecallModel(width, variant, causal, n, seed=seed, threads=threads)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    rng = data_rng(seed, "train")
+    warmup = max(1, steps // 10)
+    losses = []
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, step / warmup)
+        tokens, targets = generate(rng, batch, n, pairs)
+        loss, _ = loss_and_hits(model, tokens, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"the training loss is {losses[-1]} at step {step}")
+        if log is not None and (step % 50 == 0 or step == steps):
+            log(step, losses[-1], time.perf_counter() - start)
+    train_s = time.perf_counter() - start
+    model.eval()
+    acc = accuracy(model, n, pairs, seed, test_sequences, batch)
+    # the mean of the last 10% of the steps: one batch's loss is noisy
+    tail = losses[-max(1, steps // 10):]
+    return dict(accuracy=acc, final_loss=float(np.mean(tail)), train_s=train_s,
+                tokens=steps * batch * n)
