@@ -20,7 +20,14 @@ input) and an MLP of width 4E with GELU; E / 32 heads of dimension 32, rotary po
 k (base 10000); a final norm and a linear read-out over the value vocabulary. Training: AdamW
 (betas 0.9, 0.98, no weight decay), a linear warm-up over the first 10% of the steps then a
 constant learning rate, gradients clipped at norm 1; each step draws a fresh batch of sequences
-from the seed. The budget (steps x batch x n tokens) is the same for every variant.
+from the seed. The first half of the steps (the length warm-up) trains on sequences of
+warmup_seq tokens (128; the same P pairs, so queries sit nearer their keys), n / warmup_seq
+times as many per step, the same tokens per step; the second half on sequences of n. A model
+learns the lookup first where it is easy to find (an attention spread evenly over 512 tokens
+hides it for many steps) and then over the distance the setting asks for; a mechanism that
+cannot reach that far (a local window) learns the short form and then fails the long one.
+The budget (steps x batch x n tokens) is the same for every variant; accuracy is measured at n
+only.
 """
 
 import math
@@ -154,10 +161,22 @@ def accuracy(model, n, pairs, seed, sequences, batch):
     return hits / total
 
 
+WARMUP_SEQ = 128
+
+
+def warmup_length(n, pairs, warmup_seq=WARMUP_SEQ):
+    """The length of the warm-up's sequences: warmup_seq when it divides n, leaves room for
+    the pairs' queries and is shorter than n; else n (no warm-up)."""
+    if warmup_seq and warmup_seq < n and n % warmup_seq == 0 and warmup_seq // 2 > 2 * pairs:
+        return warmup_seq
+    return n
+
+
 def train(variant, n, pairs, width, seed, steps, batch, lr, causal=True, threads=0,
-          test_sequences=256, log=None):
-    """Trains a RecallModel with `variant` for `steps` steps of `batch` sequences and measures
-    its held-out accuracy. Returns dict(accuracy, final_loss, train_s, tokens). Raises what the
+          test_sequences=256, log=None, warmup_seq=WARMUP_SEQ):
+    """Trains a RecallModel with `variant` for `steps` steps of `batch` sequences of n tokens
+    (the first half with the length warm-up, see the module's docstring) and measures its
+    held-out accuracy at n. Returns dict(accuracy, final_loss, train_s, tokens). Raises what the
     variant raises for a problem it cannot do (NotImplementedError, ValueError)."""
     torch.manual_seed(seed)
     model = RecallModel(width, variant, causal, n, seed=seed, threads=threads)
@@ -169,7 +188,11 @@ def train(variant, n, pairs, width, seed, steps, batch, lr, causal=True, threads
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, step / warmup)
-        tokens, targets = generate(rng, batch, n, pairs)
+        short = warmup_length(n, pairs, warmup_seq)
+        if step <= steps // 2 and short < n:
+            tokens, targets = generate(rng, batch * (n // short), short, pairs)
+        else:
+            tokens, targets = generate(rng, batch, n, pairs)
         loss, _ = loss_and_hits(model, tokens, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()

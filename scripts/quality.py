@@ -25,10 +25,33 @@ min_distance the fewest positions between a query and its key. The file is rewri
 after every row, and rows already there (ok or unsupported) are kept and not run again: a run
 that stops resumes where it stopped (--force runs them again). The directory is locked while
 the script writes (DIR/.attnbench.lock, as `attnbench sweep` takes it).
+
+`lm`: language at a context where patterns drop keys. A base byte model (the model of
+scripts/attnbench_lm.py at context --context, 2048 by default, trained by scripts/train_lm.py
+for --base-steps steps with exact attention and cached in CACHE/quality/lm-C<context>/, its
+validation curve copied to DIR/quality/lm_train_log.csv) has every variant swapped in for its
+attention: (a) evaluated as it is, (b) uptrained from the base weights for --steps steps with
+the variant in place (its learned inputs learned from a fresh start, batches of --batch x C
+training bytes drawn from the seed, AdamW at a constant --lr) and evaluated again. flash is
+uptrained the same way with each seed, as the baseline of (b): the extra steps lower exact
+attention's loss too. Rows go to DIR/quality/lm.csv, one per (variant spec, seed):
+
+    variant, spec, seed, context, eval_windows, base_bpb, swap_bpb, swap_delta,
+    uptrain_steps, uptrain_tokens, uptrain_bpb, flash_uptrain_bpb, uptrain_delta, recovered,
+    uptrain_s, status, message, checkpoint
+
+base_bpb is the base model with its own attention (torch's softmax) on --windows held-out
+windows of C bytes; swap_delta = swap_bpb - base_bpb; uptrain_delta = uptrain_bpb -
+flash_uptrain_bpb; recovered = 1 - uptrain_delta / swap_delta, the share of the swap's cost
+the uptraining removed (empty when the swap cost under 0.001 bits per byte). The variants of
+--seeded (default flash, local, linear, performer, gla, deltanet, moba, nsa) are uptrained with
+every seed of --seeds, the others with the first. Resumable as recall is; checkpoint is the
+first 12 hex digits of the base model's sha256 (rows of another base model are run again).
 """
 
 import argparse
 import csv
+import math
 import os
 import sys
 import time
@@ -136,7 +159,7 @@ def format_duration(seconds):
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
-def training_refusal(attnbench, spec, n, causal, width):
+def training_refusal(attnbench, spec, n, causal, heads, dim):
     """Why the variant cannot train on this problem (no backward, a refused shape), or None."""
     import numpy as np
     try:
@@ -148,9 +171,8 @@ def training_refusal(attnbench, spec, n, causal, width):
         return f"{variant.name} has no backward pass, so it cannot be trained"
     if causal and not info.get("causal", False):
         return f"{variant.name} cannot be causal (it attends every key); --bidirectional runs it"
-    heads = width // 32
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, heads, n, 32), dtype=np.float32) for _ in range(3))
+    q, k, v = (rng.standard_normal((1, heads, n, dim), dtype=np.float32) for _ in range(3))
     try:
         variant.forward_train(q, k, v, causal=causal)
     except (NotImplementedError, ValueError) as e:
@@ -205,7 +227,8 @@ def recall(args):
         spent = 0.0
         for i, run in enumerate(todo):
             start = time.perf_counter()
-            why = training_refusal(attnbench, run["spec"], run["seq"], causal, args.width)
+            why = training_refusal(attnbench, run["spec"], run["seq"], causal,
+                                   args.width // task.HEAD_DIM, task.HEAD_DIM)
             if why is not None:
                 run.update(status="unsupported", message=why)
             else:
@@ -236,6 +259,163 @@ def recall(args):
     return 0
 
 
+LM_COLUMNS = ["variant", "spec", "seed", "context", "eval_windows", "base_bpb", "swap_bpb",
+              "swap_delta", "uptrain_steps", "uptrain_tokens", "uptrain_bpb",
+              "flash_uptrain_bpb", "uptrain_delta", "recovered", "uptrain_s", "status",
+              "message", "checkpoint"]
+LM_KEY = ["spec", "seed", "context", "eval_windows", "uptrain_steps", "checkpoint"]
+LM_CONTEXT = 2048
+LM_BASE_STEPS = 1600
+LM_BASE_BATCH = 2
+LM_STEPS = 40
+LM_BATCH = 2
+LM_LR = 3e-4
+LM_WINDOWS = 8
+LM_SEEDED = ["flash", "local", "linear", "performer", "gla", "deltanet", "moba", "nsa"]
+
+
+def base_model(args, log=print):
+    """The base model of `lm` (trained when missing): (model, checkpoint dict, path)."""
+    import attnbench_lm as lm
+    import train_lm
+    root = args.cache or lm.cache_root()
+    name = f"lm-C{args.context}" + "".join(f"-{x.replace('=', '')}" for x in
+                                            filter(None, args.base_config.split(",")))
+    path = os.path.join(root, "quality", name, "model.pt")
+    if not os.path.exists(path):
+        log(f"{PROG}: training the base model at context {args.context} ({args.base_steps} "
+            f"steps of {args.base_batch} x {args.context} bytes) into {path}")
+        code = train_lm.main(["--out", path, "--steps", str(args.base_steps),
+                              "--batch", str(args.base_batch), "--threads", str(args.threads),
+                              "--config", ",".join(filter(None, [f"context={args.context}",
+                                                                 args.base_config])),
+                              "--eval-every", "100",
+                              "--attention", "flash"] +
+                             (["--cache", args.cache] if args.cache else []))
+        if code:
+            sys.exit(f"{PROG}: training the base model failed")
+    model, ckpt = lm.load_model(path)
+    return model, ckpt, path
+
+
+def uptrain(model, variant, train, steps, batch, lr, seed, threads):
+    """Trains `model` in place for `steps` steps with `variant` as its attention (its learned
+    inputs, if any, from a fresh start); returns the seconds it took."""
+    import numpy as np
+    import torch
+    import attnbench
+    torch.manual_seed(seed)
+    if attnbench.Variant(variant).inputs:
+        model.learn_inputs(variant, seed=seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = np.random.default_rng([seed, 2])  # every variant sees the same batches
+    C = model.cfg["context"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        starts = rng.integers(0, len(train) - C - 1, size=batch)
+        tokens = torch.from_numpy(np.stack([train[s:s + C + 1] for s in starts])
+                                  .astype(np.int64))
+        loss = model.loss(tokens, variant)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"the uptraining loss is {loss.item()}")
+    model.eval()
+    return time.perf_counter() - start
+
+
+def language(args):
+    attnbench = import_attnbench()
+    import copy
+    import torch
+    import attnbench_lm as lm
+    specs = args.variant or default_recall_variants(attnbench, False)
+    for spec in specs:
+        try:
+            attnbench.Variant(spec)
+        except ValueError as e:
+            sys.exit(f"{PROG}: --variant {spec}: {e}")
+    torch.set_num_threads(args.threads)
+    out_dir = os.path.join(args.out, "quality")
+    path = os.path.join(out_dir, "lm.csv")
+    with results_lock(args.out, PROG):
+        os.makedirs(out_dir, exist_ok=True)
+        base, ckpt, ckpt_path = base_model(args)
+        sha = lm.sha256_file(ckpt_path)[:12]
+        curve = os.path.join(os.path.dirname(ckpt_path), "train_log.csv")
+        if os.path.exists(curve):
+            with open(curve, "rb") as f:
+                data = f.read()
+            atomic_write(os.path.join(out_dir, "lm_train_log.csv"), lambda f: f.write(data))
+        C = base.cfg["context"]
+        train_path, valid_path = lm.fetch_corpus(args.cache or lm.cache_root())
+        train = lm.read_bytes(train_path)
+        batches = list(lm.windows(lm.read_bytes(valid_path), C, args.windows).split(1))
+        rows = read_rows(path)
+        seeded = set(args.seeded)
+        runs = []
+        for spec in (["flash"] if "flash" not in specs else []) + specs:
+            for seed in (args.seeds if spec.split(":")[0] in seeded or spec == "flash"
+                         else args.seeds[:1]):
+                runs.append(dict(variant=spec.split(":")[0], spec=spec, seed=seed, context=C,
+                                 eval_windows=args.windows, uptrain_steps=args.steps,
+                                 uptrain_tokens=args.steps * args.batch * C, checkpoint=sha))
+        key = lambda r: tuple(str(r[c]) for c in LM_KEY)  # noqa: E731
+        done = {key(r): r for r in rows if r.get("status") in DONE}
+        todo = [r for r in runs if args.force or key(r) not in done]
+        print(f"{PROG}: lm at context {C}, {len(specs)} variant(s): {len(todo)} run(s) to do, "
+              f"{len(runs) - len(todo)} already in {path}", flush=True)
+        base_bpb = lm.bits_per_byte(base, batches, None)
+        swap = {}
+        spent = 0.0
+        for i, run in enumerate(todo):
+            start = time.perf_counter()
+            spec = run["spec"]
+            run["base_bpb"] = f"{base_bpb:.6f}"
+            why = training_refusal(attnbench, spec, C, True, base.cfg["heads"],
+                                   base.cfg["head_dim"])
+            try:
+                if why is not None:
+                    raise NotImplementedError(why)
+                if spec not in swap:
+                    swap[spec] = lm.bits_per_byte(base, batches, attnbench.Variant(spec))
+                run["swap_bpb"] = f"{swap[spec]:.6f}"
+                run["swap_delta"] = f"{swap[spec] - base_bpb + 0.0:.6f}".replace("-0.000000", "0.000000")
+                flash = [r for r in rows if r["spec"] == "flash" and str(r["seed"]) ==
+                         str(run["seed"]) and key(r)[2:] == key(run)[2:] and
+                         r.get("status") == "ok"]
+                if spec != "flash" and not flash:
+                    raise RuntimeError(f"no flash row of seed {run['seed']} to compare with")
+                model = copy.deepcopy(base)
+                run["uptrain_s"] = f"{uptrain(model, spec, train, args.steps, args.batch, args.lr, run['seed'], args.threads):.3f}"  # noqa: E501
+                up = lm.bits_per_byte(model, batches, spec)
+                ref = up if spec == "flash" else float(flash[0]["uptrain_bpb"])
+                run["uptrain_bpb"] = f"{up:.6f}"
+                run["flash_uptrain_bpb"] = f"{ref:.6f}"
+                run["uptrain_delta"] = f"{up - ref:.6f}"
+                gap = swap[spec] - base_bpb
+                run["recovered"] = f"{1 - (up - ref) / gap:.4f}" if gap >= 1e-3 else ""
+                run.update(status="ok", message="")
+            except NotImplementedError as e:
+                run.update(status="unsupported", message=str(e))
+            except (ValueError, FloatingPointError, RuntimeError) as e:
+                run.update(status="failed", message=f"{type(e).__name__}: {e}")
+            rows = [r for r in rows if key(r) != key(run)] + [run]
+            write_rows(path, rows, LM_COLUMNS)
+            spent += time.perf_counter() - start
+            left = len(todo) - i - 1
+            eta = f", about {format_duration(spent / (i + 1) * left)} left" if left else ""
+            result = (f"swap {float(run['swap_delta']):+.4f}, uptrained "
+                      f"{float(run['uptrain_delta']):+.4f} bits per byte"
+                      if run["status"] == "ok" else f"{run['status']}: {run['message']}")
+            print(f"[{i + 1}/{len(todo)}] {spec} seed={run['seed']}: {result}{eta}", flush=True)
+        print(f"{PROG}: {path}: {len(rows)} rows")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
@@ -243,8 +423,9 @@ def main(argv=None):
         epilog="examples:\n"
                "  quality.py recall --out results/q\n"
                "  quality.py recall --variant flash --variant local --seeds 3 --out results/q\n"
-               "  quality.py recall --bidirectional --out results/q")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{recall}")
+               "  quality.py recall --bidirectional --out results/q\n"
+               "  quality.py lm --out results/q")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{recall,lm}")
     r = sub.add_parser("recall", help="multi-query associative recall, trained per variant",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--variant", action="append", metavar="SPEC",
@@ -273,7 +454,49 @@ def main(argv=None):
     r.add_argument("--force", action="store_true", help="train again rows already done")
     r.add_argument("--out", required=True, metavar="DIR",
                    help="results directory (writes DIR/quality/recall.csv)")
+    m = sub.add_parser("lm", help="a byte language model with each variant swapped in, "
+                       "before and after uptraining", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--variant", action="append", metavar="SPEC",
+                   help="a variant spec (repeatable; default: every variant that can be causal)")
+    m.add_argument("--seeds", type=seeds_arg, default=list(range(RECALL_SEEDS)),
+                   metavar="K|S,S...", help="uptraining seeds of the --seeded variants "
+                                            f"(default {RECALL_SEEDS}); the others take the first")
+    m.add_argument("--seeded", type=lambda t: [x for x in t.split(",") if x],
+                   default=LM_SEEDED, metavar="NAME,...",
+                   help=f"variants uptrained with every seed (default {','.join(LM_SEEDED)})")
+    m.add_argument("--steps", type=int, default=LM_STEPS,
+                   help=f"uptraining steps (default {LM_STEPS})")
+    m.add_argument("--batch", type=int, default=LM_BATCH,
+                   help=f"uptraining sequences per step (default {LM_BATCH})")
+    m.add_argument("--lr", type=float, default=LM_LR,
+                   help=f"uptraining learning rate (default {LM_LR})")
+    m.add_argument("--context", type=int, default=LM_CONTEXT,
+                   help=f"the base model's context (default {LM_CONTEXT})")
+    m.add_argument("--base-steps", type=int, default=LM_BASE_STEPS,
+                   help=f"the base model's training steps (default {LM_BASE_STEPS})")
+    m.add_argument("--base-batch", type=int, default=LM_BASE_BATCH,
+                   help=f"the base model's sequences per step (default {LM_BASE_BATCH})")
+    m.add_argument("--base-config", default="", metavar="KEY=N,...",
+                   help="the base model's other settings (train_lm.py --config: layers, heads, "
+                        "head_dim, width, mlp); default the model of attnbench_lm.py")
+    m.add_argument("--windows", type=int, default=LM_WINDOWS,
+                   help=f"held-out windows of C bytes evaluated (default {LM_WINDOWS})")
+    m.add_argument("--threads", type=int, default=2, help="threads (default 2)")
+    m.add_argument("--cache", help="cache root (default: ATTNBENCH_CACHE, "
+                   "$XDG_CACHE_HOME/attnbench or ~/.cache/attnbench)")
+    m.add_argument("--force", action="store_true", help="run again rows already done")
+    m.add_argument("--out", required=True, metavar="DIR",
+                   help="results directory (writes DIR/quality/lm.csv)")
     args = ap.parse_args(argv)
+    if args.command == "lm":
+        for name in ("steps", "batch", "context", "base_steps", "base_batch", "windows",
+                     "threads"):
+            if getattr(args, name) < 1:
+                ap.error(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 < args.lr < 1:
+            ap.error("--lr must be in (0, 1)")
+        return language(args)
     if args.command == "recall":
         if args.steps < 1 or args.batch < 1 or args.threads < 1 or not 0 < args.lr < 1:
             ap.error("--steps, --batch and --threads must be at least 1, --lr in (0, 1)")

@@ -7,6 +7,12 @@ through attnbench_lm.attend, or torch's when the attnbench module is missing (`-
 torch`).
 
     PYTHONPATH=build/python /usr/bin/python3 scripts/train_lm.py [--steps N] [--force]
+
+With --out PATH the model goes to PATH (its curve to train_log.csv beside it) instead; the
+longer-context base model of `scripts/quality.py lm` is trained that way. At every validation
+the training state (model, optimiser, batch generator, curve) is kept in PATH.partial, so a run
+that stops resumes from its last validation when started again with the same settings (the
+file is removed once the model is written).
 """
 
 import argparse
@@ -39,6 +45,7 @@ def main(argv=None):
                     help="attnbench variant used in training, or 'torch'")
     ap.add_argument("--config", default="", help="model settings as key=value,... "
                     "(layers, heads, head_dim, width, mlp, context)")
+    ap.add_argument("--out", help="model file (default CACHE/trained/model.pt)")
     ap.add_argument("--force", action="store_true", help="train even if model.pt exists")
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "threads", "eval_every", "eval_windows"):
@@ -55,7 +62,7 @@ def main(argv=None):
         cfg[key] = int(value)
 
     root = args.cache or lm.cache_root()
-    out = lm.checkpoint_path(root)
+    out = args.out or lm.checkpoint_path(root)
     if os.path.exists(out) and not args.force:
         print(f"train_lm.py: {out} exists (--force trains again)")
         return 0
@@ -99,11 +106,29 @@ def main(argv=None):
     start = time.perf_counter()
     train_bpb = float("nan")
     params = sum(p.numel() for p in model.parameters())
+    # the state of an earlier run of these very settings, kept at its last validation
+    partial = out + ".partial"
+    settings = dict(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                    eval_every=args.eval_every, eval_windows=args.eval_windows,
+                    attention=args.attention, config=model.cfg)
+    first = 0
+    if os.path.exists(partial) and not args.force:
+        kept = torch.load(partial, map_location="cpu")
+        if kept.get("settings") == settings:
+            model.load_state_dict(kept["state"])
+            opt.load_state_dict(kept["optimizer"])
+            rng.bit_generator.state = kept["rng"]
+            log, first, train_bpb = kept["log"], kept["step"], kept["train_bpb"]
+            start -= log[-1]["seconds"]
+            print(f"train_lm.py: resuming from step {first} ({partial})")
+        else:
+            print(f"train_lm.py: {partial} is from other settings; starting again")
     print(f"train_lm.py: {params} parameters, {len(train)} training bytes, {args.steps} steps "
           f"of {args.batch} x {C} bytes, attention "
           f"{'torch' if variant is None else args.attention}")
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
+    for step in range(first, args.steps + 1):
+        if (step % args.eval_every == 0 or step == args.steps) and not (log and
+                                                                        log[-1]["step"] == step):
             model.eval()
             bpb = lm.bits_per_byte(model, valid_batches, variant)
             model.train()
@@ -112,6 +137,12 @@ def main(argv=None):
                             train_bpb=train_bpb, valid_bpb=bpb))
             print(f"step {step:5d}  {elapsed:7.1f} s  train {train_bpb:.3f}  valid {bpb:.4f} "
                   f"bits/byte", flush=True)
+            if 0 < step < args.steps:
+                os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+                torch.save({"settings": settings, "state": model.state_dict(),
+                            "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
+                            "log": log, "step": step, "train_bpb": train_bpb}, partial + ".tmp")
+                os.replace(partial + ".tmp", partial)
         if step == args.steps:
             break
         for g in opt.param_groups:
@@ -126,8 +157,8 @@ def main(argv=None):
         train_bpb = loss.item() / math.log(2)
     seconds = time.perf_counter() - start
 
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    log_path = os.path.join(os.path.dirname(out), "train_log.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    log_path = os.path.join(os.path.dirname(os.path.abspath(out)), "train_log.csv")
     with open(log_path + ".tmp", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(log[0]))
         w.writeheader()
@@ -140,6 +171,8 @@ def main(argv=None):
                 "parameters": params, "corpus": lm.CORPUS_PACKAGE}, out + ".tmp")
     os.replace(log_path + ".tmp", log_path)
     os.replace(out + ".tmp", out)
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"train_lm.py: {out}: validation {log[-1]['valid_bpb']:.4f} bits per byte after "
           f"{seconds / 60:.1f} min")
     return 0

@@ -1,0 +1,184 @@
+"""scripts/quality.py: the recall task's generator, a tiny recall run (rows, resume, the
+bidirectional form, refusals) and a tiny language-model uptraining run.
+
+    PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/trained/test_quality.py
+"""
+
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+attnbench = pytest.importorskip("attnbench")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, SCRIPTS)
+import attnbench_recall as task  # noqa: E402
+import quality  # noqa: E402
+
+
+def quality_script(*args, check=True):
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "quality.py"), *args],
+                       capture_output=True, text=True)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def read(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_generator_pairs_keys_with_values_and_queries_earlier_keys():
+    n, pairs = 96, 6
+    tokens, targets = task.generate(task.data_rng(5, "train"), 8, n, pairs)
+    assert tokens.shape == targets.shape == (8, n)
+    q = task.query_count(n, pairs)
+    assert q == n // 2 - 2 * pairs
+    for row, want in zip(tokens.numpy(), targets.numpy()):
+        keys, values = row[0:2 * pairs:2], row[1:2 * pairs:2] - task.KEYS
+        assert len(set(keys)) == pairs and keys.max() < task.KEYS
+        assert values.min() >= 0 and values.max() < task.VALUES
+        assert (row[2 * pairs:n - q] == task.FILLER).all()
+        paired = dict(zip(keys, values))
+        for pos in range(n):
+            if pos < n - q:
+                assert want[pos] == task.IGNORE
+                continue
+            key = row[pos]
+            assert key in paired, "a query asks for a key of its own sequence"
+            assert want[pos] == paired[key], "the target is the value paired with the key"
+            where = 2 * int(np.flatnonzero(keys == key)[0])
+            assert pos - where >= task.min_distance(n, pairs)
+        # every key is queried, as often as any other (within one)
+        counts = np.bincount([list(keys).index(k) for k in row[n - q:]], minlength=pairs)
+        assert counts.max() - counts.min() <= 1
+    # the smallest distance is reached: the last key and the first query
+    assert task.min_distance(n, pairs) == (n - q) - (2 * pairs - 2)
+    assert task.min_distance(512, 8) > 256  # beyond the default local window
+
+
+def test_the_seed_fixes_the_data_and_the_streams_differ():
+    a = task.generate(task.data_rng(3, "train"), 4, 64, 4)
+    b = task.generate(task.data_rng(3, "train"), 4, 64, 4)
+    c = task.generate(task.data_rng(4, "train"), 4, 64, 4)
+    d = task.generate(task.data_rng(3, "test"), 4, 64, 4)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], d[0])
+
+
+def test_a_setting_without_room_for_queries_is_refused():
+    with pytest.raises(ValueError, match="n must exceed 4P"):
+        task.query_count(32, 8)
+    r = quality_script("recall", "--variant", "flash", "--seq", "32", "--pairs", "8",
+                       "--out", "/nonexistent-unused", check=False)
+    assert r.returncode != 0 and "n must exceed 4P" in r.stderr
+
+
+def test_training_is_reproducible_from_the_seed():
+    runs = [task.train("flash", 32, 4, 32, 7, 3, 4, 3e-3, threads=1, test_sequences=8)
+            for _ in range(2)]
+    assert runs[0]["final_loss"] == runs[1]["final_loss"]
+    assert runs[0]["accuracy"] == runs[1]["accuracy"]
+    assert runs[0]["tokens"] == 3 * 4 * 32
+
+
+def test_a_recall_run_writes_its_rows_and_resumes(tmp_path):
+    out = str(tmp_path / "q")
+    args = ["recall", "--variant", "flash", "--variant", "local:window=8", "--variant",
+            "clustered", "--seq", "32", "--pairs", "4", "--seeds", "2", "--steps", "3",
+            "--batch", "4", "--width", "32", "--threads", "1", "--out", out]
+    r = quality_script(*args)
+    assert "[6/6]" in r.stdout and "left" in r.stdout  # progress with an estimate
+    path = os.path.join(out, "quality", "recall.csv")
+    with open(path) as f:
+        assert f.readline().strip().split(",") == quality.RECALL_COLUMNS
+    rows = read(path)
+    assert [(r["spec"], r["seed"]) for r in rows] == [
+        ("flash", "0"), ("flash", "1"), ("local:window=8", "0"), ("local:window=8", "1"),
+        ("clustered", "0"), ("clustered", "1")]
+    for row in rows[:4]:
+        assert row["status"] == "ok" and row["mode"] == "causal"
+        assert row["tokens"] == str(3 * 4 * 32) and row["steps"] == "3"
+        assert 0 <= float(row["accuracy"]) <= 1 and float(row["final_loss"]) > 0
+        assert float(row["train_s"]) > 0
+        assert row["min_distance"] == str(task.min_distance(32, 4))
+    for row in rows[4:]:  # cannot be causal: a row that says why
+        assert row["status"] == "unsupported" and "cannot be causal" in row["message"]
+        assert row["accuracy"] == ""
+    before = open(path).read()
+    r = quality_script(*args)
+    assert "0 to train" in r.stdout and open(path).read() == before
+    # a lost row is trained again, alone
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=quality.RECALL_COLUMNS)
+        w.writeheader()
+        w.writerows(rows[1:])
+    r = quality_script(*args)
+    assert "1 to train" in r.stdout
+    again = read(path)
+    assert len(again) == 6
+    first = [x for x in again if x["spec"] == "flash" and x["seed"] == "0"][0]
+    assert first["final_loss"] == rows[0]["final_loss"]  # the same seed, the same numbers
+    # the bidirectional form runs the variants that cannot be causal, in rows of their own
+    r = quality_script("recall", "--bidirectional", "--variant", "clustered", "--seq", "32",
+                       "--pairs", "4", "--seeds", "1", "--steps", "2", "--batch", "4",
+                       "--width", "32", "--threads", "1", "--out", out)
+    rows = read(path)
+    assert len(rows) == 7
+    assert rows[-1]["spec"] == "clustered" and rows[-1]["mode"] == "bidirectional"
+    assert rows[-1]["status"] == "ok", rows[-1]
+
+
+def test_a_misspelt_variant_is_refused_before_anything_runs(tmp_path):
+    r = quality_script("recall", "--variant", "flsh", "--out", str(tmp_path / "q"),
+                       check=False)
+    assert r.returncode != 0 and "flsh" in r.stderr
+    assert not os.path.exists(tmp_path / "q" / "quality" / "recall.csv")
+
+
+def test_a_tiny_uptraining_run(tmp_path):
+    """The base model (trained here for a few steps at context 64), two variants swapped in
+    and uptrained, the rows' arithmetic."""
+    cache = str(tmp_path / "cache")
+    corpus = os.path.join(cache, "trained", "corpus")
+    os.makedirs(corpus)
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus.txt"),
+              "rb") as f:
+        data = f.read()
+    with open(os.path.join(corpus, "train.txt"), "wb") as f:
+        f.write(data[:30000])
+    with open(os.path.join(corpus, "valid.txt"), "wb") as f:
+        f.write(data[30000:])
+    out = str(tmp_path / "q")
+    args = ["lm", "--variant", "local:window=8", "--variant", "gla", "--seeds", "2",
+            "--seeded", "gla", "--steps", "2", "--context", "64", "--base-steps", "6",
+            "--base-config", "layers=1,heads=2,head_dim=16,width=32,mlp=64", "--windows", "2",
+            "--threads", "1", "--cache", cache, "--out", out]
+    quality_script(*args)
+    rows = read(os.path.join(out, "quality", "lm.csv"))
+    assert [(r["spec"], r["seed"]) for r in rows] == [
+        ("flash", "0"), ("flash", "1"), ("local:window=8", "0"), ("gla", "0"), ("gla", "1")]
+    assert all(r["status"] == "ok" for r in rows), rows
+    base = float(rows[0]["base_bpb"])
+    flash = {r["seed"]: float(r["uptrain_bpb"]) for r in rows[:2]}
+    for r in rows:
+        assert float(r["base_bpb"]) == base and r["context"] == "64"
+        assert r["uptrain_tokens"] == str(2 * 2 * 64)
+        assert float(r["swap_delta"]) == pytest.approx(float(r["swap_bpb"]) - base, abs=2e-6)
+        assert float(r["flash_uptrain_bpb"]) == flash[r["seed"]]
+        assert float(r["uptrain_delta"]) == pytest.approx(
+            float(r["uptrain_bpb"]) - flash[r["seed"]], abs=2e-6)
+    assert abs(float(rows[0]["swap_delta"])) < 1e-4  # flash is the model's own attention
+    gla = rows[3]
+    assert float(gla["recovered"]) == pytest.approx(
+        1 - float(gla["uptrain_delta"]) / float(gla["swap_delta"]), abs=1e-3)
+    assert os.path.exists(os.path.join(out, "quality", "lm_train_log.csv"))
+    r = quality_script(*args)
+    assert "0 run(s) to do" in r.stdout
