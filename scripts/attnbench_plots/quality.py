@@ -329,8 +329,15 @@ def spec_order(ctx, recall, lm, top):
 
 
 def count_text(values):
+    """The distinct finite values as '400' or '400/800' (thousands separated), '' for none."""
     values = sorted({int(v) for v in values if np.isfinite(v)})
-    return "/".join(f"{v:,}" for v in values) if values else "?"
+    return "/".join(f"{v:,}" for v in values)
+
+
+def clause(template, *columns):
+    """template formatted with the count_text of each column, or '' when one has no value."""
+    texts = [count_text(c) for c in columns]
+    return template.format(*texts) if all(texts) else ""
 
 
 def describe_recall(ctx, recall, settings):
@@ -339,21 +346,23 @@ def describe_recall(ctx, recall, settings):
     for s in settings:
         rows = select(recall, s)
         values = dict(zip(SETTING, s))
-        parts.append(
-            f"{values['mode']} n = {int(values['seq'])} with P = {int(values['pairs'])} pairs "
-            f"(every query at least {count_text(rows['min_distance'])} positions after its key; "
-            f"{count_text(rows['steps'])} steps of {count_text(rows['batch'])} sequences, "
-            f"{count_text(rows['tokens'])} tokens)")
-    widths = count_text(recall["width"])
+        inner = [x for x in (
+            clause("every query at least {} positions after its key", rows["min_distance"]),
+            clause("{} steps of {} sequences", rows["steps"], rows["batch"]),
+            clause("{} tokens", rows["tokens"])) if x]
+        parts.append(f"{values['mode']} n = {int(values['seq'])} with P = "
+                     f"{int(values['pairs'])} pairs" + (f" ({'; '.join(inner)})" if inner else ""))
     seed_range = f"{seeds.min()}" if seeds.min() == seeds.max() else \
         f"{seeds.min()} to {seeds.max()}"
     ctx.md.append(
-        f"\n**Recall** (multi-query associative recall, `scripts/attnbench_recall.py`): a "
-        f"sequence holds P key-value pairs at its start and asks for the values of those keys "
-        f"in its last n/2 − 2P positions; a 2-block model of width {widths} is trained from "
-        f"scratch with every attention the variant, the same budget for every variant, and "
-        f"scored by its accuracy on held-out sequences (chance {CHANCE:.3f}, 1/64). Settings: "
-        + "; ".join(parts) + f". Seeds per variant and setting: {seed_range}.\n")
+        "\n**Recall** (multi-query associative recall, `scripts/attnbench_recall.py`): a "
+        "sequence holds P key-value pairs at its start and asks for the values of those keys "
+        "in its last n/2 − 2P positions; a 2-block model"
+        + clause(" of width {}", recall["width"]) +
+        f" is trained from scratch with every attention the variant, the same budget for every "
+        f"variant, and scored by its accuracy on held-out sequences (chance {CHANCE:.3f}, "
+        f"1/64). Settings: " + "; ".join(parts) +
+        f". Seeds per variant and setting: {seed_range}.\n")
 
 
 def describe_lm(ctx, lm):
@@ -362,13 +371,14 @@ def describe_lm(ctx, lm):
     ctx.md.append(
         "\n**Language** (the byte model of `scripts/train_lm.py`"
         + (f", {float(np.mean(base)):.3f} bits per byte with its own exact attention"
-           if len(base) else "") +
-        f", on {count_text(ok['eval_windows'])} held-out windows of "
-        f"{count_text(ok['context'])} bytes): Δ before is the increase in bits per byte when "
-        f"the variant replaces every layer's attention without retraining; Δ after, the "
-        f"increase after {count_text(ok['uptrain_steps'])} uptraining steps "
-        f"({count_text(ok['uptrain_tokens'])} tokens) with it in place, over flash uptrained "
-        f"the same way with the same seed; recovered = 1 − after / before.\n")
+           if len(base) else "")
+        + clause(", on {} held-out windows of {} bytes", ok["eval_windows"], ok["context"])
+        + "): Δ before is the increase in bits per byte when the variant replaces every "
+        "layer's attention without retraining; Δ after, the increase after "
+        + (clause("{} uptraining steps", ok["uptrain_steps"]) or "uptraining")
+        + clause(" ({} tokens)", ok["uptrain_tokens"]) +
+        " with it in place, over flash uptrained the same way with the same seed; recovered "
+        "= 1 − after / before.\n")
 
 
 def recall_table(ctx, recall, settings, order):
@@ -386,11 +396,15 @@ def recall_table(ctx, recall, settings, order):
         cost = per_token(select(mine, top)) * 1e6
         cells.append(spread(cost, lambda x: f"{x:.3g}", count=False))
         out.append([code(ctx.styles.label(spec))] + cells)
-    ctx.md.append(f"\n### Recall accuracy\n\nMean ± sd (seeds) per setting; the last column is "
-                  f"the training time per token at {setting_label(top, settings)} "
-                  f"(µs, train_s / tokens, mean ± sd).\n\n")
-    ctx.md.append(md_table(["variant"] + [setting_label(s, settings) for s in settings] +
-                           ["train µs/token"], out))
+    heads = ["variant"] + [setting_label(s, settings) for s in settings] + ["train µs/token"]
+    timed = any(r[-1] for r in out)
+    if not timed:  # no training times in recall.csv
+        heads, out = heads[:-1], [r[:-1] for r in out]
+    ctx.md.append("\n### Recall accuracy\n\nMean ± sd (seeds) per setting" +
+                  (f"; the last column is the training time per token at "
+                   f"{setting_label(top, settings)} (µs, train_s / tokens, mean ± sd)"
+                   if timed else "") + ".\n\n")
+    ctx.md.append(md_table(heads, out))
     ctx.md.append(notes.text())
 
 
@@ -413,8 +427,14 @@ def language_speed_table(ctx, lm, order, rows, matched, target):
             else:
                 one = ok["seed"].nunique() == 1
                 after = spread(ok["uptrain_delta"], lambda x: f"{x:+.3f}")
+                after = after.replace(" (1)", " (1 seed)") if one else after
+                bad = mine[mine["status"] != "ok"]
+                if not bad.empty:
+                    after = after[:-1] + "; " + notes.mark(
+                        f"{len(bad)} {'/'.join(dict.fromkeys(bad['status']))}",
+                        bad["message"]) + ")"
                 cells += [spread(ok["swap_delta"], lambda x: f"{x:+.3f}", count=False),
-                          after.replace(" (1)", " (1 seed)") if one else after,
+                          after,
                           spread(ok["recovered"] * 100, lambda x: f"{x:.0f}%", count=False)]
         for pass_, _ in SPEED_PASSES:
             got = speed_over_flash(ctx, rows, matched.get(spec), pass_, target) \
@@ -429,6 +449,8 @@ def language_speed_table(ctx, lm, order, rows, matched, target):
                 other_n.add(n)
         out.append([code(ctx.styles.label(spec))] + cells)
     if lm is None and not speed_any:
+        ctx.md.append("\nNo speed over flash: results.csv holds no causal rows of these "
+                      "variants beside flash's on the same problem.\n")
         return
     heads = (["Δ bpb before", "Δ bpb after", "recovered"] if lm is not None else []) + \
         [f"{name} × flash" for _, name in SPEED_PASSES]
@@ -497,6 +519,8 @@ def figure(ctx, recall, top, settings, order, rows, matched):
             lo, hi = min(xs), max(xs)
             ax.set_xlim(lo / 2.0, hi * (4.0 if hi > lo else 8.0))
         else:
+            ax.xaxis.set_major_locator(ticker.NullLocator())
+            ax.xaxis.set_minor_locator(ticker.NullLocator())
             ax.text(0.5, 0.5, "no " + ("decode rows in results.csv" if key == "state"
                                       else "training times in recall.csv"),
                     transform=ax.transAxes, ha="center", va="center", color="0.4")
