@@ -44,6 +44,17 @@ read per step, the share of the memory bandwidth, prefill time, and the context 
 its time per token stays below flash's). Every other figure and table draws the forward rows
 (pass fwd) only; results without a pass column (an older attnbench) are all forward rows.
 
+With DIR/quality/recall.csv or DIR/quality/lm.csv (scripts/quality.py), a Quality section
+near the top of the report: per variant the recall accuracy at each setting and Δ bits per byte
+before and after uptraining (mean ± sd over seeds), beside its speed over flash at the same n
+(fwd, fwdbwd, decode), and
+
+  recall_throughput.png     recall accuracy against the decode state per sequence and against
+                            the training time per token
+
+The error figures and tables on generated inputs follow it, as a stress test of the input
+distribution.
+
 Only rows with status "ok" are drawn; the others are listed at the end of the report. A
 variant's colour and marker come from its name and its line style from its family, the same in
 every figure of every run (attnbench_plots/style.py); legends name a spec by its non-default

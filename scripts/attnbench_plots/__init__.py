@@ -3,6 +3,9 @@ family so that new families join without growing one file:
 
   style        colours and markers per variant spec, axes, legend and markdown helpers
   context      the results being drawn, their panels, and the report being written
+  quality      what a variant costs a trained model (DIR/quality/ of scripts/quality.py):
+               recall accuracy, bits per byte before and after uptraining, speed over flash
+               at the same n, recall against decode state and training time
   time_memory  time and peak memory against n, and the efficiency table relative to full
   error        error against n, and speed against error with the Pareto frontier
   crossover    time relative to flash and full, and the crossover lengths
@@ -16,5 +19,5 @@ family so that new families join without growing one file:
   report       report.md: the run header, every section in order, the rows not drawn
 
 Everything is read from the results directory (results.csv, meta.json, patterns/,
-trained/); no attnbench binary is run. scripts/plot.py is the command line.
+trained/, quality/); no attnbench binary is run. scripts/plot.py is the command line.
 """

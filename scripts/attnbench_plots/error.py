@@ -170,9 +170,15 @@ def error_vs_n(ctx):
     finish(fig, ctx.fig_path("error_vs_n"), handles,
            "Error against the float64 reference" + (f" ({fixed})" if fixed else ""),
            legend_ax=legend_ax)
-    ctx.md.append("## Error against sequence length\n")
+    ctx.md.append("## Error against sequence length: a stress test of the input distribution\n")
     ctx.embed("error_vs_n", "error against n")
-    ctx.md.append("Relative Frobenius error of the output against the double-precision "
+    ctx.md.append("A stress test of the input distribution, not a measure of quality: on "
+                  "generated inputs (gaussian unless the panel names another) attention lacks "
+                  "the structure a trained model's has (locality, sinks, a few heavy keys), so "
+                  "these errors say how a variant fares on such inputs, not what it costs a "
+                  "model" + (" (the Quality section above measures that)"
+                             if getattr(ctx, "quality_at", None) is not None else "") + ". "
+                  "Relative Frobenius error of the output against the double-precision "
                   "reference (on sampled rows where the full product is too large). The solid "
                   "grey line at 1 is the error of a zero output; above it (shaded) a variant "
                   "does worse than returning nothing. " +

@@ -7,21 +7,22 @@ import re
 from attnbench_results import (DECODE, FORWARD, TRAIN_PASSES, atomic_write_json,
                                atomic_write_text, noisy, problem_label)
 
-from . import (anatomy, crossover, decode, error, layer, modern, patterns, precision, style,
-               time_memory, trained_model, training)
+from . import (anatomy, crossover, decode, error, layer, modern, patterns, precision, quality,
+               style, time_memory, trained_model, training)
 from .context import Context
 from .style import code, md_table, unit
 
 FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover", "layer",
-           "patterns"] + (training.FIGURES + decode.FIGURES + trained_model.FIGURES +
+           "patterns"] + (quality.FIGURES + training.FIGURES + decode.FIGURES + trained_model.FIGURES +
                           anatomy.FIGURES)
 PASSES = [FORWARD] + TRAIN_PASSES + [DECODE]
 # The sections of the forward rows (pass fwd), drawn when there are any.
 FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
                     error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
                     layer.section, patterns.section, modern.section]
-# The report's sections after its header, in order; each draws its own figures.
-SECTIONS = FORWARD_SECTIONS + [precision.section, training.section, decode.section,
+# The report's sections after its header, in order; each draws its own figures. Quality (what a
+# variant costs a trained model, DIR/quality/) comes first, before the speed of the sweep.
+SECTIONS = [quality.section] + FORWARD_SECTIONS + [precision.section, training.section, decode.section,
                                trained_model.section, anatomy.section]
 
 
@@ -117,6 +118,8 @@ def write(args, df, meta):
         if draw in FORWARD_SECTIONS and ctx.ok.empty:
             continue
         draw(ctx)
+    # the Quality section names the budget frontier only once the sections have drawn it
+    quality.frontier(ctx, FIGURES)
     not_ok(ctx)
     report = os.path.join(ctx.dir, "report.md")
     atomic_write_text(report, re.sub(r"\n{3,}", "\n\n", "\n".join(ctx.md)))
