@@ -21,8 +21,9 @@ k (base 10000); a final norm and a linear read-out over the value vocabulary. Tr
 (betas 0.9, 0.98, no weight decay), a linear warm-up over the first 10% of the steps then a
 constant learning rate, gradients clipped at norm 1; each step draws a fresh batch of sequences
 from the seed. The first half of the steps (the length warm-up) trains on sequences of
-warmup_seq tokens (128; the same P pairs, so queries sit nearer their keys), n / warmup_seq
-times as many per step, the same tokens per step; the second half on sequences of n. A model
+warmup_seq tokens (64; the same P pairs, every position after them a query, so queries sit
+nearer their keys), n / warmup_seq times as many per step, the same tokens per step; the second
+half on sequences of n. A model
 learns the lookup first where it is easy to find (an attention spread evenly over 512 tokens
 hides it for many steps) and then over the distance the setting asks for; a mechanism that
 cannot reach that far (a local window) learns the short form and then fails the long one.
@@ -64,10 +65,13 @@ def min_distance(n, pairs):
     return n - query_count(n, pairs) - (2 * pairs - 2)
 
 
-def generate(rng, count, n, pairs):
+def generate(rng, count, n, pairs, queries=None):
     """`count` MQAR sequences: (tokens [count, n] int64, targets [count, n] int64 with IGNORE
-    off the query positions) drawn from the numpy Generator rng."""
-    q = query_count(n, pairs)
+    off the query positions) drawn from the numpy Generator rng. `queries`: how many of the last
+    positions are queries (default query_count; the warm-up's n - 2P leaves no filler)."""
+    q = query_count(n, pairs) if queries is None else queries
+    if not 1 <= q <= n - 2 * pairs:
+        raise ValueError(f"{q} queries do not fit after {pairs} pairs in {n} tokens")
     tokens = np.full((count, n), FILLER, np.int64)
     targets = np.full((count, n), IGNORE, np.int64)
     rounds = -(-q // pairs)
@@ -161,13 +165,13 @@ def accuracy(model, n, pairs, seed, sequences, batch):
     return hits / total
 
 
-WARMUP_SEQ = 128
+WARMUP_SEQ = 64
 
 
 def warmup_length(n, pairs, warmup_seq=WARMUP_SEQ):
-    """The length of the warm-up's sequences: warmup_seq when it divides n, leaves room for
-    the pairs' queries and is shorter than n; else n (no warm-up)."""
-    if warmup_seq and warmup_seq < n and n % warmup_seq == 0 and warmup_seq // 2 > 2 * pairs:
+    """The length of the warm-up's sequences: warmup_seq when it divides n, is shorter than n
+    and leaves at least as many queries as pairs' tokens after them; else n (no warm-up)."""
+    if warmup_seq and warmup_seq < n and n % warmup_seq == 0 and warmup_seq > 4 * pairs:
         return warmup_seq
     return n
 
@@ -190,7 +194,8 @@ def train(variant, n, pairs, width, seed, steps, batch, lr, causal=True, threads
             g["lr"] = lr * min(1.0, step / warmup)
         short = warmup_length(n, pairs, warmup_seq)
         if step <= steps // 2 and short < n:
-            tokens, targets = generate(rng, batch * (n // short), short, pairs)
+            tokens, targets = generate(rng, batch * (n // short), short, pairs,
+                                       queries=short - 2 * pairs)
         else:
             tokens, targets = generate(rng, batch, n, pairs)
         loss, _ = loss_and_hits(model, tokens, targets)

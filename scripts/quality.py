@@ -265,7 +265,7 @@ LM_COLUMNS = ["variant", "spec", "seed", "context", "eval_windows", "base_bpb", 
               "message", "checkpoint"]
 LM_KEY = ["spec", "seed", "context", "eval_windows", "uptrain_steps", "checkpoint"]
 LM_CONTEXT = 2048
-LM_BASE_STEPS = 1600
+LM_BASE_STEPS = 1000
 LM_BASE_BATCH = 2
 LM_STEPS = 40
 LM_BATCH = 2

@@ -39,6 +39,20 @@
 # flash as the baseline, also fine-tuned 20 steps in place); both write DIR/trained/.
 # Finished rows are kept: running the script again resumes where it stopped.
 #
+# Quality (scripts/quality.py; each part resumes where it stopped, and the models it trains
+# are cached):
+#   - the default sweep ends with a subset, about 30 minutes on 2 cores: multi-query
+#     associative recall at its longer setting (n = 512, every query farther from its key than
+#     the default local window reaches) for flash, local, linear, performer, gla, deltanet,
+#     moba and nsa over 3 seeds (DIR/quality/recall.csv);
+#   - `scripts/sweep.sh --quality [DIR]` runs the whole quality suite instead of the default
+#     sweep, about 4 hours on 2 cores: recall for every causal variant at both settings and
+#     for the others in the bidirectional form (with flash), recall against the budget of
+#     local, performer and moba, every variant swapped into a byte model of context 2048 and
+#     uptrained (DIR/quality/lm.csv, over 3 seeds for the subset above), and each
+#     approximation swept over its budget parameter at n = 4096 on the trained inputs
+#     (scripts/quality_sweep.sh, rows in DIR/results.csv).
+#
 # Installed (`cmake --install`, PREFIX/share/attnbench/scripts/sweep.sh) it builds nothing: it
 # runs the installation's bin/attnbench (installed_binary.txt beside it says where that is), and
 # the results directory is relative to the current directory. Plugins load as for attnbench
@@ -58,6 +72,11 @@ else
   bash scripts/build.sh
   bin=./build/attnbench
 fi
+quality=0
+if [ "${1:-}" = --quality ]; then
+  quality=1
+  shift
+fi
 out=${1:-results/default}
 shift || true
 py=/usr/bin/python3
@@ -69,7 +88,36 @@ fi
 # the default sweep's options (default_sweep_options), shared with scripts/slurm/submit.sh
 # shellcheck source=scripts/default_sweep.sh
 source "$here/default_sweep.sh"
-if [ $# -eq 0 ]; then
+qpy=("$py" "$here/quality.py")
+# the recall subset of the default sweep, and of the whole suite (quality.py's defaults)
+quality_subset=(flash local linear performer gla deltanet moba nsa)
+# recall against the budget: local's window, performer's features, moba's top k (of chunks of
+# 64 at n = 512)
+recall_budget=(local:window=64 local:window=128 local:window=256 local:window=512
+               performer:features=16 performer:features=32 performer:features=64
+               performer:features=128 moba:chunk=64,topk=1 moba:chunk=64,topk=2
+               moba:chunk=64,topk=4 moba:chunk=64,topk=6)
+if [ $quality = 1 ]; then
+  if [ $# -gt 0 ]; then
+    echo "sweep.sh: --quality takes a results directory only (got: $*); scripts/quality.py" \
+      "runs one part with options of its own" >&2
+    exit 2
+  fi
+  if ! "$py" -c 'import torch, numpy, attnbench' 2>/dev/null; then
+    echo "sweep.sh: the quality suite needs $py with torch and numpy and the attnbench Python" \
+      "package (build with -DATTNBENCH_PYTHON=ON; scripts/deps.sh installs the rest)" >&2
+    exit 2
+  fi
+  # shellcheck source=scripts/quality_sweep.sh
+  source "$here/quality_sweep.sh"
+  "$py" "$here/train_lm.py"
+  "$py" "$here/capture_qkv.py"
+  "$bin" sweep --out "$out" --resume "${quality_budget_options[@]}"
+  "${qpy[@]}" recall --out "$out"
+  "${qpy[@]}" recall --bidirectional --out "$out"
+  "${qpy[@]}" recall --seq 512 "${recall_budget[@]/#/--variant=}" --out "$out"
+  "${qpy[@]}" lm --out "$out"
+elif [ $# -eq 0 ]; then
   # the trained model and its captured inputs (each step does nothing when its cache is current)
   if ! "$py" -c 'import torch, numpy' 2>/dev/null; then
     echo "sweep.sh: the trained-input set needs $py with torch and numpy (Debian packages" \
@@ -82,6 +130,7 @@ if [ $# -eq 0 ]; then
   "$py" "$here/anatomy.py" --out "$out"
   if "$py" -c 'import attnbench' 2>/dev/null; then
     "$py" "$here/swap_eval.py" "$out" --finetune-steps 20 --finetune-top 4
+    "${qpy[@]}" recall --seq 512 "${quality_subset[@]/#/--variant=}" --out "$out"
   else
     echo "sweep.sh: the attnbench Python package is not importable, so the swap evaluation" \
       "(scripts/swap_eval.py) is left out; build with -DATTNBENCH_PYTHON=ON" >&2
