@@ -75,7 +75,7 @@ RECALL_SEQ = [128, 512]
 RECALL_PAIRS = [8]
 RECALL_WIDTH = 64
 RECALL_STEPS = 400
-RECALL_BATCH = 16
+RECALL_TOKENS_PER_STEP = 4096  # the default batch: this many tokens per step, 4096 / n sequences
 RECALL_LR = 3e-3
 RECALL_SEEDS = 3
 
@@ -211,12 +211,13 @@ def recall(args):
         rows = read_rows(path)
         runs = []
         for n, p in settings:
+            batch = args.batch or max(1, RECALL_TOKENS_PER_STEP // n)
             for spec in specs:
                 for seed in args.seeds:
                     runs.append(dict(variant=spec.split(":")[0], spec=spec, seq=n, pairs=p,
                                      width=args.width, seed=seed, steps=args.steps,
-                                     tokens=args.steps * args.batch * n, mode=mode,
-                                     batch=args.batch, lr=args.lr,
+                                     tokens=args.steps * batch * n, mode=mode,
+                                     batch=batch, lr=args.lr,
                                      min_distance=task.min_distance(n, p),
                                      threads=args.threads))
         done = {row_key(r) for r in rows if r.get("status") in DONE}
@@ -234,7 +235,7 @@ def recall(args):
             else:
                 try:
                     run.update(task.train(run["spec"], run["seq"], run["pairs"], args.width,
-                                          run["seed"], args.steps, args.batch, args.lr,
+                                          run["seed"], args.steps, run["batch"], args.lr,
                                           causal=causal, threads=args.threads))
                     run.update(status="ok", message="")
                 except (NotImplementedError, ValueError, FloatingPointError,
@@ -383,14 +384,17 @@ def language(args):
                 if spec not in swap:
                     swap[spec] = lm.bits_per_byte(base, batches, attnbench.Variant(spec))
                 run["swap_bpb"] = f"{swap[spec]:.6f}"
-                run["swap_delta"] = f"{swap[spec] - base_bpb + 0.0:.6f}".replace("-0.000000", "0.000000")
+                run["swap_delta"] = f"{swap[spec] - base_bpb:.6f}".replace("-0.000000",
+                                                                           "0.000000")
                 flash = [r for r in rows if r["spec"] == "flash" and str(r["seed"]) ==
                          str(run["seed"]) and key(r)[2:] == key(run)[2:] and
                          r.get("status") == "ok"]
                 if spec != "flash" and not flash:
                     raise RuntimeError(f"no flash row of seed {run['seed']} to compare with")
                 model = copy.deepcopy(base)
-                run["uptrain_s"] = f"{uptrain(model, spec, train, args.steps, args.batch, args.lr, run['seed'], args.threads):.3f}"  # noqa: E501
+                seconds = uptrain(model, spec, train, args.steps, args.batch, args.lr,
+                                  run["seed"], args.threads)
+                run["uptrain_s"] = f"{seconds:.3f}"
                 up = lm.bits_per_byte(model, batches, spec)
                 ref = up if spec == "flash" else float(flash[0]["uptrain_bpb"])
                 run["uptrain_bpb"] = f"{up:.6f}"
@@ -444,8 +448,9 @@ def main(argv=None):
                                             f"{RECALL_SEEDS})")
     r.add_argument("--steps", type=int, default=RECALL_STEPS,
                    help=f"training steps (default {RECALL_STEPS})")
-    r.add_argument("--batch", type=int, default=RECALL_BATCH,
-                   help=f"sequences per step (default {RECALL_BATCH})")
+    r.add_argument("--batch", type=int, default=None,
+                   help=f"sequences per step (default {RECALL_TOKENS_PER_STEP} / n: "
+                        f"{RECALL_TOKENS_PER_STEP} tokens per step at every length)")
     r.add_argument("--lr", type=float, default=RECALL_LR,
                    help=f"learning rate (default {RECALL_LR})")
     r.add_argument("--threads", type=int, default=2, help="threads (default 2)")
@@ -498,7 +503,7 @@ def main(argv=None):
             ap.error("--lr must be in (0, 1)")
         return language(args)
     if args.command == "recall":
-        if args.steps < 1 or args.batch < 1 or args.threads < 1 or not 0 < args.lr < 1:
+        if args.steps < 1 or (args.batch or 1) < 1 or args.threads < 1 or not 0 < args.lr < 1:
             ap.error("--steps, --batch and --threads must be at least 1, --lr in (0, 1)")
         return recall(args)
     return 2
