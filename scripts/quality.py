@@ -51,8 +51,11 @@ first 12 hex digits of the base model's sha256 (rows of another base model are r
 
 import argparse
 import csv
+import json
 import math
 import os
+import platform
+import socket
 import sys
 import time
 
@@ -129,6 +132,41 @@ def default_recall_variants(attnbench, bidirectional):
     if any(v["name"] == "sinkhorn" for v in listed):
         names.append("sinkhorn")
     return names
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def record_run(out_dir, part):
+    """Adds this invocation to DIR/quality/meta.json (`runs`: the part, command, host, CPU,
+    threads of torch, torch's version, the OpenBLAS settings of the environment and when it
+    started), so that the rows' times can be read against the machine that ran them."""
+    import torch
+    path = os.path.join(out_dir, "meta.json")
+    meta = {}
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            meta = {}
+    if not isinstance(meta, dict) or not isinstance(meta.get("runs"), list):
+        meta = {"runs": []}
+    meta["runs"].append({
+        "part": part, "command": " ".join(sys.argv), "host": socket.gethostname(),
+        "cpu": cpu_model(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "environment": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                                                       "OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    atomic_write(path, lambda f: json.dump(meta, f, indent=1), binary=False)
 
 
 def read_rows(path):
@@ -208,6 +246,7 @@ def recall(args):
     path = os.path.join(out_dir, "recall.csv")
     with results_lock(args.out, PROG):
         os.makedirs(out_dir, exist_ok=True)
+        record_run(out_dir, f"recall ({mode})")
         rows = read_rows(path)
         runs = []
         for n, p in settings:
@@ -344,6 +383,7 @@ def language(args):
     path = os.path.join(out_dir, "lm.csv")
     with results_lock(args.out, PROG):
         os.makedirs(out_dir, exist_ok=True)
+        record_run(out_dir, "lm")
         base, ckpt, ckpt_path = base_model(args)
         sha = lm.sha256_file(ckpt_path)[:12]
         curve = os.path.join(os.path.dirname(ckpt_path), "train_log.csv")
