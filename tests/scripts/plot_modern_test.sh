@@ -6,6 +6,10 @@
 # (not flash, not local without sinks), at n >= 4096 only, and gives a recurrence speed-up only
 # where the run holds the twin with form=recurrent. Copies of some rows on trained inputs (known
 # mass and error) check the trained-input mass table. Results without these variants say so.
+# A copy with known rows at several settings of local's window and moba's topk on the trained
+# inputs checks the "Error against budget" section: its series, their means over the layers,
+# the frontier's setting labels and the report's table (and that one setting per variant draws
+# neither budget figure).
 bin=$1
 . "$(dirname "$0")/lib.sh" plot_modern_test
 
