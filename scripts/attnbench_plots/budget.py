@@ -157,12 +157,15 @@ def make_series(ctx, rows, name, param, causal, others, by_value):
 
 
 def assign_styles(ctx, series):
-    """Each series in its variant's colour; a variant's second series (another parameter) takes
-    another marker and a dashed line."""
-    seen = {}
+    """Each series in its variant's colour; a variant's second budget parameter takes another
+    marker and a dashed line (the same parameter in the other causal setting, in its own
+    panel, keeps its style)."""
+    params = {}
     for s in series:
-        k = seen.get(s.name, 0)
-        seen[s.name] = k + 1
+        mine = params.setdefault(s.name, [])
+        if s.param not in mine:
+            mine.append(s.param)
+        k = mine.index(s.param)
         base = ctx.styles(s.name, line=False)
         marker = base["marker"] if k == 0 else \
             MARKERS[(MARKERS.index(base["marker"]) + 3 * k) % len(MARKERS)]
@@ -290,7 +293,10 @@ def frontier_figure(ctx, series):
                           "points": pr})
         records.append({"causal": int(mine[0].causal), "series": panel,
                         "flash_time": float(np.median(flash)) if flash else None})
-    handles = [Line2D([], [], markersize=5, label=s.label, **s.style) for s in series]
+    # one legend entry per label (a series in both causal settings is drawn alike in both)
+    firsts = {s.label: s for s in reversed(series)}
+    handles = [Line2D([], [], markersize=5, label=s.label, **s.style)
+               for s in series if firsts[s.label] is s]
     if any(r["flash_time"] for r in records):
         handles.append(Line2D([], [], label=f"{EXACT} (exact)", **FLASH_STYLE))
     handles.append(Line2D([], [], label="zero output (error 1)", **ZERO_STYLE))

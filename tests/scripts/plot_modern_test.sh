@@ -199,6 +199,9 @@ if texts != ["window=8", "window=16", "window=32", "window=64", "topk=1", "topk=
     fail(f"the frontier's labels are {texts}")
 missing = [f"{s['variant']} {pt['text']}" for p in fr["panels"] for s in p["series"]
            for pt in s["points"] if pt["label"] != "direct"]
+if fr["legend"][:2] != ["local: window", "moba: topk (chunk=256)"] or \
+        fr["legend"].count("local: window") != 1:
+    fail(f"the frontier's legend {fr['legend']} does not name each series once")
 if missing != fr["unlabelled"]:
     fail(f"unlabelled points {missing} are not those named under the figure {fr['unlabelled']}")
 text = open(report).read()
