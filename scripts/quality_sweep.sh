@@ -71,7 +71,8 @@ for s in sys.argv[1:]:
 print(" ".join(causal))
 print(" ".join(other))
 ' "${quality_budget_sets[@]}"); then
-  echo "quality_sweep.sh: the budget sets cannot be checked against \`$bin list --json\` (above: why)" >&2
+  echo "quality_sweep.sh: the budget sets cannot be checked against \`$bin list --json\`" \
+    "(above: why)" >&2
   return 2 2>/dev/null || exit 2
 fi
 { read -r _quality_causal; read -r _quality_noncausal; } <<<"$_quality_sweep_lists"
