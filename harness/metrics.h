@@ -16,9 +16,11 @@ namespace attnbench {
 inline constexpr double kExactPairsLimit = double(1 << 26);
 
 struct ErrorStats {
-  double rel_fro = 0;      ///< ||O - O*||_F / ||O*||_F over the rows used
-  double max_abs = 0;      ///< max |O - O*|
-  double mean_cos = 0;     ///< mean over rows of cos(O_i, O*_i); two zero rows count as 1
+  double rel_fro = 0;  ///< ||O - O*||_F / ||O*||_F over the rows used
+  double max_abs = 0;  ///< max |O - O*|
+  /// mean over the rows used of cos(O_i, O*_i), every row counted: a row where both are zero
+  /// counts 1 (the exact answer), a row where only one of them is zero counts 0
+  double mean_cos = 0;
   int64_t rows_used = 0;   ///< query rows compared
   int64_t rows_total = 0;  ///< B H n
   /// For pattern variants: share of each row's exact softmax probability inside the pattern

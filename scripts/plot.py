@@ -19,6 +19,15 @@ DIR`) and writes DIR/plots/*.png and DIR/report.md:
   patterns.png        one head's attention pattern per pattern variant, as the sweep stored it
                       (DIR/patterns/*.npy)
 
+With budget rows (scripts/quality_sweep.sh: a variant at several settings of its budget
+parameter on the trained inputs at n = 4096), also:
+
+  budget.png          per variant and budget parameter: time, error and mean cosine against
+                      the setting, flash's time as a reference
+  frontier.png        time against error, a point per setting labelled with it
+
+and an "Error against budget" section in the report.
+
 With training rows (`attnbench sweep --pass fwd,bwd,fwdbwd`), also:
 
   train_time_vs_n.png       median time of a forward and backward pass (pass fwdbwd) against n,

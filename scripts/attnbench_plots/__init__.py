@@ -8,6 +8,8 @@ family so that new families join without growing one file:
                at the same n, recall against decode state and training time
   time_memory  time and peak memory against n, and the efficiency table relative to full
   error        error against n, and speed against error with the Pareto frontier
+  budget       error against budget: each approximation over its budget parameter on the
+               trained inputs (time, error, mean cosine against the setting; the frontier)
   crossover    time relative to flash and full, and the crossover lengths
   patterns     the attention-pattern gallery from the patterns the sweep stored
   training     the training passes (bwd, fwdbwd): time and memory against n, gradient error

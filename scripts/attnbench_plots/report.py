@@ -7,23 +7,23 @@ import re
 from attnbench_results import (DECODE, FORWARD, TRAIN_PASSES, atomic_write_json,
                                atomic_write_text, noisy, problem_label)
 
-from . import (anatomy, crossover, decode, error, layer, modern, patterns, precision, quality,
-               style, time_memory, trained_model, training)
+from . import (anatomy, budget, crossover, decode, error, layer, modern, patterns, precision,
+               quality, style, time_memory, trained_model, training)
 from .context import Context
 from .style import code, md_table, unit
 
 FIGURES = ["time_vs_n", "memory_vs_n", "error_vs_n", "speed_vs_error", "crossover", "layer",
-           "patterns"] + (quality.FIGURES + training.FIGURES + decode.FIGURES + trained_model.FIGURES +
-                          anatomy.FIGURES)
+           "patterns"] + (quality.FIGURES + budget.FIGURES + training.FIGURES +
+                          decode.FIGURES + trained_model.FIGURES + anatomy.FIGURES)
 PASSES = [FORWARD] + TRAIN_PASSES + [DECODE]
 # The sections of the forward rows (pass fwd), drawn when there are any.
 FORWARD_SECTIONS = [time_memory.time_vs_n, time_memory.memory_vs_n, error.error_vs_n,
-                    error.speed_vs_error, crossover.crossover_section, time_memory.efficiency,
-                    layer.section, patterns.section, modern.section]
+                    error.speed_vs_error, budget.section, crossover.crossover_section,
+                    time_memory.efficiency, layer.section, patterns.section, modern.section]
 # The report's sections after its header, in order; each draws its own figures. Quality (what a
 # variant costs a trained model, DIR/quality/) comes first, before the speed of the sweep.
-SECTIONS = [quality.section] + FORWARD_SECTIONS + [precision.section, training.section, decode.section,
-                               trained_model.section, anatomy.section]
+SECTIONS = [quality.section] + FORWARD_SECTIONS + [
+    precision.section, training.section, decode.section, trained_model.section, anatomy.section]
 
 
 def header(ctx):

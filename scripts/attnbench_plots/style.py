@@ -404,12 +404,13 @@ def _box_distance(box, x, y):
     return math.hypot(dx, dy)
 
 
-def place_labels(ax, points, texts, avoid=()):
+def place_labels(ax, points, texts, avoid=(), fontsize=None, reaches=(1.0, 2.5)):
     """Puts each text next to its point (data coordinates) where its box overlaps no label
     placed before it, no point's marker and nothing in `avoid` (display-space boxes), and
     stays inside the axes: candidate offsets are tried in turn (right, left, above, below, the
-    diagonals, then farther out). Call after freeze_layout. Returns per point whether a label
-    was placed; a caller lists the others in a legend."""
+    diagonals, then farther out: each of `reaches` times the marker's size). Call after
+    freeze_layout. The labels are in `fontsize` (default: the legend's). Returns per point
+    whether a label was placed; a caller lists the others in a legend."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
@@ -418,7 +419,7 @@ def place_labels(ax, points, texts, avoid=()):
     xy = ax.transData.transform(data)
     r = 4.5 * pt  # marker half-size
     taken = [(x - r, y - r, x + r, y + r) for x, y in xy] + list(avoid)
-    size = plt.rcParams["legend.fontsize"]
+    size = plt.rcParams["legend.fontsize"] if fontsize is None else fontsize
     placed = []
     for (x, y), at, text in zip(xy, data, texts):
         probe = ax.text(0, 0, text, fontsize=size, transform=None)
@@ -426,7 +427,7 @@ def place_labels(ax, points, texts, avoid=()):
         probe.remove()
         w, h = bb.width, bb.height
         done = False
-        for reach in (1.0, 2.5):
+        for reach in reaches:
             d = r * reach + 2 * pt
             for dx, dy in ((d, -h / 2), (-d - w, -h / 2), (-w / 2, d), (-w / 2, -d - h),
                            (d, d * 0.5), (-d - w, d * 0.5), (d, -d * 0.5 - h),

@@ -6,6 +6,10 @@
 # (not flash, not local without sinks), at n >= 4096 only, and gives a recurrence speed-up only
 # where the run holds the twin with form=recurrent. Copies of some rows on trained inputs (known
 # mass and error) check the trained-input mass table. Results without these variants say so.
+# A copy with known rows at several settings of local's window and moba's topk on the trained
+# inputs checks the "Error against budget" section: its series, their means over the layers,
+# the frontier's setting labels and the report's table (and that one setting per variant draws
+# neither budget figure).
 bin=$1
 . "$(dirname "$0")/lib.sh" plot_modern_test
 
@@ -97,6 +101,121 @@ want = {"`moba:chunk=256`": ["0.900 (1.00e-01)", "0.600 (4.00e-01)"],
         "`local:window=16,sinks=4`": ["0.750 (2.50e-01)", "0.550 (4.50e-01)"]}
 if got != want:
     fail(f"the trained-input table is {got}, expected {want}")
+EOF
+
+# --- error against budget ------------------------------------------------------------------
+# The run above holds one setting per variant on the trained inputs: no budget series, so
+# neither budget figure nor section.
+for f in budget frontier; do
+  [ ! -e "$tmp/run/plots/$f.png" ] || fail "$f.png drawn without budget rows"
+done
+! grep -q "^## Error against budget" "$tmp/run/report.md" ||
+  fail "the report has a budget section without budget rows"
+# A copy whose trained rows at n = 4096 gain settings with known figures on layers 0 and 1:
+# local over window 8, 16, 32, 64 and moba over topk 1, 2, 3 (causal), and a non-causal local
+# window series beside a non-causal flash. Each point must be the mean over the two layers.
+cp -r "$tmp/run" "$tmp/budget"
+"$py" - "$tmp/budget/results.csv" "$tmp/budget/want.json" <<'EOF'
+import csv, json, sys
+path, want_path = sys.argv[1:]
+rows = list(csv.DictReader(open(path)))
+def fail(msg):
+    sys.exit(f"plot_modern_test: {msg}")
+base = {r["variant"]: r for r in rows if r["n"] == "4096" and r["input"] == "trained:layer=0"
+        and r["causal"] == "1" and "sinks=4" not in r["spec"]}
+if set(base) != {"flash", "local", "moba"}:
+    fail(f"the trained rows at n = 4096 are of {sorted(base)}")
+new, want = [], []
+def add(variant, spec, causal, layer, t, e, c):
+    r = dict(base[variant])
+    r.update(spec=spec, causal=str(causal), input=f"trained:layer={layer}", time_median_s=repr(t),
+             time_min_s=repr(t), time_max_s=repr(t), rel_fro_error=repr(e), mean_cosine=repr(c))
+    new.append(r)
+# layer 1 is twice as hard as layer 0 (error) and a bit slower (time)
+for causal in (1, 0):
+    add("flash", base["flash"]["spec"], causal, 0, 1.0, 1e-7, 1.0)
+    add("flash", base["flash"]["spec"], causal, 1, 1.2, 1e-7, 1.0)
+    values = (8, 16, 32, 64) if causal else (16, 128)
+    for w in values:
+        e0, t0 = 0.8 * 8 / w, 0.01 * w / 8
+        for layer, k in ((0, 1.0), (1, 2.0)):
+            add("local", f"local:window={w},block=64", causal, layer, t0 * (1 + 0.2 * layer),
+                e0 * k, 1 - e0 * k / 4)
+    want.append({"variant": "local", "param": "window", "causal": causal,
+                 "values": list(values),
+                 "error": [0.8 * 8 / w * 1.5 for w in values],
+                 "time": [0.01 * w / 8 * 1.1 for w in values],
+                 "cosine": [1 - 0.8 * 8 / w * 1.5 / 4 for w in values],
+                 "flash_time": 1.1})
+for k in (1, 2, 3):
+    for layer in (0, 1):
+        add("moba", f"moba:chunk=256,topk={k},block=64", 1, layer, 0.1 * k, 0.3 / k,
+            0.9 + 0.02 * k)
+want.insert(1, {"variant": "moba", "param": "topk", "causal": 1, "values": [1, 2, 3],
+                "error": [0.3 / k for k in (1, 2, 3)], "time": [0.1 * k for k in (1, 2, 3)],
+                "cosine": [0.9 + 0.02 * k for k in (1, 2, 3)], "flash_time": 1.1})
+# a row at another n and one on gaussian inputs: never budget rows
+for n, inp in (("2048", "trained:layer=0"), ("4096", "gaussian")):
+    r = dict(new[-1])
+    r.update(spec="moba:chunk=256,topk=7,block=64", n=n, m=n, input=inp)
+    new.append(r)
+rows = [r for r in rows if tuple(r[c] for c in ("spec", "causal", "input", "n")) not in
+        {tuple(r[c] for c in ("spec", "causal", "input", "n")) for r in new}] + new
+with open(path, "w", newline="") as fh:
+    w = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
+    w.writeheader()
+    w.writerows(rows)
+json.dump(want, open(want_path, "w"))
+EOF
+"$py" "$root/scripts/plot.py" "$tmp/budget" --debug-json "$tmp/budget.json" 2>"$tmp/plot.err" ||
+  { cat "$tmp/plot.err" >&2; fail "plot.py failed on budget rows"; }
+figures "$tmp/budget" budget frontier
+"$py" - "$tmp/budget.json" "$tmp/budget/want.json" "$tmp/budget/report.md" <<'EOF'
+import json, math, re, sys
+got, want, report = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
+def fail(msg):
+    sys.exit(f"plot_modern_test: {msg}")
+series = got["budget"]["series"]
+keys = [(s["variant"], s["param"], s["causal"]) for s in series]
+if keys != [(w["variant"], w["param"], w["causal"]) for w in want]:
+    fail(f"the budget series are {keys}, expected "
+         f"{[(w['variant'], w['param'], w['causal']) for w in want]}")
+for s, w in zip(series, want):
+    if s["values"] != w["values"] or s["layers"] != ["trained:layer=0", "trained:layer=1"]:
+        fail(f"{s['label']}: values {s['values']} on {s['layers']}, expected {w['values']}")
+    for c in ("error", "time", "cosine"):
+        if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(s[c], w[c])):
+            fail(f"{s['label']}: {c} {s[c]}, expected {w[c]} (means over layers 0 and 1)")
+    if not math.isclose(s["flash_time"], w["flash_time"], rel_tol=1e-9):
+        fail(f"{s['label']}: flash's time {s['flash_time']}, expected {w['flash_time']}")
+# the frontier: a panel per causal setting (causal first), every setting labelled with
+# parameter=value, as a label beside its point or named under the figure
+fr = got["frontier"]
+if [p["causal"] for p in fr["panels"]] != [1, 0]:
+    fail(f"the frontier's panels are {[p['causal'] for p in fr['panels']]}, expected [1, 0]")
+texts = [pt["text"] for p in fr["panels"] for s in p["series"] for pt in s["points"]]
+if texts != ["window=8", "window=16", "window=32", "window=64", "topk=1", "topk=2", "topk=3",
+             "window=16", "window=128"]:
+    fail(f"the frontier's labels are {texts}")
+missing = [f"{s['variant']} {pt['text']}" for p in fr["panels"] for s in p["series"]
+           for pt in s["points"] if pt["label"] != "direct"]
+if fr["legend"][:2] != ["local: window", "moba: topk (chunk=256)"] or \
+        fr["legend"].count("local: window") != 1:
+    fail(f"the frontier's legend {fr['legend']} does not name each series once")
+if missing != fr["unlabelled"]:
+    fail(f"unlabelled points {missing} are not those named under the figure {fr['unlabelled']}")
+text = open(report).read()
+m = re.search(r"^## Error against budget\n(.*?)(?=^## )", text, re.S | re.M)
+if not m:
+    fail("the report has no budget section")
+if text.index("## Error against budget") < text.index("## Speed against error"):
+    fail("the budget section comes before the speed against error section")
+body = m.group(1)
+for line in ("| `local: window` | causal | 8, 16, 32, 64 | 1.50e-01 – 1.20e+00 |",
+             "| `moba: topk (chunk=256)` | causal | 1, 2, 3 | 1.00e-01 – 3.00e-01 |",
+             "| `local: window` | non-causal | 16, 128 |"):
+    if line not in body:
+        fail(f"the budget table lacks {line!r}:\n{body}")
 EOF
 
 # Results without any of these variants: the section says so.

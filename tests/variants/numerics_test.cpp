@@ -204,6 +204,55 @@ TEST(ErrorMetrics, NonFiniteOutputOrReferenceThrows) {
   EXPECT_CONTAINS(msg, "float64 reference");
 }
 
+TEST(ErrorMetrics, FiguresAreTheirFloat64Definitions) {
+  // rel_fro_error, max_abs_error and mean_cosine against their definitions written out in
+  // float64, on every row (a problem small enough for the whole reference). Head 1's values
+  // are zero, so its reference rows are zero: a zero output row there counts cosine 1 and a
+  // nonzero one cosine 0, as does a zero output row against a nonzero reference row in head 0.
+  const Problem p = test::problem(1, 2, 20, 30, 8, false);
+  Inputs in = generate_inputs(p);
+  for (int64_t j = 0; j < p.keys(); ++j) std::fill_n(in.v.view().row(0, 1, j), p.dim, 0.f);
+  const std::vector<double> ref = reference_attention(p, in.q.view(), in.k.view(), in.v.view());
+  Tensor out(p.q_shape());
+  for (size_t t = 0; t < ref.size(); ++t)
+    out.data()[t] = float(ref[t] * (1.0 + 0.4 * std::sin(double(t))) + 0.05 * std::cos(3.0 * t));
+  std::fill_n(out.view().row(0, 0, 2), p.dim, 0.f);  // zero against nonzero: cosine 0
+  std::fill_n(out.view().row(0, 1, 0), p.dim, 0.f);  // zero against zero: cosine 1
+  for (int64_t i = 2; i < p.n; ++i) std::fill_n(out.view().row(0, 1, i), p.dim, 0.f);
+  // out row (0, 1, 1) stays nonzero against a zero reference row: cosine 0
+  double diff2 = 0, ref2 = 0, max_abs = 0, cos_sum = 0;
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t i = 0; i < p.n; ++i) {
+      const float* o = out.view().row(0, h, i);
+      const double* r = ref.data() + size_t((h * p.n + i) * p.dim);
+      double dot = 0, oo = 0, rr = 0;
+      for (int64_t c = 0; c < p.dim; ++c) {
+        diff2 += (o[c] - r[c]) * (o[c] - r[c]);
+        ref2 += r[c] * r[c];
+        max_abs = std::max(max_abs, std::abs(o[c] - r[c]));
+        dot += o[c] * r[c];
+        oo += double(o[c]) * o[c];
+        rr += r[c] * r[c];
+      }
+      cos_sum += oo == 0 && rr == 0 ? 1.0 : oo == 0 || rr == 0 ? 0.0 : dot / std::sqrt(oo * rr);
+    }
+  const ErrorStats e = measure_error(p, in.q.view(), in.k.view(), in.v.view(), out.view());
+  ASSERT_EQ(e.rows_used, p.heads * p.n);
+  EXPECT_EQ(e.rows_total, p.heads * p.n);
+  EXPECT_NEAR(e.rel_fro, std::sqrt(diff2 / ref2), 1e-12);
+  EXPECT_NEAR(e.max_abs, max_abs, 1e-12);
+  EXPECT_NEAR(e.mean_cos, cos_sum / double(p.heads * p.n), 1e-12);
+  // the perturbation is large enough for the cosine to tell: well below 1, above the 2 of the
+  // 40 rows counted 0 alone
+  EXPECT_LT(e.mean_cos, 0.97);
+  EXPECT_GT(e.mean_cos, 0.5);
+  // the exact output has cosine 1 on every row (zero rows of head 1 included)
+  Tensor exact(p.q_shape());
+  std::copy(ref.begin(), ref.end(), exact.data());
+  EXPECT_NEAR(measure_error(p, in.q.view(), in.k.view(), in.v.view(), exact.view()).mean_cos, 1.0,
+              1e-6);
+}
+
 TEST(ErrorMetrics, UniformErrorIsTheErrorOfAveragingTheVisibleKeys) {
   // causal with m != n, key padding and an additive mask holding -inf and finite biases
   Problem p = test::problem(2, 2, 9, 13, 5, true);
