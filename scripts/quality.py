@@ -47,6 +47,20 @@ the uptraining removed (empty when the swap cost under 0.001 bits per byte). The
 --seeded (default flash, local, linear, performer, gla, deltanet, moba, nsa) are uptrained with
 every seed of --seeds, the others with the first. Resumable as recall is; checkpoint is the
 first 12 hex digits of the base model's sha256 (rows of another base model are run again).
+
+`--shard I/N` (recall and lm): the runs of a command form a fixed, ordered list (recall: per
+setting, per variant, per seed, as the rows are written; lm: flash's seeds first, then each
+variant's seeds), and shard I of N runs every run whose index in that list is I modulo N (0 <=
+I < N), into its own DIR. In lm, a shard that runs a variant's row of a seed also runs flash's
+row of that seed first when its DIR lacks it (the row the variant's is compared with; it is
+the same in every shard that runs it, from the seed). Each shard resumes as a whole run does.
+
+`merge OUT SHARD_DIR...`: the rows of every SHARD_DIR/quality/recall.csv and lm.csv into
+OUT/quality/ (with the rows already there), one row per key (the columns that identify a row:
+RECALL_KEY, LM_KEY): an ok row wins over one that is not, a row repeated with the same values
+(but its training time) is kept once, and of two ok rows of a key that differ the first is
+kept, with a warning naming the key. lm_train_log.csv is copied too. OUT is locked while it is
+written, and every file is written whole (a merge that stops leaves the earlier file).
 """
 
 import argparse
@@ -169,6 +183,35 @@ def record_run(out_dir, part):
     atomic_write(path, lambda f: json.dump(meta, f, indent=1), binary=False)
 
 
+def shard_arg(text):
+    """--shard I/N -> (I, N): shard I (0-based) of N runs the runs whose index is I modulo N."""
+    parts = text.split("/")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        index, count = int(parts[0]), int(parts[1])
+    except ValueError:
+        index = count = None
+    if index is None or count < 1 or not 0 <= index < count:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected I/N, shard I of N with N >= 1 and 0 <= I < N (e.g. 0/4, the "
+            f"first of 4)")
+    return index, count
+
+
+def in_shard(runs, shard):
+    """The runs of the list `runs` that shard (I, N) runs: those at an index I modulo N (every
+    run without a shard)."""
+    if shard is None:
+        return list(runs)
+    index, count = shard
+    return [run for i, run in enumerate(runs) if i % count == index]
+
+
+def shard_note(shard):
+    return f", shard {shard[0]}/{shard[1]}" if shard else ""
+
+
 def read_rows(path):
     if not os.path.exists(path):
         return []
@@ -259,10 +302,11 @@ def recall(args):
                                      batch=batch, lr=args.lr,
                                      min_distance=task.min_distance(n, p),
                                      threads=args.threads))
+        runs = in_shard(runs, args.shard)
         done = {row_key(r) for r in rows if r.get("status") in DONE}
         todo = [r for r in runs if args.force or row_key(r) not in done]
         print(f"{PROG}: recall ({mode}), {len(specs)} variant(s) x {len(settings)} setting(s) "
-              f"x {len(args.seeds)} seed(s): {len(todo)} to train, "
+              f"x {len(args.seeds)} seed(s){shard_note(args.shard)}: {len(todo)} to train, "
               f"{len(runs) - len(todo)} already in {path}", flush=True)
         spent = 0.0
         for i, run in enumerate(todo):
@@ -367,6 +411,17 @@ def uptrain(model, variant, train, steps, batch, lr, seed, threads):
     return time.perf_counter() - start
 
 
+def lm_shard(runs, shard):
+    """The runs of `lm` that shard (I, N) runs (in_shard), with flash's run of every seed one of
+    them needs (its row is the one compared with) added, and flash's runs first."""
+    if shard is None:
+        return runs
+    mine = in_shard(runs, shard)
+    seeds = {str(r["seed"]) for r in mine if r["spec"] != "flash"}
+    flash = [r for r in runs if r["spec"] == "flash" and (r in mine or str(r["seed"]) in seeds)]
+    return flash + [r for r in mine if r["spec"] != "flash"]
+
+
 def language(args):
     attnbench = import_attnbench()
     import copy
@@ -404,10 +459,12 @@ def language(args):
                 runs.append(dict(variant=spec.split(":")[0], spec=spec, seed=seed, context=C,
                                  eval_windows=args.windows, uptrain_steps=args.steps,
                                  uptrain_tokens=args.steps * args.batch * C, checkpoint=sha))
+        runs = lm_shard(runs, args.shard)
         key = lambda r: tuple(str(r[c]) for c in LM_KEY)  # noqa: E731
         done = {key(r): r for r in rows if r.get("status") in DONE}
         todo = [r for r in runs if args.force or key(r) not in done]
-        print(f"{PROG}: lm at context {C}, {len(specs)} variant(s): {len(todo)} run(s) to do, "
+        print(f"{PROG}: lm at context {C}, {len(specs)} variant(s){shard_note(args.shard)}: "
+              f"{len(todo)} run(s) to do, "
               f"{len(runs) - len(todo)} already in {path}", flush=True)
         base_bpb = lm.bits_per_byte(base, batches, None)
         swap = {}
@@ -460,6 +517,107 @@ def language(args):
     return 0
 
 
+# the parts `merge` collects: file, its columns, the columns that identify a row, and those
+# that differ between two runs of the same row (its wall time)
+MERGED_PARTS = [("recall.csv", RECALL_COLUMNS, RECALL_KEY, ("train_s",)),
+                ("lm.csv", LM_COLUMNS, LM_KEY, ("uptrain_s",))]
+STATUS_RANK = {"ok": 0, "unsupported": 1, "failed": 2}
+
+
+def merge_rows(sources, columns, key_columns, timing, warn):
+    """The rows of `sources` (a list of (name, rows)), one per key: the first row of a key,
+    unless a later one has a better status (ok, then unsupported, then failed); two ok rows of
+    a key that differ but in the `timing` columns keep the first, and warn(message) names the
+    key. Returns (rows, columns, duplicates): columns are `columns` and any others the rows
+    hold, duplicates the count of rows left out."""
+    merged, where, extra = {}, {}, []
+    duplicates = 0
+    rank = lambda r: STATUS_RANK.get(r.get("status"), 3)  # noqa: E731
+    for name, rows in sources:
+        for row in rows:
+            for c in row:
+                if c is not None and c not in columns and c not in extra:
+                    extra.append(c)
+            key = tuple(str(row[c]) for c in key_columns)
+            if key not in merged:
+                merged[key], where[key] = row, name
+                continue
+            duplicates += 1
+            old = merged[key]
+            if rank(row) < rank(old):
+                merged[key], where[key] = row, name
+            elif rank(row) == rank(old) == 0:
+                differ = [c for c in set(old) | set(row)
+                          if c not in timing and old.get(c, "") != row.get(c, "")]
+                if differ:
+                    named = ", ".join(f"{c}={v}" for c, v in zip(key_columns, key))
+                    warn(f"{name} and {where[key]} hold different ok rows of {named} "
+                         f"(differing in {', '.join(sorted(differ))}): the row of {where[key]} "
+                         f"is kept")
+    return list(merged.values()), columns + extra, duplicates
+
+
+def merge(args):
+    """`merge OUT SHARD_DIR...`: the shards' quality rows into OUT/quality."""
+    out = os.path.abspath(args.out)
+    for d in args.shards:
+        if not os.path.isdir(d):
+            sys.exit(f"{PROG}: merge: {d} is not a directory; expected the results directory "
+                     f"of a shard (it holds quality/recall.csv or quality/lm.csv)")
+        if os.path.abspath(d) == out:
+            sys.exit(f"{PROG}: merge: {d} is OUT itself; OUT must be another directory (its "
+                     f"rows are kept and merged with the shards')")
+    found = [d for d in args.shards
+             if any(os.path.exists(os.path.join(d, "quality", f)) for f, *_ in MERGED_PARTS)]
+    if not found:
+        sys.exit(f"{PROG}: merge: none of the {len(args.shards)} directories holds "
+                 f"quality/recall.csv or quality/lm.csv")
+    for d in sorted(set(args.shards) - set(found)):
+        print(f"{PROG}: merge: warning: {d} holds no quality rows", file=sys.stderr)
+
+    def warn(message):
+        print(f"{PROG}: merge: warning: {message}", file=sys.stderr)
+
+    out_dir = os.path.join(args.out, "quality")
+    with results_lock(args.out, PROG):
+        os.makedirs(out_dir, exist_ok=True)
+        for name, columns, key_columns, timing in MERGED_PARTS:
+            path = os.path.join(out_dir, name)
+            sources = []
+            for d in [out_dir] + [os.path.join(d, "quality") for d in found]:
+                part = os.path.join(d, name)
+                if not os.path.exists(part):
+                    continue
+                rows = read_rows(part)
+                missing = [c for c in key_columns if rows and c not in rows[0]]
+                if missing:
+                    sys.exit(f"{PROG}: merge: {part} lacks the column(s) {', '.join(missing)} "
+                             f"of a {name} row's key ({', '.join(key_columns)})")
+                sources.append((part, rows))
+            if len(sources) == (1 if os.path.exists(path) else 0):
+                continue  # no shard holds this part: OUT's file, if any, stays as it is
+            rows, header, duplicates = merge_rows(sources, columns, key_columns, timing, warn)
+            write_rows(path, rows, header)
+            counts = {}
+            for r in rows:
+                counts[r.get("status", "")] = counts.get(r.get("status", ""), 0) + 1
+            statuses = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            print(f"{PROG}: merge: {path}: {len(rows)} rows ({statuses}) from "
+                  f"{len(sources)} file(s), {duplicates} duplicate(s) left out")
+        logs = [os.path.join(d, "quality", "lm_train_log.csv") for d in found]
+        logs = [f for f in logs if os.path.exists(f)]
+        if logs:
+            with open(logs[0], "rb") as f:
+                data = f.read()
+            for other in logs[1:]:
+                with open(other, "rb") as f:
+                    if f.read() != data:
+                        warn(f"{other} differs from {logs[0]} (another base model?): the "
+                             f"training curve of {logs[0]} is kept")
+            atomic_write(os.path.join(out_dir, "lm_train_log.csv"), lambda f: f.write(data))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
@@ -468,8 +626,12 @@ def main(argv=None):
                "  quality.py recall --out results/q\n"
                "  quality.py recall --variant flash --variant local --seeds 3 --out results/q\n"
                "  quality.py recall --bidirectional --out results/q\n"
-               "  quality.py lm --out results/q")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{recall,lm}")
+               "  quality.py lm --out results/q\n"
+               "  quality.py recall --shard 0/4 --out results/q-0\n"
+               "  quality.py merge results/q results/q-0 results/q-1 results/q-2 results/q-3")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{recall,lm,merge}")
+    shard_help = ("run shard I (0-based) of N: the runs at an index I modulo N of the command's "
+                  "ordered list of runs (see above)")
     r = sub.add_parser("recall", help="multi-query associative recall, trained per variant",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--variant", action="append", metavar="SPEC",
@@ -497,6 +659,7 @@ def main(argv=None):
     r.add_argument("--bidirectional", action="store_true",
                    help="every position sees the whole sequence (the encoder-only variants)")
     r.add_argument("--force", action="store_true", help="train again rows already done")
+    r.add_argument("--shard", type=shard_arg, metavar="I/N", help=shard_help)
     r.add_argument("--out", required=True, metavar="DIR",
                    help="results directory (writes DIR/quality/recall.csv)")
     m = sub.add_parser("lm", help="a byte language model with each variant swapped in, "
@@ -531,9 +694,20 @@ def main(argv=None):
     m.add_argument("--cache", help="cache root (default: ATTNBENCH_CACHE, "
                    "$XDG_CACHE_HOME/attnbench or ~/.cache/attnbench)")
     m.add_argument("--force", action="store_true", help="run again rows already done")
+    m.add_argument("--shard", type=shard_arg, metavar="I/N",
+                   help=shard_help + "; a variant's shard runs flash's row of its seed too")
     m.add_argument("--out", required=True, metavar="DIR",
                    help="results directory (writes DIR/quality/lm.csv)")
+    g = sub.add_parser("merge", help="the quality rows of shards' directories in one",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("out", metavar="OUT",
+                   help="the merged results directory (writes OUT/quality/; its rows are kept)")
+    g.add_argument("shards", nargs="+", metavar="SHARD_DIR",
+                   help="a shard's results directory (reads SHARD_DIR/quality/recall.csv, "
+                        "lm.csv and lm_train_log.csv)")
     args = ap.parse_args(argv)
+    if args.command == "merge":
+        return merge(args)
     if args.command == "lm":
         for name in ("steps", "batch", "context", "base_steps", "base_batch", "windows",
                      "threads"):

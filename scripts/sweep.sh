@@ -89,14 +89,10 @@ fi
 # shellcheck source=scripts/default_sweep.sh
 source "$here/default_sweep.sh"
 qpy=("$py" "$here/quality.py")
-# the recall subset of the default sweep, and of the whole suite (quality.py's defaults)
-quality_subset=(flash local linear performer gla deltanet moba nsa)
-# recall against the budget: local's window, performer's features, moba's top k (of chunks of
-# 64 at n = 512)
-recall_budget=(local:window=64 local:window=128 local:window=256 local:window=512
-               performer:features=16 performer:features=32 performer:features=64
-               performer:features=128 moba:chunk=64,topk=1 moba:chunk=64,topk=2
-               moba:chunk=64,topk=4 moba:chunk=64,topk=6)
+# the recall subset of the default sweep (quality_subset) and the recall against the budget
+# (recall_budget), shared with scripts/slurm/quality.sbatch
+# shellcheck source=scripts/quality_recall.sh
+source "$here/quality_recall.sh"
 if [ $quality = 1 ]; then
   if [ $# -gt 0 ]; then
     echo "sweep.sh: --quality takes a results directory only (got: $*); scripts/quality.py" \

@@ -1,5 +1,5 @@
 """scripts/quality.py: the recall task's generator, a tiny recall run (rows, resume, the
-bidirectional form, refusals) and a tiny language-model uptraining run.
+bidirectional form, refusals), a tiny language-model uptraining run, and --shard and merge.
 
     PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/trained/test_quality.py
 """
@@ -182,3 +182,78 @@ def test_a_tiny_uptraining_run(tmp_path):
     assert os.path.exists(os.path.join(out, "quality", "lm_train_log.csv"))
     r = quality_script(*args)
     assert "0 run(s) to do" in r.stdout
+
+
+def test_shards_split_the_runs_and_merge_gives_the_unsharded_rows(tmp_path):
+    """--shard I/N runs the runs at an index I modulo N; two shards cover the unsharded run
+    exactly, and `merge` of them gives its rows (but the training times)."""
+    args = ["recall", "--variant", "flash", "--variant", "clustered", "--seq", "32", "--pairs",
+            "4", "--seeds", "3", "--steps", "3", "--batch", "4", "--width", "32", "--threads",
+            "1"]
+    whole = str(tmp_path / "whole")
+    quality_script(*args, "--out", whole)
+    shards = [str(tmp_path / f"shard-{i}") for i in range(2)]
+    for i, d in enumerate(shards):
+        r = quality_script(*args, "--shard", f"{i}/2", "--out", d)
+        assert f"shard {i}/2: 3 to train" in r.stdout
+    key = lambda r: tuple(r[c] for c in quality.RECALL_KEY)  # noqa: E731
+    rows = read(os.path.join(whole, "quality", "recall.csv"))
+    parts = [read(os.path.join(d, "quality", "recall.csv")) for d in shards]
+    # the ordered list of runs (per setting, variant, seed), every second one to each shard
+    assert [key(r) for r in parts[0]] == [key(r) for r in rows[0::2]]
+    assert [key(r) for r in parts[1]] == [key(r) for r in rows[1::2]]
+
+    out = str(tmp_path / "merged")
+    r = quality_script("merge", out, *shards)
+    assert "6 rows" in r.stdout
+    merged = read(os.path.join(out, "quality", "recall.csv"))
+    untimed = lambda rs: sorted(tuple(sorted((c, v) for c, v in r.items()  # noqa: E731
+                                             if c != "train_s")) for r in rs)
+    assert untimed(merged) == untimed(rows)
+    assert all(float(r["train_s"]) > 0 for r in merged if r["status"] == "ok")
+
+    # OUT's rows are kept (and come first), an ok row wins over a failed one, a repeated row is
+    # kept once, and of two different ok rows of one key the first stays, with a warning
+    columns = quality.RECALL_COLUMNS
+    failed = dict(parts[0][0], status="failed", message="RuntimeError: x", accuracy="")
+    extra = dict(parts[0][0], seed="9")
+    other = dict(parts[1][0], accuracy="0.999")
+    kept = [failed if key(r) == key(failed) else r for r in merged] + [extra]
+    quality.write_rows(os.path.join(out, "quality", "recall.csv"), kept, columns)
+    redo = tmp_path / "redo" / "quality"
+    redo.mkdir(parents=True)
+    quality.write_rows(str(redo / "recall.csv"), [other, parts[1][1]], columns)
+    r = quality_script("merge", out, *shards, str(redo.parent))
+    assert "warning" in r.stderr and f"seed={other['seed']}" in r.stderr, r.stderr
+    again = {key(r): r for r in read(os.path.join(out, "quality", "recall.csv"))}
+    assert len(again) == 7 and key(extra) in again
+    assert again[key(failed)]["status"] == "ok"
+    assert again[key(failed)]["accuracy"] == parts[0][0]["accuracy"]
+    assert again[key(other)]["accuracy"] == parts[1][0]["accuracy"]
+
+
+def test_bad_shards_and_merges_are_refused(tmp_path, capsys):
+    for bad in ("2/2", "0/0", "1", "a/b", "0/2/4"):
+        with pytest.raises(SystemExit) as e:
+            quality.main(["recall", "--shard", bad, "--out", str(tmp_path / "q")])
+        assert e.value.code == 2 and "expected I/N" in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit, match="is not a directory"):
+        quality.main(["merge", str(tmp_path / "out"), str(tmp_path / "missing")])
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(SystemExit, match="holds quality/recall.csv or quality/lm.csv"):
+        quality.main(["merge", str(tmp_path / "out"), str(tmp_path / "empty")])
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_lm_shard_runs_flash_of_the_seeds_it_compares_with():
+    runs = [dict(spec=s, seed=k) for s in ("flash", "local", "gla") for k in (0, 1)]
+    assert quality.lm_shard(runs, None) == runs
+    # shard 0/4: flash 0 and gla 0 by index; shard 1/4: flash 1 and gla 1; shard 2/4: local 0,
+    # and flash 0 before it; shard 3/4: local 1, and flash 1 before it
+    spec_seed = lambda rs: [(r["spec"], r["seed"]) for r in rs]  # noqa: E731
+    assert spec_seed(quality.lm_shard(runs, (0, 4))) == [("flash", 0), ("gla", 0)]
+    assert spec_seed(quality.lm_shard(runs, (1, 4))) == [("flash", 1), ("gla", 1)]
+    assert spec_seed(quality.lm_shard(runs, (2, 4))) == [("flash", 0), ("local", 0)]
+    assert spec_seed(quality.lm_shard(runs, (3, 4))) == [("flash", 1), ("local", 1)]
+    covered = [r for i in range(4) for r in quality.lm_shard(runs, (i, 4))]
+    assert all(r in covered for r in runs)
