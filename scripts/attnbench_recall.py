@@ -3,11 +3,12 @@
 The task (after Zoology's MQAR, Arora et al. 2023), from a seed. A sequence of n tokens holds
 P key-value pairs at its start, `k1 v1 k2 v2 ... kP vP` (P distinct keys drawn from a key
 vocabulary of KEYS tokens, each value drawn from a value vocabulary of VALUES tokens), then
-filler tokens, then queries: every one of the last n/2 - 2P positions holds one of the P keys
+filler tokens, then queries: every one of the last n/4 - 2P positions holds one of the P keys
 (each key as often as the others, in a random order), and the target there is the value paired
 with that key. Loss and accuracy count only the query positions. Every query is at least
-n/2 - 2P + 2 positions after its key (258 at n = 512, P = 8), so a mechanism that keeps only the
-last W keys of a query (a local window W < that distance) cannot recall any of them.
+3n/4 + 2 positions after its key (770 at n = 1024), so a mechanism that keeps only the last W
+keys of a query cannot recall any of them when L W is shorter than that in a model of L layers
+(two layers of a window W relay a key up to 2W positions: 512 for local's default 256).
 
 Causal form: the model reads the sequence left to right and predicts the value at each query
 position from what precedes it. Bidirectional form (`bidirectional=True`): every position sees
@@ -50,12 +51,12 @@ IGNORE = -100  # the target of a position that is not a query
 
 
 def query_count(n, pairs):
-    """How many query positions a sequence of n tokens with `pairs` pairs has (the last n/2 -
+    """How many query positions a sequence of n tokens with `pairs` pairs has (the last n/4 -
     2P); raises ValueError when there is no room for them."""
-    q = n // 2 - 2 * pairs
+    q = n // 4 - 2 * pairs
     if pairs < 1 or q < 1:
-        raise ValueError(f"--seq {n} with --pairs {pairs}: the queries take the last n/2 - 2P "
-                         f"positions, so n must exceed 4P (at least {4 * pairs + 2})")
+        raise ValueError(f"--seq {n} with --pairs {pairs}: the queries take the last n/4 - 2P "
+                         f"positions, so n must exceed 8P (at least {8 * pairs + 4})")
     return q
 
 

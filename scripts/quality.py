@@ -86,9 +86,9 @@ RECALL_KEY = ["spec", "mode", "seq", "pairs", "width", "seed", "steps", "batch",
 DONE = ("ok", "unsupported")
 
 # The default recall settings and budget: exact attention solves both within it, and at the
-# longer one every query is farther from its key (258 positions) than the default local
-# window (256) reaches.
-RECALL_SEQ = [128, 512]
+# longer one every query is farther from its key (770 positions) than two layers of the default
+# local window (2 x 256) relay.
+RECALL_SEQ = [128, 1024]
 RECALL_PAIRS = [8]
 RECALL_WIDTH = 64
 RECALL_STEPS = 400

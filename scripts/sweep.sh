@@ -42,8 +42,8 @@
 # Quality (scripts/quality.py; each part resumes where it stopped, and the models it trains
 # are cached):
 #   - the default sweep ends with a subset, about 30 minutes on 2 cores: multi-query
-#     associative recall at its longer setting (n = 512, every query farther from its key than
-#     the default local window reaches) for flash, local, linear, performer, gla, deltanet,
+#     associative recall at its longer setting (n = 1024, every query farther from its key than
+#     two layers of the default local window relay) for flash, local, linear, performer, gla, deltanet,
 #     moba and nsa over 3 seeds (DIR/quality/recall.csv);
 #   - `scripts/sweep.sh --quality [DIR]` runs the whole quality suite instead of the default
 #     sweep, about 4 hours on 2 cores: recall for every causal variant at both settings and
@@ -111,7 +111,7 @@ if [ $quality = 1 ]; then
   "$bin" sweep --out "$out" --resume "${quality_budget_options[@]}"
   "${qpy[@]}" recall --out "$out"
   "${qpy[@]}" recall --bidirectional --out "$out"
-  "${qpy[@]}" recall --seq 512 "${recall_budget[@]/#/--variant=}" --out "$out"
+  "${qpy[@]}" recall --seq 1024 "${recall_budget[@]/#/--variant=}" --out "$out"
   "${qpy[@]}" lm --out "$out"
 elif [ $# -eq 0 ]; then
   # the trained model and its captured inputs (each step does nothing when its cache is current)
@@ -126,7 +126,7 @@ elif [ $# -eq 0 ]; then
   "$py" "$here/anatomy.py" --out "$out"
   if "$py" -c 'import attnbench' 2>/dev/null; then
     "$py" "$here/swap_eval.py" "$out" --finetune-steps 20 --finetune-top 4
-    "${qpy[@]}" recall --seq 512 "${quality_subset[@]/#/--variant=}" --out "$out"
+    "${qpy[@]}" recall --seq 1024 "${quality_subset[@]/#/--variant=}" --out "$out"
   else
     echo "sweep.sh: the attnbench Python package is not importable, so the swap evaluation" \
       "(scripts/swap_eval.py) is left out; build with -DATTNBENCH_PYTHON=ON" >&2

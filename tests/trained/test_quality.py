@@ -36,11 +36,11 @@ def read(path):
 
 
 def test_the_generator_pairs_keys_with_values_and_queries_earlier_keys():
-    n, pairs = 96, 6
+    n, pairs = 128, 6
     tokens, targets = task.generate(task.data_rng(5, "train"), 8, n, pairs)
     assert tokens.shape == targets.shape == (8, n)
     q = task.query_count(n, pairs)
-    assert q == n // 2 - 2 * pairs
+    assert q == n // 4 - 2 * pairs
     for row, want in zip(tokens.numpy(), targets.numpy()):
         keys, values = row[0:2 * pairs:2], row[1:2 * pairs:2] - task.KEYS
         assert len(set(keys)) == pairs and keys.max() < task.KEYS
@@ -61,7 +61,8 @@ def test_the_generator_pairs_keys_with_values_and_queries_earlier_keys():
         assert counts.max() - counts.min() <= 1
     # the smallest distance is reached: the last key and the first query
     assert task.min_distance(n, pairs) == (n - q) - (2 * pairs - 2)
-    assert task.min_distance(512, 8) > 256  # beyond the default local window
+    # beyond what two layers of the default local window (256) relay
+    assert task.min_distance(1024, 8) > 2 * 256
 
 
 def test_the_seed_fixes_the_data_and_the_streams_differ():
@@ -74,25 +75,25 @@ def test_the_seed_fixes_the_data_and_the_streams_differ():
 
 
 def test_a_setting_without_room_for_queries_is_refused():
-    with pytest.raises(ValueError, match="n must exceed 4P"):
-        task.query_count(32, 8)
-    r = quality_script("recall", "--variant", "flash", "--seq", "32", "--pairs", "8",
+    with pytest.raises(ValueError, match="n must exceed 8P"):
+        task.query_count(64, 8)
+    r = quality_script("recall", "--variant", "flash", "--seq", "64", "--pairs", "8",
                        "--out", "/nonexistent-unused", check=False)
-    assert r.returncode != 0 and "n must exceed 4P" in r.stderr
+    assert r.returncode != 0 and "n must exceed 8P" in r.stderr
 
 
 def test_training_is_reproducible_from_the_seed():
-    runs = [task.train("flash", 32, 4, 32, 7, 3, 4, 3e-3, threads=1, test_sequences=8)
+    runs = [task.train("flash", 64, 4, 32, 7, 3, 4, 3e-3, threads=1, test_sequences=8)
             for _ in range(2)]
     assert runs[0]["final_loss"] == runs[1]["final_loss"]
     assert runs[0]["accuracy"] == runs[1]["accuracy"]
-    assert runs[0]["tokens"] == 3 * 4 * 32
+    assert runs[0]["tokens"] == 3 * 4 * 64
 
 
 def test_a_recall_run_writes_its_rows_and_resumes(tmp_path):
     out = str(tmp_path / "q")
     args = ["recall", "--variant", "flash", "--variant", "local:window=8", "--variant",
-            "clustered", "--seq", "32", "--pairs", "4", "--seeds", "2", "--steps", "3",
+            "clustered", "--seq", "64", "--pairs", "4", "--seeds", "2", "--steps", "3",
             "--batch", "4", "--width", "32", "--threads", "1", "--out", out]
     r = quality_script(*args)
     assert "[6/6]" in r.stdout and "left" in r.stdout  # progress with an estimate
@@ -105,10 +106,10 @@ def test_a_recall_run_writes_its_rows_and_resumes(tmp_path):
         ("clustered", "0"), ("clustered", "1")]
     for row in rows[:4]:
         assert row["status"] == "ok" and row["mode"] == "causal"
-        assert row["tokens"] == str(3 * 4 * 32) and row["steps"] == "3"
+        assert row["tokens"] == str(3 * 4 * 64) and row["steps"] == "3"
         assert 0 <= float(row["accuracy"]) <= 1 and float(row["final_loss"]) > 0
         assert float(row["train_s"]) > 0
-        assert row["min_distance"] == str(task.min_distance(32, 4))
+        assert row["min_distance"] == str(task.min_distance(64, 4))
     for row in rows[4:]:  # cannot be causal: a row that says why
         assert row["status"] == "unsupported" and "cannot be causal" in row["message"]
         assert row["accuracy"] == ""
@@ -127,7 +128,7 @@ def test_a_recall_run_writes_its_rows_and_resumes(tmp_path):
     first = [x for x in again if x["spec"] == "flash" and x["seed"] == "0"][0]
     assert first["final_loss"] == rows[0]["final_loss"]  # the same seed, the same numbers
     # the bidirectional form runs the variants that cannot be causal, in rows of their own
-    r = quality_script("recall", "--bidirectional", "--variant", "clustered", "--seq", "32",
+    r = quality_script("recall", "--bidirectional", "--variant", "clustered", "--seq", "64",
                        "--pairs", "4", "--seeds", "1", "--steps", "2", "--batch", "4",
                        "--width", "32", "--threads", "1", "--out", out)
     rows = read(path)
@@ -187,7 +188,7 @@ def test_a_tiny_uptraining_run(tmp_path):
 def test_shards_split_the_runs_and_merge_gives_the_unsharded_rows(tmp_path):
     """--shard I/N runs the runs at an index I modulo N; two shards cover the unsharded run
     exactly, and `merge` of them gives its rows (but the training times)."""
-    args = ["recall", "--variant", "flash", "--variant", "clustered", "--seq", "32", "--pairs",
+    args = ["recall", "--variant", "flash", "--variant", "clustered", "--seq", "64", "--pairs",
             "4", "--seeds", "3", "--steps", "3", "--batch", "4", "--width", "32", "--threads",
             "1"]
     whole = str(tmp_path / "whole")
