@@ -357,7 +357,7 @@ def describe_recall(ctx, recall, settings):
     ctx.md.append(
         "\n**Recall** (multi-query associative recall, `scripts/attnbench_recall.py`): a "
         "sequence holds P key-value pairs at its start and asks for the values of those keys "
-        "in its last n/2 − 2P positions; a 2-block model"
+        "in its last n/4 − 2P positions; a 2-block model"
         + clause(" of width {}", recall["width"]) +
         f" is trained from scratch with every attention the variant, the same budget for every "
         f"variant, and scored by its accuracy on held-out sequences (chance {CHANCE:.3f}, "
