@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -310,6 +311,31 @@ class ByteLM(nn.Module):
         """Mean next-byte cross-entropy (nats) of batch [B, n + 1]."""
         logits = self(batch[:, :-1], variant)
         return F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+
+def finetune(model, variant, train, steps, batch, lr, rng):
+    """Trains `model` in place for `steps` steps with `variant` as its attention: batches of
+    `batch` windows of C + 1 bytes of `train` at starts drawn from the numpy Generator rng,
+    AdamW (betas 0.9, 0.95, no weight decay) at the constant rate lr, gradients clipped at
+    norm 1. Leaves it in eval mode; returns the seconds it took. Raises FloatingPointError
+    when the loss stops being finite."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    C = model.cfg["context"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        starts = rng.integers(0, len(train) - C - 1, size=batch)
+        tokens = torch.from_numpy(np.stack([train[s:s + C + 1] for s in starts])
+                                  .astype(np.int64))
+        loss = model.loss(tokens, variant)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"the training loss is {loss.item()}")
+    model.eval()
+    return time.perf_counter() - start
 
 
 def bits_per_byte(model, batches, variant=None):

@@ -66,7 +66,6 @@ written, and every file is written whole (a merge that stops leaves the earlier 
 import argparse
 import csv
 import json
-import math
 import os
 import platform
 import socket
@@ -227,6 +226,22 @@ def write_rows(path, rows, columns):
     atomic_write(path, write, binary=False)
 
 
+def keep_row(rows, run, key, path, columns):
+    """rows with `run` in place of a row of its key, written to path whole; returns them."""
+    rows = [r for r in rows if key(r) != key(run)] + [run]
+    write_rows(path, rows, columns)
+    return rows
+
+
+def progress(i, total, spent, label, run, ok_text):
+    """The progress line of the i-th (from 0) of `total` runs, with the time left at the mean
+    of the `spent` seconds so far."""
+    left = total - i - 1
+    eta = f", about {format_duration(spent / (i + 1) * left)} left" if left else ""
+    result = ok_text() if run["status"] == "ok" else f"{run['status']}: {run['message']}"
+    print(f"[{i + 1}/{total}] {label}: {result}{eta}", flush=True)
+
+
 def row_key(row):
     return tuple(str(row[c]) for c in RECALL_KEY)
 
@@ -329,16 +344,12 @@ def recall(args):
                     run[key] = f"{run[key]:.6g}"
             if "train_s" in run:
                 run["train_s"] = f"{run['train_s']:.3f}"
-            rows = [r for r in rows if row_key(r) != row_key(run)] + [run]
-            write_rows(path, rows, RECALL_COLUMNS)
+            rows = keep_row(rows, run, row_key, path, RECALL_COLUMNS)
             spent += time.perf_counter() - start
-            left = len(todo) - i - 1
-            eta = f", about {format_duration(spent / (i + 1) * left)} left" if left else ""
-            result = (f"accuracy {float(run['accuracy']):.3f}, loss "
-                      f"{float(run['final_loss']):.3f}, {float(run['train_s']):.0f} s"
-                      if run["status"] == "ok" else f"{run['status']}: {run['message']}")
-            print(f"[{i + 1}/{len(todo)}] {run['spec']} seq={run['seq']} pairs={run['pairs']} "
-                  f"seed={run['seed']}: {result}{eta}", flush=True)
+            progress(i, len(todo), spent, f"{run['spec']} seq={run['seq']} pairs={run['pairs']} "
+                     f"seed={run['seed']}", run,
+                     lambda: f"accuracy {float(run['accuracy']):.3f}, loss "
+                             f"{float(run['final_loss']):.3f}, {float(run['train_s']):.0f} s")
         print(f"{PROG}: {path}: {len(rows)} rows")
     return 0
 
@@ -382,33 +393,18 @@ def base_model(args, log=print):
     return model, ckpt, path
 
 
-def uptrain(model, variant, train, steps, batch, lr, seed, threads):
+def uptrain(model, variant, train, steps, batch, lr, seed):
     """Trains `model` in place for `steps` steps with `variant` as its attention (its learned
     inputs, if any, from a fresh start); returns the seconds it took."""
     import numpy as np
     import torch
     import attnbench
+    import attnbench_lm as lm
     torch.manual_seed(seed)
     if attnbench.Variant(variant).inputs:
         model.learn_inputs(variant, seed=seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = np.random.default_rng([seed, 2])  # every variant sees the same batches
-    C = model.cfg["context"]
-    start = time.perf_counter()
-    for _ in range(steps):
-        starts = rng.integers(0, len(train) - C - 1, size=batch)
-        tokens = torch.from_numpy(np.stack([train[s:s + C + 1] for s in starts])
-                                  .astype(np.int64))
-        loss = model.loss(tokens, variant)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"the uptraining loss is {loss.item()}")
-    model.eval()
-    return time.perf_counter() - start
+    # every variant sees the same batches
+    return lm.finetune(model, variant, train, steps, batch, lr, np.random.default_rng([seed, 2]))
 
 
 def lm_shard(runs, shard):
@@ -490,7 +486,7 @@ def language(args):
                     raise RuntimeError(f"no flash row of seed {run['seed']} to compare with")
                 model = copy.deepcopy(base)
                 seconds = uptrain(model, spec, train, args.steps, args.batch, args.lr,
-                                  run["seed"], args.threads)
+                                  run["seed"])
                 run["uptrain_s"] = f"{seconds:.3f}"
                 up = lm.bits_per_byte(model, batches, spec)
                 ref = up if spec == "flash" else float(flash[0]["uptrain_bpb"])
@@ -504,15 +500,11 @@ def language(args):
                 run.update(status="unsupported", message=str(e))
             except (ValueError, FloatingPointError, RuntimeError) as e:
                 run.update(status="failed", message=f"{type(e).__name__}: {e}")
-            rows = [r for r in rows if key(r) != key(run)] + [run]
-            write_rows(path, rows, LM_COLUMNS)
+            rows = keep_row(rows, run, key, path, LM_COLUMNS)
             spent += time.perf_counter() - start
-            left = len(todo) - i - 1
-            eta = f", about {format_duration(spent / (i + 1) * left)} left" if left else ""
-            result = (f"swap {float(run['swap_delta']):+.4f}, uptrained "
-                      f"{float(run['uptrain_delta']):+.4f} bits per byte"
-                      if run["status"] == "ok" else f"{run['status']}: {run['message']}")
-            print(f"[{i + 1}/{len(todo)}] {spec} seed={run['seed']}: {result}{eta}", flush=True)
+            progress(i, len(todo), spent, f"{spec} seed={run['seed']}", run,
+                     lambda: f"swap {float(run['swap_delta']):+.4f}, uptrained "
+                             f"{float(run['uptrain_delta']):+.4f} bits per byte")
         print(f"{PROG}: {path}: {len(rows)} rows")
     return 0
 

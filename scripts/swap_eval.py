@@ -103,22 +103,10 @@ def finetune(args, attnbench, ckpt_path, root, batches, rows):
     train = lm.read_bytes(train_path)
     for r in chosen:
         model, _ = lm.load_model(ckpt_path)
-        model.train()
         variant = attnbench.Variant(r["spec"])
-        opt = torch.optim.AdamW(model.parameters(), lr=args.finetune_lr, betas=(0.9, 0.95),
-                                weight_decay=0.0)
-        rng = np.random.default_rng(args.seed)  # every variant sees the same batches
-        C = model.cfg["context"]
-        for _ in range(args.finetune_steps):
-            starts = rng.integers(0, len(train) - C - 1, size=4)
-            batch = torch.from_numpy(np.stack([train[s:s + C + 1] for s in starts])
-                                     .astype(np.int64))
-            loss = model.loss(batch, variant)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        model.eval()
+        # every variant sees the same batches
+        lm.finetune(model, variant, train, args.finetune_steps, 4, args.finetune_lr,
+                    np.random.default_rng(args.seed))
         r["ft_steps"] = args.finetune_steps
         r["ft_bpb"] = lm.bits_per_byte(model, batches, variant)
         base = chosen[0]["ft_bpb"]
