@@ -319,12 +319,12 @@ def recall(args):
                                      threads=args.threads))
         runs = in_shard(runs, args.shard)
         done = {row_key(r) for r in rows if r.get("status") in DONE}
-        todo = [r for r in runs if args.force or row_key(r) not in done]
+        pending = [r for r in runs if args.force or row_key(r) not in done]
         print(f"{PROG}: recall ({mode}), {len(specs)} variant(s) x {len(settings)} setting(s) "
-              f"x {len(args.seeds)} seed(s){shard_note(args.shard)}: {len(todo)} to train, "
-              f"{len(runs) - len(todo)} already in {path}", flush=True)
+              f"x {len(args.seeds)} seed(s){shard_note(args.shard)}: {len(pending)} to train, "
+              f"{len(runs) - len(pending)} already in {path}", flush=True)
         spent = 0.0
-        for i, run in enumerate(todo):
+        for i, run in enumerate(pending):
             start = time.perf_counter()
             why = training_refusal(attnbench, run["spec"], run["seq"], causal,
                                    args.width // task.HEAD_DIM, task.HEAD_DIM)
@@ -346,7 +346,7 @@ def recall(args):
                 run["train_s"] = f"{run['train_s']:.3f}"
             rows = keep_row(rows, run, row_key, path, RECALL_COLUMNS)
             spent += time.perf_counter() - start
-            progress(i, len(todo), spent, f"{run['spec']} seq={run['seq']} pairs={run['pairs']} "
+            progress(i, len(pending), spent, f"{run['spec']} seq={run['seq']} pairs={run['pairs']} "
                      f"seed={run['seed']}", run,
                      lambda: f"accuracy {float(run['accuracy']):.3f}, loss "
                              f"{float(run['final_loss']):.3f}, {float(run['train_s']):.0f} s")
@@ -458,14 +458,14 @@ def language(args):
         runs = lm_shard(runs, args.shard)
         key = lambda r: tuple(str(r[c]) for c in LM_KEY)  # noqa: E731
         done = {key(r): r for r in rows if r.get("status") in DONE}
-        todo = [r for r in runs if args.force or key(r) not in done]
+        pending = [r for r in runs if args.force or key(r) not in done]
         print(f"{PROG}: lm at context {C}, {len(specs)} variant(s){shard_note(args.shard)}: "
-              f"{len(todo)} run(s) to do, "
-              f"{len(runs) - len(todo)} already in {path}", flush=True)
+              f"{len(pending)} run(s) to do, "
+              f"{len(runs) - len(pending)} already in {path}", flush=True)
         base_bpb = lm.bits_per_byte(base, batches, None)
         swap = {}
         spent = 0.0
-        for i, run in enumerate(todo):
+        for i, run in enumerate(pending):
             start = time.perf_counter()
             spec = run["spec"]
             run["base_bpb"] = f"{base_bpb:.6f}"
@@ -502,7 +502,7 @@ def language(args):
                 run.update(status="failed", message=f"{type(e).__name__}: {e}")
             rows = keep_row(rows, run, key, path, LM_COLUMNS)
             spent += time.perf_counter() - start
-            progress(i, len(todo), spent, f"{spec} seed={run['seed']}", run,
+            progress(i, len(pending), spent, f"{spec} seed={run['seed']}", run,
                      lambda: f"swap {float(run['swap_delta']):+.4f}, uptrained "
                              f"{float(run['uptrain_delta']):+.4f} bits per byte")
         print(f"{PROG}: {path}: {len(rows)} rows")
