@@ -276,6 +276,64 @@ def training_refusal(attnbench, spec, n, causal, heads, dim):
     return None
 
 
+def train_recall_run(run, causal, threads):
+    """One recall run (a row of `recall`): trained, refused or failed; returns the row."""
+    attnbench = import_attnbench()
+    import attnbench_recall as task
+    run = dict(run)
+    width, steps, lr = run["width"], run["steps"], run["lr"]
+    why = training_refusal(attnbench, run["spec"], run["seq"], causal,
+                           width // task.HEAD_DIM, task.HEAD_DIM)
+    if why is not None:
+        run.update(status="unsupported", message=why)
+    else:
+        try:
+            run.update(task.train(run["spec"], run["seq"], run["pairs"], width, run["seed"],
+                                  steps, run["batch"], lr, causal=causal, threads=threads))
+            run.update(status="ok", message="")
+        except (NotImplementedError, ValueError, FloatingPointError, RuntimeError) as e:
+            run.update(status="failed", message=f"{type(e).__name__}: {e}")
+    for key in ("accuracy", "final_loss"):
+        if key in run:
+            run[key] = f"{run[key]:.6g}"
+    if "train_s" in run:
+        run["train_s"] = f"{run['train_s']:.3f}"
+    return run
+
+
+def _job_init(threads):
+    """A --jobs worker: its torch threads, and quiet on Ctrl-C (the parent stops the pool)."""
+    import signal
+    import torch
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+
+
+def _job_run(work):
+    run, causal, threads = work
+    return train_recall_run(run, causal, threads)
+
+
+def recall_results(pending, causal, threads, jobs):
+    """The rows of the pending runs as they finish: one after the other in this process, or
+    with jobs > 1 on that many worker processes (each with `threads` threads), in the order
+    they finish."""
+    if jobs <= 1 or len(pending) <= 1:
+        for run in pending:
+            yield train_recall_run(run, causal, threads)
+        return
+    import multiprocessing
+    # spawn: a fork of a process whose OpenMP and torch threads already run can hang
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(min(jobs, len(pending)), initializer=_job_init, initargs=(threads,))
+    try:
+        yield from pool.imap_unordered(_job_run, [(r, causal, threads) for r in pending])
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
 def recall(args):
     attnbench = import_attnbench()
     import torch
@@ -320,34 +378,15 @@ def recall(args):
         runs = in_shard(runs, args.shard)
         done = {row_key(r) for r in rows if r.get("status") in DONE}
         pending = [r for r in runs if args.force or row_key(r) not in done]
+        jobs = f", {args.jobs} jobs of {args.threads} thread(s)" if args.jobs > 1 else ""
         print(f"{PROG}: recall ({mode}), {len(specs)} variant(s) x {len(settings)} setting(s) "
-              f"x {len(args.seeds)} seed(s){shard_note(args.shard)}: {len(pending)} to train, "
-              f"{len(runs) - len(pending)} already in {path}", flush=True)
-        spent = 0.0
-        for i, run in enumerate(pending):
-            start = time.perf_counter()
-            why = training_refusal(attnbench, run["spec"], run["seq"], causal,
-                                   args.width // task.HEAD_DIM, task.HEAD_DIM)
-            if why is not None:
-                run.update(status="unsupported", message=why)
-            else:
-                try:
-                    run.update(task.train(run["spec"], run["seq"], run["pairs"], args.width,
-                                          run["seed"], args.steps, run["batch"], args.lr,
-                                          causal=causal, threads=args.threads))
-                    run.update(status="ok", message="")
-                except (NotImplementedError, ValueError, FloatingPointError,
-                        RuntimeError) as e:
-                    run.update(status="failed", message=f"{type(e).__name__}: {e}")
-            for key in ("accuracy", "final_loss"):
-                if key in run:
-                    run[key] = f"{run[key]:.6g}"
-            if "train_s" in run:
-                run["train_s"] = f"{run['train_s']:.3f}"
+              f"x {len(args.seeds)} seed(s){shard_note(args.shard)}: {len(pending)} to train"
+              f"{jobs}, {len(runs) - len(pending)} already in {path}", flush=True)
+        start = time.perf_counter()
+        for i, run in enumerate(recall_results(pending, causal, args.threads, args.jobs)):
             rows = keep_row(rows, run, row_key, path, RECALL_COLUMNS)
-            spent += time.perf_counter() - start
-            progress(i, len(pending), spent, f"{run['spec']} seq={run['seq']} pairs={run['pairs']} "
-                     f"seed={run['seed']}", run,
+            progress(i, len(pending), time.perf_counter() - start,
+                     f"{run['spec']} seq={run['seq']} pairs={run['pairs']} seed={run['seed']}", run,
                      lambda: f"accuracy {float(run['accuracy']):.3f}, loss "
                              f"{float(run['final_loss']):.3f}, {float(run['train_s']):.0f} s")
         print(f"{PROG}: {path}: {len(rows)} rows")
@@ -647,7 +686,12 @@ def main(argv=None):
                         f"{RECALL_TOKENS_PER_STEP} tokens per step at every length)")
     r.add_argument("--lr", type=float, default=RECALL_LR,
                    help=f"learning rate (default {RECALL_LR})")
-    r.add_argument("--threads", type=int, default=2, help="threads (default 2)")
+    r.add_argument("--threads", type=int, default=2,
+                   help="threads (of each job with --jobs; default 2)")
+    r.add_argument("--jobs", type=int, default=1, metavar="J",
+                   help="runs trained at once, each in a process of its own with --threads "
+                        "threads (default 1; on a machine of C cores, --jobs C --threads 1 "
+                        "trains these small models fastest)")
     r.add_argument("--bidirectional", action="store_true",
                    help="every position sees the whole sequence (the encoder-only variants)")
     r.add_argument("--force", action="store_true", help="train again rows already done")
@@ -709,8 +753,9 @@ def main(argv=None):
             ap.error("--lr must be in (0, 1)")
         return language(args)
     if args.command == "recall":
-        if args.steps < 1 or (args.batch or 1) < 1 or args.threads < 1 or not 0 < args.lr < 1:
-            ap.error("--steps, --batch and --threads must be at least 1, --lr in (0, 1)")
+        if (args.steps < 1 or (args.batch or 1) < 1 or args.threads < 1 or args.jobs < 1 or
+                not 0 < args.lr < 1):
+            ap.error("--steps, --batch, --threads and --jobs must be at least 1, --lr in (0, 1)")
         return recall(args)
     return 2
 

@@ -93,6 +93,11 @@ qpy=("$py" "$here/quality.py")
 # (recall_budget), shared with scripts/slurm/quality.sbatch
 # shellcheck source=scripts/quality_recall.sh
 source "$here/quality_recall.sh"
+# recall trains many small models: one process of one thread per core (at most 8) trains them
+# faster than one process on every core
+jobs=$(nproc 2>/dev/null || echo 1)
+[ "$jobs" -le 8 ] || jobs=8
+recall=("${qpy[@]}" recall --jobs "$jobs" --threads 1)
 if [ $quality = 1 ]; then
   if [ $# -gt 0 ]; then
     echo "sweep.sh: --quality takes a results directory only (got: $*); scripts/quality.py" \
@@ -109,9 +114,9 @@ if [ $quality = 1 ]; then
   "$py" "$here/train_lm.py"
   "$py" "$here/capture_qkv.py"
   "$bin" sweep --out "$out" --resume "${quality_budget_options[@]}"
-  "${qpy[@]}" recall --out "$out"
-  "${qpy[@]}" recall --bidirectional --out "$out"
-  "${qpy[@]}" recall --seq 1024 "${recall_budget[@]/#/--variant=}" --out "$out"
+  "${recall[@]}" --out "$out"
+  "${recall[@]}" --bidirectional --out "$out"
+  "${recall[@]}" --seq 1024 "${recall_budget[@]/#/--variant=}" --out "$out"
   "${qpy[@]}" lm --out "$out"
 elif [ $# -eq 0 ]; then
   # the trained model and its captured inputs (each step does nothing when its cache is current)
@@ -126,7 +131,7 @@ elif [ $# -eq 0 ]; then
   "$py" "$here/anatomy.py" --out "$out"
   if "$py" -c 'import attnbench' 2>/dev/null; then
     "$py" "$here/swap_eval.py" "$out" --finetune-steps 20 --finetune-top 4
-    "${qpy[@]}" recall --seq 1024 "${quality_subset[@]/#/--variant=}" --out "$out"
+    "${recall[@]}" --seq 1024 "${quality_subset[@]/#/--variant=}" --out "$out"
   else
     echo "sweep.sh: the attnbench Python package is not importable, so the swap evaluation" \
       "(scripts/swap_eval.py) is left out; build with -DATTNBENCH_PYTHON=ON" >&2

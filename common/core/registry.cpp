@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "common/core/error.h"
+#include "common/core/parallel.h"
 #include "common/kernels/bf16.h"
 #include "common/patterns/pattern.h"
 
@@ -349,6 +350,15 @@ void Variant::check_token_inputs(const Problem& p, const ExtraInputs& given, int
   }
 }
 
+namespace {
+// The flops of mapping q (or its gradient) for the dot and bilinear scores: a scaling per
+// entry, or a d x d product per row.
+double map_flops(const Problem& p) {
+  const double entries = double(p.batch * p.heads) * double(p.n) * double(p.dim);
+  return p.score == Score::bilinear ? 2.0 * entries * double(p.dim) : entries;
+}
+}  // namespace
+
 Problem linear_score_problem(const Problem& p) {
   Problem scaled = p;
   scaled.score = Score::scaled_dot;
@@ -364,7 +374,8 @@ Tensor linear_score_query(const Problem& p, ConstTensorView q) {
   Tensor mapped(p.q_shape());
   TensorView mv = mapped.view();
   const float* w = p.score == Score::bilinear ? p.score_weights->w_bilinear.data() : nullptr;
-#pragma omp parallel for collapse(2) schedule(static)
+  const bool parallel = parallel_worth(map_flops(p), p.batch * p.heads);
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
       const float* wh = w ? w + h * d * d : nullptr;
@@ -604,7 +615,9 @@ namespace {
 void sum_groups(ConstTensorView per_head, TensorView out) {
   const int64_t group = out.group, stored = out.shape.heads / group;
   const int64_t len = out.shape.len, d = out.shape.dim;
-#pragma omp parallel for collapse(2) schedule(static)
+  const bool parallel = parallel_worth(double(out.shape.batch * out.shape.heads) * double(len * d),
+                                       out.shape.batch * stored);
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
   for (int64_t b = 0; b < out.shape.batch; ++b)
     for (int64_t g = 0; g < stored; ++g) {
       float* o = out.head(b, g * group);
@@ -663,7 +676,8 @@ void Variant::compute_backward(const Problem& p, ConstTensorView q, ConstTensorV
   const float root = float(std::sqrt(double(d)));
   const float* w = p.score == Score::bilinear ? p.score_weights->w_bilinear.data() : nullptr;
   const ConstTensorView dm = dmapped.view();
-#pragma omp parallel for collapse(2) schedule(static)
+  const bool parallel = parallel_worth(map_flops(p), p.batch * p.heads);
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t h = 0; h < p.heads; ++h) {
       const float* wh = w ? w + h * d * d : nullptr;

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "common/core/error.h"
+#include "common/core/parallel.h"
 #include "common/core/parallel_for.h"
 #include "common/core/random.h"
 #include "common/io/trained.h"
@@ -48,11 +49,21 @@ uint64_t kv_stream_id(Role r, const Origin& o, int64_t b, int64_t g) {
   return (uint64_t(r) << 48) ^ (uint64_t(o.b0 + b) << 24) ^ uint64_t(o.g0 + g);
 }
 
+// Whether generating q, k and v of p is worth the team: about 20 flops per drawn entry (a
+// counter-based draw and its normal transform), per (batch, head) task.
+ParallelFor generator_team(const Problem& p) {
+  const double entries = double(p.batch * p.heads) * double(p.n + 2 * p.keys()) * double(p.dim);
+  return {.parallel = parallel_worth(20.0 * entries, p.batch * p.heads)};
+}
+
 // Fills every stored head of t (a grouped view fills each key/value head once).
 void fill_gaussian(const Problem& p, const Origin& o, Role role, TensorView t) {
   const int64_t len = t.shape.len, d = t.shape.dim, stored = t.shape.heads / t.group;
   const bool kv = role == kK || role == kV;
-#pragma omp parallel for collapse(2) schedule(static)
+  // about 20 flops per sample, as in generator_team
+  const bool parallel =
+      parallel_worth(20.0 * double(t.shape.batch * stored * len * d), t.shape.batch * stored);
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
   for (int64_t b = 0; b < t.shape.batch; ++b)
     for (int64_t g = 0; g < stored; ++g) {
       RandomStream rs(p.seed, kv ? kv_stream_id(role, o, b, g) : stream_id(role, o, b, g));
@@ -79,25 +90,28 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t n = p.n, m = p.keys(), d = p.dim, len = std::max(n, m);
   const double rho = std::exp(-1.0 / 16.0), innov = std::sqrt(1 - rho * rho), noise = 0.3;
   const double norm = 1.0 / std::sqrt(1 + noise * noise);
-  parallel_for(p.batch * p.heads, [&](int64_t bh) {
-    const int64_t b = bh / p.heads, h = bh % p.heads;
-    const int64_t g = p.kv_head(h);
-    RandomStream lat(p.seed, kv_stream_id(kLatent, o, b, g)),
-        nq(p.seed, stream_id(kNoiseQ, o, b, h)), nk(p.seed, kv_stream_id(kNoiseK, o, b, g));
-    std::vector<double> z(size_t(len * d));
-    for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
-    for (int64_t t = 1; t < len; ++t)
-      for (int64_t c = 0; c < d; ++c)
-        z[size_t(t * d + c)] =
-            rho * z[size_t((t - 1) * d + c)] + innov * lat.normal(uint64_t(t * d + c));
-    float* q = in.q.view().head(b, h);
-    float* k = in.k.view().head(b, h);
-    for (int64_t i = 0; i < n * d; ++i)
-      q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
-    if (h % p.kv_group() != 0) return;  // the group's first head writes its k
-    for (int64_t i = 0; i < m * d; ++i)
-      k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
-  });
+  parallel_for(
+      p.batch * p.heads,
+      [&](int64_t bh) {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
+        const int64_t g = p.kv_head(h);
+        RandomStream lat(p.seed, kv_stream_id(kLatent, o, b, g)),
+            nq(p.seed, stream_id(kNoiseQ, o, b, h)), nk(p.seed, kv_stream_id(kNoiseK, o, b, g));
+        std::vector<double> z(size_t(len * d));
+        for (int64_t c = 0; c < d; ++c) z[size_t(c)] = lat.normal(uint64_t(c));
+        for (int64_t t = 1; t < len; ++t)
+          for (int64_t c = 0; c < d; ++c)
+            z[size_t(t * d + c)] =
+                rho * z[size_t((t - 1) * d + c)] + innov * lat.normal(uint64_t(t * d + c));
+        float* q = in.q.view().head(b, h);
+        float* k = in.k.view().head(b, h);
+        for (int64_t i = 0; i < n * d; ++i)
+          q[i] = float(norm * (z[size_t((len - n) * d + i)] + noise * nq.normal(uint64_t(i))));
+        if (h % p.kv_group() != 0) return;  // the group's first head writes its k
+        for (int64_t i = 0; i < m * d; ++i)
+          k[i] = float(norm * (z[size_t((len - m) * d + i)] + noise * nk.normal(uint64_t(i))));
+      },
+      generator_team(p));
 }
 
 // clustered: 8 cluster centres per head shared by q and k; each token is its centre plus
@@ -105,53 +119,60 @@ void fill_local(const Problem& p, const Origin& o, Inputs& in) {
 void fill_clustered(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t d = p.dim, clusters = 8;
   const double sigma = 0.5, norm = 1.0 / std::sqrt(1 + sigma * sigma);
-  parallel_for(p.batch * p.heads, [&](int64_t bh) {
-    const int64_t b = bh / p.heads, h = bh % p.heads;
-    const int64_t g = p.kv_head(h);
-    RandomStream cs(p.seed, kv_stream_id(kCenters, o, b, g));
-    std::vector<double> centres(size_t(clusters * d));
-    for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
-    auto fill = [&](float* x, int64_t len, RandomStream ns, RandomStream as, uint64_t offset) {
-      for (int64_t t = 0; t < len; ++t) {
-        int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
-        for (int64_t j = 0; j < d; ++j)
-          x[t * d + j] =
-              float(norm * (centres[size_t(c * d + j)] + sigma * ns.normal(uint64_t(t * d + j))));
-      }
-    };
-    fill(in.q.view().head(b, h), p.n, RandomStream(p.seed, stream_id(kNoiseQ, o, b, h)),
-         RandomStream(p.seed, stream_id(kAssign, o, b, h)), 0);
-    if (h % p.kv_group() == 0)  // the group's first head writes its k
-      fill(in.k.view().head(b, h), p.keys(), RandomStream(p.seed, kv_stream_id(kNoiseK, o, b, g)),
-           RandomStream(p.seed, kv_stream_id(kAssign, o, b, g)), uint64_t(1) << 40);
-  });
+  parallel_for(
+      p.batch * p.heads,
+      [&](int64_t bh) {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
+        const int64_t g = p.kv_head(h);
+        RandomStream cs(p.seed, kv_stream_id(kCenters, o, b, g));
+        std::vector<double> centres(size_t(clusters * d));
+        for (size_t i = 0; i < centres.size(); ++i) centres[i] = cs.normal(i);
+        auto fill = [&](float* x, int64_t len, RandomStream ns, RandomStream as, uint64_t offset) {
+          for (int64_t t = 0; t < len; ++t) {
+            int64_t c = int64_t(as.below(offset + uint64_t(t), clusters));
+            for (int64_t j = 0; j < d; ++j)
+              x[t * d + j] = float(
+                  norm * (centres[size_t(c * d + j)] + sigma * ns.normal(uint64_t(t * d + j))));
+          }
+        };
+        fill(in.q.view().head(b, h), p.n, RandomStream(p.seed, stream_id(kNoiseQ, o, b, h)),
+             RandomStream(p.seed, stream_id(kAssign, o, b, h)), 0);
+        if (h % p.kv_group() == 0)  // the group's first head writes its k
+          fill(in.k.view().head(b, h), p.keys(),
+               RandomStream(p.seed, kv_stream_id(kNoiseK, o, b, g)),
+               RandomStream(p.seed, kv_stream_id(kAssign, o, b, g)), uint64_t(1) << 40);
+      },
+      generator_team(p));
 }
 
 // lowrank: q and k lie in a shared random subspace of rank r = min(d, 8): x = z U with
 // z ~ N(0, I_r) and U entries N(0, 1/r), so every entry has unit variance.
 void fill_lowrank(const Problem& p, const Origin& o, Inputs& in) {
   const int64_t d = p.dim, r = std::min<int64_t>(d, 8);
-  parallel_for(p.batch * p.heads, [&](int64_t bh) {
-    const int64_t b = bh / p.heads, h = bh % p.heads;
-    const int64_t g = p.kv_head(h);
-    RandomStream us(p.seed, kv_stream_id(kBasis, o, b, g));
-    std::vector<double> u(size_t(r * d));
-    for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
-    auto fill = [&](float* x, int64_t len, RandomStream zs) {
-      std::vector<double> z(static_cast<size_t>(r));
-      for (int64_t t = 0; t < len; ++t) {
-        for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
-        for (int64_t j = 0; j < d; ++j) {
-          double s = 0;
-          for (int64_t a = 0; a < r; ++a) s += z[size_t(a)] * u[size_t(a * d + j)];
-          x[t * d + j] = float(s);
-        }
-      }
-    };
-    fill(in.q.view().head(b, h), p.n, RandomStream(p.seed, stream_id(kQ, o, b, h)));
-    if (h % p.kv_group() == 0)  // the group's first head writes its k
-      fill(in.k.view().head(b, h), p.keys(), RandomStream(p.seed, kv_stream_id(kK, o, b, g)));
-  });
+  parallel_for(
+      p.batch * p.heads,
+      [&](int64_t bh) {
+        const int64_t b = bh / p.heads, h = bh % p.heads;
+        const int64_t g = p.kv_head(h);
+        RandomStream us(p.seed, kv_stream_id(kBasis, o, b, g));
+        std::vector<double> u(size_t(r * d));
+        for (size_t i = 0; i < u.size(); ++i) u[i] = us.normal(i) / std::sqrt(double(r));
+        auto fill = [&](float* x, int64_t len, RandomStream zs) {
+          std::vector<double> z(static_cast<size_t>(r));
+          for (int64_t t = 0; t < len; ++t) {
+            for (int64_t a = 0; a < r; ++a) z[size_t(a)] = zs.normal(uint64_t(t * r + a));
+            for (int64_t j = 0; j < d; ++j) {
+              double s = 0;
+              for (int64_t a = 0; a < r; ++a) s += z[size_t(a)] * u[size_t(a * d + j)];
+              x[t * d + j] = float(s);
+            }
+          }
+        };
+        fill(in.q.view().head(b, h), p.n, RandomStream(p.seed, stream_id(kQ, o, b, h)));
+        if (h % p.kv_group() == 0)  // the group's first head writes its k
+          fill(in.k.view().head(b, h), p.keys(), RandomStream(p.seed, kv_stream_id(kK, o, b, g)));
+      },
+      generator_team(p));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "common/core/parallel.h"
 #include "common/core/parallel_for.h"
 
 namespace attnbench {
@@ -118,10 +119,14 @@ Matrix feature_map_attention(const Matrix& fq, const Matrix& fk, const Matrix& v
 std::vector<double> per_head(const Problem& p, const std::function<Matrix(int64_t, int64_t)>& f) {
   const int64_t bh = p.batch * p.heads, per = p.n * p.dim;
   std::vector<double> out(size_t(bh * per));
-  parallel_for(bh, [&](int64_t t) {
-    const Matrix o = f(t / p.heads, t % p.heads);
-    std::copy(o.a.begin(), o.a.end(), out.begin() + t * per);
-  });
+  // a head's oracle forms its n x m weights: about 4 n m d flops in double
+  const double flops = 4.0 * double(bh) * double(p.n) * double(p.keys()) * double(p.dim);
+  parallel_for(bh,
+               [&](int64_t t) {
+                 const Matrix o = f(t / p.heads, t % p.heads);
+                 std::copy(o.a.begin(), o.a.end(), out.begin() + t * per);
+               },
+               {.parallel = parallel_worth(flops, bh)});
   return out;
 }
 

@@ -7,6 +7,7 @@
 
 #include "common/core/error.h"
 #include "common/core/omp_guard.h"
+#include "common/core/parallel.h"
 #include "common/core/parallel_for.h"
 
 namespace attnbench {
@@ -110,24 +111,32 @@ std::vector<double> probabilities(const Problem& p, ConstTensorView q, ConstTens
   return prob;
 }
 
+// The team for `rows` float64 rows of p, a task each (chunks of 4): about 4 m d flops per
+// row (its logits, then its weighted sum or its mass), on one thread when that is small.
+ParallelFor rows_team(const Problem& p, size_t rows) {
+  const double flops = 4.0 * double(rows) * double(p.keys()) * double(p.dim);
+  return {.parallel = parallel_worth(flops, int64_t(rows)), .chunk = 4};
+}
+
 // out (rows.size() x d) = the rows' probabilities times V.
 void weighted_rows(const Problem& p, ConstTensorView q, ConstTensorView k, ConstTensorView v,
                    int64_t b, int64_t h, std::span<const int64_t> rows, double* out,
                    const SparsePattern* pattern, bool uniform, double* lse) {
   const int64_t d = p.dim;
-  parallel_for(int64_t(rows.size()),
-               [&](int64_t r) {
-                 const int64_t i = rows[r];
-                 std::vector<double> prob =
-                     probabilities(p, q, k, b, h, i, pattern, uniform, lse ? lse + r : nullptr);
-                 double* o = out + int64_t(r) * d;
-                 std::fill(o, o + d, 0.0);
-                 for (int64_t j = 0; j < p.visible(b, i); ++j) {
-                   const float* vj = v.row(b, h, j);
-                   for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
-                 }
-               },
-               {.chunk = 4});
+  parallel_for(
+      int64_t(rows.size()),
+      [&](int64_t r) {
+        const int64_t i = rows[r];
+        std::vector<double> prob =
+            probabilities(p, q, k, b, h, i, pattern, uniform, lse ? lse + r : nullptr);
+        double* o = out + int64_t(r) * d;
+        std::fill(o, o + d, 0.0);
+        for (int64_t j = 0; j < p.visible(b, i); ++j) {
+          const float* vj = v.row(b, h, j);
+          for (int64_t c = 0; c < d; ++c) o[c] += prob[size_t(j)] * double(vj[c]);
+        }
+      },
+      rows_team(p, rows.size()));
 }
 
 }  // namespace
@@ -151,7 +160,9 @@ HeadGradients reference_head_gradients(const Problem& p, ConstTensorView q, Cons
   OmpGuard guard;
   for (int64_t i0 = 0; i0 < n; i0 += R) {
     const int64_t rows = std::min(R, n - i0);
-#pragma omp parallel for schedule(dynamic, 4)
+    // per row: its logits, probabilities, dS and dQ, about 8 m d flops in double
+    const bool parallel = parallel_worth(8.0 * double(rows * m * d), rows);
+#pragma omp parallel for schedule(dynamic, 4) if (parallel)
     for (int64_t r = 0; r < rows; ++r)
       guard.run([&] {
         const int64_t i = i0 + r;
@@ -198,7 +209,7 @@ HeadGradients reference_head_gradients(const Problem& p, ConstTensorView q, Cons
       });
     guard.rethrow();
     // dK_j += sum_i dS_ij qs_i, dV_j += sum_i P_ij dO_i over the block's rows
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(4.0 * double(rows * m * d), m))
     for (int64_t j = 0; j < m; ++j) {
       double* dkj = g.dk.data() + j * d;
       double* dvj = g.dv.data() + j * d;
@@ -225,22 +236,21 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
                                  const SparsePattern& pattern, int64_t b, int64_t h,
                                  std::span<const int64_t> rows) {
   std::vector<double> mass(rows.size());
-  parallel_for(int64_t(rows.size()),
-               [&](int64_t r) {
-                 const int64_t i = rows[r];
-                 std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
-                 std::vector<uint8_t> allowed(size_t(p.keys()));
-                 pattern_row(p, pattern, b, h, i, allowed.data());
-                 double in = 0;
-                 for (int64_t j = 0; j < p.keys(); ++j)
-                   in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
-                 // a row with no visible key (causal, padding or the mask) has nothing to lose:
-                 // mass 1
-                 const bool empty =
-                     std::all_of(prob.begin(), prob.end(), [](double x) { return x == 0; });
-                 mass[r] = empty ? 1.0 : in;
-               },
-               {.chunk = 4});
+  parallel_for(
+      int64_t(rows.size()),
+      [&](int64_t r) {
+        const int64_t i = rows[r];
+        std::vector<double> prob = reference_probabilities(p, q, k, b, h, i);
+        std::vector<uint8_t> allowed(size_t(p.keys()));
+        pattern_row(p, pattern, b, h, i, allowed.data());
+        double in = 0;
+        for (int64_t j = 0; j < p.keys(); ++j) in += allowed[size_t(j)] ? prob[size_t(j)] : 0.0;
+        // a row with no visible key (causal, padding or the mask) has nothing to lose:
+        // mass 1
+        const bool empty = std::all_of(prob.begin(), prob.end(), [](double x) { return x == 0; });
+        mass[r] = empty ? 1.0 : in;
+      },
+      rows_team(p, rows.size()));
   return mass;
 }
 
@@ -249,27 +259,28 @@ std::vector<double> pattern_mass(const Problem& p, ConstTensorView q, ConstTenso
                                  std::span<const int64_t> rows, std::span<const double> lse) {
   std::vector<double> mass(rows.size());
   const AttnMask* mask = p.attn_mask.get();
-  parallel_for(int64_t(rows.size()),
-               [&](int64_t r) {
-                 const int64_t i = rows[r];
-                 // a row with no visible key (causal, padding or the mask) has nothing to lose:
-                 // mass 1
-                 if (lse[r] == -INFINITY) {
-                   mass[r] = 1.0;
-                   return;
-                 }
-                 std::vector<uint8_t> allowed(size_t(p.keys()));
-                 pattern_row(p, pattern, b, h, i, allowed.data());
-                 const Logits logit(p, q.row(b, h, i), h);
-                 double in = 0;
-                 for (int64_t j = 0; j < p.visible(b, i); ++j) {
-                   if (!allowed[size_t(j)]) continue;
-                   const double bias = mask ? double(mask->at(b, h, i, j)) : 0.0;
-                   if (bias != -INFINITY) in += std::exp(logit(k.row(b, h, j)) + bias - lse[r]);
-                 }
-                 mass[r] = in;
-               },
-               {.chunk = 4});
+  parallel_for(
+      int64_t(rows.size()),
+      [&](int64_t r) {
+        const int64_t i = rows[r];
+        // a row with no visible key (causal, padding or the mask) has nothing to lose:
+        // mass 1
+        if (lse[r] == -INFINITY) {
+          mass[r] = 1.0;
+          return;
+        }
+        std::vector<uint8_t> allowed(size_t(p.keys()));
+        pattern_row(p, pattern, b, h, i, allowed.data());
+        const Logits logit(p, q.row(b, h, i), h);
+        double in = 0;
+        for (int64_t j = 0; j < p.visible(b, i); ++j) {
+          if (!allowed[size_t(j)]) continue;
+          const double bias = mask ? double(mask->at(b, h, i, j)) : 0.0;
+          if (bias != -INFINITY) in += std::exp(logit(k.row(b, h, j)) + bias - lse[r]);
+        }
+        mass[r] = in;
+      },
+      rows_team(p, rows.size()));
   return mass;
 }
 

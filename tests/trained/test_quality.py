@@ -4,10 +4,13 @@ bidirectional form, refusals), a tiny language-model uptraining run, and --shard
     PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/trained/test_quality.py
 """
 
+import contextlib
 import csv
+import io
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -20,11 +23,23 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)
 import attnbench_recall as task  # noqa: E402
 import quality  # noqa: E402
+from attnbench_results import run_main  # noqa: E402
 
 
 def quality_script(*args, check=True):
-    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "quality.py"), *args],
-                       capture_output=True, text=True)
+    """quality.py ARGS run in this process as its command line runs it (one torch import for
+    the whole file): returncode, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_main(lambda: quality.main(list(args)), "quality.py")
+        except SystemExit as e:
+            code = e.code
+            if isinstance(code, str):  # sys.exit(message): printed, exit status 1
+                print(code, file=sys.stderr)
+                code = 1
+    r = types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(),
+                              stderr=err.getvalue())
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -138,8 +153,10 @@ def test_a_recall_run_writes_its_rows_and_resumes(tmp_path):
 
 
 def test_a_misspelt_variant_is_refused_before_anything_runs(tmp_path):
-    r = quality_script("recall", "--variant", "flsh", "--out", str(tmp_path / "q"),
-                       check=False)
+    # the script itself, from its command line
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "quality.py"), "recall",
+                        "--variant", "flsh", "--out", str(tmp_path / "q")],
+                       capture_output=True, text=True)
     assert r.returncode != 0 and "flsh" in r.stderr
     assert not os.path.exists(tmp_path / "q" / "quality" / "recall.csv")
 
@@ -231,6 +248,28 @@ def test_shards_split_the_runs_and_merge_gives_the_unsharded_rows(tmp_path):
     assert again[key(failed)]["status"] == "ok"
     assert again[key(failed)]["accuracy"] == parts[0][0]["accuracy"]
     assert again[key(other)]["accuracy"] == parts[1][0]["accuracy"]
+
+
+def test_jobs_train_the_same_rows_in_processes_of_their_own(tmp_path):
+    """--jobs 2: the runs go to two worker processes and give the rows (numbers included) of
+    the same runs trained one after the other; a refused run is a row as before."""
+    args = ["recall", "--variant", "flash", "--variant", "clustered", "--variant",
+            "local:window=8", "--seq", "64", "--pairs", "4", "--seeds", "1", "--steps", "2",
+            "--batch", "4", "--width", "32", "--threads", "1"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    quality_script(*args, "--out", one)
+    r = quality_script(*args, "--jobs", "2", "--out", two)
+    assert "2 jobs of 1 thread(s)" in r.stdout and "[3/3]" in r.stdout
+    key = lambda r: tuple(r[c] for c in quality.RECALL_KEY)  # noqa: E731
+    rows = {key(r): r for r in read(os.path.join(one, "quality", "recall.csv"))}
+    jobs = {key(r): r for r in read(os.path.join(two, "quality", "recall.csv"))}
+    assert rows.keys() == jobs.keys() and len(rows) == 3
+    for k, row in rows.items():
+        for column in ("status", "message", "accuracy", "final_loss", "tokens", "threads"):
+            assert jobs[k][column] == row[column], (k, column)
+    assert sorted(r["status"] for r in rows.values()) == ["ok", "ok", "unsupported"]
+    r = quality_script("recall", "--jobs", "0", "--out", two, check=False)
+    assert r.returncode == 2 and "--jobs" in r.stderr
 
 
 def test_bad_shards_and_merges_are_refused(tmp_path, capsys):

@@ -6,12 +6,17 @@ swap_eval.py) on a tiny model trained here for a few seconds, and the binary's
         tests/trained
 """
 
+import contextlib
 import csv
+import importlib
+import io
 import json
 import math
 import os
 import subprocess
 import sys
+import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -51,16 +56,36 @@ def cache(tmp_path_factory):
         f.write(data[:30000])
     with open(os.path.join(corpus, "valid.txt"), "wb") as f:
         f.write(data[30000:])
+    # one thread: ctest runs another test beside this one, and two torch threads of a model
+    # this small mostly wait for each other
     run_script("train_lm.py", "--cache", root, "--steps", "30", "--eval-every", "10",
-               "--eval-windows", "2", "--batch", "4", "--lr", "3e-3", "--config", TINY_ARG)
+               "--eval-windows", "2", "--batch", "4", "--lr", "3e-3", "--config", TINY_ARG,
+               "--threads", "1")
     run_script("capture_qkv.py", "--cache", root, "--length", str(3 * TINY["context"]),
-               "--offset", "0")
+               "--offset", "0", "--threads", "1")
     return root
 
 
 def run_script(name, *args, env=None, check=True):
-    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args],
-                       capture_output=True, text=True, env=env)
+    """scripts/NAME ARGS run in this process as its command line runs it (one torch import
+    for the whole file), with os.environ replaced by env when given: returncode, stdout and
+    stderr."""
+    script = importlib.import_module(name[:-len(".py")])
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.ExitStack() as stack:
+        if env is not None:
+            stack.enter_context(mock.patch.dict(os.environ, env, clear=True))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            lm.script_main(lambda: script.main(list(args)))
+        except SystemExit as e:
+            code = e.code
+            if isinstance(code, str):  # sys.exit(message): printed, exit status 1
+                print(code, file=sys.stderr)
+                code = 1
+    r = types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
@@ -139,7 +164,8 @@ def test_flash_in_the_model_reproduces_exact_attention(cache):
 def test_swap_eval_table(cache, tmp_path):
     out = str(tmp_path / "results")
     args = [out, "--cache", cache, "--windows", "2", "--variants",
-            "flash,local:window=1,linformer,full", "--finetune-steps", "3", "--finetune-top", "1"]
+            "flash,local:window=1,linformer,full", "--finetune-steps", "3", "--finetune-top", "1",
+            "--threads", "1"]
     run_script("swap_eval.py", *args)
     with open(os.path.join(out, "trained", "swap.csv")) as f:
         rows = {r["spec"]: r for r in csv.DictReader(f)}
@@ -170,7 +196,8 @@ def test_swap_eval_table(cache, tmp_path):
     # a second run on the same checkpoint and settings keeps the table; other settings do not
     r = run_script("swap_eval.py", *args)
     assert "is from this checkpoint" in r.stdout
-    r = run_script("swap_eval.py", out, "--cache", cache, "--windows", "1", "--variants", "flash")
+    r = run_script("swap_eval.py", out, "--cache", cache, "--windows", "1", "--variants", "flash",
+                   "--threads", "1")
     assert "is from this checkpoint" not in r.stdout
 
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/core/error.h"
+#include "common/core/parallel.h"
 #include "common/core/registry.h"
 #include "common/io/inputs.h"
 #include "common/reference/oracle.h"
@@ -411,18 +412,29 @@ TEST(Inputs, SameSeedSameTensorsOtherSeedOtherTensors) {
 }
 
 TEST(Inputs, ThreadCountDoesNotChangeInputs) {
-  Problem p = problem(2, 3, 40, 40, 8, false, 9);
-  Inputs a, b;
-  {
-    test::ScopedThreads one(1);
-    a = generate_inputs(p);
-  }
+  // large enough that the generators open their parallel regions on two threads (smaller
+  // ones run on one, common/core/parallel.h)
+  Problem p = problem(2, 3, 600, 600, 64, false, 9);
   {
     test::ScopedThreads two(2);
-    b = generate_inputs(p);
+    ASSERT_TRUE(parallel_worth(20.0 * double(p.batch * p.heads * p.n * p.dim), 6));
   }
-  EXPECT_TRUE(same_tensor(a.q, b.q));
-  EXPECT_TRUE(same_tensor(a.v, b.v));
+  for (const auto& dist : input_distributions()) {
+    SCOPED_TRACE(dist);
+    const Workload w = test::workload(dist);
+    Inputs a, b;
+    {
+      test::ScopedThreads one(1);
+      a = generate_inputs(p, w);
+    }
+    {
+      test::ScopedThreads two(2);
+      b = generate_inputs(p, w);
+    }
+    EXPECT_TRUE(same_tensor(a.q, b.q));
+    EXPECT_TRUE(same_tensor(a.k, b.k));
+    EXPECT_TRUE(same_tensor(a.v, b.v));
+  }
 }
 
 TEST(Inputs, EveryDistributionIsFiniteAndNotDegenerate) {
