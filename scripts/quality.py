@@ -72,7 +72,8 @@ import socket
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 from attnbench_results import atomic_write, results_lock  # noqa: E402
 
 PROG = "quality.py"
@@ -158,7 +159,7 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
-def record_run(out_dir, part):
+def record_run(out_dir, part, command):
     """Adds this invocation to DIR/quality/meta.json (`runs`: the part, command, host, CPU,
     threads of torch, torch's version, the OpenBLAS settings of the environment and when it
     started), so that the rows' times can be read against the machine that ran them."""
@@ -174,7 +175,7 @@ def record_run(out_dir, part):
     if not isinstance(meta, dict) or not isinstance(meta.get("runs"), list):
         meta = {"runs": []}
     meta["runs"].append({
-        "part": part, "command": " ".join(sys.argv), "host": socket.gethostname(),
+        "part": part, "command": command, "host": socket.gethostname(),
         "cpu": cpu_model(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "environment": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                        "OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
@@ -362,7 +363,7 @@ def recall(args):
     path = os.path.join(out_dir, "recall.csv")
     with results_lock(args.out, PROG):
         os.makedirs(out_dir, exist_ok=True)
-        record_run(out_dir, f"recall ({mode})")
+        record_run(out_dir, f"recall ({mode})", args.command_line)
         rows = read_rows(path)
         runs = []
         for n, p in settings:
@@ -473,7 +474,7 @@ def language(args):
     path = os.path.join(out_dir, "lm.csv")
     with results_lock(args.out, PROG):
         os.makedirs(out_dir, exist_ok=True)
-        record_run(out_dir, "lm")
+        record_run(out_dir, "lm", args.command_line)
         base, ckpt, ckpt_path = base_model(args)
         sha = lm.sha256_file(ckpt_path)[:12]
         curve = os.path.join(os.path.dirname(ckpt_path), "train_log.csv")
@@ -646,7 +647,33 @@ def merge(args):
                         warn(f"{other} differs from {logs[0]} (another base model?): the "
                              f"training curve of {logs[0]} is kept")
             atomic_write(os.path.join(out_dir, "lm_train_log.csv"), lambda f: f.write(data))
+        merge_meta(out_dir, [os.path.join(d, "quality") for d in found])
     return 0
+
+
+def read_meta_runs(quality_dir):
+    try:
+        with open(os.path.join(quality_dir, "meta.json"), encoding="utf-8") as f:
+            runs = json.load(f).get("runs")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+
+def merge_meta(out_dir, shard_dirs):
+    """OUT/quality/meta.json lists the invocations recorded in OUT and in every shard (each
+    once), so the merged rows keep the record of the machines that trained them."""
+    runs = read_meta_runs(out_dir)
+    seen = {json.dumps(r, sort_keys=True) for r in runs}
+    for d in shard_dirs:
+        for r in read_meta_runs(d):
+            text = json.dumps(r, sort_keys=True)
+            if text not in seen:
+                seen.add(text)
+                runs.append(r)
+    runs.sort(key=lambda r: str(r.get("started", "")))
+    atomic_write(os.path.join(out_dir, "meta.json"),
+                 lambda f: json.dump({"runs": runs}, f, indent=1), binary=False)
 
 
 def main(argv=None):
@@ -742,6 +769,9 @@ def main(argv=None):
                    help="a shard's results directory (reads SHARD_DIR/quality/recall.csv, "
                         "lm.csv and lm_train_log.csv)")
     args = ap.parse_args(argv)
+    # the command line as meta.json records it
+    words = sys.argv if argv is None else [os.path.join(HERE, "quality.py"), *argv]
+    args.command_line = " ".join(words)
     if args.command == "merge":
         return merge(args)
     if args.command == "lm":

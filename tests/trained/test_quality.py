@@ -7,6 +7,7 @@ bidirectional form, refusals), a tiny language-model uptraining run, and --shard
 import contextlib
 import csv
 import io
+import json
 import os
 import subprocess
 import sys
@@ -229,6 +230,10 @@ def test_shards_split_the_runs_and_merge_gives_the_unsharded_rows(tmp_path):
                                              if c != "train_s")) for r in rs)
     assert untimed(merged) == untimed(rows)
     assert all(float(r["train_s"]) > 0 for r in merged if r["status"] == "ok")
+    # the record of the runs that trained the rows: both shards' invocations, each once
+    with open(os.path.join(out, "quality", "meta.json")) as f:
+        commands = [r["command"] for r in json.load(f)["runs"]]
+    assert len(commands) == 2 and all("--shard" in c for c in commands), commands
 
     # OUT's rows are kept (and come first), an ok row wins over a failed one, a repeated row is
     # kept once, and of two different ok rows of one key the first stays, with a warning
