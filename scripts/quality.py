@@ -16,12 +16,13 @@ flash beside them. Rows go to DIR/quality/recall.csv, one per (variant spec, for
 seed, budget):
 
     variant, spec, seq, pairs, width, seed, steps, tokens, train_s, accuracy, final_loss,
-    status, message, mode, batch, lr, min_distance, threads
+    status, message, mode, batch, lr, min_distance, threads, cpu
 
 status is `ok`, `unsupported` (the variant cannot train on the problem: its own message) or
 `failed` (the training failed: the error). train_s is the training's wall time, tokens the
 steps x batch x seq tokens it saw; final_loss the mean loss of the last 10% of its steps;
-min_distance the fewest positions between a query and its key. The file is rewritten whole
+min_distance the fewest positions between a query and its key; cpu the processor that trained
+the run (its model name), so that times are read against the machine that took them. The file is rewritten whole
 after every row, and rows already there (ok or unsupported) are kept and not run again: a run
 that stops resumes where it stopped (--force runs them again). The directory is locked while
 the script writes (DIR/.attnbench.lock, as `attnbench sweep` takes it).
@@ -38,7 +39,7 @@ attention's loss too. Rows go to DIR/quality/lm.csv, one per (variant spec, seed
 
     variant, spec, seed, context, eval_windows, base_bpb, swap_bpb, swap_delta,
     uptrain_steps, uptrain_tokens, uptrain_bpb, flash_uptrain_bpb, uptrain_delta, recovered,
-    uptrain_s, status, message, checkpoint
+    uptrain_s, status, message, checkpoint, cpu
 
 base_bpb is the base model with its own attention (torch's softmax) on --windows held-out
 windows of C bytes; swap_delta = swap_bpb - base_bpb; uptrain_delta = uptrain_bpb -
@@ -80,7 +81,7 @@ PROG = "quality.py"
 
 RECALL_COLUMNS = ["variant", "spec", "seq", "pairs", "width", "seed", "steps", "tokens",
                   "train_s", "accuracy", "final_loss", "status", "message", "mode", "batch",
-                  "lr", "min_distance", "threads"]
+                  "lr", "min_distance", "threads", "cpu"]
 # the columns that identify a recall row (with the settings, the budget and the form)
 RECALL_KEY = ["spec", "mode", "seq", "pairs", "width", "seed", "steps", "batch", "lr"]
 DONE = ("ok", "unsupported")
@@ -299,6 +300,7 @@ def train_recall_run(run, causal, threads):
             run[key] = f"{run[key]:.6g}"
     if "train_s" in run:
         run["train_s"] = f"{run['train_s']:.3f}"
+    run["cpu"] = cpu_model()
     return run
 
 
@@ -397,7 +399,7 @@ def recall(args):
 LM_COLUMNS = ["variant", "spec", "seed", "context", "eval_windows", "base_bpb", "swap_bpb",
               "swap_delta", "uptrain_steps", "uptrain_tokens", "uptrain_bpb",
               "flash_uptrain_bpb", "uptrain_delta", "recovered", "uptrain_s", "status",
-              "message", "checkpoint"]
+              "message", "checkpoint", "cpu"]
 LM_KEY = ["spec", "seed", "context", "eval_windows", "uptrain_steps", "checkpoint"]
 LM_CONTEXT = 2048
 LM_BASE_STEPS = 1000
@@ -509,6 +511,7 @@ def language(args):
             start = time.perf_counter()
             spec = run["spec"]
             run["base_bpb"] = f"{base_bpb:.6f}"
+            run["cpu"] = cpu_model()
             why = training_refusal(attnbench, spec, C, True, base.cfg["heads"],
                                    base.cfg["head_dim"])
             try:
@@ -550,9 +553,9 @@ def language(args):
 
 
 # the parts `merge` collects: file, its columns, the columns that identify a row, and those
-# that differ between two runs of the same row (its wall time)
-MERGED_PARTS = [("recall.csv", RECALL_COLUMNS, RECALL_KEY, ("train_s",)),
-                ("lm.csv", LM_COLUMNS, LM_KEY, ("uptrain_s",))]
+# that differ between two runs of the same row (its wall time and the processor that took it)
+MERGED_PARTS = [("recall.csv", RECALL_COLUMNS, RECALL_KEY, ("train_s", "cpu")),
+                ("lm.csv", LM_COLUMNS, LM_KEY, ("uptrain_s", "cpu"))]
 STATUS_RANK = {"ok": 0, "unsupported": 1, "failed": 2}
 
 
