@@ -305,7 +305,7 @@ def train_recall_run(run, causal, threads):
 
 
 def _job_init(threads):
-    """A --jobs worker: its torch threads, and quiet on Ctrl-C (the parent stops the pool)."""
+    """A recall worker: its torch threads, and quiet on Ctrl-C (the parent stops the pool)."""
     import signal
     import torch
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -317,6 +317,21 @@ def _job_run(work):
     return train_recall_run(run, causal, threads)
 
 
+def pool_map(function, items, jobs, initializer, initargs):
+    """function(item) of every item on `jobs` worker processes (each set up by
+    initializer(*initargs)), yielded in the order they finish."""
+    import multiprocessing
+    # spawn: a fork of a process whose OpenMP and torch threads already run can hang
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(min(jobs, len(items)), initializer=initializer, initargs=initargs)
+    try:
+        yield from pool.imap_unordered(function, items)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
 def recall_results(pending, causal, threads, jobs):
     """The rows of the pending runs as they finish: one after the other in this process, or
     with jobs > 1 on that many worker processes (each with `threads` threads), in the order
@@ -325,16 +340,8 @@ def recall_results(pending, causal, threads, jobs):
         for run in pending:
             yield train_recall_run(run, causal, threads)
         return
-    import multiprocessing
-    # spawn: a fork of a process whose OpenMP and torch threads already run can hang
-    ctx = multiprocessing.get_context("spawn")
-    pool = ctx.Pool(min(jobs, len(pending)), initializer=_job_init, initargs=(threads,))
-    try:
-        yield from pool.imap_unordered(_job_run, [(r, causal, threads) for r in pending])
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
+    yield from pool_map(_job_run, [(r, causal, threads) for r in pending], jobs, _job_init,
+                        (threads,))
 
 
 def recall(args):
@@ -423,7 +430,8 @@ def base_model(args, log=print):
         log(f"{PROG}: training the base model at context {args.context} ({args.base_steps} "
             f"steps of {args.base_batch} x {args.context} bytes) into {path}")
         code = train_lm.main(["--out", path, "--steps", str(args.base_steps),
-                              "--batch", str(args.base_batch), "--threads", str(args.threads),
+                              "--batch", str(args.base_batch),
+                              "--threads", str(args.threads * args.jobs),
                               "--config", ",".join(filter(None, [f"context={args.context}",
                                                                  args.base_config])),
                               "--eval-every", "100",
@@ -460,9 +468,80 @@ def lm_shard(runs, shard):
     return flash + [r for r in mine if r["spec"] != "flash"]
 
 
+# The state of an `lm` job: the base model, the training bytes, the held-out windows and the
+# variants' swapped-in bits per byte so far (in the parent process itself with --jobs 1).
+_LM = {}
+
+
+def _lm_init(ckpt_path, cache, windows, threads, worker=True):
+    import torch
+    import attnbench_lm as lm
+    if worker:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    base, _ = lm.load_model(ckpt_path)
+    train_path, valid_path = lm.fetch_corpus(cache or lm.cache_root())
+    _LM.clear()
+    _LM.update(base=base, train=lm.read_bytes(train_path), swap={},
+               batches=list(lm.windows(lm.read_bytes(valid_path), base.cfg["context"],
+                                       windows).split(1)))
+
+
+def lm_run(work):
+    """One row of `lm`: the variant swapped into the base model and evaluated, then uptrained
+    and evaluated again (flash_bpb: flash's uptrained bits per byte of the seed, None for
+    flash itself); returns the row."""
+    import copy
+    import attnbench_lm as lm
+    attnbench = import_attnbench()
+    run, flash_bpb, (steps, batch, lr) = work
+    run = dict(run, cpu=cpu_model())
+    base, batches, swap = _LM["base"], _LM["batches"], _LM["swap"]
+    spec, base_bpb = run["spec"], float(run["base_bpb"])
+    why = training_refusal(attnbench, spec, base.cfg["context"], True, base.cfg["heads"],
+                           base.cfg["head_dim"])
+    try:
+        if why is not None:
+            raise NotImplementedError(why)
+        if spec not in swap:
+            swap[spec] = lm.bits_per_byte(base, batches, attnbench.Variant(spec))
+        run["swap_bpb"] = f"{swap[spec]:.6f}"
+        run["swap_delta"] = f"{swap[spec] - base_bpb:.6f}".replace("-0.000000", "0.000000")
+        if spec != "flash" and flash_bpb is None:
+            raise RuntimeError(f"no flash row of seed {run['seed']} to compare with")
+        model = copy.deepcopy(base)
+        seconds = uptrain(model, spec, _LM["train"], steps, batch, lr, run["seed"])
+        run["uptrain_s"] = f"{seconds:.3f}"
+        up = lm.bits_per_byte(model, batches, spec)
+        ref = up if spec == "flash" else flash_bpb
+        run["uptrain_bpb"] = f"{up:.6f}"
+        run["flash_uptrain_bpb"] = f"{ref:.6f}"
+        run["uptrain_delta"] = f"{up - ref:.6f}"
+        gap = swap[spec] - base_bpb
+        run["recovered"] = f"{1 - (up - ref) / gap:.4f}" if gap >= 1e-3 else ""
+        run.update(status="ok", message="")
+    except NotImplementedError as e:
+        run.update(status="unsupported", message=str(e))
+    except (ValueError, FloatingPointError, RuntimeError) as e:
+        run.update(status="failed", message=f"{type(e).__name__}: {e}")
+    return run
+
+
+def lm_results(work, setup, jobs):
+    """The rows of the `work` items (lm_run's) as they finish: in this process, or with
+    jobs > 1 on that many worker processes, each set up by _lm_init(*setup)."""
+    if jobs <= 1 or len(work) <= 1:
+        if work:
+            _lm_init(*setup, worker=False)
+        for item in work:
+            yield lm_run(item)
+        return
+    yield from pool_map(lm_run, work, jobs, _lm_init, setup)
+
+
 def language(args):
     attnbench = import_attnbench()
-    import copy
     import torch
     import attnbench_lm as lm
     specs = args.variant or default_recall_variants(attnbench, False)
@@ -485,8 +564,7 @@ def language(args):
                 data = f.read()
             atomic_write(os.path.join(out_dir, "lm_train_log.csv"), lambda f: f.write(data))
         C = base.cfg["context"]
-        train_path, valid_path = lm.fetch_corpus(args.cache or lm.cache_root())
-        train = lm.read_bytes(train_path)
+        _, valid_path = lm.fetch_corpus(args.cache or lm.cache_root())
         batches = list(lm.windows(lm.read_bytes(valid_path), C, args.windows).split(1))
         rows = read_rows(path)
         seeded = set(args.seeded)
@@ -505,49 +583,29 @@ def language(args):
               f"{len(pending)} run(s) to do, "
               f"{len(runs) - len(pending)} already in {path}", flush=True)
         base_bpb = lm.bits_per_byte(base, batches, None)
-        swap = {}
-        spent = 0.0
-        for i, run in enumerate(pending):
-            start = time.perf_counter()
-            spec = run["spec"]
-            run["base_bpb"] = f"{base_bpb:.6f}"
-            run["cpu"] = cpu_model()
-            why = training_refusal(attnbench, spec, C, True, base.cfg["heads"],
-                                   base.cfg["head_dim"])
-            try:
-                if why is not None:
-                    raise NotImplementedError(why)
-                if spec not in swap:
-                    swap[spec] = lm.bits_per_byte(base, batches, attnbench.Variant(spec))
-                run["swap_bpb"] = f"{swap[spec]:.6f}"
-                run["swap_delta"] = f"{swap[spec] - base_bpb:.6f}".replace("-0.000000",
-                                                                           "0.000000")
+        setup = (ckpt_path, args.cache, args.windows, args.threads)
+        budget = (args.steps, args.batch, args.lr)
+        jobs = min(args.jobs, len(pending))
+        if jobs > 1:
+            print(f"{PROG}: {jobs} jobs of {args.threads} thread(s)", flush=True)
+        start, done_count = time.perf_counter(), 0
+        # flash's rows first: every other row of a seed is compared with flash's
+        for phase in ([r for r in pending if r["spec"] == "flash"],
+                      [r for r in pending if r["spec"] != "flash"]):
+            work = []
+            for run in phase:
                 flash = [r for r in rows if r["spec"] == "flash" and str(r["seed"]) ==
                          str(run["seed"]) and key(r)[2:] == key(run)[2:] and
                          r.get("status") == "ok"]
-                if spec != "flash" and not flash:
-                    raise RuntimeError(f"no flash row of seed {run['seed']} to compare with")
-                model = copy.deepcopy(base)
-                seconds = uptrain(model, spec, train, args.steps, args.batch, args.lr,
-                                  run["seed"])
-                run["uptrain_s"] = f"{seconds:.3f}"
-                up = lm.bits_per_byte(model, batches, spec)
-                ref = up if spec == "flash" else float(flash[0]["uptrain_bpb"])
-                run["uptrain_bpb"] = f"{up:.6f}"
-                run["flash_uptrain_bpb"] = f"{ref:.6f}"
-                run["uptrain_delta"] = f"{up - ref:.6f}"
-                gap = swap[spec] - base_bpb
-                run["recovered"] = f"{1 - (up - ref) / gap:.4f}" if gap >= 1e-3 else ""
-                run.update(status="ok", message="")
-            except NotImplementedError as e:
-                run.update(status="unsupported", message=str(e))
-            except (ValueError, FloatingPointError, RuntimeError) as e:
-                run.update(status="failed", message=f"{type(e).__name__}: {e}")
-            rows = keep_row(rows, run, key, path, LM_COLUMNS)
-            spent += time.perf_counter() - start
-            progress(i, len(pending), spent, f"{spec} seed={run['seed']}", run,
-                     lambda: f"swap {float(run['swap_delta']):+.4f}, uptrained "
-                             f"{float(run['uptrain_delta']):+.4f} bits per byte")
+                run = dict(run, base_bpb=f"{base_bpb:.6f}")
+                work.append((run, float(flash[0]["uptrain_bpb"]) if flash else None, budget))
+            for run in lm_results(work, setup, jobs):
+                rows = keep_row(rows, run, key, path, LM_COLUMNS)
+                progress(done_count, len(pending), time.perf_counter() - start,
+                         f"{run['spec']} seed={run['seed']}", run,
+                         lambda: f"swap {float(run['swap_delta']):+.4f}, uptrained "
+                                 f"{float(run['uptrain_delta']):+.4f} bits per byte")
+                done_count += 1
         print(f"{PROG}: {path}: {len(rows)} rows")
     return 0
 
@@ -756,7 +814,12 @@ def main(argv=None):
                         "head_dim, width, mlp); default the model of attnbench_lm.py")
     m.add_argument("--windows", type=int, default=LM_WINDOWS,
                    help=f"held-out windows of C bytes evaluated (default {LM_WINDOWS})")
-    m.add_argument("--threads", type=int, default=2, help="threads (default 2)")
+    m.add_argument("--threads", type=int, default=2,
+                   help="threads (of each job with --jobs; default 2)")
+    m.add_argument("--jobs", type=int, default=1, metavar="J",
+                   help="rows uptrained at once, each in a process of its own with --threads "
+                        "threads (default 1); flash's rows come first, as every other row of "
+                        "a seed is compared with flash's")
     m.add_argument("--cache", help="cache root (default: ATTNBENCH_CACHE, "
                    "$XDG_CACHE_HOME/attnbench or ~/.cache/attnbench)")
     m.add_argument("--force", action="store_true", help="run again rows already done")
@@ -779,7 +842,7 @@ def main(argv=None):
         return merge(args)
     if args.command == "lm":
         for name in ("steps", "batch", "context", "base_steps", "base_batch", "windows",
-                     "threads"):
+                     "threads", "jobs"):
             if getattr(args, name) < 1:
                 ap.error(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 < args.lr < 1:

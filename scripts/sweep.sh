@@ -117,7 +117,7 @@ if [ $quality = 1 ]; then
   "${recall[@]}" --out "$out"
   "${recall[@]}" --bidirectional --out "$out"
   "${recall[@]}" --seq 1024 "${recall_budget[@]/#/--variant=}" --out "$out"
-  "${qpy[@]}" lm --out "$out"
+  "${qpy[@]}" lm --jobs "$jobs" --threads 1 --out "$out"
 elif [ $# -eq 0 ]; then
   # the trained model and its captured inputs (each step does nothing when its cache is current)
   if ! "$py" -c 'import torch, numpy' 2>/dev/null; then

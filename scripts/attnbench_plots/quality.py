@@ -191,10 +191,32 @@ def recall_cell(rows, notes):
     return cell
 
 
-def per_token(rows):
-    """Training seconds per token of each ok row (train_s / tokens)."""
+def training_cost(rows):
+    """The training time per token (train_s / tokens) of each ok row of `rows` (one setting),
+    as (Series by row, relative): in µs when the rows name one processor (`cpu`, or none),
+    else as a multiple of flash's mean on the same processor and threads, never one processor's
+    seconds beside another's (NaN where flash has no row there)."""
     ok = rows[(rows["status"] == "ok") & (rows["tokens"] > 0)]
-    return (ok["train_s"] / ok["tokens"]).to_numpy(dtype=float)
+    cost = (ok["train_s"] / ok["tokens"]).astype(float)
+    cpu = ok["cpu"].astype(str).str.strip() if "cpu" in ok.columns else \
+        pd.Series("", index=ok.index)
+    if cpu.nunique() <= 1:
+        return cost * 1e6, False
+    machine = list(zip(cpu, ok["threads"].astype(str)))
+    flash = {}
+    for c, m, spec in zip(cost, machine, ok["spec"]):
+        if str(spec).partition(":")[0] == "flash":
+            flash.setdefault(m, []).append(c)
+    return pd.Series([c / np.mean(flash[m]) if m in flash else math.nan
+                      for c, m in zip(cost, machine)], index=ok.index), True
+
+
+def processors(rows):
+    """The processors (`cpu`) the ok rows name, in order of their count (most first)."""
+    if "cpu" not in rows.columns:
+        return []
+    cpu = rows.loc[rows["status"] == "ok", "cpu"].astype(str).str.strip()
+    return list(cpu[cpu != ""].value_counts().index)
 
 
 # --- speed over flash -----------------------------------------------------------------------
@@ -384,6 +406,7 @@ def describe_lm(ctx, lm):
 def recall_table(ctx, recall, settings, order):
     notes = Notes()
     top = headline(settings)
+    cost, relative = training_cost(select(recall, top))
     out = []
     for spec in order:
         mine = recall[recall["spec"] == spec]
@@ -393,16 +416,25 @@ def recall_table(ctx, recall, settings, order):
         for s in settings:
             rows = select(mine, s)
             cells.append(recall_cell(rows, notes) if not rows.empty else "")
-        cost = per_token(select(mine, top)) * 1e6
-        cells.append(spread(cost, lambda x: f"{x:.3g}", count=False))
+        values = cost[cost.index.isin(mine.index)]
+        cells.append(spread(values, (lambda x: f"{x:.2f}×") if relative else
+                            (lambda x: f"{x:.3g}"), count=False))
         out.append([code(ctx.styles.label(spec))] + cells)
-    heads = ["variant"] + [setting_label(s, settings) for s in settings] + ["train µs/token"]
+    heads = ["variant"] + [setting_label(s, settings) for s in settings] + \
+        ["train time × flash" if relative else "train µs/token"]
     timed = any(r[-1] for r in out)
     if not timed:  # no training times in recall.csv
         heads, out = heads[:-1], [r[:-1] for r in out]
+    cpus = processors(select(recall, top))
+    where = f" on {cpus[0]}" if len(cpus) == 1 else ""
     ctx.md.append("\n### Recall accuracy\n\nMean ± sd (seeds) per setting" +
-                  (f"; the last column is the training time per token at "
-                   f"{setting_label(top, settings)} (µs, train_s / tokens, mean ± sd)"
+                  ((f"; the last column is the training time per token at "
+                    f"{setting_label(top, settings)} over flash's on the same processor "
+                    f"(mean ± sd): the rows were trained on {len(cpus)} processors "
+                    f"({', '.join(cpus)}), whose seconds are not comparable"
+                    if relative else
+                    f"; the last column is the training time per token at "
+                    f"{setting_label(top, settings)} (µs, train_s / tokens, mean ± sd{where})")
                    if timed else "") + ".\n\n")
     ctx.md.append(md_table(heads, out))
     ctx.md.append(notes.text())
@@ -473,6 +505,7 @@ def figure(ctx, recall, top, settings, order, rows, matched):
     """recall_throughput: accuracy at the headline setting against the decode state per
     sequence and against the training time per token."""
     at = select(recall, top)
+    costs, relative = training_cost(at)
     points = []
     for spec in order:
         mine = at[at["spec"] == spec]
@@ -480,18 +513,20 @@ def figure(ctx, recall, top, settings, order, rows, matched):
         if ok.empty:
             continue
         acc = ok["accuracy"].to_numpy(dtype=float)
-        cost = per_token(mine)
+        cost = costs[costs.index.isin(mine.index)].dropna()
         state = state_bytes(ctx, rows, matched.get(spec), top[1])
         points.append(dict(spec=spec, mean=float(acc.mean()), lo=float(acc.min()),
                            hi=float(acc.max()), seeds=len(acc),
                            state=state[0] if state else None, state_n=state[1] if state else None,
-                           cost=float(cost.mean()) * 1e6 if len(cost) else None))
+                           cost=float(cost.mean()) if len(cost) else None))
     if not points:
         return
     label = setting_label(top, settings)
     fig, axes = new_grid(1, 2, sharey=True)
     panels = [(axes[0][0], "state", "decode state per sequence (log)"),
-              (axes[0][1], "cost", "training time per token (µs, log)")]
+              (axes[0][1], "cost", "training time per token over flash's on the same "
+                                   "processor (log)" if relative else
+                                   "training time per token (µs, log)")]
 
     drawn = {}
     for ax, key, xlabel in panels:
@@ -564,9 +599,11 @@ def figure(ctx, recall, top, settings, order, rows, matched):
         f"Recall accuracy at {label} (mean over seeds, bars from the lowest to the highest "
         f"seed) against the decode state per sequence after a prefill of "
         f"{', '.join(fmt_n(n) for n in ns) or 'n'} tokens (results.csv, `state_bytes`; "
-        f"left) and against the training time per token of the recall runs (right). The "
-        f"dashed line is chance (1/64). Up and to the left is better: more recall for less "
-        f"state or less training time." +
+        f"left) and against the training time per token of the recall runs (right" +
+        (", over flash's on the processor that trained the run: the runs were trained on "
+         "several" if relative else "") + "). The "
+        "dashed line is chance (1/64). Up and to the left is better: more recall for less "
+        "state or less training time." +
         (f" Without decode rows: {', '.join(code(ctx.styles.label(s)) for s in missing)}."
          if missing else "") + "\n")
     states = [p for p in points if p["state"]]

@@ -173,3 +173,30 @@ if len(ctx.md) != 3 or "](plots/frontier.png)" not in ctx.md[1]:
     fail(f"the drawn frontier is not named at the end of the section: {ctx.md}")
 EOF
 echo "plot_quality_test: broken quality files are notes; the frontier is named when drawn"
+
+# Rows of several processors: training times become multiples of flash's on the same processor
+# and threads (NaN where flash has none there); rows of one processor stay in µs.
+PYTHONPATH="$root/scripts" "$py" - <<'EOF'
+import math, sys
+import pandas as pd
+from attnbench_plots import quality
+def fail(msg):
+    sys.exit(f"plot_quality_test: {msg}")
+rows = pd.DataFrame({
+    "spec": ["flash", "flash", "linear", "flash", "local:window=8", "local:window=8", "gla"],
+    "cpu": ["A", "A", "A", "B", "B", "C", "A"], "threads": [1, 1, 1, 1, 1, 1, 1],
+    "status": ["ok"] * 6 + ["failed"], "tokens": [1e6] * 7,
+    "train_s": [10.0, 12.0, 5.5, 20.0, 10.0, 3.0, math.nan]})
+cost, relative = quality.training_cost(rows)
+want = [10 / 11, 12 / 11, 0.5, 1.0, 0.5]
+if not relative or list(cost.index) != list(range(6)) or \
+        [round(x, 9) for x in cost[:5]] != [round(x, 9) for x in want] or \
+        not math.isnan(cost[5]):
+    fail(f"training cost over processors: {list(cost)} (relative {relative})")
+if quality.processors(rows) != ["A", "B", "C"]:
+    fail(f"processors: {quality.processors(rows)}")
+cost, relative = quality.training_cost(rows[rows["cpu"] == "A"])
+if relative or [round(x, 9) for x in cost] != [10.0, 12.0, 5.5]:
+    fail(f"training cost on one processor: {list(cost)} (relative {relative})")
+EOF
+echo "plot_quality_test: training times of several processors are read against flash's on each"

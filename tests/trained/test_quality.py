@@ -126,6 +126,7 @@ def test_a_recall_run_writes_its_rows_and_resumes(tmp_path):
         assert 0 <= float(row["accuracy"]) <= 1 and float(row["final_loss"]) > 0
         assert float(row["train_s"]) > 0
         assert row["min_distance"] == str(task.min_distance(64, 4))
+    assert all(row["cpu"] == quality.cpu_model() for row in rows)
     for row in rows[4:]:  # cannot be causal: a row that says why
         assert row["status"] == "unsupported" and "cannot be causal" in row["message"]
         assert row["accuracy"] == ""
@@ -199,8 +200,22 @@ def test_a_tiny_uptraining_run(tmp_path):
     assert float(gla["recovered"]) == pytest.approx(
         1 - float(gla["uptrain_delta"]) / float(gla["swap_delta"]), abs=1e-3)
     assert os.path.exists(os.path.join(out, "quality", "lm_train_log.csv"))
+    assert all(r["cpu"] == quality.cpu_model() for r in rows)
     r = quality_script(*args)
     assert "0 run(s) to do" in r.stdout
+    # --jobs 2: the same rows (numbers included) from two worker processes, flash's first
+    two = str(tmp_path / "two")
+    r = quality_script(*args[:-1], two, "--jobs", "2")
+    assert "2 jobs of 1 thread(s)" in r.stdout
+    jobs = read(os.path.join(two, "quality", "lm.csv"))
+    assert [(x["spec"], x["seed"]) for x in jobs[:2]] == [("flash", "0"), ("flash", "1")]
+    key = lambda r: (r["spec"], r["seed"])  # noqa: E731
+    assert sorted(map(key, jobs)) == sorted(map(key, rows))
+    mine = {key(x): x for x in jobs}
+    for row in rows:
+        for column in ("status", "swap_bpb", "uptrain_bpb", "flash_uptrain_bpb",
+                       "uptrain_delta", "recovered", "checkpoint"):
+            assert mine[key(row)][column] == row[column], (key(row), column)
 
 
 def test_shards_split_the_runs_and_merge_gives_the_unsharded_rows(tmp_path):
