@@ -737,6 +737,14 @@ def merge_meta(out_dir, shard_dirs):
                  lambda f: json.dump({"runs": runs}, f, indent=1), binary=False)
 
 
+def parallel_options(parser, jobs_are, more):
+    parser.add_argument("--threads", type=int, default=2,
+                        help="threads (of each job with --jobs; default 2)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="J",
+                        help=f"{jobs_are}, each in a process of its own with --threads threads "
+                             f"(default 1; {more})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
@@ -774,12 +782,8 @@ def main(argv=None):
                         f"{RECALL_TOKENS_PER_STEP} tokens per step at every length)")
     r.add_argument("--lr", type=float, default=RECALL_LR,
                    help=f"learning rate (default {RECALL_LR})")
-    r.add_argument("--threads", type=int, default=2,
-                   help="threads (of each job with --jobs; default 2)")
-    r.add_argument("--jobs", type=int, default=1, metavar="J",
-                   help="runs trained at once, each in a process of its own with --threads "
-                        "threads (default 1; on a machine of C cores, --jobs C --threads 1 "
-                        "trains these small models fastest)")
+    parallel_options(r, "runs trained at once", "on a machine of C cores, --jobs C "
+                     "--threads 1 trains these small models fastest")
     r.add_argument("--bidirectional", action="store_true",
                    help="every position sees the whole sequence (the encoder-only variants)")
     r.add_argument("--force", action="store_true", help="train again rows already done")
@@ -814,12 +818,9 @@ def main(argv=None):
                         "head_dim, width, mlp); default the model of attnbench_lm.py")
     m.add_argument("--windows", type=int, default=LM_WINDOWS,
                    help=f"held-out windows of C bytes evaluated (default {LM_WINDOWS})")
-    m.add_argument("--threads", type=int, default=2,
-                   help="threads (of each job with --jobs; default 2)")
-    m.add_argument("--jobs", type=int, default=1, metavar="J",
-                   help="rows uptrained at once, each in a process of its own with --threads "
-                        "threads (default 1); flash's rows come first, as every other row of "
-                        "a seed is compared with flash's")
+    parallel_options(m, "rows uptrained at once", "flash's rows first, as every other row of "
+                     "a seed is compared with flash's; a missing base model trains on J x "
+                     "--threads threads")
     m.add_argument("--cache", help="cache root (default: ATTNBENCH_CACHE, "
                    "$XDG_CACHE_HOME/attnbench or ~/.cache/attnbench)")
     m.add_argument("--force", action="store_true", help="run again rows already done")
