@@ -1,17 +1,22 @@
 #!/usr/bin/python3
 """Time of each row in two attnbench results directories, side by side.
 
-    scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--normalize none|gemm]
+    scripts/compare.py DIR_A DIR_B [--min-change FRAC] [--ignore COLUMN] [--normalize none|gemm]
                        [--fail-on-regression]
 
 Rows are joined on the variant spec and the problem columns (batch, heads, n, m, dim, embed,
 causal, score, score_hidden, input, scale, seed, threads; embed is 0 for plain attention), the
 key `attnbench sweep` itself uses (a results.csv written before the embed or score columns reads
-as embed 0 and scaled_dot). For every row measured in
+as embed 0 and scaled_dot); `--ignore COLUMN` leaves a problem column out of that key, so that
+runs that differ in it (two thread counts, two inputs) are compared row by row, the column then
+shown as A's value -> B's. When rows of one run find no partner in the other, the columns that
+kept them apart are named, with the --ignore that would join them. For every row measured in
 both runs it prints the median times, the ratio B/A and the speed-up A/B, and flags the change
 when it is beyond the measured spread: each run's repetitions span [time_min_s, time_max_s],
-and a row is flagged "slower" or "faster" when the two spans do not overlap (and, with
---min-change, the ratio differs from 1 by more than that fraction). A row with a single
+and a row is flagged "slower" or "faster" when the two spans do not overlap and the ratio
+differs from 1 by more than --min-change, by default the runs' typical spread (the larger of
+the two runs' median of (time_max_s - time_min_s) / time_median_s over their rows with at least
+two repetitions; --min-change 0 judges by the spans alone). A row with a single
 repetition has no spread and is marked "no spread" instead of being judged, and a row marked
 noisy in either run (the `noisy` column: its repetitions spread too far, or other processes
 competed for the processors) is marked "noisy" and never called slower or faster. Rows found in
@@ -28,6 +33,7 @@ cannot be read.
 """
 
 import argparse
+import difflib
 import math
 import sys
 
@@ -108,6 +114,44 @@ def judge(a, b, min_change):
     return ""
 
 
+def typical_spread(df):
+    """The median relative spread (time_max_s - time_min_s) / time_median_s of a run's ok rows
+    with at least two repetitions, 0 when it has none."""
+    ok = df[(df["status"] == "ok") & (df["reps"] >= 2) & (df["time_median_s"] > 0)]
+    spread = ((ok["time_max_s"] - ok["time_min_s"]) / ok["time_median_s"]).to_numpy(dtype=float)
+    spread = spread[np.isfinite(spread)]
+    return float(np.median(spread)) if len(spread) else 0.0
+
+
+def value_text(values):
+    return ", ".join(str(_plain(v)) if v != "" else "(none)" for v in sorted(set(values), key=str))
+
+
+def why_apart(a_only, b_only, key):
+    """Lines naming the problem columns that keep the rows of a_only (in run A only) from those
+    of b_only: a column whose leaving out of `key` joins rows, with the --ignore that does it,
+    else the columns whose values differ between the two sides."""
+    if a_only.empty or b_only.empty:
+        return []
+    lines = []
+    for c in key:
+        if c == "spec":
+            continue
+        rest = [k for k in key if k != c]
+        joined = a_only[rest].drop_duplicates().merge(b_only[rest].drop_duplicates(), on=rest)
+        if len(joined):
+            lines.append(f"{len(joined)} differ from a row of the other run only in {c} (A: "
+                         f"{value_text(a_only[c])}; B: {value_text(b_only[c])}): --ignore {c} "
+                         f"compares them across it")
+    if not lines:
+        differ = [c for c in key if c != "spec" and set(a_only[c]) != set(b_only[c])]
+        if differ:
+            lines.append("they differ in " + "; ".join(
+                f"{c} (A: {value_text(a_only[c])}; B: {value_text(b_only[c])})"
+                for c in differ))
+    return lines
+
+
 def print_table(header, rows, out):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
               for i, h in enumerate(header)]
@@ -138,17 +182,32 @@ def main():
                                "with changes beyond the measured spread flagged.")
     ap.add_argument("dir_a", metavar="DIR_A", help="results directory of the first run (A)")
     ap.add_argument("dir_b", metavar="DIR_B", help="results directory of the second run (B)")
-    ap.add_argument("--min-change", type=float, default=0.0, metavar="FRAC",
+    ap.add_argument("--min-change", type=float, default=None, metavar="FRAC",
                     help="flag only changes with |B/A - 1| above FRAC as well as beyond the "
-                         "spread (default: %(default)s)")
+                         "spread (default: the runs' typical spread, the larger of their median "
+                         "(max - min) / median over rows of 2 or more repetitions)")
+    ap.add_argument("--ignore", action="append", default=[], metavar="COLUMN",
+                    help="leave a problem column out of the join (repeatable or comma-separated; "
+                         f"one of {', '.join(PROBLEM_COLUMNS)}), e.g. --ignore threads to compare "
+                         "runs at two thread counts")
     ap.add_argument("--normalize", choices=["none", "gemm"], default="none",
                     help="gemm: compare times multiplied by each run's measured GEMM rate "
                          "(default: %(default)s)")
     ap.add_argument("--fail-on-regression", action="store_true",
                     help="exit with code 1 when a row is flagged slower")
     args = ap.parse_args()
-    if not args.min_change >= 0:
+    if args.min_change is not None and not args.min_change >= 0:
         ap.error("--min-change must be a fraction >= 0")
+    ignored = []
+    for word in (w.strip() for text in args.ignore for w in text.split(",")):
+        if word not in PROBLEM_COLUMNS:
+            close = difflib.get_close_matches(word.lower(), PROBLEM_COLUMNS, n=1)
+            ap.error(f"--ignore {word}: not a problem column" +
+                     (f" (did you mean {close[0]}?)" if close else "") +
+                     f"; expected one of {', '.join(PROBLEM_COLUMNS)}")
+        if word not in ignored:
+            ignored.append(word)
+    key = [c for c in KEY_COLUMNS if c not in ignored]
 
     a = load_results(args.dir_a)
     b = load_results(args.dir_b)
@@ -176,15 +235,26 @@ def main():
               f"--normalize gemm compares in units of each run's own GEMM rate",
               file=sys.stderr)
 
-    for df in (a, b):
-        dup = df.duplicated(KEY_COLUMNS)
+    if args.min_change is None:
+        min_change = max(typical_spread(a), typical_spread(b))
+        print(f"--min-change {min_change:.3f}: the runs' typical spread (median (max - min) / "
+              f"median of a row's repetitions: A {typical_spread(a):.3f}, B "
+              f"{typical_spread(b):.3f}); --min-change 0 judges by the spans alone", file=out)
+    else:
+        min_change = args.min_change
+    for df, name in ((a, "A"), (b, "B")):
+        dup = df.duplicated(key)
         if dup.any():
             r = df[dup].iloc[0]
-            print(f"{PROG}: warning: several rows for {r['spec']} {problem_label(r)}; the last "
-                  f"one is compared", file=sys.stderr)
-    a = a.drop_duplicates(KEY_COLUMNS, keep="last")
-    b = b.drop_duplicates(KEY_COLUMNS, keep="last")
-    joined = a.merge(b, on=KEY_COLUMNS, how="outer", suffixes=("_a", "_b"), indicator=True)
+            print(f"{PROG}: warning: several rows of {name} for {r['spec']} "
+                  f"{problem_label(r, [c for c in PROBLEM_COLUMNS if c in key])}"
+                  + (f" (with {', '.join(ignored)} ignored)" if ignored else "") +
+                  "; the last one is compared", file=sys.stderr)
+    a = a.drop_duplicates(key, keep="last")
+    b = b.drop_duplicates(key, keep="last")
+    joined = a.merge(b, on=key, how="outer", suffixes=("_a", "_b"), indicator=True)
+    for c in ignored:  # an ignored column: A's value where A has the row, else B's
+        joined[c] = joined[f"{c}_a"].where(joined["_merge"] != "right_only", joined[f"{c}_b"])
     both = joined[joined["_merge"] == "both"]
     measured = both[(both["status_a"] == "ok") & (both["status_b"] == "ok")]
     # one block per variant, in the order of run A, then by problem
@@ -197,8 +267,11 @@ def main():
     # Show the problem columns that differ between rows; the others once, above the table.
     # m is left out when it equals n everywhere (self-attention).
     m_is_n = bool((joined["m"] == joined["n"]).all())
+    across = [c for c in ignored
+              if (both[f"{c}_a"].astype(str) != both[f"{c}_b"].astype(str)).any()]
     shown = [c for c in PROBLEM_COLUMNS
-             if c == "n" or (joined[c].nunique() > 1 and not (c == "m" and m_is_n))]
+             if c == "n" or c in across or
+             (joined[c].nunique() > 1 and not (c == "m" and m_is_n))]
     fixed = [c for c in PROBLEM_COLUMNS if c not in shown and c != "m" and
              not (c == "embed" and (joined[c] == 0).all()) and
              not (c in MASK_COLUMNS and (joined[c] == "").all())]
@@ -215,18 +288,24 @@ def main():
         rb = {k: r[f"{k}_b"] * (scale_b if k in timing else 1)
               for k in timing + ["reps", "noisy"]}
         ratio = rb["time_median_s"] / ra["time_median_s"]
-        flag = judge(ra, rb, args.min_change)
+        flag = judge(ra, rb, min_change)
         flags.append(flag)
         ratios.append(ratio)
-        rows.append([r["spec"]] + [_plain(r[c]) for c in shown] +
+        rows.append([r["spec"]] + [f"{_plain(r[c + '_a'])}->{_plain(r[c + '_b'])}"
+                                   if c in across else _plain(r[c]) for c in shown] +
                     [format_seconds(ra["time_median_s"]), format_seconds(rb["time_median_s"]),
                      f"{ratio:.3f}", f"{1.0 / ratio:.2f}×", flag])
     header = ["variant"] + [SHORT[c] for c in shown] + ["time A", "time B", "B/A", "speed-up",
                                                         "change"]
+    a_only = joined[joined["_merge"] == "left_only"]
+    b_only = joined[joined["_merge"] == "right_only"]
+    apart = why_apart(a_only, b_only, key)
     if rows:
         print_table(header, rows, out)
     else:
-        print("No row is measured (status ok) in both runs.", file=out)
+        print("No row is measured (status ok) in both runs" +
+              (f": {len(a_only)} row(s) are in A only and {len(b_only)} in B only; " +
+               "; ".join(apart) + "." if apart else "."), file=out)
 
     slower = flags.count("slower")
     faster = flags.count("faster")
@@ -248,13 +327,14 @@ def main():
         for _, r in not_measured.iterrows():
             print(f"  {r['spec']} {problem_label(r, shown)}: A {r['status_a']}, "
                   f"B {r['status_b']}", file=out)
-    for side, name in (("left_only", "A"), ("right_only", "B")):
-        only = joined[joined["_merge"] == side]
+    for only, name in ((a_only, "A"), (b_only, "B")):
         if not only.empty:
             print(f"\nOnly in {name} ({len(only)}):", file=out)
             for _, r in only.iterrows():
                 status = r["status_a" if name == "A" else "status_b"]
                 print(f"  {r['spec']} {problem_label(r, shown)} ({status})", file=out)
+    if rows and apart:
+        print("\nRows in one run only: " + "; ".join(apart) + ".", file=out)
 
     if args.fail_on_regression and slower:
         print(f"{PROG}: {slower} row(s) slower beyond the measured spread", file=sys.stderr)

@@ -430,6 +430,54 @@ mv "$tmp/slow/noisy.csv" "$tmp/slow/results.csv"
 [ "$(grep -c ' slower$' "$tmp/noisy.txt")" -eq 11 ] || fail "a noisy row was judged"
 [ "$(grep -c ' noisy$' "$tmp/noisy.txt")" -eq 1 ] || fail "the noisy row is not marked"
 grep -q "1 noisy in either run (not judged)" "$tmp/noisy.txt" || fail "no noisy count"
+# Two runs at different thread counts: nothing matches, and compare.py says why and how to
+# match them; --ignore threads compares them row by row. --min-change defaults to the runs'
+# typical spread: B = A x (1 + half of it), spans made disjoint, is within it; with
+# --min-change 0 the spans alone judge it slower.
+cp -r "$tmp/b" "$tmp/t1"
+cp -r "$tmp/b" "$tmp/close"
+"$py" - "$tmp/quiet" "$tmp/t1" "$tmp/close" <<'EOF'
+import csv, statistics, sys
+quiet, t1, close = sys.argv[1:]
+rows = list(csv.DictReader(open(quiet + "/results.csv")))
+def write(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+write(t1 + "/results.csv", [dict(r, threads="7") for r in rows])
+# every row of A spans +-10% of its median, of B +-1% of A's x 1.15: typical spreads 0.2 and
+# 0.02, so --min-change defaults to 0.2 and 15% is within it, though the spans are disjoint
+a, b = [], []
+for r in rows:
+    t = float(r["time_median_s"])
+    a.append(dict(r, time_median_s=repr(t), time_min_s=repr(0.9 * t), time_max_s=repr(1.1 * t),
+                  reps="5"))
+    b.append(dict(r, time_median_s=repr(1.15 * t), time_min_s=repr(1.15 * 0.99 * t),
+                  time_max_s=repr(1.15 * 1.01 * t), reps="5"))
+write(quiet + "/spread.csv", a)
+write(close + "/results.csv", b)
+EOF
+"$py" "$root/scripts/compare.py" "$tmp/quiet" "$tmp/t1" >"$tmp/t1.txt" || fail "compare.py failed"
+grep -q "^No row is measured (status ok) in both runs: 12 row(s) are in A only and 12 in B only; 12 differ from a row of the other run only in threads (A: [0-9]*; B: 7): --ignore threads compares them across it.$" "$tmp/t1.txt" ||
+  { cat "$tmp/t1.txt"; fail "compare.py does not say that threads keeps the runs apart"; }
+"$py" "$root/scripts/compare.py" --ignore threads "$tmp/quiet" "$tmp/t1" >"$tmp/t1.txt" ||
+  fail "compare.py --ignore threads failed"
+grep -q "^12 row(s) compared" "$tmp/t1.txt" || fail "--ignore threads did not join the rows"
+[ "$(grep -c ' [0-9]*->7 ' "$tmp/t1.txt")" -eq 12 ] || fail "--ignore threads does not show A's and B's threads"
+rc=0
+"$py" "$root/scripts/compare.py" --ignore thread "$tmp/quiet" "$tmp/t1" >/dev/null 2>"$tmp/t1.err" || rc=$?
+[ "$rc" -eq 2 ] && grep -q "error: --ignore thread: not a problem column (did you mean threads?)" \
+  "$tmp/t1.err" || fail "--ignore thread: exit $rc, $(cat "$tmp/t1.err")"
+mv "$tmp/quiet/spread.csv" "$tmp/quiet/results.csv"
+"$py" "$root/scripts/compare.py" "$tmp/quiet" "$tmp/close" >"$tmp/close.txt" || fail "compare.py failed"
+grep -q "^--min-change 0.200: the runs' typical spread" "$tmp/close.txt" ||
+  fail "--min-change does not default to the typical spread: $(grep min-change "$tmp/close.txt")"
+grep -q "^12 row(s) compared: 0 slower and 0 faster beyond the measured spread, 12 within it" \
+  "$tmp/close.txt" || fail "a change within the typical spread was judged"
+"$py" "$root/scripts/compare.py" --min-change 0 "$tmp/quiet" "$tmp/close" >"$tmp/close.txt" ||
+  fail "compare.py failed"
+grep -q "^12 row(s) compared: 12 slower" "$tmp/close.txt" || fail "--min-change 0 did not judge by the spans"
 
 # --- unusable results directories --------------------------------------------------------------
 mkdir "$tmp/empty" "$tmp/header" "$tmp/nocol" "$tmp/nook"
