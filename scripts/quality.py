@@ -22,10 +22,10 @@ status is `ok`, `unsupported` (the variant cannot train on the problem: its own 
 `failed` (the training failed: the error). train_s is the training's wall time, tokens the
 steps x batch x seq tokens it saw; final_loss the mean loss of the last 10% of its steps;
 min_distance the fewest positions between a query and its key; cpu the processor that trained
-the run (its model name), so that times are read against the machine that took them. The file is rewritten whole
-after every row, and rows already there (ok or unsupported) are kept and not run again: a run
-that stops resumes where it stopped (--force runs them again). The directory is locked while
-the script writes (DIR/.attnbench.lock, as `attnbench sweep` takes it).
+the run (its model name), so that times are read against the machine that took them. The file
+is rewritten whole after every row, and rows already there (ok or unsupported) are kept and not
+run again: a run that stops resumes where it stopped (--force runs them again). The directory
+is locked while the script writes (DIR/.attnbench.lock, as `attnbench sweep` takes it).
 
 `lm`: language at a context where patterns drop keys. A base byte model (the model of
 scripts/attnbench_lm.py at context --context, 2048 by default, trained by scripts/train_lm.py
