@@ -12,6 +12,7 @@
 
 #include "common/core/error.h"
 #include "common/core/parallel.h"
+#include "common/core/suggest.h"
 #include "common/kernels/bf16.h"
 #include "common/patterns/pattern.h"
 
@@ -966,8 +967,12 @@ std::pair<std::string, std::vector<std::pair<std::string, std::string>>> parse_s
 std::unique_ptr<Variant> Registry::make(std::string_view spec) const {
   auto [name, kv] = parse_spec(spec);
   const VariantInfo* info = find(name);
-  if (!info)
-    throw SpecError(fmt::format("unknown variant '{}'; registered variants: {}", name, names()));
+  if (!info) {
+    std::vector<std::string> known;
+    for (const auto& entry : variants_) known.push_back(entry.first);
+    throw SpecError(fmt::format("unknown variant '{}'{}; registered variants: {}", name,
+                                did_you_mean(name, known), names()));
+  }
   ParamValues values;
   for (const auto& ps : info->params)
     values.values[ps.name] = canonical_value(name, ps, ps.default_value);
@@ -978,7 +983,8 @@ std::unique_ptr<Variant> Registry::make(std::string_view spec) const {
       std::vector<std::string> valid;
       for (const auto& ps : info->params) valid.push_back(ps.name);
       throw SpecError(fmt::format(
-          "variant '{}' has no parameter '{}'; its parameters: {}", name, key,
+          "variant '{}' has no parameter '{}'{}; its parameters: {}", name, key,
+          did_you_mean(key, valid),
           valid.empty() ? std::string("(none)") : fmt::format("{}", fmt::join(valid, ", "))));
     }
     values.values[key] = canonical_value(name, *it, value);

@@ -61,6 +61,10 @@ struct LayerCommand {
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand(
         "layer", "a multi-head attention layer (torch.nn.MultiheadAttention) around a variant");
+    cmd->footer(
+        "\nExamples:\n  attnbench layer --variant flash --embed 512 --heads 8 --seq 1k\n"
+        "  attnbench layer --variant local:window=64 --embed 256 --seq 2k --causal --json\n"
+        "  attnbench layer --variant full --embed 64 --heads 4 --seq 256 --need-weights");
     cmd->add_option("--variant", spec, "variant spec of the attention core")->required();
     size_opts = {cmd->add_option("--embed", embed,
                                  "embedding size E (d = E / H); required "
@@ -71,7 +75,7 @@ struct LayerCommand {
                                   "key length S: cross-attention with its own key and value "
                                   "(default: self-attention, key = value = query)")};
     add_heads_option(cmd, o);
-    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask in the attention core");
+    add_causal_option(cmd, o.causal, "bottom-right aligned causal mask in the attention core");
     cmd->add_flag("--need-weights", need_weights,
                   "also give the attention probabilities averaged over heads [B, L, S] (exact "
                   "variants only)");

@@ -51,19 +51,37 @@ namespace attnbench::cli {
 namespace {
 
 struct ListCommand {
-  bool json = false;
+  bool json = false, brief = false;
+  std::vector<std::string> names;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("list", "variants with their parameters and capabilities");
+    cmd->footer(
+        "\nExamples:\n  attnbench list --brief\n  attnbench list local flash\n  attnbench list "
+        "--json");
+    cmd->add_option("NAME", names, "list only these variants (all when none is given)");
     cmd->add_flag("--json", json, "print JSON");
+    auto* brief_flag =
+        cmd->add_flag("--brief", brief, "one line per variant: its capabilities and summary");
+    brief_flag->excludes(cmd->get_option("--json"));
     return cmd;
   }
 
   int run() const {
-    if (json)
-      fmt::print("{}\n", variants_json().dump(2));
-    else
-      print_list();
+    if (json) {
+      const auto all = variants_json();
+      if (names.empty()) {
+        fmt::print("{}\n", all.dump(2));
+        return 0;
+      }
+      nlohmann::ordered_json some = nlohmann::ordered_json::array();
+      for (const VariantInfo* v : listed_variants(names))
+        for (const auto& entry : all)
+          if (entry.at("name") == v->name) some.push_back(entry);
+      fmt::print("{}\n", some.dump(2));
+    } else {
+      print_list(names, brief);
+    }
     return 0;
   }
 };

@@ -58,6 +58,7 @@ struct MachineCommand {
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("machine", "peak GEMM rate and memory bandwidth");
+    cmd->footer("\nExamples:\n  attnbench machine\n  attnbench machine --threads 1 --json");
     cmd->add_option("--threads", threads,
                     fmt::format("threads (0 = every core; at most {})", max_threads()))
         ->check(int_in(0, max_threads()));

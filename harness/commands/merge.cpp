@@ -57,6 +57,9 @@ struct MergeCommand {
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand(
         "merge", "join the results directories of a sharded sweep (sweep --shard i/N) into one");
+    cmd->footer(
+        "\nExamples:\n  attnbench merge results/shard-0 results/shard-1 --out results/all\n"
+        "  attnbench merge results/shard-* --out results/all --strict");
     cmd->add_option("dirs", opt.dirs, "the shards' results directories")
         ->required()
         ->type_name("DIR...");

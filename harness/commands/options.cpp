@@ -59,12 +59,21 @@ constexpr size_t kMaxListValues = 10000;
 
 }  // namespace
 
+std::string expand_k(const std::string& text) {
+  if (text.size() < 2 || (text.back() != 'k' && text.back() != 'K')) return text;
+  const std::string digits = text.substr(0, text.size() - 1);
+  if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 12)
+    return text;
+  return std::to_string(std::stoll(digits) * 1024);
+}
+
 // The list options' grammar: comma-separated items, each a positive integer N or a range
 // A..B with an optional step rule. `same` (when `same_word` is set) stands for 0.
 std::vector<int64_t> parse_list(const std::string& text, const std::string& what, bool same_word) {
   auto bad = [&](const std::string& why) {
     return UsageError(fmt::format(
-        "{}: '{}' {}; accepted: a comma-separated list of positive integers{} and ranges "
+        "{}: '{}' {}; accepted: a comma-separated list of positive integers (1k = 1024){} and "
+        "ranges "
         "A..B:xF (A, A*F, A*F^2, ... up to B; F an integer >= 2), A..B:+S (A, A+S, A+2S, ... "
         "up to B) and A..B (doubling from A, only when it reaches B exactly), e.g. 256,512 or "
         "256..16384 or 256..5000:+256",
@@ -73,7 +82,8 @@ std::vector<int64_t> parse_list(const std::string& text, const std::string& what
         : what == "--kv-heads" ? ", same (G = H)"
                                : ", same (m = n)"));
   };
-  auto number = [&](const std::string& s, const char* role) -> int64_t {
+  auto number = [&](const std::string& word, const char* role) -> int64_t {
+    const std::string s = expand_k(word);
     if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
       throw bad(fmt::format("has '{}' as {}, which is not a positive integer", s, role));
     int64_t v = 0;
@@ -172,6 +182,22 @@ CLI::Validator int_in(int64_t lo, int64_t hi) {
       fmt::format("INT in [{}, {}]", lo, hi));
 }
 
+CLI::Validator length_in(int64_t lo, int64_t hi, const std::string& command) {
+  const CLI::Validator exact = int_in(lo, hi);
+  return CLI::Validator(
+      [exact, lo, hi, command](std::string& text) -> std::string {
+        if (text.find(',') != std::string::npos || text.find("..") != std::string::npos)
+          return fmt::format(
+              "'{}' is a list; {} measures one length, an integer in [{}, {}] "
+              "(1k = 1024): `attnbench sweep --seq {}` runs every length of a "
+              "list",
+              text, command, lo, hi, text);
+        text = expand_k(text);
+        return exact(text);
+      },
+      fmt::format("INT in [{}, {}] (1k = 1024)", lo, hi));
+}
+
 // A seed: any integer in [0, 2^64 - 1], written in decimal.
 CLI::Validator seed_value() {
   return CLI::Validator(
@@ -255,6 +281,25 @@ std::string input_help(const std::string& what) {
 }
 
 // --score-hidden, on run and sweep.
+CLI::Option* add_causal_option(CLI::App* cmd, bool& causal, const std::string& help) {
+  return cmd
+      ->add_option_function<std::string>(
+          "--causal", [&causal](const std::string& v) { causal = v != "off"; },
+          help + ": --causal (or --causal on) to apply it, --causal off (the default) not")
+      ->expected(0, 1)
+      ->type_name("[on|off]")
+      ->check(CLI::Validator(
+          [name = cmd->get_name()](std::string& v) -> std::string {
+            if (v.empty() || v == "on" || v == "off") return std::string();
+            return fmt::format("'{}' is not on or off{}", v,
+                               v == "both" ? fmt::format(" ({} measures one problem; `attnbench "
+                                                         "sweep --causal both` runs both)",
+                                                         name)
+                                           : std::string());
+          },
+          "on|off", "causal"));
+}
+
 void add_score_hidden_option(CLI::App* app, ProblemOptions& o) {
   app->add_option("--score-hidden", o.score_hidden, "hidden size h of the additive score (0 = d)")
       ->capture_default_str()
@@ -299,10 +344,13 @@ CLI::Option* add_kv_heads_option(CLI::App* cmd, ProblemOptions& o) {
       ->check(int_in(0, kMaxHeads));
 }
 CLI::Option* add_seq_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
-  return cmd->add_option("--seq", o.seq, help)->capture_default_str()->check(int_in(1, kMaxExtent));
+  return cmd->add_option("--seq", o.seq, help)
+      ->capture_default_str()
+      ->transform(length_in(1, kMaxExtent, cmd->get_name()));
 }
 CLI::Option* add_seq_k_option(CLI::App* cmd, ProblemOptions& o, const std::string& help) {
-  return cmd->add_option("--seq-k", o.seq_k, help)->check(int_in(1, kMaxExtent));
+  return cmd->add_option("--seq-k", o.seq_k, help)
+      ->transform(length_in(1, kMaxExtent, cmd->get_name()));
 }
 
 // With --inputs the file decides the sizes: a size option given beside it must agree.

@@ -32,6 +32,11 @@ std::vector<int64_t> parse_list(const std::string& text, const std::string& what
 
 // An integer option in [lo, hi], parsed exactly: no clamping, no wrap-around, no fraction.
 CLI::Validator int_in(int64_t lo, int64_t hi);
+// "1k" -> "1024", "4K" -> "4096": a size with the suffix k (x 1024); any other text unchanged.
+std::string expand_k(const std::string& text);
+// A length (--seq, --seq-k) of a command that measures one problem: int_in, with k suffixes;
+// a list or range is refused with a pointer to `attnbench sweep`.
+CLI::Validator length_in(int64_t lo, int64_t hi, const std::string& command);
 // A seed: any integer in [0, 2^64 - 1], written in decimal.
 CLI::Validator seed_value();
 // A file an option writes (--output, --save-grads), checked before any work so a bad path never
@@ -78,6 +83,8 @@ struct ProblemOptions {
   }
 };
 
+// --causal of run, layer and pattern: bare (on), on or off; sets `causal`.
+CLI::Option* add_causal_option(CLI::App* cmd, bool& causal, const std::string& help);
 // --score-hidden, on run and sweep.
 void add_score_hidden_option(CLI::App* app, ProblemOptions& o);
 // --seed, --threads, --reps and --min-time.

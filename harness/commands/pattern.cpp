@@ -73,16 +73,19 @@ struct PatternCommand {
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("pattern", "export a variant's attention pattern for one head");
+    cmd->footer(
+        "\nExamples:\n  attnbench pattern --variant bigbird --seq 1k --causal --output "
+        "bigbird.npy");
     cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
     shape_opts = {cmd->add_option("--seq", o.seq, "query length n")
                       ->capture_default_str()
-                      ->check(int_in(1, kMaxExtent)),
+                      ->transform(length_in(1, kMaxExtent, "pattern")),
                   cmd->add_option("--seq-k", o.seq_k, "key length m (default: n)")
-                      ->check(int_in(1, kMaxExtent)),
+                      ->transform(length_in(1, kMaxExtent, "pattern")),
                   cmd->add_option("--dim", o.dim, "head dimension d (for data-dependent patterns)")
                       ->capture_default_str()
                       ->check(int_in(1, kMaxExtent))};
-    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
+    add_causal_option(cmd, o.causal, "bottom-right aligned causal mask");
     cmd->add_option("--head", head, "head index")
         ->capture_default_str()
         ->check(int_in(0, kMaxHeads - 1));

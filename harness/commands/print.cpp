@@ -27,6 +27,7 @@
 #include "build_info.h"
 #include "common/core/error.h"
 #include "common/core/registry.h"
+#include "common/core/suggest.h"
 #include "common/io/inputs.h"
 #include "common/io/npy.h"
 #include "common/io/plugin.h"
@@ -82,9 +83,55 @@ const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColum
     {"bf16", &Capabilities::bf16},
 };
 
-void print_list() {
+std::vector<const VariantInfo*> listed_variants(const std::vector<std::string>& names) {
+  const auto all = Registry::instance().all();
+  if (names.empty()) return all;
+  std::vector<std::string> known;
+  for (const VariantInfo* v : all) known.push_back(v->name);
+  std::vector<const VariantInfo*> out;
+  for (const std::string& name : names) {
+    const VariantInfo* v = Registry::instance().find(name.substr(0, name.find(':')));
+    if (!v)
+      throw SpecError(fmt::format("unknown variant '{}'{}; registered variants: {}", name,
+                                  did_you_mean(name, known), Registry::instance().names()));
+    out.push_back(v);
+  }
+  return out;
+}
+
+void print_brief_list(const std::vector<const VariantInfo*>& variants) {
+  constexpr size_t kColumns = 100;
   size_t w = 7;
-  for (const VariantInfo* v : Registry::instance().all()) w = std::max(w, v->name.size());
+  for (const VariantInfo* v : variants) w = std::max(w, v->name.size());
+  fmt::print("{:<{}} causal backward decode summary\n", "variant", w);
+  for (const VariantInfo* v : variants) {
+    std::string line = fmt::format("{:<{}} {:<6} {:<8} {:<6} ", v->name, w,
+                                   v->caps.causal_only ? "only"
+                                   : v->caps.causal    ? "yes"
+                                                       : "no",
+                                   has_backward(*v) ? "yes" : "no", has_decode(*v) ? "yes" : "no");
+    std::string summary = v->summary;
+    if (line.size() + summary.size() > kColumns) {
+      // cut at a word boundary, marked
+      summary.resize(kColumns > line.size() + 3 ? kColumns - line.size() - 3 : 0);
+      const size_t space = summary.find_last_of(' ');
+      if (space != std::string::npos && space > summary.size() / 2) summary.resize(space);
+      summary += "...";
+    }
+    fmt::print("{}{}\n", line, summary);
+  }
+  fmt::print(
+      "(`attnbench list NAME` shows a variant's parameters and inputs; `list` all of them)\n");
+}
+
+void print_list(const std::vector<std::string>& names, bool brief) {
+  const auto variants = listed_variants(names);
+  if (brief) {
+    print_brief_list(variants);
+    return;
+  }
+  size_t w = 7;
+  for (const VariantInfo* v : variants) w = std::max(w, v->name.size());
   // each capability column as wide as its header and a space, at least 6
   auto width = [](const std::string& h) { return std::max<size_t>(h.size() + 1, 6); };
   size_t indent = w;
@@ -101,7 +148,7 @@ void print_list() {
     indent += 1 + width(h);
   }
   fmt::print("{} {}\n", head, "summary / parameters");
-  for (const VariantInfo* v : Registry::instance().all()) {
+  for (const VariantInfo* v : variants) {
     std::string line = fmt::format("{:<{}}", v->name, w);
     for (const auto& [h, flag] : kCapabilityColumns) {
       // a variant that refuses non-causal problems says "only" in the causal column
@@ -191,11 +238,13 @@ void print_row(const Row& r) {
     fmt::print("core share   {:.1f}% of the layer's time in the attention core (measured)\n",
                100 * r.attention_share);
   fmt::print(
-      "noise        spread {:.2f}x (max/min), load average {:.2f}, other processes {} "
-      "processors{}\n",
-      r.time_spread, r.load_avg,
-      std::isnan(r.other_load) ? std::string("not measured (run too short)")
-                               : fmt::format("{:.1f}", r.other_load),
+      "noise        {}, load average {:.2f}, {}{}\n",
+      r.reps < 2
+          ? std::string("no spread (one repetition)")
+          : fmt::format("spread {:.2f}x (max/min over {} repetitions)", r.time_spread, r.reps),
+      r.load_avg,
+      std::isnan(r.other_load) ? std::string("other processes not measured (run too short)")
+                               : fmt::format("other processes on {:.1f} processors", r.other_load),
       r.noisy ? ": NOISY" : "");
   if (!std::isnan(r.prepare_seconds))
     fmt::print("prepare      {:.3f} ms once per problem, outside the timed passes\n",

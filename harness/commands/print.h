@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "harness/runner.h"
 
@@ -16,8 +17,12 @@ std::string human_seconds(double s);
 // "[i/N] elapsed 01:02, ETA 03:04 | WHAT", cut to kProgressColumns with "..." at the end.
 std::string progress_line(size_t i, size_t n, double elapsed, double eta, const std::string& what);
 
-// The variants with their capabilities and parameters, as a table (`list`).
-void print_list();
+// The variants (every one, or those named) with their capabilities and parameters, as a table
+// (`list`), or one line each of at most 100 columns (`list --brief`). An unknown name is a
+// SpecError.
+void print_list(const std::vector<std::string>& names = {}, bool brief = false);
+// The registered variants of these names (all when none; a NAME may be a spec), in that order.
+std::vector<const VariantInfo*> listed_variants(const std::vector<std::string>& names);
 
 // A result row as text, one line per figure.
 void print_row(const Row& r);

@@ -52,13 +52,21 @@ namespace {
 
 struct RunCommand {
   ProblemOptions o;
-  std::string spec, inputs_path, output_path, key_padding, mask_path, pass = "fwd", grads_path;
+  std::vector<std::string> specs;
+  std::string inputs_path, output_path, key_padding, mask_path, pass = "fwd", grads_path;
   bool json = false;
   std::vector<CLI::Option*> shape_opts;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("run", "one variant on one problem");
-    cmd->add_option("--variant", spec, "variant spec, name:key=value,...")->required();
+    cmd->footer(
+        "\nExamples:\n  attnbench run --variant flash --seq 4k --causal\n  attnbench run --variant "
+        "local:window=128 --seq 4096 --causal on --input local\n  attnbench run --variant linear "
+        "--seq 2k --pass fwdbwd --json");
+    cmd->add_option("--variant", specs, "variant spec, name:key=value,...")
+        ->required()
+        ->type_name("SPEC")
+        ->allow_extra_args(false);  // one SPEC per --variant
     shape_opts = {add_batch_option(cmd, o),
                   add_heads_option(cmd, o),
                   add_kv_heads_option(cmd, o),
@@ -67,7 +75,7 @@ struct RunCommand {
                   cmd->add_option("--dim", o.dim, "head dimension d")
                       ->capture_default_str()
                       ->check(int_in(1, kMaxExtent))};
-    cmd->add_flag("--causal", o.causal, "bottom-right aligned causal mask");
+    add_causal_option(cmd, o.causal, "bottom-right aligned causal mask");
     cmd->add_option("--score", o.score, "scoring function")
         ->capture_default_str()
         ->check(CLI::IsMember({"scaled_dot", "dot", "bilinear", "additive"}));
@@ -113,7 +121,12 @@ struct RunCommand {
       throw UsageError(
           "--save-grads needs a backward pass: add --pass bwd or --pass fwdbwd (the gradients "
           "are those of the checked backward)");
-    auto variant = make_one_variant(spec, "run");
+    if (specs.size() > 1)
+      throw UsageError(fmt::format(
+          "--variant is given {} times; run measures one variant (`attnbench sweep --variant {} "
+          "...` measures several)",
+          specs.size(), fmt::join(specs, " --variant ")));
+    auto variant = make_one_variant(specs.front(), "run");
     Problem p = o.problem();
     Workload w = o.workload();
     w.pass = pass;

@@ -65,6 +65,11 @@ struct SweepCommand {
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
+    cmd->footer(
+        "\nExamples:\n  attnbench sweep --variant flash --variant local --seq 1k..8k --causal both "
+        "--out results/try\n  attnbench sweep --variant flash --variant performer --seq 1k,4k "
+        "--pass fwd,fwdbwd --out results/try --resume\n  scripts/plot.py results/try        "
+        "(figures and report.md of the sweep)");
     cmd->add_option("--variant", specs,
                     "variant spec (repeatable; default: every variant); a|b is a grid of "
                     "specs: local:window=64|128");

@@ -127,6 +127,34 @@ TEST(Cli, List) {
   EXPECT_CONTAINS(r.out, "block_q");
 }
 
+TEST(Cli, ListOneVariantOrOneLineEach) {
+  TempDir dir;
+  CliResult r = run_cli("list local", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "window=256");
+  EXPECT_EQ(r.out.find("block_q"), std::string::npos) << "list local printed other variants";
+  r = run_cli("list --json local flash", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = parse_json(r.out);
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0].at("name"), "local");
+  EXPECT_EQ(j[1].at("name"), "flash");
+  r = run_cli("list --brief", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<std::string> lines;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  CliResult all = run_cli("list --json", dir);
+  ASSERT_EQ(all.code, 0) << all.err;
+  ASSERT_EQ(lines.size(), parse_json(all.out).size() + 2) << r.out;
+  for (const std::string& line : lines) EXPECT_LE(line.size(), 100u) << line;
+  EXPECT_EQ(lines[1].rfind("bigbird ", 0), 0u) << lines[1];
+  r = run_cli("list flsh", dir);
+  expect_usage_error(r, "list flsh");
+  EXPECT_CONTAINS(r.err, "unknown variant 'flsh' (did you mean 'flash'?)");
+}
+
 TEST(Cli, ListJson) {
   TempDir dir;
   CliResult r = run_cli("list --json", dir);
@@ -181,6 +209,30 @@ TEST(Cli, RunJson) {
   std::sort(keys.begin(), keys.end());
   std::sort(cols.begin(), cols.end());
   EXPECT_EQ(keys, cols);
+}
+
+TEST(Cli, RunTakesCausalBareOrOnOrOff) {
+  TempDir dir;
+  const std::string args =
+      "run --variant flash --seq 32 --heads 1 --dim 8 --reps 1 --min-time 0 --json ";
+  for (const auto& [words, causal] :
+       std::vector<std::pair<std::string, bool>>{{"--causal", true},
+                                                 {"--causal on", true},
+                                                 {"--causal=on", true},
+                                                 {"--causal off", false},
+                                                 {"--causal --pass fwd", true},
+                                                 {"", false}}) {
+    CliResult r = run_cli(args + words, dir);
+    ASSERT_EQ(r.code, 0) << words << ": " << r.err;
+    EXPECT_EQ(parse_json(r.out).at("causal"), causal) << words;
+  }
+  // a size with k, and the text of one repetition: no spread, not x1.00
+  CliResult r =
+      run_cli("run --variant flash --seq 1k --heads 1 --dim 8 --reps 1 --min-time 0", dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "n=1024");
+  EXPECT_CONTAINS(r.out, "no spread (one repetition)");
+  EXPECT_EQ(r.out.find("processes not measured (run too short) processors"), std::string::npos);
 }
 
 TEST(Cli, RunWritesTheOutput) {
@@ -459,7 +511,8 @@ TEST(Cli, BadArgumentsExitWithUsageErrors) {
       {run + "--variant flash --seq abc", "abc"},
       {run + "--variant flash --seq -5", "--seq"},
       {run + "--variant flash --dim 0", "--dim"},
-      {run + "--variant flash --causal on", "on"},
+      {run + "--variant flash --causal both", "sweep --causal both"},
+      {run + "--variant flash --causal maybe", "'maybe' is not on or off"},
       {run + "--variant flash --causal=bogus", "bogus"},
       {run + "--variant flash --input bogus", "bogus"},
       {run + "--variant flash --reps 0", "--reps"},
@@ -508,6 +561,22 @@ TEST(Cli, BadArgumentsExitWithUsageErrors) {
       {"pattern --seq 16 --variant 'local:window=1|2' --output " + q(dir.file("g.npy")),
        "sweep feature"},
       {run + "--variant 'local:window=|2'", "parameter 'window'"},
+      // "did you mean": variants, parameters, options, commands; a parameter as an option
+      {run + "--variant flsh", "unknown variant 'flsh' (did you mean 'flash'?)"},
+      {run + "--variant Flash", "(did you mean 'flash'?)"},
+      {run + "--variant local:windw=64", "no parameter 'windw' (did you mean 'window'?)"},
+      {run + "--variant flash --causl", "did you mean --causal for --causl?"},
+      {run + "--variant local --window 64",
+       "not expected: --window 64; --window is a parameter of local: write it in the spec, "
+       "--variant local:window=64"},
+      {"sweep --variant local:block=32 --window=8 --out " + q(sweep_out),
+       "--variant local:block=32,window=8"},
+      {"swep --variant flash", "unknown command 'swep' (did you mean 'sweep'?)"},
+      {run + "--variant flash --variant local", "sweep --variant flash --variant local"},
+      {run + "--variant flash --seq 256,512", "`attnbench sweep --seq 256,512`"},
+      {run + "--variant flash --seq 1..4", "run measures one length"},
+      {run + "--variant flash --seq 2097152k", "out of range"},
+      {"sweep --variant flash --seq 1k,2q --out " + q(sweep_out), "'2q'"},
   };
   for (const auto& c : cases) {
     CliResult r = run_cli(c.args, dir);
