@@ -22,6 +22,7 @@ is a note of the report and a warning, never a failure.
 
 import math
 import os
+from collections import Counter
 
 import numpy as np
 import pandas as pd
@@ -308,6 +309,7 @@ def section(ctx):
     if lm is not None:
         describe_lm(ctx, lm)
     order = spec_order(ctx, recall, lm, top)
+    ctx.quality_labels = spec_labels(ctx, order)
     rows = timed_rows(ctx)
     known = list(dict.fromkeys(rows["spec"]))
     matched = match_specs(ctx, order, known)
@@ -324,6 +326,19 @@ def section(ctx):
         figure(ctx, recall, top, settings, order, rows, matched)
     ctx.quality_at = len(ctx.md)
     ctx.md.append("\n")
+
+
+def spec_labels(ctx, specs):
+    """Each spec's label (its name and the parameters that differ from the defaults), or the
+    spec as written where two specs of the section share a label (local and local:window=256,
+    the default written out: two sets of rows)."""
+    labels = {s: ctx.styles.label(s) for s in specs}
+    counts = Counter(labels.values())
+    return {s: (s if counts[text] > 1 else text) for s, text in labels.items()}
+
+
+def spec_label(ctx, spec):
+    return getattr(ctx, "quality_labels", {}).get(spec) or ctx.styles.label(spec)
 
 
 def spec_order(ctx, recall, lm, top):
@@ -419,7 +434,7 @@ def recall_table(ctx, recall, settings, order):
         values = cost[cost.index.isin(mine.index)]
         cells.append(spread(values, (lambda x: f"{x:.2f}×") if relative else
                             (lambda x: f"{x:.3g}"), count=False))
-        out.append([code(ctx.styles.label(spec))] + cells)
+        out.append([code(spec_label(ctx, spec))] + cells)
     heads = ["variant"] + [setting_label(s, settings) for s in settings] + \
         ["train time × flash" if relative else "train µs/token"]
     timed = any(r[-1] for r in out)
@@ -479,7 +494,7 @@ def language_speed_table(ctx, lm, order, rows, matched, target):
             cells.append(f"{ratio:.2f}×" + ("" if n == target else f" (n={fmt_n(n)})"))
             if n != target:
                 other_n.add(n)
-        out.append([code(ctx.styles.label(spec))] + cells)
+        out.append([code(spec_label(ctx, spec))] + cells)
     if lm is None and not speed_any:
         ctx.md.append("\nNo speed over flash: results.csv holds no causal rows of these "
                       "variants beside flash's on the same problem.\n")
@@ -581,12 +596,12 @@ def figure(ctx, recall, top, settings, order, rows, matched):
         avoid = [(frame.x0, y - 1.5 * pt, frame.x1, y + 1.5 * pt),
                  (box.x0, box.y0, box.x1, box.y1)]
         placed = place_labels(ax, [(p[key], p["mean"]) for p in mine],
-                              [ctx.styles.label(p["spec"]) for p in mine], avoid=avoid)
+                              [spec_label(ctx, p["spec"]) for p in mine], avoid=avoid)
         unlabelled += [p["spec"] for p, done in zip(mine, placed) if not done]
     handles = [ctx.styles.handle(s, line=False) for s in dict.fromkeys(unlabelled)]
     missing = [p["spec"] for p in points if p["state"] is None]
     notes = ([f"Left panel leaves out (no decode rows in results.csv): "
-              f"{', '.join(ctx.styles.label(s) for s in missing)}"] if missing else [])
+              f"{', '.join(spec_label(ctx, s) for s in missing)}"] if missing else [])
     ctx.record("recall_throughput", setting=label,
                points=[{k: p[k] for k in ("spec", "mean", "lo", "hi", "seeds", "state",
                                           "state_n", "cost")} for p in points],
@@ -604,7 +619,7 @@ def figure(ctx, recall, top, settings, order, rows, matched):
          "several" if relative else "") + "). The "
         "dashed line is chance (1/64). Up and to the left is better: more recall for less "
         "state or less training time." +
-        (f" Without decode rows: {', '.join(code(ctx.styles.label(s)) for s in missing)}."
+        (f" Without decode rows: {', '.join(code(spec_label(ctx, s)) for s in missing)}."
          if missing else "") + "\n")
     states = [p for p in points if p["state"]]
     if states:
