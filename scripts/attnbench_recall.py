@@ -12,8 +12,14 @@ keys of a query cannot recall any of them when L W is shorter than that in a mod
 
 Causal form: the model reads the sequence left to right and predicts the value at each query
 position from what precedes it. Bidirectional form (`bidirectional=True`): every position sees
-the whole sequence; the value of a queried key appears only beside its key at the start, never
-at the query position, so the answer is never visible there either.
+the whole sequence, and each pair takes one position at the start, its key's and its value's
+embeddings summed there (token PAIR * (value + 1) + key; the first P positions), the queries as
+in the causal form; the value of a queried key is only at its pair's position, never at the
+query position, so the answer is never visible there either. A pair in one position makes the
+lookup one hop (find the position that holds the key, read its value): with `k v` in two
+positions and no causal order, a value cannot tell its own key (before it) from the next pair's
+(after it) but by the sign of a rotary offset, and exact attention did not learn the two-hop
+form within the budget (0.15 accuracy at n = 128, as the fixed-state mechanisms reach).
 
 The model: token embeddings of width E, 2 pre-norm blocks, each attention (the variant through
 attnbench.torch, its learned inputs produced by attnbench.torch.LearnedInputs from the block's
@@ -46,6 +52,7 @@ KEYS = 64      # key vocabulary: tokens 0 .. KEYS-1
 VALUES = 64    # value vocabulary: tokens KEYS .. KEYS+VALUES-1
 FILLER = KEYS + VALUES
 VOCAB = KEYS + VALUES + 1
+PAIR = 1000    # bidirectional form: a pair position holds PAIR * (value + 1) + key
 HEAD_DIM = 32
 IGNORE = -100  # the target of a position that is not a query
 
@@ -60,16 +67,19 @@ def query_count(n, pairs):
     return q
 
 
-def min_distance(n, pairs):
-    """The smallest distance between a query and its key (the last key at 2P - 2, the first
-    query at n - query_count)."""
-    return n - query_count(n, pairs) - (2 * pairs - 2)
+def min_distance(n, pairs, bidirectional=False):
+    """The smallest distance between a query and its key (the last key at 2P - 2, or at P - 1
+    in the bidirectional form; the first query at n - query_count)."""
+    last = pairs - 1 if bidirectional else 2 * pairs - 2
+    return n - query_count(n, pairs) - last
 
 
-def generate(rng, count, n, pairs, queries=None):
+def generate(rng, count, n, pairs, queries=None, bidirectional=False):
     """`count` MQAR sequences: (tokens [count, n] int64, targets [count, n] int64 with IGNORE
     off the query positions) drawn from the numpy Generator rng. `queries`: how many of the last
-    positions are queries (default query_count; the warm-up's n - 2P leaves no filler)."""
+    positions are queries (default query_count; the warm-up's n - 2P leaves no filler).
+    bidirectional: each pair in one position, PAIR * (value + 1) + key (the module's
+    docstring)."""
     q = query_count(n, pairs) if queries is None else queries
     if not 1 <= q <= n - 2 * pairs:
         raise ValueError(f"{q} queries do not fit after {pairs} pairs in {n} tokens")
@@ -79,8 +89,11 @@ def generate(rng, count, n, pairs, queries=None):
     for b in range(count):
         keys = rng.choice(KEYS, pairs, replace=False)
         values = rng.integers(0, VALUES, pairs)
-        tokens[b, 0:2 * pairs:2] = keys
-        tokens[b, 1:2 * pairs:2] = KEYS + values
+        if bidirectional:
+            tokens[b, 0:pairs] = PAIR * (values + 1) + keys
+        else:
+            tokens[b, 0:2 * pairs:2] = keys
+            tokens[b, 1:2 * pairs:2] = KEYS + values
         order = np.concatenate([rng.permutation(pairs) for _ in range(rounds)])[:q]
         tokens[b, n - q:] = keys[order]
         targets[b, n - q:] = values[order]
@@ -138,8 +151,18 @@ class RecallModel(nn.Module):
         self.ln = nn.LayerNorm(width)
         self.out = nn.Linear(width, VALUES)
 
+    def embedding(self, tokens):
+        """The token embeddings; at a pair of the bidirectional form (a token >= PAIR) its key's
+        embedding plus its value's."""
+        pair = tokens >= PAIR
+        if not pair.any():
+            return self.embed(tokens)
+        key = torch.where(pair, tokens % PAIR, tokens)
+        value = torch.where(pair, KEYS + tokens // PAIR - 1, torch.zeros_like(tokens))
+        return self.embed(key) + self.embed(value) * pair[..., None]
+
     def forward(self, tokens):
-        x = self.embed(tokens)
+        x = self.embedding(tokens)
         for b in self.blocks:
             x = b(x)
         return self.out(self.ln(x))
@@ -154,13 +177,14 @@ def loss_and_hits(model, tokens, targets):
     return loss, hits
 
 
-def accuracy(model, n, pairs, seed, sequences, batch):
+def accuracy(model, n, pairs, seed, sequences, batch, bidirectional=False):
     """Accuracy on `sequences` held-out sequences of the seed's test stream."""
     rng = data_rng(seed, "test")
     hits = total = 0
     with torch.no_grad():
         for start in range(0, sequences, batch):
-            tokens, targets = generate(rng, min(batch, sequences - start), n, pairs)
+            tokens, targets = generate(rng, min(batch, sequences - start), n, pairs,
+                                       bidirectional=bidirectional)
             hits += loss_and_hits(model, tokens, targets)[1]
             total += int((targets != IGNORE).sum())
     return hits / total
@@ -196,9 +220,9 @@ def train(variant, n, pairs, width, seed, steps, batch, lr, causal=True, threads
         short = warmup_length(n, pairs, warmup_seq)
         if step <= steps // 2 and short < n:
             tokens, targets = generate(rng, batch * (n // short), short, pairs,
-                                       queries=short - 2 * pairs)
+                                       queries=short - 2 * pairs, bidirectional=not causal)
         else:
-            tokens, targets = generate(rng, batch, n, pairs)
+            tokens, targets = generate(rng, batch, n, pairs, bidirectional=not causal)
         loss, _ = loss_and_hits(model, tokens, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -211,7 +235,7 @@ def train(variant, n, pairs, width, seed, steps, batch, lr, causal=True, threads
             log(step, losses[-1], time.perf_counter() - start)
     train_s = time.perf_counter() - start
     model.eval()
-    acc = accuracy(model, n, pairs, seed, test_sequences, batch)
+    acc = accuracy(model, n, pairs, seed, test_sequences, batch, bidirectional=not causal)
     # the mean of the last 10% of the steps: one batch's loss is noisy
     tail = losses[-max(1, steps // 10):]
     return dict(accuracy=acc, final_loss=float(np.mean(tail)), train_s=train_s,

@@ -383,7 +383,7 @@ def recall(args):
                                      width=args.width, seed=seed, steps=args.steps,
                                      tokens=args.steps * batch * n, mode=mode,
                                      batch=batch, lr=args.lr,
-                                     min_distance=task.min_distance(n, p),
+                                     min_distance=task.min_distance(n, p, not causal),
                                      threads=args.threads))
         runs = in_shard(runs, args.shard)
         done = {row_key(r) for r in rows if r.get("status") in DONE}
