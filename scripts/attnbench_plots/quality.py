@@ -398,7 +398,10 @@ def describe_recall(ctx, recall, settings):
         + clause(" of width {}", recall["width"]) +
         f" is trained from scratch with every attention the variant, the same budget for every "
         f"variant, and scored by its accuracy on held-out sequences (chance {CHANCE:.3f}, "
-        f"1/64). Settings: " + "; ".join(parts) +
+        f"1/64)" + ("; in the bidirectional form every position sees the whole sequence and "
+                    "each pair takes one position (its key's and value's embeddings summed)"
+                    if any(s[0] == "bidirectional" for s in settings) else "") +
+        ". Settings: " + "; ".join(parts) +
         f". Seeds per variant and setting: {seed_range}.\n")
 
 
