@@ -1,7 +1,6 @@
 """Hostile masks through attnbench.torch: MultiheadAttention with the masks Hugging Face
 models write (torch.finfo(torch.float32).min above the diagonal, rows masked wholly by it),
 key_padding_mask, and learnable float masks, whose gradients must be torch's."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
