@@ -236,10 +236,11 @@ def main():
               file=sys.stderr)
 
     if args.min_change is None:
-        min_change = max(typical_spread(a), typical_spread(b))
+        spread_a, spread_b = typical_spread(a), typical_spread(b)
+        min_change = max(spread_a, spread_b)
         print(f"--min-change {min_change:.3f}: the runs' typical spread (median (max - min) / "
-              f"median of a row's repetitions: A {typical_spread(a):.3f}, B "
-              f"{typical_spread(b):.3f}); --min-change 0 judges by the spans alone", file=out)
+              f"median of a row's repetitions: A {spread_a:.3f}, B {spread_b:.3f}); "
+              f"--min-change 0 judges by the spans alone", file=out)
     else:
         min_change = args.min_change
     for df, name in ((a, "A"), (b, "B")):

@@ -473,19 +473,25 @@ def lm_shard(runs, shard):
 _LM = {}
 
 
-def _lm_init(ckpt_path, cache, windows, threads, worker=True):
+def _lm_state(base, cache, windows):
+    """The state of an `lm` job around its base model: training bytes, held-out windows."""
+    import attnbench_lm as lm
+    train_path, valid_path = lm.fetch_corpus(cache or lm.cache_root())
+    return dict(base=base, train=lm.read_bytes(train_path), swap={},
+                batches=list(lm.windows(lm.read_bytes(valid_path), base.cfg["context"],
+                                        windows).split(1)))
+
+
+def _lm_init(ckpt_path, cache, windows, threads):
+    """A worker process's _LM: the base model loaded from ckpt_path."""
+    import signal
     import torch
     import attnbench_lm as lm
-    if worker:
-        import signal
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     base, _ = lm.load_model(ckpt_path)
-    train_path, valid_path = lm.fetch_corpus(cache or lm.cache_root())
     _LM.clear()
-    _LM.update(base=base, train=lm.read_bytes(train_path), swap={},
-               batches=list(lm.windows(lm.read_bytes(valid_path), base.cfg["context"],
-                                       windows).split(1)))
+    _LM.update(_lm_state(base, cache, windows))
 
 
 def lm_run(work):
@@ -528,12 +534,13 @@ def lm_run(work):
     return run
 
 
-def lm_results(work, setup, jobs):
-    """The rows of the `work` items (lm_run's) as they finish: in this process, or with
-    jobs > 1 on that many worker processes, each set up by _lm_init(*setup)."""
+def lm_results(work, setup, jobs, state):
+    """The rows of the `work` items (lm_run's) as they finish: in this process (its _LM the
+    `state` of _lm_state), or with jobs > 1 on that many worker processes, each set up by
+    _lm_init(*setup)."""
     if jobs <= 1 or len(work) <= 1:
-        if work:
-            _lm_init(*setup, worker=False)
+        _LM.clear()
+        _LM.update(state)
         for item in work:
             yield lm_run(item)
         return
@@ -564,8 +571,8 @@ def language(args):
                 data = f.read()
             atomic_write(os.path.join(out_dir, "lm_train_log.csv"), lambda f: f.write(data))
         C = base.cfg["context"]
-        _, valid_path = lm.fetch_corpus(args.cache or lm.cache_root())
-        batches = list(lm.windows(lm.read_bytes(valid_path), C, args.windows).split(1))
+        state = _lm_state(base, args.cache, args.windows)
+        batches = state["batches"]
         rows = read_rows(path)
         seeded = set(args.seeded)
         runs = []
@@ -599,7 +606,7 @@ def language(args):
                          r.get("status") == "ok"]
                 run = dict(run, base_bpb=f"{base_bpb:.6f}")
                 work.append((run, float(flash[0]["uptrain_bpb"]) if flash else None, budget))
-            for run in lm_results(work, setup, jobs):
+            for run in lm_results(work, setup, jobs, state):
                 rows = keep_row(rows, run, key, path, LM_COLUMNS)
                 progress(done_count, len(pending), time.perf_counter() - start,
                          f"{run['spec']} seed={run['seed']}", run,

@@ -964,15 +964,17 @@ std::pair<std::string, std::vector<std::pair<std::string, std::string>>> parse_s
   return {name, kv};
 }
 
+const VariantInfo& Registry::get(std::string_view name) const {
+  if (const VariantInfo* info = find(name)) return *info;
+  std::vector<std::string> known;
+  for (const auto& entry : variants_) known.push_back(entry.first);
+  throw SpecError(fmt::format("unknown variant '{}'{}; registered variants: {}", name,
+                              did_you_mean(name, known), names()));
+}
+
 std::unique_ptr<Variant> Registry::make(std::string_view spec) const {
   auto [name, kv] = parse_spec(spec);
-  const VariantInfo* info = find(name);
-  if (!info) {
-    std::vector<std::string> known;
-    for (const auto& entry : variants_) known.push_back(entry.first);
-    throw SpecError(fmt::format("unknown variant '{}'{}; registered variants: {}", name,
-                                did_you_mean(name, known), names()));
-  }
+  const VariantInfo* info = &get(name);
   ParamValues values;
   for (const auto& ps : info->params)
     values.values[ps.name] = canonical_value(name, ps, ps.default_value);

@@ -309,6 +309,9 @@ class Registry {
   /// Adds a variant; throws on a duplicate name or a parameter type clash.
   bool add(VariantInfo info);
   const VariantInfo* find(std::string_view name) const;
+  /// The variant called `name`; throws SpecError naming the closest name and every
+  /// registered one when there is none.
+  const VariantInfo& get(std::string_view name) const;
   /// All variants, sorted by name.
   std::vector<const VariantInfo*> all() const;
   /// Builds a variant from "name:key=value,...". Throws SpecError listing what is valid.

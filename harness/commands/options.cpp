@@ -280,7 +280,7 @@ std::string input_help(const std::string& what) {
   return help + fmt::format("\n  trained[:layer=L]: {}", describe_distribution("trained"));
 }
 
-// --score-hidden, on run and sweep.
+// --causal of run, layer and pattern: bare, on or off (sweep takes on|off|both).
 CLI::Option* add_causal_option(CLI::App* cmd, bool& causal, const std::string& help) {
   return cmd
       ->add_option_function<std::string>(
@@ -300,6 +300,7 @@ CLI::Option* add_causal_option(CLI::App* cmd, bool& causal, const std::string& h
           "on|off", "causal"));
 }
 
+// --score-hidden, on run and sweep.
 void add_score_hidden_option(CLI::App* app, ProblemOptions& o) {
   app->add_option("--score-hidden", o.score_hidden, "hidden size h of the additive score (0 = d)")
       ->capture_default_str()

@@ -27,7 +27,6 @@
 #include "build_info.h"
 #include "common/core/error.h"
 #include "common/core/registry.h"
-#include "common/core/suggest.h"
 #include "common/io/inputs.h"
 #include "common/io/npy.h"
 #include "common/io/plugin.h"
@@ -86,16 +85,9 @@ const std::vector<std::pair<std::string, bool Capabilities::*>> kCapabilityColum
 std::vector<const VariantInfo*> listed_variants(const std::vector<std::string>& names) {
   const auto all = Registry::instance().all();
   if (names.empty()) return all;
-  std::vector<std::string> known;
-  for (const VariantInfo* v : all) known.push_back(v->name);
   std::vector<const VariantInfo*> out;
-  for (const std::string& name : names) {
-    const VariantInfo* v = Registry::instance().find(name.substr(0, name.find(':')));
-    if (!v)
-      throw SpecError(fmt::format("unknown variant '{}'{}; registered variants: {}", name,
-                                  did_you_mean(name, known), Registry::instance().names()));
-    out.push_back(v);
-  }
+  for (const std::string& name : names)
+    out.push_back(&Registry::instance().get(name.substr(0, name.find(':'))));
   return out;
 }
 

@@ -213,11 +213,15 @@ def training_cost(rows):
 
 
 def processors(rows):
-    """The processors (`cpu`) the ok rows name, in order of their count (most first)."""
+    """The processors (`cpu`) the ok rows name, in order of their count (most first), as
+    training_cost reads them: beside named ones, rows that name none are one more processor
+    ("not recorded"); rows that all name none give none."""
     if "cpu" not in rows.columns:
         return []
-    cpu = rows.loc[rows["status"] == "ok", "cpu"].astype(str).str.strip()
-    return list(cpu[cpu != ""].value_counts().index)
+    cpu = rows.loc[rows["status"] == "ok", "cpu"].fillna("").astype(str).str.strip()
+    if (cpu == "").all():
+        return []
+    return list(cpu.replace("", "not recorded").value_counts().index)
 
 
 # --- speed over flash -----------------------------------------------------------------------

@@ -195,6 +195,11 @@ if not relative or list(cost.index) != list(range(6)) or \
     fail(f"training cost over processors: {list(cost)} (relative {relative})")
 if quality.processors(rows) != ["A", "B", "C"]:
     fail(f"processors: {quality.processors(rows)}")
+unnamed = rows.assign(cpu=["A", "", "A", "", "", "", "A"])
+cost, relative = quality.training_cost(unnamed)
+if not relative or quality.processors(unnamed) != ["not recorded", "A"]:
+    fail(f"rows without a processor beside named ones: {quality.processors(unnamed)} "
+         f"(relative {relative})")
 cost, relative = quality.training_cost(rows[rows["cpu"] == "A"])
 if relative or [round(x, 9) for x in cost] != [10.0, 12.0, 5.5]:
     fail(f"training cost on one processor: {list(cost)} (relative {relative})")
