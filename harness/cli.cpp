@@ -29,15 +29,7 @@ namespace {
 // The plugins of ATTNBENCH_PLUGINS, then those of --plugin: their variants are then available
 // to every command.
 void load_plugins(const std::vector<std::string>& paths) {
-  if (const char* env = std::getenv("ATTNBENCH_PLUGINS")) {
-    for (const auto& path : split_plugin_list(env)) {
-      try {
-        load_plugin(path);
-      } catch (const PluginError& e) {
-        throw PluginError(fmt::format("{} (in ATTNBENCH_PLUGINS)", e.what()));
-      }
-    }
-  }
+  load_env_plugins();
   for (const auto& path : paths) load_plugin(path);
 }
 

@@ -27,6 +27,7 @@
 #include "common/core/registry.h"
 #include "common/io/inputs.h"
 #include "common/io/npy.h"
+#include "common/io/plugin.h"
 #include "common/kernels/bf16.h"
 #include "common/reference/reference.h"
 #include "harness/catalog.h"
@@ -329,6 +330,8 @@ PYBIND11_MODULE(_attnbench, m) {
   py::register_exception_translator([](std::exception_ptr e) {
     try {
       if (e) std::rethrow_exception(e);
+    } catch (const PluginError& x) {
+      PyErr_SetString(PyExc_ImportError, x.what());
     } catch (const UnsupportedError& x) {
       PyErr_SetString(PyExc_NotImplementedError, x.what());
     } catch (const SpecError& x) {
@@ -341,6 +344,13 @@ PYBIND11_MODULE(_attnbench, m) {
       PyErr_SetString(PyExc_RuntimeError, x.what());
     }
   });
+
+  m.def(
+      "load_plugin", [](const std::string& path) { load_plugin(path); },
+      "Loads a plugin's variants (ImportError naming the file when it cannot)");
+  m.def("load_env_plugins", &load_env_plugins,
+        "Loads the plugins of ATTNBENCH_PLUGINS (ImportError naming the file)");
+  m.def("loaded_plugins", &loaded_plugins, "Real paths of the plugins loaded, in load order");
 
   m.def(
       "variants_json", [] { return variants_json().dump(); },

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -142,6 +143,18 @@ void load_plugin(const std::string& path) {
   }
   loaded().paths.push_back(real);
   loaded().handles.push_back(handle);
+}
+
+void load_env_plugins() {
+  const char* env = std::getenv("ATTNBENCH_PLUGINS");
+  if (!env) return;
+  for (const auto& path : split_plugin_list(env)) {
+    try {
+      load_plugin(path);
+    } catch (const PluginError& e) {
+      throw PluginError(fmt::format("{} (in ATTNBENCH_PLUGINS)", e.what()));
+    }
+  }
 }
 
 const std::vector<std::string>& loaded_plugins() { return loaded().paths; }

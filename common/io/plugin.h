@@ -30,6 +30,10 @@ struct PluginError : Error {
 /// Loads one plugin (see above). Throws PluginError naming the file.
 void load_plugin(const std::string& path);
 
+/// Loads every plugin of the ATTNBENCH_PLUGINS variable (colon-separated), in order; a
+/// failing one throws PluginError naming the file and the variable.
+void load_env_plugins();
+
 /// Real paths of the plugins loaded so far, in load order.
 const std::vector<std::string>& loaded_plugins();
 

@@ -27,6 +27,11 @@ Problem keywords (attention, reference, Variant.forward, Variant.forward_train):
                softmax in float32 (the forward of variants whose capabilities say bf16; the
                output stays float32). Variant.notes then names the bf16 kernel that ran.
 
+Plugins: attnbench.load_plugin(path) loads the variants of a plugin (a shared library built
+with attnbench_add_plugin, as `attnbench --plugin` loads them) for every function here, the
+torch functions and the layer; the plugins of ATTNBENCH_PLUGINS (colon-separated) are loaded
+when the package is imported. A plugin that cannot be loaded raises ImportError naming it.
+
 Errors carry the C++ messages: a bad spec, value, shape or dtype raises ValueError; a keyword
 of the wrong type (key_padding=3.7, seed="7") raises TypeError, one out of range (seed=-1,
 threads=2**40) ValueError, both naming the keyword and what it accepts; a
@@ -41,7 +46,11 @@ import numpy as _np
 
 from . import _attnbench
 
-__all__ = ["variants", "Variant", "Decoder", "attention", "reference"]
+__all__ = ["variants", "Variant", "Decoder", "attention", "reference", "load_plugin",
+           "loaded_plugins"]
+
+# the plugins of ATTNBENCH_PLUGINS, as the command line loads them (ImportError naming the file)
+_attnbench.load_env_plugins()
 
 
 def _host(x):
@@ -150,6 +159,25 @@ def _problem_kwargs(causal=False, score="scaled_dot", key_padding=None, attn_mas
                 seed=_int(seed, "seed", 0, 2**64 - 1, _SEEDS),
                 threads=_threads(threads),
                 dtype=_str(dtype, "dtype", '"f32" or "bf16"'))
+
+
+def load_plugin(path):
+    """Loads the variants of the plugin at `path` (str or os.PathLike) and returns their names.
+    Loading a file already loaded does nothing more. ImportError names the file and why it
+    cannot be loaded (missing, another ABI, a name already registered, no variant)."""
+    import os
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"load_plugin: path {path!r} ({type(path).__name__}); accepted: a str "
+                        "or os.PathLike naming a shared library")
+    _attnbench.load_plugin(path)
+    real = os.path.realpath(path)
+    return [v["name"] for v in variants() if v.get("plugin") == real]
+
+
+def loaded_plugins():
+    """Real paths of the plugins loaded so far (ATTNBENCH_PLUGINS and load_plugin), in order."""
+    return list(_attnbench.loaded_plugins())
 
 
 def variants():

@@ -214,6 +214,89 @@ meta = json.load(open(sys.argv[1] + "/meta.json"))
 assert meta["plugins"] == [sys.argv[2]], meta["plugins"]
 PY
 
+# --- the plugin from Python (the installed package): load_plugin, ATTNBENCH_PLUGINS on import,
+# the NumPy functions, attnbench.torch and the layer ---
+module=$(find "$tmp/prefix" -path '*/attnbench/_attnbench*.so' | head -1)
+[ -n "$module" ] || fail "no Python module installed under $tmp/prefix"
+pypath=$(dirname "$(dirname "$module")")
+cat >"$tmp/topk_np.py" <<'PY'
+import numpy as np
+def topk(q, k, v, top, causal):
+    """Top-k attention in float64, ranked by larger logit, then lower key index."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    B, H, n, d = q.shape
+    m = k.shape[2]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            s = q[b, h] @ k[b, h].T / np.sqrt(d)
+            for i in range(n):
+                vis = min(m, i + m - n + 1) if causal else m
+                order = sorted(range(vis), key=lambda j: (-s[i, j], j))
+                sel = np.array(order[:top])
+                w = np.exp(s[i, sel] - s[i, sel].max())
+                out[b, h, i] = (w / w.sum()) @ v[b, h, sel]
+    return out
+PY
+echo "not a library" >"$tmp/text.so"
+PYTHONPATH="$pypath:$tmp" "$py" - "$topk" "$topk_real" "$tmp/text.so" <<'PY' ||
+import pathlib, sys
+import numpy as np
+import torch
+import attnbench, attnbench.torch as at
+from topk_np import topk
+path, real, text = sys.argv[1:]
+assert attnbench.loaded_plugins() == [], attnbench.loaded_plugins()
+rng = np.random.default_rng(3)
+q, k, v = (rng.standard_normal((2, 2, 23, 16)).astype(np.float32) for _ in range(3))
+try:
+    attnbench.attention("topk:k=5", q, k, v)
+    raise AssertionError("topk ran before its plugin was loaded")
+except ValueError as e:
+    assert "unknown variant 'topk'" in str(e), e
+assert attnbench.load_plugin(path) == ["topk"]
+assert attnbench.load_plugin(pathlib.Path(path)) == ["topk"]  # loaded once
+assert attnbench.loaded_plugins() == [real], attnbench.loaded_plugins()
+want = topk(q, k, v, 5, True)
+for out, what in ((attnbench.attention("topk:k=5", q, k, v, causal=True), "attention"),
+                  (attnbench.Variant("topk:k=5").forward(q, k, v, causal=True), "Variant"),
+                  (at.attention("topk:k=5", *map(torch.from_numpy, (q, k, v)),
+                                causal=True).numpy(), "attnbench.torch.attention")):
+    diff = np.abs(out - want).max()
+    assert diff < 2e-5, f"{what}: the plugin's topk differs from numpy's by {diff}"
+# the layer: its projections around the plugin's attention, as torch's layer computes them
+torch.manual_seed(0)
+layer = at.MultiheadAttention(32, 2, variant="topk:k=5")
+x = torch.randn(2, 23, 32)
+with torch.no_grad():
+    out, _ = layer(x, x, x, need_weights=False, is_causal=True)
+    w, b = layer.in_proj_weight, layer.in_proj_bias
+    heads = lambda t: t.reshape(2, 23, 2, 16).transpose(1, 2).numpy()
+    qh, kh, vh = (heads(x @ w[i * 32:(i + 1) * 32].T + b[i * 32:(i + 1) * 32]) for i in range(3))
+    o = torch.from_numpy(topk(qh, kh, vh, 5, True)).float().transpose(1, 2).reshape(2, 23, 32)
+    want = layer.out_proj(o)
+diff = (out - want).abs().max().item()
+assert diff < 1e-4, f"the layer with the plugin's topk differs from numpy's by {diff}"
+try:
+    attnbench.load_plugin(text)
+    raise AssertionError("a text file loaded as a plugin")
+except ImportError as e:
+    assert text in str(e) and "not a shared library" in str(e), e
+print("python: load_plugin, attention, Variant, attnbench.torch and the layer run the plugin")
+PY
+  fail "the plugin from Python"
+ATTNBENCH_PLUGINS="$topk" PYTHONPATH="$pypath" "$py" -c '
+import numpy as np, attnbench
+assert "topk" in [v["name"] for v in attnbench.variants()]
+q = np.ones((1, 1, 4, 8), np.float32)
+assert attnbench.attention("topk:k=2", q, q, q).shape == (1, 1, 4, 8)' ||
+  fail "ATTNBENCH_PLUGINS is not loaded on import"
+status=0
+ATTNBENCH_PLUGINS="$topk:$tmp/missing.so" PYTHONPATH="$pypath" "$py" -c 'import attnbench' \
+  2>"$tmp/err" || status=$?
+[ "$status" -ne 0 ] && grep -q "ImportError: $tmp/missing.so: no such file (in ATTNBENCH_PLUGINS)" "$tmp/err" ||
+  fail "a missing plugin in ATTNBENCH_PLUGINS on import: status $status, $(cat "$tmp/err")"
+
 # --- refused plugins: a clear message naming the file, exit status 2 ---
 refused "$tmp/missing.so" "no such file" -- "$bin" --plugin "$tmp/missing.so" list
 refused "$tmp/missing.so" "ATTNBENCH_PLUGINS" -- env ATTNBENCH_PLUGINS="$topk:$tmp/missing.so" "$bin" list
