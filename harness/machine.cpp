@@ -31,6 +31,25 @@ namespace attnbench {
 
 namespace {
 
+// Whether this build runs under AddressSanitizer's instrumentation.
+bool instrumented_build() {
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  return true;
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace {
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -68,14 +87,7 @@ MachineFigures measure_machine(int threads, bool quick) {
   mf.measured_at = utc_now();
   // Under the sanitizers the products and loops are instrumented: the figures describe the
   // instrumentation, not the machine, so they are taken on the smallest sizes.
-  bool instrumented = false;
-#if defined(__SANITIZE_ADDRESS__)
-  instrumented = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-  instrumented = true;
-#endif
-#endif
+  const bool instrumented = instrumented_build();
   omp_set_num_threads(threads);
   // Square products of growing size, each library repeated until 0.3 s (0.1 s when quick),
   // at least twice: the peak is the best rate seen. A size is taken only while one product of
@@ -231,7 +243,15 @@ class FileLock {
 
 }  // namespace
 
-MachineFigures machine_figures(const std::string& path, int threads, bool quick) {
+double age_seconds(const std::string& utc) {
+  std::tm tm{};
+  const char* end = strptime(utc.c_str(), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  if (end == nullptr || *end != '\0') return NAN;
+  return std::difftime(std::time(nullptr), timegm(&tm));
+}
+
+MachineFigures machine_figures(const std::string& path, int threads, bool quick,
+                               const KeepPolicy& keep) {
   if (path.empty()) return measure_machine(threads, quick);
   FileLock lock(path + ".lock");
   if (!lock.held())
@@ -239,19 +259,29 @@ MachineFigures machine_figures(const std::string& path, int threads, bool quick)
                path, std::strerror(errno));
   const std::string host = host_name(), model = cpu_model();
   std::error_code ec;
-  if (std::filesystem::exists(path, ec)) {
+  if (!keep.remeasure && std::filesystem::exists(path, ec)) {
     std::ifstream f(path);
     nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
     try {
       MachineFigures m = machine_from_json(j);
-      if (m.host == host && m.cpu_model == model && m.threads == threads) {
+      const double age = age_seconds(m.measured_at);
+      if (m.host != host || m.cpu_model != model || m.threads != threads) {
+        fmt::print(stderr,
+                   "attnbench: '{}' holds figures of {} ({}, {} threads), not of {} ({}, {} "
+                   "threads): measuring this machine and replacing them\n",
+                   path, m.host, m.cpu_model, m.threads, host, model, threads);
+      } else if (keep.max_age_s > 0 && !(age <= keep.max_age_s)) {
+        fmt::print(stderr,
+                   "attnbench: the machine figures in '{}' were measured {}: measuring again "
+                   "and replacing them\n",
+                   path,
+                   std::isnan(age) ? fmt::format("at an unreadable time ('{}')", m.measured_at)
+                                   : fmt::format("at {}, more than {:.0f} hours ago", m.measured_at,
+                                                 keep.max_age_s / 3600));
+      } else {
         m.source = fmt::format("read from {}", path);
         return m;
       }
-      fmt::print(stderr,
-                 "attnbench: '{}' holds figures of {} ({}, {} threads), not of {} ({}, {} "
-                 "threads): measuring this machine and replacing them\n",
-                 path, m.host, m.cpu_model, m.threads, host, model, threads);
     } catch (const Error& e) {
       fmt::print(stderr,
                  "attnbench: warning: '{}' is not a machine figures file ({}): measuring again "
@@ -282,16 +312,39 @@ MachineFigures machine_figures(const std::string& path, int threads, bool quick)
   return m;
 }
 
-MachineFigures kept_machine_figures(int threads, bool quick) {
-  const char* dir = std::getenv(kMachineDirVariable);
-  if (dir == nullptr || *dir == '\0') return measure_machine(threads, quick);
+std::string machine_cache_dir() {
+  if (const char* dir = std::getenv(kMachineDirVariable)) return dir;  // "" keeps none
+  namespace fs = std::filesystem;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg == '/')
+    return (fs::path(xdg) / "attnbench" / "machine").string();
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return (fs::path(home) / ".cache" / "attnbench" / "machine").string();
+  return "";
+}
+
+std::string kept_machine_file(int threads, bool quick) {
+  const std::string dir = machine_cache_dir();
+  if (dir.empty()) return "";
+  // a sanitizer or debug build measures its own (slower) figures: kept apart
+  const char* build = instrumented_build() ? "-sanitize" :
+#ifdef NDEBUG
+                                           "";
+#else
+                                           "-debug";
+#endif
+  return (std::filesystem::path(dir) / fmt::format("machine-{}-{}t{}{}.json", host_name(), threads,
+                                                   quick ? "-quick" : "", build))
+      .string();
+}
+
+MachineFigures kept_machine_figures(int threads, bool quick, bool remeasure) {
+  const std::string path = kept_machine_file(threads, quick);
+  if (path.empty()) return measure_machine(threads, quick);
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);  // a failure shows when the file is written
-  const std::string path =
-      (std::filesystem::path(dir) /
-       fmt::format("machine-{}-{}t{}.json", host_name(), threads, quick ? "-quick" : ""))
-          .string();
-  return machine_figures(path, threads, quick);
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  // (a failure to create it shows when the file is written)
+  return machine_figures(path, threads, quick,
+                         KeepPolicy{.max_age_s = kMachineMaxAgeSeconds, .remeasure = remeasure});
 }
 
 }  // namespace attnbench

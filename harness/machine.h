@@ -36,6 +36,13 @@ double peak_gflops(const MachineFigures& m, bool bf16);
 /// all).
 MachineFigures measure_machine(int threads, bool quick = false);
 
+/// When figures kept in a file are read back: `max_age_s` > 0 measures again figures
+/// measured longer ago than that (or at a time that cannot be read); `remeasure` always.
+struct KeepPolicy {
+  double max_age_s = 0;
+  bool remeasure = false;
+};
+
 /// The figures of `threads` threads through a file shared by the processes of one sweep (the
 /// shards of a cluster sweep): when `path` holds figures this host measured with this CPU
 /// model and thread count, they are read back (source "read from PATH"); otherwise they are
@@ -44,18 +51,33 @@ MachineFigures measure_machine(int threads, bool quick = false);
 /// once, the first alone, while the others wait, then read. A file that cannot be read as
 /// such figures is measured again and replaced, with a warning on stderr; one that cannot be
 /// written leaves the measured figures in use, with a warning. An empty path measures. `quick`
-/// as for measure_machine.
-MachineFigures machine_figures(const std::string& path, int threads, bool quick = false);
+/// as for measure_machine; `keep` says when figures that match are measured again anyway.
+MachineFigures machine_figures(const std::string& path, int threads, bool quick = false,
+                               const KeepPolicy& keep = {});
 
-/// The environment variable naming a directory where run, layer and sweep keep the machine
-/// figures they measure and read them back (one file per host, thread count and kind, quick or
-/// full: machine_figures on DIR/machine-HOST-Nt[-quick].json), instead of measuring the
-/// machine again in every process.
+/// Seconds since `utc` (ISO 8601 as utc_now writes it), NaN when it cannot be read.
+double age_seconds(const std::string& utc);
+
+/// The environment variable naming the directory where run, layer and sweep keep the machine
+/// figures they measure and read them back, instead of measuring the machine again in every
+/// process; set and empty, nothing is kept (every process measures).
 inline constexpr const char* kMachineDirVariable = "ATTNBENCH_MACHINE_DIR";
+/// Kept figures older than this are measured again (a day).
+inline constexpr double kMachineMaxAgeSeconds = 24 * 3600.0;
 
-/// The figures a run, layer or sweep command measures its rows against: through the file of
-/// kMachineDirVariable when it is set and not empty, else measured here (measure_machine).
-MachineFigures kept_machine_figures(int threads, bool quick = false);
+/// The directory of kept figures: kMachineDirVariable when set, else
+/// $XDG_CACHE_HOME/attnbench/machine, else $HOME/.cache/attnbench/machine ("" when none).
+std::string machine_cache_dir();
+/// The file of kept figures for this host, thread count and kind (quick or full), in
+/// machine_cache_dir(): machine-HOST-Nt[-quick][-sanitize|-debug].json (a sanitizer or debug
+/// build measures its own); "" when figures are not kept.
+std::string kept_machine_file(int threads, bool quick);
+
+/// The figures a run, layer or sweep command measures its rows against: read from
+/// kept_machine_file when it holds this host's figures of the last day (kMachineMaxAgeSeconds),
+/// else measured and kept there (machine_figures); `remeasure` measures (and keeps) them anew.
+/// Measured here when nothing is kept.
+MachineFigures kept_machine_figures(int threads, bool quick = false, bool remeasure = false);
 
 nlohmann::json to_json(const MachineFigures& m);
 /// The figures to_json wrote; throws Error naming what is missing or malformed.

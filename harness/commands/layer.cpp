@@ -138,7 +138,7 @@ struct LayerCommand {
     }
     w.threads = apply_threads(o.threads);
     lp.validate();
-    MachineFigures mf = kept_machine_figures(w.threads, /*quick=*/true);
+    MachineFigures mf = kept_machine_figures(w.threads, /*quick=*/true, o.remeasure);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out, weights;
     Row row = run_layer(*variant, lp, w, given ? &*given : nullptr, mf, opt, need_weights, &out,

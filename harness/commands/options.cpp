@@ -323,6 +323,10 @@ void add_timing_options(CLI::App* app, ProblemOptions& o) {
                   "minimum seconds per repetition (0 = one forward pass per repetition)")
       ->capture_default_str()
       ->check(number_in(0.0, 3600.0));
+  app->add_flag("--remeasure", o.remeasure,
+                "measure the machine figures (GEMM rate, bandwidth) again and keep them, rather "
+                "than read those kept from the last day (ATTNBENCH_MACHINE_DIR or "
+                "~/.cache/attnbench/machine)");
 }
 
 // The size options of run and layer.

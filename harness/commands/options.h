@@ -65,6 +65,7 @@ struct ProblemOptions {
   uint64_t seed = 0;
   int threads = 0, reps = 3;
   double min_time = 0.1;
+  bool remeasure = false;  ///< --remeasure: the machine figures measured anew, not read back
 
   /// The problem these options state.
   Problem problem() const {

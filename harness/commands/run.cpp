@@ -142,7 +142,7 @@ struct RunCommand {
     if (!p.score_weights) p.score_weights = make_score_weights(p);  // else from the file
     // trained inputs are read here, so one that does not fit is a usage error (status 2)
     if (is_trained_input(w.input)) given = generate_inputs(p, w);
-    MachineFigures mf = kept_machine_figures(w.threads, /*quick=*/true);
+    MachineFigures mf = kept_machine_figures(w.threads, /*quick=*/true, o.remeasure);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     Tensor out;
     Gradients grads;

@@ -385,8 +385,10 @@ struct SweepCommand {
     write_plan_file(plan, keys, definition);
     fmt::print(stderr, "attnbench: machine figures ({} threads{})...\n", threads,
                machine_file.empty() ? "" : ", through " + machine_file);
-    MachineFigures mf = machine_file.empty() ? kept_machine_figures(threads)
-                                             : machine_figures(machine_file, threads);
+    MachineFigures mf =
+        machine_file.empty()
+            ? kept_machine_figures(threads, /*quick=*/false, o.remeasure)
+            : machine_figures(machine_file, threads, /*quick=*/false, {.remeasure = o.remeasure});
     fmt::print(stderr, "attnbench: GEMM {:.1f} GFLOP/s, bandwidth {:.1f} GB/s ({})\n",
                mf.gemm_gflops, mf.bandwidth_gbs, mf.source);
     auto meta = start_meta(argc, argv, plan, mf, definition, part, results);

@@ -9,9 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "common/kernels/bf16.h"
@@ -65,6 +68,88 @@ TEST(MachineFile, AnotherThreadCountOrHostIsMeasuredAgain) {
   EXPECT_EQ(here.source, "measured, kept in " + path);
   EXPECT_NE(here.gemm_gflops, 12345.0);
   EXPECT_EQ(read_json(path).at("host").get<std::string>(), host_name());
+}
+
+// Figures read back are a day old at most where a policy says so (the kept figures of run,
+// layer and sweep), and --remeasure measures them again whatever their age.
+TEST(MachineFile, OldFiguresAreMeasuredAgainWhenThePolicySaysSo) {
+  TempDir dir;
+  const std::string path = dir.file("machine.json");
+  const KeepPolicy day{.max_age_s = kMachineMaxAgeSeconds};
+  const MachineFigures first = machine_figures(path, 1, /*quick=*/true, day);
+  EXPECT_EQ(first.source, "measured, kept in " + path);
+  EXPECT_EQ(machine_figures(path, 1, /*quick=*/true, day).source, "read from " + path);
+  EXPECT_LT(age_seconds(first.measured_at), 600);
+  EXPECT_NEAR(age_seconds("2000-01-01T00:00:00Z"), double(std::time(nullptr)) - 946684800.0, 2);
+  EXPECT_TRUE(std::isnan(age_seconds("yesterday")));
+  EXPECT_TRUE(std::isnan(age_seconds("2026-01-01T00:00:00Z trailing")));
+
+  for (const std::string when : {"2000-01-01T00:00:00Z", "sometime"}) {
+    nlohmann::json j = read_json(path);
+    j["measured_at"] = when;
+    j["gemm_gflops"] = 12345.0;
+    std::ofstream(path) << j.dump();
+    // no age limit (--machine-file): read back as they are
+    EXPECT_EQ(machine_figures(path, 1, /*quick=*/true).gemm_gflops, 12345.0) << when;
+    const MachineFigures again = machine_figures(path, 1, /*quick=*/true, day);
+    EXPECT_EQ(again.source, "measured, kept in " + path) << when;
+    EXPECT_NE(again.gemm_gflops, 12345.0) << when;
+    EXPECT_NE(read_json(path).at("measured_at").get<std::string>(), when);
+  }
+  nlohmann::json j = read_json(path);
+  j["gemm_gflops"] = 12345.0;
+  std::ofstream(path) << j.dump();
+  const MachineFigures fresh = machine_figures(path, 1, /*quick=*/true, {.remeasure = true});
+  EXPECT_EQ(fresh.source, "measured, kept in " + path);
+  EXPECT_NE(read_json(path).at("gemm_gflops").get<double>(), 12345.0);
+}
+
+// Without ATTNBENCH_MACHINE_DIR, run and sweep keep their figures in the user's cache
+// directory (one file per host, thread count and kind) and read them back; set and empty, they
+// keep none; --remeasure measures them again.
+TEST(MachineFile, RunAndSweepKeepTheirFiguresInTheUserCache) {
+  TempDir dir;
+  const char* kept = std::getenv(kMachineDirVariable);
+  const std::optional<std::string> saved = kept ? std::optional<std::string>(kept) : std::nullopt;
+  ::unsetenv(kMachineDirVariable);
+  {
+    test::ScopedEnv xdg("XDG_CACHE_HOME", dir.file("cache"));
+    EXPECT_EQ(machine_cache_dir(), dir.file("cache") + "/attnbench/machine");
+    const std::string quick = kept_machine_file(1, true), full = kept_machine_file(1, false);
+    EXPECT_EQ(quick.rfind(
+                  dir.file("cache") + "/attnbench/machine/machine-" + host_name() + "-1t-quick", 0),
+              0u)
+        << quick;
+    EXPECT_NE(quick, full);
+    const std::string run =
+        "run --variant flash --seq 16 --heads 1 --dim 8 --reps 1 --min-time 0 --threads 1";
+    ASSERT_EQ(run_cli(run, dir).code, 0);
+    const double measured = read_json(quick).at("gemm_gflops").get<double>();
+    nlohmann::json j = read_json(quick);
+    j["gemm_gflops"] = 12345.0;  // read back, it stays
+    std::ofstream(quick) << j.dump();
+    ASSERT_EQ(run_cli(run, dir).code, 0);
+    EXPECT_EQ(read_json(quick).at("gemm_gflops").get<double>(), 12345.0);
+    ASSERT_EQ(run_cli(run + " --remeasure", dir).code, 0);
+    EXPECT_NE(read_json(quick).at("gemm_gflops").get<double>(), 12345.0);
+    EXPECT_GT(measured, 0);
+
+    const CliResult sweep = run_cli(
+        "sweep --variant flash --seq 16 --heads 1 --dim 8 --reps 1 --min-time 0 --threads 1 "
+        "--out '" +
+            dir.file("s") + "'",
+        dir);
+    ASSERT_EQ(sweep.code, 0) << sweep.err;
+    std::ifstream f(dir.file("s/meta.json"));
+    EXPECT_EQ(nlohmann::json::parse(f).at("machine").at("source").get<std::string>(),
+              "measured, kept in " + full);
+  }
+  {
+    test::ScopedEnv none(kMachineDirVariable, "");
+    EXPECT_EQ(kept_machine_file(1, true), "");
+    EXPECT_EQ(kept_machine_figures(1, /*quick=*/true).source, "measured");
+  }
+  if (saved) ::setenv(kMachineDirVariable, saved->c_str(), 1);
 }
 
 TEST(MachineFile, ABadFileIsMeasuredAgainAndReplaced) {
