@@ -668,11 +668,13 @@ Row run_one(Variant& variant, const Problem& p, const Workload& w, const Inputs*
     Tensor out(p.q_shape());
     const std::string name = fmt::format("{}/{}", row.spec, describe(p, w));
     std::string grad_note;
+    if (opt.stage) opt.stage("checked");
     if (kind.decode) {
       if (!decode_row(variant, p, in, mf, opt, name, out, row, bench_json)) return row;
     } else {
       std::unique_ptr<SavedState> saved;
       if (!checked_forward(variant, p, inputs, opt, kind, out, saved, row)) return row;
+      if (opt.stage) opt.stage("timed");
       if (!kind.train) {
         if (!time_passes(
                 name, opt, mf,

@@ -24,6 +24,8 @@ struct RunOptions {
   double min_time = 0.1;  ///< seconds per repetition (Google Benchmark's MinTime)
   double exact_limit = kExactPairsLimit;
   double memory_limit = 0;  ///< bytes a configuration may use; 0 = 80% of MemAvailable
+  /// Told when run_one starts a stage ("checked", then "timed"): the progress of a long run.
+  std::function<void(const std::string& stage)> stage = nullptr;
 };
 
 /// One result row: a variant on a problem.

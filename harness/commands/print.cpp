@@ -65,6 +65,13 @@ std::string human_seconds(double s) {
                    : fmt::format("{:02}:{:02}", t / 60, t % 60);
 }
 
+std::string human_duration(double s) {
+  if (!std::isfinite(s)) return "?";
+  return s < 90     ? fmt::format("{:.0f} s", s)
+         : s < 5400 ? fmt::format("{:.0f} min", s / 60)
+                    : fmt::format("{:.1f} h", s / 3600);
+}
+
 // "[i/N] elapsed 01:02, ETA 03:04 | WHAT", cut to kProgressColumns with "..." at the end.
 constexpr size_t kProgressColumns = 100;
 std::string progress_line(size_t i, size_t n, double elapsed, double eta, const std::string& what) {
@@ -162,6 +169,90 @@ void print_list(const std::vector<std::string>& names, bool brief) {
                      : fmt::format(" in [{}, {}]", in.min, in.max),
                  in.when.empty() ? "" : " (with " + in.when + ")", in.help, in.stand_in);
   }
+}
+
+std::string progress_problem(const Problem& p, const Workload& w) {
+  return fmt::format("n={} {} {} ({})", p.n, p.causal ? "causal" : "non-causal",
+                     w.pass.empty() ? "fwd" : w.pass, describe(p, w));
+}
+
+std::string plot_command(const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::vector<fs::path> candidates;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec)
+    candidates.push_back(exe.parent_path().parent_path() / "share/attnbench/scripts/plot.py");
+  candidates.push_back(fs::path(ATTNBENCH_SOURCE_DIR) / "scripts/plot.py");
+  std::string script = "scripts/plot.py";
+  for (const fs::path& c : candidates) {
+    if (!fs::exists(c, ec)) continue;
+    script = c.lexically_normal().string();
+    const fs::path rel = fs::relative(c, fs::current_path(ec), ec);
+    if (!ec && !rel.empty() && *rel.begin() != "..") script = rel.string();
+    break;
+  }
+  const bool plain = out_dir.find_first_of(" '\"$`\\") == std::string::npos;
+  return fmt::format("{} {}", script, plain ? out_dir : "'" + out_dir + "'");
+}
+
+void print_sweep_table(const std::vector<Row>& rows, const std::string& out_dir, size_t max_lines) {
+  int64_t n = 0;
+  for (const Row& r : rows)
+    if (r.status == "ok") n = std::max(n, r.problem.n);
+  if (n == 0) {
+    fmt::print(
+        "\nNo row of this sweep is ok (the status and message columns of "
+        "{}/results.csv say why).\n",
+        out_dir);
+    return;
+  }
+  // flash's time on each problem (the rest of the row's key): the speed over flash
+  const auto problem_key = [](const Row& r) {
+    return describe(r.problem, r.workload) + fmt::format("|E={}", r.embed);
+  };
+  std::map<std::string, double> flash;
+  for (const Row& r : rows)
+    if (r.status == "ok" && r.variant == "flash") flash[problem_key(r)] = r.time_median;
+  std::vector<const Row*> shown;
+  size_t more = 0;
+  for (const Row& r : rows) {
+    if (r.status != "ok" || r.problem.n != n) continue;
+    if (shown.size() < max_lines)
+      shown.push_back(&r);
+    else
+      ++more;
+  }
+  size_t w = 7;
+  for (const Row* r : shown) w = std::max(w, r->spec.size() + (r->embed > 0 ? 9 : 0));
+  const auto time_text = [](double s) {
+    return s >= 1      ? fmt::format("{:.2f} s", s)
+           : s >= 1e-3 ? fmt::format("{:.2f} ms", s * 1e3)
+                       : fmt::format("{:.1f} us", s * 1e6);
+  };
+  fmt::print(
+      "\nAt n = {}{}: time per pass (per token for decode), median of the repetitions; "
+      "x flash: flash's time on the same problem over the row's (above 1: faster); "
+      "error: relative Frobenius error against exact attention; memory: peak beyond "
+      "the inputs.\n",
+      n, more ? fmt::format(" ({} of {} rows)", shown.size(), shown.size() + more) : "");
+  fmt::print("{:<{}}  {:<6}  {:<6}  {:>10}  {:>7}  {:>8}  {:>10}\n", "variant", w, "pass", "causal",
+             "time", "x flash", "error", "memory");
+  for (const Row* r : shown) {
+    auto f = flash.find(problem_key(*r));
+    const std::string speed =
+        f == flash.end() ? "-" : fmt::format("{:.2f}", f->second / r->time_median);
+    const std::string name = r->embed > 0 ? fmt::format("{} (layer)", r->spec) : r->spec;
+    fmt::print("{:<{}}  {:<6}  {:<6}  {:>10}  {:>7}  {:>8}  {:>10}\n", name, w,
+               r->workload.pass.empty() ? "fwd" : r->workload.pass,
+               r->problem.causal ? "yes" : "no", time_text(r->time_median), speed,
+               std::isfinite(r->error.rel_fro) ? fmt::format("{:.2g}", r->error.rel_fro) : "-",
+               human_bytes(r->peak_bytes));
+  }
+  if (more)
+    fmt::print("... and {} more rows at n = {}; every row is in {}/results.csv\n", more, n,
+               out_dir);
+  fmt::print("\nNext: {}   (the figures and {}/report.md)\n", plot_command(out_dir), out_dir);
 }
 
 void print_row(const Row& r) {

@@ -14,6 +14,8 @@ namespace attnbench::cli {
 std::string human_bytes(double b);
 // Seconds as MM:SS or H:MM:SS; "?" when not finite.
 std::string human_seconds(double s);
+// A duration in words: "40 s", "12 min", "2.5 h"; "?" when not finite.
+std::string human_duration(double s);
 // "[i/N] elapsed 01:02, ETA 03:04 | WHAT", cut to kProgressColumns with "..." at the end.
 std::string progress_line(size_t i, size_t n, double elapsed, double eta, const std::string& what);
 
@@ -23,6 +25,21 @@ std::string progress_line(size_t i, size_t n, double elapsed, double eta, const 
 void print_list(const std::vector<std::string>& names = {}, bool brief = false);
 // The registered variants of these names (all when none; a NAME may be a spec), in that order.
 std::vector<const VariantInfo*> listed_variants(const std::vector<std::string>& names);
+
+// The problem of a sweep's progress line: n, causal and the pass first (the line is cut at
+// its end), then the rest of describe().
+std::string progress_problem(const Problem& p, const Workload& w);
+
+// The table a sweep ends with, on stdout: its ok rows at its largest n (at most `max_lines`
+// of them, in plan order), one line each: variant, pass, causal, time, speed over flash on the
+// same problem, error against exact attention, peak memory; then the command that draws the
+// figures and report of `out_dir`.
+void print_sweep_table(const std::vector<Row>& rows, const std::string& out_dir,
+                       size_t max_lines = 40);
+// The command that plots a results directory: the installed scripts' plot.py
+// (PREFIX/share/attnbench/scripts beside this binary's PREFIX/bin), else the source tree's,
+// relative to the current directory when inside it.
+std::string plot_command(const std::string& out_dir);
 
 // A result row as text, one line per figure.
 void print_row(const Row& r);

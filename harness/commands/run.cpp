@@ -55,6 +55,7 @@ struct RunCommand {
   std::vector<std::string> specs;
   std::string inputs_path, output_path, key_padding, mask_path, pass = "fwd", grads_path;
   bool json = false;
+  double max_time = 0;
   std::vector<CLI::Option*> shape_opts;
 
   CLI::App* add(CLI::App& app) {
@@ -113,7 +114,28 @@ struct RunCommand {
         ->check(output_file(".npz"));
     add_mask_options(cmd, key_padding, mask_path);
     cmd->add_flag("--json", json, "print the result row as JSON");
+    cmd->add_option("--max-time", max_time,
+                    "refuse a problem estimated to take longer than S seconds (0: no limit; "
+                    "the estimate is printed whenever it exceeds 10 s)")
+        ->type_name("S")
+        ->capture_default_str()
+        ->check(number_in(0.0, 1e9));
     return cmd;
+  }
+
+  // The run's estimated seconds: the checked pass, the timed repetitions (each at least
+  // --min-time) and the float64 reference, the passes at half the machine's peak (a typical
+  // kernel's share of it); NaN when the variant cannot estimate its work.
+  double estimate(Variant& variant, const Problem& p, const Workload& w, const MachineFigures& mf,
+                  double* pass_s) const {
+    const double work = sweep_work(SweepConfig{&variant, p, w, 0});
+    const double peak = peak_gflops(mf, p.dtype == DType::bf16) * 1e9;
+    if (!(work > 0) || !(peak > 0)) return NAN;
+    const double pass = work / (0.5 * peak);
+    *pass_s = pass;
+    return kShardFixedSeconds + pass + o.reps * std::max(o.min_time, pass) +
+           sweep_reference_work(SweepConfig{&variant, p, w, 0}) /
+               (kShardReferenceRate * std::max(1, w.threads));
   }
 
   int run() const {
@@ -144,6 +166,33 @@ struct RunCommand {
     if (is_trained_input(w.input)) given = generate_inputs(p, w);
     MachineFigures mf = kept_machine_figures(w.threads, /*quick=*/true, o.remeasure);
     RunOptions opt{.reps = o.reps, .min_time = o.min_time};
+    double pass_s = NAN;
+    const double expected = estimate(*variant, p, w, mf, &pass_s);
+    if (max_time > 0 && expected > max_time)
+      throw UsageError(fmt::format(
+          "{} on {} is estimated at {} ({:.3g} s a pass at half the machine's {:.3g} GFLOP/s, "
+          "{} repetitions and the float64 reference), above --max-time {:g}; a smaller "
+          "problem (--seq, --heads, --batch) or a larger --max-time",
+          variant->spec(), describe(p, w), human_duration(expected), pass_s,
+          peak_gflops(mf, p.dtype == DType::bf16), o.reps, max_time));
+    const auto t0 = std::chrono::steady_clock::now();
+    if (expected > 10) {
+      fmt::print(stderr,
+                 "attnbench: estimated {} ({:.3g} s a pass at half the "
+                 "machine's {:.3g} GFLOP/s, {} repetitions and the float64 reference); "
+                 "--max-time S refuses such a problem\n",
+                 human_duration(expected), pass_s, peak_gflops(mf, p.dtype == DType::bf16), o.reps);
+      opt.stage = [this, t0, pass_s](const std::string& stage) {
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        fmt::print(stderr, "attnbench: [{}] {}\n", human_seconds(elapsed),
+                   stage == "checked"
+                       ? std::string("the checked pass and its error against the float64 "
+                                     "reference")
+                       : fmt::format("{} timed repetitions, each at least {:.3g} s", o.reps,
+                                     std::max(o.min_time, pass_s)));
+      };
+    }
     Tensor out;
     Gradients grads;
     Row row = run_one(*variant, p, w, given ? &*given : nullptr, mf, opt, &out, nullptr,

@@ -60,8 +60,9 @@ struct SweepCommand {
               key_padding_lists, padding_fractions, pass_list = "fwd", dtype_list = "f32";
   bool resume = false, force = false;
   int retry_noisy = 0, shard_plan = 0;
-  std::string shard, machine_file;
+  std::string shard, machine_file, profile;
   std::vector<std::string> also;
+  CLI::App* cmd_ = nullptr;
 
   CLI::App* add(CLI::App& app) {
     auto* cmd = app.add_subcommand("sweep", "the cross product of variants and problems");
@@ -146,7 +147,53 @@ struct SweepCommand {
                     "imbalance longest/mean) and exit without running")
         ->check(int_in(1, kMaxShards));
     cmd->add_option("--machine-file", machine_file, kMachineFileHelp);
+    cmd->add_option("--profile", profile,
+                    "a predefined sweep: quick = the headline answers in minutes (every variant "
+                    "or those of --variant, n = 512..4096, causal both, fwd and fwdbwd, one "
+                    "decode context, trained inputs when cached, else structured ones); it "
+                    "sets the problems, so problem options are refused beside it")
+        ->check(CLI::IsMember({"quick"}));
+    cmd_ = cmd;
     return cmd;
+  }
+
+  // --profile: the problem options and --also sets it stands for (the variants of --variant,
+  // if given, in every set). Problem options given beside it are refused.
+  void apply_profile() {
+    if (profile.empty()) return;
+    for (const char* name :
+         {"--seq", "--seq-k", "--batch", "--heads", "--kv-heads", "--dim", "--embed", "--causal",
+          "--score", "--score-hidden", "--input", "--scale", "--pass", "--dtype", "--key-padding",
+          "--padding-fraction", "--also"})
+      if (cmd_ != nullptr && cmd_->get_option(name)->count() > 0)
+        throw UsageError(fmt::format(
+            "{} with --profile {}: the profile sets the problems; accepted beside it: "
+            "--variant, --out, --resume, --force, --threads, --seed, --reps, --min-time, "
+            "--retry-noisy, --shard, --shard-plan, --machine-file, --remeasure (without "
+            "--profile every problem option is yours)",
+            name, profile));
+    std::string variants;
+    for (const std::string& s : specs) variants += " --variant " + s;
+    // trained inputs when the cache holds them at n = 4096, else structured ones at a sharper
+    // scale (where patterns and approximations separate)
+    bool trained = false;
+    try {
+      trained = read_trained_meta().length >= 4096;
+    } catch (const std::exception&) {  // no cache (or a broken one): structured inputs
+    }
+    seq_list = "512..4096";
+    causal_mode = "both";
+    pass_list = "fwd,fwdbwd";
+    also = {"--seq 4096 --causal on --pass decode" + variants,
+            trained
+                ? "--seq 512..4096 --causal on --input trained:layer=0,trained:layer=1" + variants
+                : "--seq 512..4096 --causal off --input local,clustered --scale 2" + variants};
+    fmt::print(stderr, "attnbench: --profile {}: --seq {} --causal {} --pass {}{}\n", profile,
+               seq_list, causal_mode, pass_list, [&] {
+                 std::string t;
+                 for (const std::string& a : also) t += " --also='" + a + "'";
+                 return t;
+               }());
   }
 
   // The plan of the options; the variants are built first, so a bad spec fails before any
@@ -187,7 +234,7 @@ struct SweepCommand {
     }
     for (const char* name :
          {"--threads", "--seed", "--reps", "--min-time", "--resume", "--force", "--retry-noisy",
-          "--also", "--shard", "--shard-plan", "--machine-file"})
+          "--also", "--shard", "--shard-plan", "--machine-file", "--profile", "--remeasure"})
       if (cmd->get_option(name)->count() > 0)
         throw UsageError(fmt::format(
             "--also '{}': {} belongs to the whole sweep, outside --also; accepted inside: the "
@@ -292,7 +339,8 @@ struct SweepCommand {
   std::map<std::string, int> run_plan(const SweepPlan& plan, const ShardPart& part,
                                       const MachineFigures& mf, ResultsDir& results,
                                       PatternStore& patterns,
-                                      std::chrono::steady_clock::time_point t0) const {
+                                      std::chrono::steady_clock::time_point t0,
+                                      std::vector<Row>& measured_rows) const {
     const RunOptions opt{.reps = o.reps, .min_time = o.min_time};
     const std::vector<bool>& in_shard = part.in_shard;
     // The ETA: the runnable configurations still to measure, their count and work, priced
@@ -310,6 +358,23 @@ struct SweepCommand {
       measured[i] = runnable[i] && pending[i];
     }
     const std::vector<double> reference_work = plan_reference_work(plan, measured);
+    // The estimate before the first row: the fixed cost model of --shard-plan (rates fitted on
+    // one machine, the same everywhere), so rough; the progress line's ETA then learns this
+    // machine's rates from the rows measured.
+    double estimate = 0;
+    size_t to_measure = 0;
+    for (size_t i = 0; i < plan.configs.size(); ++i) {
+      if (!measured[i]) continue;
+      ++to_measure;
+      const double t = std::max(1, plan.configs[i].workload.threads);
+      estimate += shard_run_cost(plan.configs[i], opt.reps, opt.min_time) +
+                  reference_work[i] / (kShardReferenceRate * t);
+    }
+    if (to_measure > 0)
+      fmt::print(stderr,
+                 "attnbench: {} configuration{} to measure, estimated {} (a rough model, within "
+                 "about 2x on most machines; the ETA below learns this one's rates)\n",
+                 to_measure, to_measure == 1 ? "" : "s", human_duration(estimate));
     EtaModel eta_model(opt.reps, opt.min_time);
     std::map<std::string, int> counts;
     size_t position = 0;  // of the configuration in this shard (the whole plan unsharded)
@@ -334,7 +399,7 @@ struct SweepCommand {
                  progress_line(position, part.size, elapsed, eta,
                                fmt::format("{} {}{}", probe.spec,
                                            c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
-                                           describe(c.problem, c.workload))));
+                                           progress_problem(c.problem, c.workload))));
       const auto r0 = std::chrono::steady_clock::now();
       Row row;
       try {
@@ -350,13 +415,15 @@ struct SweepCommand {
                       row.error_seconds);
       ++counts[row.status];
       if (row.noisy) ++counts["noisy"];
+      measured_rows.push_back(row);
       if (row.status != "ok") fmt::print(stderr, "    {}: {}\n", row.status, row.message);
       if (row.noisy) fmt::print(stderr, "    warning: noisy timing: {}\n", noise_reason(row));
     }
     return counts;
   }
 
-  int run(int argc, char** argv) const {
+  int run(int argc, char** argv) {
+    apply_profile();
     // --shard is checked before any work, the plan's variants first
     std::optional<std::pair<int, int>> shard_of;
     if (!shard.empty()) shard_of = parse_shard(shard);
@@ -399,7 +466,9 @@ struct SweepCommand {
     }
 
     const auto t0 = std::chrono::steady_clock::now();
-    std::map<std::string, int> counts = run_plan(plan, part, mf, results, patterns, t0);
+    std::vector<Row> measured_rows;
+    std::map<std::string, int> counts =
+        run_plan(plan, part, mf, results, patterns, t0, measured_rows);
     std::string summary;
     for (auto& [k, v] : counts)
       summary += fmt::format("{}{} {}", summary.empty() ? "" : ", ", v, k);
@@ -411,6 +480,7 @@ struct SweepCommand {
                  "--retry-noisy "
                  "N, measures them again\n",
                  counts["noisy"]);
+    print_sweep_table(measured_rows, out_dir);
     meta["duration_s"] =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     meta["load_avg_end"] = json_number(load_average());

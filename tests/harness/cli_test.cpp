@@ -24,6 +24,7 @@
 #include "common/patterns/pattern.h"
 #include "common/reference/reference.h"
 #include "harness/results.h"
+#include "harness/machine.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -233,6 +234,100 @@ TEST(Cli, RunTakesCausalBareOrOnOrOff) {
   EXPECT_CONTAINS(r.out, "n=1024");
   EXPECT_CONTAINS(r.out, "no spread (one repetition)");
   EXPECT_EQ(r.out.find("processes not measured (run too short) processors"), std::string::npos);
+}
+
+// A sweep says how long it expects to take, leads its progress lines with n, and ends with a
+// table of what it measured at its largest n (speed over flash on the same problem) and the
+// command that plots it.
+TEST(Cli, ASweepEndsWithATableAndTheNextCommand) {
+  TempDir dir;
+  const std::string out = dir.file("s");
+  CliResult r = run_cli(
+      "sweep --variant flash --variant local:window=16 --seq 32,64 --heads 1 "
+      "--dim 8 --causal on --reps 1 --min-time 0 --out " +
+          q(out),
+      dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "4 configurations to measure, estimated ");
+  EXPECT_CONTAINS(r.err, " n=32 causal fwd (B=1,H=1,n=32");
+  EXPECT_CONTAINS(r.out, "At n = 64: time per pass");
+  // the table's lines: a header and one line per variant at n = 64
+  std::vector<std::string> lines;
+  for (size_t at = 0, end; at < r.out.size(); at = end + 1) {
+    end = r.out.find('\n', at);
+    if (end == std::string::npos) end = r.out.size();
+    lines.push_back(r.out.substr(at, end - at));
+  }
+  const auto starting = [&](const std::string& start) {
+    std::vector<std::string> found;
+    for (const auto& l : lines)
+      if (l.rfind(start, 0) == 0) found.push_back(l);
+    return found;
+  };
+  ASSERT_EQ(starting("variant ").size(), 1u) << r.out;
+  EXPECT_CONTAINS(starting("variant ")[0], "x flash");
+  ASSERT_EQ(starting("flash:").size(), 1u) << "only the rows at the largest n: " << r.out;
+  ASSERT_EQ(starting("local:window=16,").size(), 1u) << r.out;
+  EXPECT_CONTAINS(starting("flash:")[0], " 1.00 ");
+  EXPECT_CONTAINS(starting("local:window=16,")[0], " fwd ");
+  EXPECT_CONTAINS(r.out, "Next: ");
+  EXPECT_CONTAINS(r.out, "plot.py " + out);
+}
+
+// --profile quick: its problems in one sweep (the plan of one variant: 4 lengths x causal off
+// and on x fwd and fwdbwd, one decode context, 4 lengths x 2 inputs), refusing problem options
+// beside it.
+TEST(Cli, TheQuickProfile) {
+  TempDir dir;
+  CliResult r = run_cli(
+      "sweep --profile quick --variant flash --shard-plan 1 --out " + q(dir.file("p")), dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "total       25");
+  EXPECT_CONTAINS(r.err, "--profile quick: --seq 512..4096 --causal both --pass fwd,fwdbwd");
+  r = run_cli("sweep --profile quick --seq 256 --out " + q(dir.file("p")), dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--seq with --profile quick: the profile sets the problems");
+  r = run_cli("sweep --profile qick --out " + q(dir.file("p")), dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "quick");
+  r = run_cli("sweep --variant flash --seq 64 --also '--profile quick' --out " + q(dir.file("p")),
+              dir);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_CONTAINS(r.err, "--profile belongs to the whole sweep");
+}
+
+// A run estimated above 10 s says so and reports its stages; --max-time refuses one estimated
+// above it, before any work. The estimate prices a pass at half the machine's GEMM rate: kept
+// figures of a very slow machine make a small problem a long one.
+TEST(Cli, LongRunsSpeak) {
+  TempDir dir;
+  CliResult r = run_cli("run --variant full --seq 64k --heads 64 --max-time 60", dir);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_CONTAINS(r.err, "full on B=1,H=64,n=65536");
+  EXPECT_CONTAINS(r.err, "above --max-time 60; a smaller problem");
+
+  test::ScopedEnv kept(kMachineDirVariable, dir.file("machine"));
+  const std::string run =
+      "run --variant flash --seq 64 --heads 1 --dim 8 --reps 2 --min-time 0 --threads 1";
+  r = run_cli(run, dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err.find("estimated"), std::string::npos) << r.err;
+  const std::string file = kept_machine_file(1, /*quick=*/true);
+  nlohmann::json m = nlohmann::json::parse(test::read_text(file));
+  m["gemm_gflops"] = 1e-6;  // 1000 FLOP/s: a pass of flash's 4 n^2 d FLOPs takes minutes
+  m["bf16_gflops"] = 1e-6;
+  std::ofstream(file) << m.dump();
+  r = run_cli(run, dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_CONTAINS(r.err, "attnbench: estimated ");
+  EXPECT_CONTAINS(r.err, " s a pass at half the machine's 1e-06 GFLOP/s, 2 repetitions");
+  EXPECT_CONTAINS(r.err, "] the checked pass and its error against the float64 reference");
+  EXPECT_CONTAINS(r.err, "] 2 timed repetitions, each at least ");
+  EXPECT_LT(r.err.find("] the checked pass"), r.err.find("] 2 timed repetitions"));
+  r = run_cli(run + " --max-time 60", dir);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_CONTAINS(r.err, "flash:block_q=64,block_k=256 on B=1,H=1,n=64");
+  EXPECT_CONTAINS(r.err, "above --max-time 60");
 }
 
 TEST(Cli, RunWritesTheOutput) {
