@@ -464,12 +464,14 @@ def recall_table(ctx, recall, settings, order):
 
 def language_speed_table(ctx, lm, order, rows, matched, target):
     """Per variant: Δ bits per byte before and after uptraining and recovered (lm.csv), and the
-    speed over flash of each pass at the n nearest target (results.csv)."""
+    speed over flash of each pass at the n nearest target (results.csv); a spec with neither
+    (a recall budget setting) is left out."""
     notes = Notes()
     out, other_n = [], set()
     speed_any = False
     for spec in order:
         cells = []
+        timed = False
         if lm is not None:
             mine = lm[lm["spec"] == spec]
             ok = mine[mine["status"] == "ok"]
@@ -496,11 +498,14 @@ def language_speed_table(ctx, lm, order, rows, matched, target):
             if got is None:
                 cells.append("—")
                 continue
-            speed_any = True
+            speed_any = timed = True
             ratio, n = got
             cells.append(f"{ratio:.2f}×" + ("" if n == target else f" (n={fmt_n(n)})"))
             if n != target:
                 other_n.add(n)
+        # a spec of recall alone (a budget setting) without lm rows or timed rows: nothing to say
+        if lm is not None and mine.empty and not timed:
+            continue
         out.append([code(spec_label(ctx, spec))] + cells)
     if lm is None and not speed_any:
         ctx.md.append("\nNo speed over flash: results.csv holds no causal rows of these "
