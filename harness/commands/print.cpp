@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -171,9 +172,11 @@ void print_list(const std::vector<std::string>& names, bool brief) {
   }
 }
 
-std::string progress_problem(const Problem& p, const Workload& w) {
-  return fmt::format("n={} {} {} ({})", p.n, p.causal ? "causal" : "non-causal",
-                     w.pass.empty() ? "fwd" : w.pass, describe(p, w));
+std::string progress_what(const std::string& spec, int64_t embed, const Problem& p,
+                          const Workload& w) {
+  return fmt::format("n={} {} {}: {}{} ({})", p.n, p.causal ? "causal" : "non-causal",
+                     w.pass.empty() ? "fwd" : w.pass, spec,
+                     embed > 0 ? fmt::format(" layer E={}", embed) : "", describe(p, w));
 }
 
 std::string plot_command(const std::string& out_dir) {
@@ -196,7 +199,24 @@ std::string plot_command(const std::string& out_dir) {
   return fmt::format("{} {}", script, plain ? out_dir : "'" + out_dir + "'");
 }
 
+std::string short_spec(const std::string& spec) {
+  try {
+    const auto [name, kv] = parse_spec(spec);
+    const auto defaults = parse_spec(make_variant(name)->spec()).second;
+    std::string out = name;
+    for (const auto& item : kv) {
+      if (std::find(defaults.begin(), defaults.end(), item) != defaults.end()) continue;
+      out += fmt::format("{}{}={}", out == name ? ":" : ",", item.first, item.second);
+    }
+    return out;
+  } catch (const std::exception&) {  // a spec this binary cannot build: as it is
+    return spec;
+  }
+}
+
 void print_sweep_table(const std::vector<Row>& rows, const std::string& out_dir, size_t max_lines) {
+  // the largest n, causal when there are causal rows there, and the problem of the first
+  // forward row of those (plan order: the first set's input and shape)
   int64_t n = 0;
   for (const Row& r : rows)
     if (r.status == "ok") n = std::max(n, r.problem.n);
@@ -207,50 +227,107 @@ void print_sweep_table(const std::vector<Row>& rows, const std::string& out_dir,
         out_dir);
     return;
   }
-  // flash's time on each problem (the rest of the row's key): the speed over flash
-  const auto problem_key = [](const Row& r) {
-    return describe(r.problem, r.workload) + fmt::format("|E={}", r.embed);
-  };
-  std::map<std::string, double> flash;
+  std::vector<const Row*> at;
+  bool causal = false;
   for (const Row& r : rows)
-    if (r.status == "ok" && r.variant == "flash") flash[problem_key(r)] = r.time_median;
-  std::vector<const Row*> shown;
-  size_t more = 0;
-  for (const Row& r : rows) {
-    if (r.status != "ok" || r.problem.n != n) continue;
-    if (shown.size() < max_lines)
-      shown.push_back(&r);
-    else
-      ++more;
-  }
-  size_t w = 7;
-  for (const Row* r : shown) w = std::max(w, r->spec.size() + (r->embed > 0 ? 9 : 0));
-  const auto time_text = [](double s) {
-    return s >= 1      ? fmt::format("{:.2f} s", s)
-           : s >= 1e-3 ? fmt::format("{:.2f} ms", s * 1e3)
-                       : fmt::format("{:.1f} us", s * 1e6);
+    if (r.status == "ok" && r.problem.n == n) at.push_back(&r), causal = causal || r.problem.causal;
+  // a row's problem with the pass left out: the rows of one problem in every pass
+  const auto key = [](const Row& r) {
+    Workload w = r.workload;
+    w.pass = "fwd";
+    Problem p = r.problem;
+    p.causal = true;  // decode rows are causal: compared with the causal forward's problem
+    return describe(p, w) + fmt::format("|E={}|causal={}", r.embed, int(r.problem.causal));
   };
-  fmt::print(
-      "\nAt n = {}{}: time per pass (per token for decode), median of the repetitions; "
-      "x flash: flash's time on the same problem over the row's (above 1: faster); "
-      "error: relative Frobenius error against exact attention; memory: peak beyond "
-      "the inputs.\n",
-      n, more ? fmt::format(" ({} of {} rows)", shown.size(), shown.size() + more) : "");
-  fmt::print("{:<{}}  {:<6}  {:<6}  {:>10}  {:>7}  {:>8}  {:>10}\n", "variant", w, "pass", "causal",
-             "time", "x flash", "error", "memory");
-  for (const Row* r : shown) {
-    auto f = flash.find(problem_key(*r));
-    const std::string speed =
-        f == flash.end() ? "-" : fmt::format("{:.2f}", f->second / r->time_median);
-    const std::string name = r->embed > 0 ? fmt::format("{} (layer)", r->spec) : r->spec;
-    fmt::print("{:<{}}  {:<6}  {:<6}  {:>10}  {:>7}  {:>8}  {:>10}\n", name, w,
-               r->workload.pass.empty() ? "fwd" : r->workload.pass,
-               r->problem.causal ? "yes" : "no", time_text(r->time_median), speed,
-               std::isfinite(r->error.rel_fro) ? fmt::format("{:.2g}", r->error.rel_fro) : "-",
-               human_bytes(r->peak_bytes));
+  const auto pass_of = [](const Row& r) {
+    return r.workload.pass.empty() ? std::string("fwd") : r.workload.pass;
+  };
+  const Row* main = nullptr;
+  for (const std::string want : {"fwd", "", "decode"})  // a forward row, else any, else decode
+    for (const Row* r : at)
+      if (!main && r->problem.causal == causal &&
+          (want.empty() ? pass_of(*r) != "decode" : pass_of(*r) == want))
+        main = r;
+  const std::string main_key = key(*main);
+  const auto same = [&](const Row& r) {
+    if (pass_of(r) == "decode") {  // its problem: the forward's at that context, causal
+      Row f = r;
+      f.problem.causal = causal;
+      return causal && key(f) == main_key;
+    }
+    return key(r) == main_key;
+  };
+  std::vector<std::string> passes, specs;
+  std::map<std::string, std::map<std::string, const Row*>> by_spec;  // spec -> pass -> row
+  std::map<std::string, double> flash;                               // pass -> flash's time
+  std::map<std::string, std::vector<double>> trained_error;          // spec -> errors
+  for (const Row* r : at) {
+    const std::string pass = pass_of(*r);
+    if (same(*r)) {
+      if (std::find(passes.begin(), passes.end(), pass) == passes.end()) passes.push_back(pass);
+      if (std::find(specs.begin(), specs.end(), r->spec) == specs.end()) specs.push_back(r->spec);
+      by_spec[r->spec].emplace(pass, r);
+      if (r->variant == "flash") flash.emplace(pass, r->time_median);
+    } else if (pass == "fwd" && r->problem.causal == causal &&
+               is_trained_input(r->workload.input) && std::isfinite(r->error.rel_fro)) {
+      trained_error[r->spec].push_back(r->error.rel_fro);
+    }
   }
-  if (more)
-    fmt::print("... and {} more rows at n = {}; every row is in {}/results.csv\n", more, n,
+  const bool trained = !trained_error.empty();
+  const size_t shown = std::min(specs.size(), max_lines);
+  std::vector<std::string> names;
+  size_t w = 7;
+  for (size_t i = 0; i < shown; ++i) {
+    names.push_back(short_spec(specs[i]));
+    w = std::max(w, names.back().size());
+  }
+  const auto time_text = [](double s) {
+    return !std::isfinite(s) ? std::string("-")
+           : s >= 1          ? fmt::format("{:.2f} s", s)
+           : s >= 1e-3       ? fmt::format("{:.2f} ms", s * 1e3)
+                             : fmt::format("{:.1f} us", s * 1e6);
+  };
+  const std::string first = passes.front();
+  fmt::print(
+      "\nAt n = {}, {}, input {}{}: {} time (median of the repetitions) and peak memory "
+      "beyond the inputs; x flash: flash's time over the variant's on the same problem, "
+      "per pass (above 1: faster); error: relative Frobenius error of the forward "
+      "against exact attention{}. Variants named by their non-default parameters.\n",
+      n, causal ? "causal" : "non-causal", main->workload.input,
+      specs.size() > shown ? fmt::format(" ({} of {} variants)", shown, specs.size()) : "", first,
+      trained ? ", on the trained inputs (mean over their layers)" : "");
+  std::string head = fmt::format("{:<{}}  {:>10}", "variant", w, first + " time");
+  for (const std::string& pass : passes) head += fmt::format("  {:>10}", pass + " x flash");
+  fmt::print("{}  {:>8}  {:>10}\n", head, trained ? "error (trained)" : "error", "memory");
+  for (size_t i = 0; i < shown; ++i) {
+    const auto& mine = by_spec[specs[i]];
+    const Row* lead = mine.count(first) ? mine.at(first) : nullptr;
+    std::string line =
+        fmt::format("{:<{}}  {:>10}", names[i], w, time_text(lead ? lead->time_median : NAN));
+    for (const std::string& pass : passes) {
+      auto r = mine.find(pass);
+      auto f = flash.find(pass);
+      line += fmt::format("  {:>{}}",
+                          r == mine.end() || f == flash.end()
+                              ? std::string("-")
+                              : fmt::format("{:.2f}", f->second / r->second->time_median),
+                          std::max<size_t>(10, pass.size() + 8));
+    }
+    double error = lead ? lead->error.rel_fro : NAN;
+    if (trained) {
+      auto t = trained_error.find(specs[i]);
+      error = NAN;
+      if (t != trained_error.end()) {
+        error = 0;
+        for (double e : t->second) error += e / double(t->second.size());
+      }
+    }
+    fmt::print("{}  {:>{}}  {:>10}\n", line,
+               std::isfinite(error) ? fmt::format("{:.2g}", error) : "-", trained ? 15 : 8,
+               lead ? human_bytes(lead->peak_bytes) : "-");
+  }
+  if (specs.size() > shown)
+    fmt::print("... and {} more variants; every row is in {}/results.csv\n", specs.size() - shown,
                out_dir);
   fmt::print("\nNext: {}   (the figures and {}/report.md)\n", plot_command(out_dir), out_dir);
 }

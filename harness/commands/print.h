@@ -26,14 +26,21 @@ void print_list(const std::vector<std::string>& names = {}, bool brief = false);
 // The registered variants of these names (all when none; a NAME may be a spec), in that order.
 std::vector<const VariantInfo*> listed_variants(const std::vector<std::string>& names);
 
-// The problem of a sweep's progress line: n, causal and the pass first (the line is cut at
-// its end), then the rest of describe().
-std::string progress_problem(const Problem& p, const Workload& w);
+// What a sweep's progress line measures: n, causal and the pass first, then the spec (a layer's
+// E) and the rest of describe(), so that the line, cut at its end, loses the detail.
+std::string progress_what(const std::string& spec, int64_t embed, const Problem& p,
+                          const Workload& w);
 
-// The table a sweep ends with, on stdout: its ok rows at its largest n (at most `max_lines`
-// of them, in plan order), one line each: variant, pass, causal, time, speed over flash on the
-// same problem, error against exact attention, peak memory; then the command that draws the
-// figures and report of `out_dir`.
+// "name:key=value,..." with only the parameters that differ from the variant's defaults (the
+// spec as it is when this binary cannot build it).
+std::string short_spec(const std::string& spec);
+
+// The table a sweep ends with, on stdout: at its largest n, causal when it measured causal rows
+// there, on the problem of its first forward row there, one line per variant (at most
+// `max_lines`, in plan order): the forward time, the speed over flash of each pass on the same
+// problem, the error against exact attention (on the trained inputs when the sweep measured
+// them there) and the peak memory; then the command that draws the figures and report of
+// `out_dir`.
 void print_sweep_table(const std::vector<Row>& rows, const std::string& out_dir,
                        size_t max_lines = 40);
 // The command that plots a results directory: the installed scripts' plot.py

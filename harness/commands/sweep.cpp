@@ -150,8 +150,9 @@ struct SweepCommand {
     cmd->add_option("--profile", profile,
                     "a predefined sweep: quick = the headline answers in minutes (every variant "
                     "or those of --variant, n = 512..4096, causal both, fwd and fwdbwd, one "
-                    "decode context, trained inputs when cached, else structured ones); it "
-                    "sets the problems, so problem options are refused beside it")
+                    "decode context, trained inputs when cached, else structured ones; 2 "
+                    "repetitions of at least 0.05 s unless --reps or --min-time say otherwise); "
+                    "it sets the problems, so problem options are refused beside it")
         ->check(CLI::IsMember({"quick"}));
     cmd_ = cmd;
     return cmd;
@@ -184,16 +185,22 @@ struct SweepCommand {
     seq_list = "512..4096";
     causal_mode = "both";
     pass_list = "fwd,fwdbwd";
+    // shorter timing unless given: 2 repetitions of at least 0.05 s (a third of the default's
+    // timed seconds on the small rows, still a spread to judge the noise by)
+    if (cmd_ != nullptr && cmd_->get_option("--reps")->count() == 0) o.reps = 2;
+    if (cmd_ != nullptr && cmd_->get_option("--min-time")->count() == 0) o.min_time = 0.05;
     also = {"--seq 4096 --causal on --pass decode" + variants,
             trained
                 ? "--seq 512..4096 --causal on --input trained:layer=0,trained:layer=1" + variants
                 : "--seq 512..4096 --causal off --input local,clustered --scale 2" + variants};
-    fmt::print(stderr, "attnbench: --profile {}: --seq {} --causal {} --pass {}{}\n", profile,
-               seq_list, causal_mode, pass_list, [&] {
-                 std::string t;
-                 for (const std::string& a : also) t += " --also='" + a + "'";
-                 return t;
-               }());
+    fmt::print(
+        stderr,
+        "attnbench: --profile {}: --seq {} --causal {} --pass {} --reps {} --min-time {:g}{}\n",
+        profile, seq_list, causal_mode, pass_list, o.reps, o.min_time, [&] {
+          std::string t;
+          for (const std::string& a : also) t += " --also='" + a + "'";
+          return t;
+        }());
   }
 
   // The plan of the options; the variants are built first, so a bad spec fails before any
@@ -397,9 +404,7 @@ struct SweepCommand {
           eta += eta_model.predict(specs[j], work[j], reference_work[j]);
       fmt::print(stderr, "{}\n",
                  progress_line(position, part.size, elapsed, eta,
-                               fmt::format("{} {}{}", probe.spec,
-                                           c.embed > 0 ? fmt::format("layer E={} ", c.embed) : "",
-                                           progress_problem(c.problem, c.workload))));
+                               progress_what(probe.spec, c.embed, c.problem, c.workload)));
       const auto r0 = std::chrono::steady_clock::now();
       Row row;
       try {

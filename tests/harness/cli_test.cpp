@@ -23,8 +23,8 @@
 #include "common/io/npy.h"
 #include "common/patterns/pattern.h"
 #include "common/reference/reference.h"
-#include "harness/results.h"
 #include "harness/machine.h"
+#include "harness/results.h"
 #include "test_util.h"
 
 namespace attnbench {
@@ -249,8 +249,8 @@ TEST(Cli, ASweepEndsWithATableAndTheNextCommand) {
       dir);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_CONTAINS(r.err, "4 configurations to measure, estimated ");
-  EXPECT_CONTAINS(r.err, " n=32 causal fwd (B=1,H=1,n=32");
-  EXPECT_CONTAINS(r.out, "At n = 64: time per pass");
+  EXPECT_CONTAINS(r.err, "| n=32 causal fwd: flash:");
+  EXPECT_CONTAINS(r.out, "At n = 64, causal, input gaussian: fwd time");
   // the table's lines: a header and one line per variant at n = 64
   std::vector<std::string> lines;
   for (size_t at = 0, end; at < r.out.size(); at = end + 1) {
@@ -265,11 +265,11 @@ TEST(Cli, ASweepEndsWithATableAndTheNextCommand) {
     return found;
   };
   ASSERT_EQ(starting("variant ").size(), 1u) << r.out;
-  EXPECT_CONTAINS(starting("variant ")[0], "x flash");
-  ASSERT_EQ(starting("flash:").size(), 1u) << "only the rows at the largest n: " << r.out;
-  ASSERT_EQ(starting("local:window=16,").size(), 1u) << r.out;
-  EXPECT_CONTAINS(starting("flash:")[0], " 1.00 ");
-  EXPECT_CONTAINS(starting("local:window=16,")[0], " fwd ");
+  EXPECT_CONTAINS(starting("variant ")[0], "fwd x flash");
+  // one line per variant, named by its non-default parameters
+  ASSERT_EQ(starting("flash ").size(), 1u) << "one line per variant: " << r.out;
+  ASSERT_EQ(starting("local:window=16 ").size(), 1u) << r.out;
+  EXPECT_CONTAINS(starting("flash ")[0], " 1.00 ");
   EXPECT_CONTAINS(r.out, "Next: ");
   EXPECT_CONTAINS(r.out, "plot.py " + out);
 }
@@ -283,7 +283,9 @@ TEST(Cli, TheQuickProfile) {
       "sweep --profile quick --variant flash --shard-plan 1 --out " + q(dir.file("p")), dir);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_CONTAINS(r.out, "total       25");
-  EXPECT_CONTAINS(r.err, "--profile quick: --seq 512..4096 --causal both --pass fwd,fwdbwd");
+  EXPECT_CONTAINS(r.err,
+                  "--profile quick: --seq 512..4096 --causal both --pass fwd,fwdbwd --reps 2 "
+                  "--min-time 0.05 --also='--seq 4096 --causal on --pass decode --variant flash'");
   r = run_cli("sweep --profile quick --seq 256 --out " + q(dir.file("p")), dir);
   EXPECT_EQ(r.code, 2);
   EXPECT_CONTAINS(r.err, "--seq with --profile quick: the profile sets the problems");
